@@ -1,0 +1,122 @@
+"""The Python backend: a model written as a plain class in `<version>/model.py`.
+
+    class Model:
+        def load(self, config: ModelConfig, version_dir: Path) -> None: ...   # optional
+        def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+        def close(self) -> None: ...                                          # optional
+
+`parameters.class_name` names another class. The file is imported under a module name of
+its own for every instance, so two models (or two versions) never share module state.
+An exception raised by the user's code becomes a BackendError that carries its message.
+Like a pickle, `model.py` is code: serve only repositories you trust.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from lockgate.backends.base import Arrays
+from lockgate.core.config import ModelConfig
+from lockgate.core.repository import model_file
+from lockgate.errors import BackendError, ConfigError, ServingError
+
+_module_ids = itertools.count(1)
+
+
+class PythonBackend:
+    """An instance of the user's class; `infer` checks that it returns named arrays."""
+
+    __slots__ = ("_expected", "_instance", "_model", "_module_name")
+
+    def __init__(self, instance: Any, config: ModelConfig, module_name: str) -> None:
+        self._instance = instance
+        self._model = config.name
+        self._module_name = module_name
+        self._expected = [spec.name for spec in config.outputs if not spec.optional]
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        try:
+            outputs = self._instance.infer(inputs)
+        except ServingError:
+            raise  # the model chose the status (e.g. BadRequest for bad text)
+        except Exception as exc:
+            raise BackendError(f"model '{self._model}': {type(exc).__name__}: {exc}") from exc
+        return self._checked(outputs)
+
+    def _checked(self, outputs: Any) -> Arrays:
+        if not isinstance(outputs, dict):
+            kind = type(outputs).__name__
+            raise BackendError(f"model '{self._model}': infer() returned {kind}, not a dict")
+        checked: Arrays = {}
+        for name, value in outputs.items():
+            if not isinstance(name, str):
+                raise BackendError(f"model '{self._model}': output name {name!r} is not a string")
+            checked[name] = value if isinstance(value, np.ndarray) else np.asarray(value)
+        for name in self._expected:
+            if name not in checked:
+                raise BackendError(f"model '{self._model}': infer() returned no output '{name}'")
+        return checked
+
+    def close(self) -> None:
+        close = getattr(self._instance, "close", None)
+        try:
+            if callable(close):
+                close()
+        finally:
+            sys.modules.pop(self._module_name, None)
+
+
+def load(config: ModelConfig, version_dir: Path) -> PythonBackend:
+    """Import `model.py` from the version folder and build (and `load`) its model class."""
+    path = model_file(config, version_dir)
+    module_name = _module_name(config.name, version_dir.name)
+    module = _import(path, module_name)
+    class_name = config.parameters.get("class_name", "Model")
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        sys.modules.pop(module_name, None)
+        raise ConfigError(
+            str(path), "parameters.class_name", f"no class '{class_name}' in {path.name}"
+        )
+    if not callable(getattr(cls, "infer", None)):
+        sys.modules.pop(module_name, None)
+        raise ConfigError(
+            str(path), "parameters.class_name", f"class '{class_name}' has no infer()"
+        )
+    try:
+        instance = cls()
+        if callable(getattr(instance, "load", None)):
+            instance.load(config, version_dir)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise BackendError(
+            f"model '{config.name}': load failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    return PythonBackend(instance, config, module_name)
+
+
+def _module_name(model: str, version: str) -> str:
+    safe = re.sub(r"\W", "_", f"{model}_{version}")
+    return f"lockgate_user_model_{safe}_{next(_module_ids)}"
+
+
+def _import(path: Path, module_name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(str(path), "model", "cannot import this file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look classes up here
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise BackendError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
+    return module

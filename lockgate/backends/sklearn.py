@@ -1,0 +1,144 @@
+"""The scikit-learn backend: a fitted estimator saved with joblib.
+
+SECURITY: a joblib or pickle file is code. Loading one runs whatever it was made to run.
+This backend loads `model.joblib` (or `model.pkl`, or `default_model_filename`) only from
+inside the version folder, but it cannot make an untrusted file safe: serve only model
+repositories you trust as you trust your own source code.
+
+Inputs: one 2-D input `[batch, features]`. Outputs are matched to estimator methods by
+name:
+
+    label, output_label, predict                  -> predict(x)            [batch]
+    probabilities, output_probability, predict_proba  -> predict_proba(x)  [batch, classes]
+    decision_function, scores                     -> decision_function(x)
+    transform                                     -> transform(x)
+
+`parameters.method` names the method of a single output whose name is none of these. With
+no outputs declared, the model returns `label` (or the output of `parameters.method`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import joblib
+import numpy as np
+
+from lockgate.backends.base import Arrays
+from lockgate.core.config import ModelConfig
+from lockgate.core.repository import model_file
+from lockgate.errors import BackendError, BadRequest, ConfigError
+from lockgate.protocol.datatypes import numpy_dtype
+
+_METHOD_BY_NAME = {
+    "label": "predict",
+    "output_label": "predict",
+    "predict": "predict",
+    "probabilities": "predict_proba",
+    "output_probability": "predict_proba",
+    "predict_proba": "predict_proba",
+    "decision_function": "decision_function",
+    "scores": "decision_function",
+    "transform": "transform",
+}
+_DEFAULT_OUTPUT = {"predict": "label", "predict_proba": "probabilities"}
+
+
+class SklearnBackend:
+    """A fitted estimator; each declared output is one method called on the input rows."""
+
+    __slots__ = ("_datatypes", "_estimator", "_input", "_methods", "_model")
+
+    def __init__(self, estimator: Any, config: ModelConfig) -> None:
+        self._estimator = estimator
+        self._model = config.name
+        self._input = _input_name(config)
+        self._methods = output_methods(config)  # output name -> method name
+        self._datatypes = {spec.name: spec.datatype for spec in config.outputs}
+        for output, method in self._methods.items():
+            if not callable(getattr(estimator, method, None)):
+                problem = (
+                    f"output '{output}' needs {method}(), which {type(estimator).__name__} lacks"
+                )
+                raise ConfigError(config.source, "outputs", problem)
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        rows = self._rows(inputs)  # [batch, features]
+        outputs: Arrays = {}
+        for output, method in self._methods.items():
+            try:
+                result = np.asarray(getattr(self._estimator, method)(rows))
+            except Exception as exc:
+                raise BackendError(f"model '{self._model}': {method}: {exc}") from exc
+            outputs[output] = _cast(result, self._datatypes.get(output))
+        return outputs
+
+    def _rows(self, inputs: Arrays) -> np.ndarray:
+        if self._input is not None:
+            if self._input not in inputs:
+                raise BadRequest(f"model '{self._model}': missing input '{self._input}'")
+            rows = inputs[self._input]
+        elif len(inputs) == 1:
+            (rows,) = inputs.values()
+        else:
+            raise BadRequest(f"model '{self._model}' takes one input, got {len(inputs)}")
+        if rows.ndim != 2:
+            raise BadRequest(
+                f"model '{self._model}': input must be 2-D [batch, features], "
+                f"got shape {rows.shape}"
+            )
+        return rows
+
+    def close(self) -> None:
+        self._estimator = None
+
+
+def load(config: ModelConfig, version_dir: Path) -> SklearnBackend:
+    """Load the estimator with joblib from the version folder (trusted repositories only)."""
+    path = model_file(config, version_dir)
+    try:
+        estimator = joblib.load(path)
+    except Exception as exc:
+        raise ConfigError(str(path), "model", f"joblib cannot load the estimator: {exc}") from exc
+    return SklearnBackend(estimator, config)
+
+
+def output_methods(config: ModelConfig) -> dict[str, str]:
+    """Output name -> estimator method, from the output names or `parameters.method`."""
+    method = config.parameters.get("method")
+    if not config.outputs:
+        chosen = method or "predict"
+        return {_DEFAULT_OUTPUT.get(chosen, chosen): chosen}
+    methods: dict[str, str] = {}
+    for index, spec in enumerate(config.outputs):
+        known = _METHOD_BY_NAME.get(spec.name)
+        if known is None and method is not None and len(config.outputs) == 1:
+            known = method
+        if known is None:
+            problem = (
+                f"cannot tell which method gives '{spec.name}': name it label or "
+                "probabilities, or set parameters.method"
+            )
+            raise ConfigError(config.source, f"outputs[{index}].name", problem)
+        methods[spec.name] = known
+    return methods
+
+
+def _input_name(config: ModelConfig) -> str | None:
+    if len(config.inputs) > 1:
+        names = ", ".join(spec.name for spec in config.inputs)
+        raise ConfigError(
+            config.source, "inputs", f"the sklearn backend takes one input, got {names}"
+        )
+    return config.inputs[0].name if config.inputs else None
+
+
+def _cast(result: np.ndarray, datatype: str | None) -> np.ndarray:
+    """The method's result in the declared datatype (BYTES: an object array of bytes)."""
+    if datatype is None:
+        return result
+    if datatype == "BYTES":
+        encoded = [str(item).encode() for item in result.ravel().tolist()]
+        return np.array(encoded, dtype=object).reshape(result.shape)
+    return result.astype(numpy_dtype(datatype), copy=False)

@@ -1,0 +1,150 @@
+"""The `lockgate` command: serve, models, bench, profile, plan."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from lockgate import __version__
+
+
+def _env_keys(name: str) -> frozenset[str]:
+    raw = os.environ.get(name, "")
+    return frozenset(k.strip() for k in raw.split(",") if k.strip())
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="serve a model repository (default: the bundled demo)")
+    p.add_argument("repository", nargs="?", type=Path, help="model repository folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-body-mb", type=float, default=64.0, help="request body limit")
+    p.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=1024,
+        help="open connections beyond this are answered 503 at once",
+    )
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    p.add_argument("--hang-timeout", type=float, default=30.0, help="seconds before a stuck instance restarts")
+    p.add_argument("--no-admission", action="store_true", help="turn off deadline-aware admission")
+    p.add_argument("--strict-readiness", action="store_true", help="ready only when all models are")
+    p.add_argument("--no-llm", action="store_true", help="do not start language models")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from lockgate.core.admission import AdmissionSettings
+    from lockgate.core.models import ServingSettings
+    from lockgate.frontend.app import ServerSettings
+    from lockgate.frontend.server import ServeOptions, run
+
+    repository = args.repository
+    if repository is None:
+        from lockgate.demo.build import build_demo_repository, default_demo_path
+
+        repository = build_demo_repository(default_demo_path(), progress=print)
+    if not Path(repository).is_dir():
+        print(f"lockgate: no model repository at {repository}", file=sys.stderr)
+        return 2
+    http = ServerSettings(
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        api_keys=_env_keys("LOCKGATE_API_KEYS"),
+        admin_keys=_env_keys("LOCKGATE_ADMIN_KEYS"),
+        strict_readiness=args.strict_readiness,
+    )
+    serving = ServingSettings(
+        hang_timeout=args.hang_timeout,
+        admission=AdmissionSettings(deadline_aware=not args.no_admission),
+    )
+    options = ServeOptions(
+        repository=Path(repository),
+        host=args.host,
+        port=args.port,
+        drain_timeout=args.drain_timeout,
+        limit_concurrency=args.limit_concurrency,
+        http=http,
+        serving=serving,
+    )
+    if not args.no_llm:
+        try:
+            from lockgate.frontend.openai_routes import llm_extension
+        except ImportError:
+            pass
+        else:
+            options.extensions.append(llm_extension(Path(repository)))
+    return run(options)
+
+
+def _models(args: argparse.Namespace) -> int:
+    from lockgate.core.repository import scan_repository
+
+    repository = args.repository
+    if repository is None:
+        from lockgate.demo.build import build_demo_repository, default_demo_path
+
+        repository = build_demo_repository(default_demo_path(), progress=print)
+    entries = scan_repository(Path(repository))
+    bad = 0
+    for entry in entries:
+        if entry.error or entry.config is None:
+            bad += 1
+            print(f"{entry.name:24} ERROR  {entry.error}")
+            continue
+        c = entry.config
+        versions = ",".join(str(v) for v in entry.versions) or "-"
+        slo = f"slo={c.latency_slo_ms}ms" if c.latency_slo_ms else ""
+        print(
+            f"{entry.name:24} OK     backend={c.backend} versions={versions} "
+            f"max_batch_size={c.max_batch_size} instances={c.instance_count} {slo}".rstrip()
+        )
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lockgate", description="lockgate inference server")
+    parser.add_argument("--version", action="version", version=f"lockgate {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    p = sub.add_parser("models", help="list and check a model repository")
+    p.add_argument("repository", nargs="?", type=Path)
+    _add_tools(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "models":
+        return _models(args)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.error(f"unknown command {args.command}")
+    result: int = handler(args)
+    return result
+
+
+def _add_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """bench, profile and plan register their own arguments."""
+    import importlib
+
+    for command, module in (
+        ("bench", "lockgate.bench.cli"),
+        ("profile", "lockgate.plan.profile_cli"),
+        ("plan", "lockgate.plan.cli"),
+    ):
+        try:
+            tool = importlib.import_module(module)
+        except ImportError:
+            continue
+        p = sub.add_parser(command, help=(tool.__doc__ or command).strip().splitlines()[0])
+        tool.add_arguments(p)
+        p.set_defaults(handler=tool.run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

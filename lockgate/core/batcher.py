@@ -1,0 +1,405 @@
+"""The dynamic batcher: one per served model version.
+
+Requests wait in bounded queues, one per priority level. A batch leaves when an instance is
+free and either the batch is full or the oldest request's window is spent. The batcher waits
+on events, never by polling. With `latency_slo_ms` the window and the batch cap come from the
+model's measured profile T(B) (see `lockgate/core/slo.py`); otherwise from
+`max_queue_delay_us` and `max_batch_size`, as in Triton.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lockgate.core.admission import Admission, AdmissionSettings
+from lockgate.core.config import ModelConfig
+from lockgate.core.request import Arrays, InferRequest
+from lockgate.core.runner import Instance
+from lockgate.core.serving_metrics import ServingMetrics
+from lockgate.core.slo import RateMeter, ServiceProfile
+from lockgate.errors import BackendError, DeadlineExceeded, ServingError, Unavailable
+
+log = logging.getLogger("lockgate.batcher")
+
+Signature = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+def signature(request: InferRequest, batching: bool) -> Signature:
+    """Requests with equal signatures can share a batch: same inputs, same non-batch shapes."""
+    skip = 1 if batching else 0
+    return tuple(
+        sorted((name, tuple(a.shape[skip:]), a.dtype.str) for name, a in request.inputs.items())
+    )
+
+
+@dataclass(slots=True)
+class Batch:
+    requests: list[InferRequest]
+    rows: int
+    formed: float = field(default_factory=time.monotonic)
+
+    def inputs(self, batching: bool) -> Arrays:
+        first = self.requests[0].inputs
+        if len(self.requests) == 1 or not batching:
+            return first
+        # [sum(rows), ...] per input, in request order
+        return {name: np.concatenate([r.inputs[name] for r in self.requests]) for name in first}
+
+    def split(self, outputs: Arrays, batching: bool) -> list[Arrays]:
+        if len(self.requests) == 1:
+            return [outputs]
+        for name, array in outputs.items():
+            if array.ndim == 0 or array.shape[0] != self.rows:
+                got = "a scalar" if array.ndim == 0 else f"{array.shape[0]} rows"
+                raise BackendError(
+                    f"model returned {got} in output '{name}' for a batch of {self.rows} rows; "
+                    "a batching model must return the batch dimension first"
+                )
+        parts: list[Arrays] = []
+        start = 0
+        for request in self.requests:
+            stop = start + request.rows
+            parts.append({name: array[start:stop] for name, array in outputs.items()})
+            start = stop
+        return parts
+
+
+class Batcher:
+    """Admission, queueing and batch formation for one model version."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        version: int,
+        instances: list[Instance],
+        metrics: ServingMetrics,
+        profile: ServiceProfile,
+        admission: AdmissionSettings | None = None,
+    ) -> None:
+        self.config = config
+        self.version = version
+        self.instances = instances
+        self.metrics = metrics
+        self.profile = profile
+        self.labels = (config.name, str(version))
+        settings = config.batcher
+        self.levels = max(1, settings.priority_levels)
+        default_level = settings.default_priority_level or self.levels
+        self.default_level = min(max(default_level, 1), self.levels)
+        self.queues: list[deque[InferRequest]] = [deque() for _ in range(self.levels)]
+        self.queued_rows = 0
+        self.max_queue_rows = settings.max_queue_size
+        self.free: deque[Instance] = deque(instances)
+        self.rate = RateMeter()
+        self.admission = Admission(admission or AdmissionSettings(), profile)
+        self.accepting = True
+        self.input_seconds = 0.0  # total time spent gathering batch inputs
+        self.output_seconds = 0.0  # total time spent splitting batch outputs
+        self.inline_seconds = float(config.parameters.get("inline_max_us", "150")) / 1e6
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        metrics.queue_depth.set_function(self.labels, lambda: float(self.queued_rows))
+        metrics.inflight.set_function(self.labels, lambda: float(self._inflight))
+
+    # -- policy ------------------------------------------------------------------------
+    @property
+    def slo(self) -> float | None:
+        slo_ms = self.config.latency_slo_ms
+        return slo_ms / 1000.0 if slo_ms else None
+
+    def cap_and_window(self, now: float) -> tuple[int, float]:
+        """The batch cap in rows and how long an idle instance may wait for it to fill."""
+        max_rows = max(1, self.config.max_batch_size)
+        slo = self.slo
+        if slo is not None and self.profile.known:
+            cap = min(max_rows, self.profile.batch_cap(slo))
+            return cap, self.profile.window(slo, self.rate.current(now))
+        return max_rows, self.config.batcher.max_queue_delay_us / 1e6
+
+    def level_of(self, request: InferRequest) -> int:
+        if request.priority <= 0:
+            return self.default_level
+        return min(request.priority, self.levels)
+
+    # -- intake ------------------------------------------------------------------------
+    async def submit(self, request: InferRequest) -> Arrays:
+        """Admit, queue and wait for the answer. Raises a ServingError on refusal or failure."""
+        now = time.monotonic()
+        request.arrival = now
+        self._admit(request, now)
+        loop = asyncio.get_running_loop()
+        request.future = loop.create_future()
+        self.queues[self.level_of(request) - 1].append(request)
+        self.queued_rows += request.rows
+        self.rate.add(request.rows, now)
+        self._inflight += 1
+        self._idle.clear()
+        self._wake.set()
+        timer = None
+        if request.deadline is not None:
+            # Answer 504 at the deadline itself, not when the batcher next looks at the queue.
+            offset = loop.time() - now
+            timer = loop.call_at(request.deadline + offset, self._deadline_passed, request)
+        try:
+            result = await request.future
+        except asyncio.CancelledError:
+            self._forget(request)
+            self._count("cancelled")
+            raise
+        except ServingError as exc:
+            self._count(exc.kind)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+        self._count("success")
+        self.metrics.request_latency.observe(self.labels, time.monotonic() - request.arrival)
+        return result
+
+    def _admit(self, request: InferRequest, now: float) -> None:
+        if not self.accepting:
+            self._reject("draining", Unavailable("model is shutting down", retry_after=1))
+        if request.expired(now):
+            self._reject("deadline", DeadlineExceeded("request deadline passed before admission"))
+        level = self.level_of(request)
+        while self.queued_rows + request.rows > self.max_queue_rows:
+            victim = self._lowest_below(level)
+            if victim is None:
+                self._reject(
+                    "queue_full",
+                    Unavailable(
+                        f"queue of model '{self.config.name}' is full "
+                        f"({self.max_queue_rows} rows, max_queue_size)",
+                        retry_after=self.admission.retry_after(self.queued_rows, self._capacity()),
+                    ),
+                )
+                break
+            self._shed(victim)
+        verdict = self.admission.check(request, now, self._rows_ahead(level), self._capacity())
+        if verdict is not None:
+            self._reject("deadline_unmeetable", verdict)
+
+    def _reject(self, reason: str, error: ServingError) -> None:
+        self.metrics.rejected.inc((*self.labels, reason))
+        self.metrics.requests.inc((*self.labels, error.kind))
+        raise error
+
+    def _count(self, outcome: str) -> None:
+        self.metrics.requests.inc((*self.labels, outcome))
+
+    def _capacity(self) -> float:
+        """Rows per second all instances can serve at the current cap."""
+        cap, _ = self.cap_and_window(time.monotonic())
+        return self.profile.throughput(cap) * len(self.instances) if self.profile.known else 0.0
+
+    def _rows_ahead(self, level: int) -> int:
+        return sum(sum(r.rows for r in q) for q in self.queues[:level])
+
+    def _lowest_below(self, level: int) -> InferRequest | None:
+        """The newest queued request of the lowest priority level below `level`."""
+        for index in range(self.levels - 1, level - 1, -1):
+            if self.queues[index]:
+                return self.queues[index][-1]
+        return None
+
+    def _shed(self, victim: InferRequest) -> None:
+        self._forget(victim)
+        self.metrics.rejected.inc((*self.labels, "shed_priority"))
+        error = Unavailable("shed for a higher-priority request under load", retry_after=1)
+        if victim.future is not None and not victim.future.done():
+            victim.future.set_exception(error)
+
+    def _deadline_passed(self, request: InferRequest) -> None:
+        queue = self.queues[self.level_of(request) - 1]
+        if request in queue:  # still waiting: it has not reached the model
+            self._forget(request)
+            self._expire(request)
+
+    def _forget(self, request: InferRequest) -> None:
+        queue = self.queues[self.level_of(request) - 1]
+        with contextlib.suppress(ValueError):
+            queue.remove(request)
+            self.queued_rows -= request.rows
+
+    # -- batch formation ---------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self}")
+
+    def __str__(self) -> str:
+        return f"{self.config.name}:{self.version}"
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wait_for_work()
+            now = time.monotonic()
+            cap, window = self.cap_and_window(now)
+            oldest = self._oldest()
+            if oldest is not None and self.queued_rows < cap and window > 0:
+                if self._preferred_reached():
+                    pass
+                elif (wait := oldest.arrival + window - now) > 0:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), wait)
+                    continue  # look again: the batch may be full, or the window spent
+            batch = self._form(cap, now)
+            if batch is not None:
+                instance = self.free.popleft()
+                task = asyncio.get_running_loop().create_task(self._run(instance, batch))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+
+    async def _wait_for_work(self) -> None:
+        while not (self.queued_rows and self.free):
+            self._wake.clear()
+            await self._wake.wait()
+
+    def _oldest(self) -> InferRequest | None:
+        heads = [q[0] for q in self.queues if q]
+        return min(heads, key=lambda r: r.arrival) if heads else None
+
+    def _preferred_reached(self) -> bool:
+        preferred = self.config.batcher.preferred_batch_sizes
+        return bool(preferred) and self.queued_rows >= min(preferred)
+
+    def _form(self, cap: int, now: float) -> Batch | None:
+        """Take requests, highest priority first, that fit the cap and share a signature."""
+        batching = self.config.batching
+        chosen: list[InferRequest] = []
+        rows = 0
+        sig: Signature | None = None
+        for queue in self.queues:
+            kept: list[InferRequest] = []
+            while queue:
+                request = queue.popleft()
+                if request.future is None or request.future.done():
+                    self.queued_rows -= request.rows
+                    continue
+                if request.expired(now):
+                    self.queued_rows -= request.rows
+                    self._expire(request)
+                    continue
+                request_sig = signature(request, batching)
+                fits = rows + request.rows <= cap or not chosen
+                if sig is None or (request_sig == sig and fits):
+                    sig = request_sig
+                    chosen.append(request)
+                    rows += request.rows
+                    self.queued_rows -= request.rows
+                    if not batching or rows >= cap:
+                        break
+                else:
+                    kept.append(request)
+                    if not fits:
+                        break
+            queue.extendleft(reversed(kept))
+            if chosen and (not batching or rows >= cap):
+                break
+        return Batch(chosen, rows) if chosen else None
+
+    def _expire(self, request: InferRequest) -> None:
+        self.metrics.rejected.inc((*self.labels, "deadline"))
+        waited = (time.monotonic() - request.arrival) * 1000
+        error = DeadlineExceeded(f"deadline passed after {waited:.1f} ms in the queue")
+        if request.future is not None and not request.future.done():
+            request.future.set_exception(error)
+
+    # -- execution ---------------------------------------------------------------------
+    async def _run(self, instance: Instance, batch: Batch) -> None:
+        batching = self.config.batching
+        start = time.monotonic()
+        for request in batch.requests:
+            self.metrics.queue_latency.observe(self.labels, start - request.arrival)
+        try:
+            inputs = batch.inputs(batching)
+            started = time.monotonic()
+            if self._inline(instance, batch.rows):
+                outputs = instance.infer_sync(inputs)
+            else:
+                outputs = await instance.infer(inputs)
+            finished = time.monotonic()
+            elapsed = finished - started
+            parts = batch.split(outputs, batching)
+            self.input_seconds += started - start
+            self.output_seconds += time.monotonic() - finished
+        except ServingError as exc:
+            self._fail(batch, exc)
+            return
+        except Exception as exc:  # the model raised: only this batch fails
+            log.warning("model %s failed on a batch of %d rows: %r", self, batch.rows, exc)
+            self._fail(batch, BackendError(f"model '{self.config.name}' failed: {exc}"))
+            return
+        finally:
+            self._release(instance)
+        self.profile.observe(batch.rows, elapsed)
+        self.metrics.compute_latency.observe(self.labels, elapsed)
+        self.metrics.batch_size.observe(self.labels, batch.rows)
+        self.metrics.batches.inc(self.labels)
+        for request, part in zip(batch.requests, parts, strict=True):
+            if request.future is not None and not request.future.done():
+                request.future.set_result(part)
+
+    def _inline(self, instance: Instance, rows: int) -> bool:
+        """Run on the event loop when the batch is cheaper than a thread handoff (~100 µs)."""
+        return (
+            instance.inline_safe
+            and self.profile.known
+            and self.profile.service_time(rows) <= self.inline_seconds
+        )
+
+    def instance_ready(self, instance: Instance) -> None:
+        """A restarted instance takes work again."""
+        if instance not in self.free:
+            self.free.append(instance)
+        self._wake.set()
+
+    def _release(self, instance: Instance) -> None:
+        if instance.healthy:
+            self.free.append(instance)
+        self._wake.set()
+
+    def _fail(self, batch: Batch, error: ServingError) -> None:
+        for request in batch.requests:
+            if request.future is not None and not request.future.done():
+                request.future.set_exception(error)
+
+    # -- shutdown ----------------------------------------------------------------------
+    async def drain(self, timeout: float) -> bool:
+        """Stop intake, wait up to `timeout` for admitted requests. True if all were answered."""
+        self.accepting = False
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        self.accepting = False
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for queue in self.queues:
+            while queue:
+                request = queue.popleft()
+                if request.future is not None and not request.future.done():
+                    request.future.set_exception(Unavailable("model was unloaded", retry_after=1))
+        self.queued_rows = 0
+        for instance in self.instances:
+            instance.close()
+        self.metrics.queue_depth.remove(self.labels)
+        self.metrics.inflight.remove(self.labels)

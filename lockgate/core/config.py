@@ -1,0 +1,117 @@
+"""Model configuration: the typed form of `config.yaml` or Triton's `config.pbtxt`.
+
+Parsing lives in `lockgate/core/config_files.py`; this module holds only the types and
+their validation, so every other package shares one vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+# KServe v2 datatypes.
+DATATYPES = (
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BF16",
+    "BYTES",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One input or output. `dims` excludes the batch dimension when max_batch_size > 0; -1 is any."""
+
+    name: str
+    datatype: str
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DynamicBatching:
+    max_queue_delay_us: int = 0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_size: int = 1024  # bounded by default: a full queue answers 503 at once
+    default_timeout_us: int = 0  # 0: no default deadline
+    priority_levels: int = 1
+    default_priority_level: int = 0  # 0 means "the lowest level" (priority_levels)
+
+
+class VersionPolicyKind(Enum):
+    LATEST = "latest"
+    ALL = "all"
+    SPECIFIC = "specific"
+
+
+@dataclass(frozen=True, slots=True)
+class VersionPolicy:
+    kind: VersionPolicyKind = VersionPolicyKind.LATEST
+    num_versions: int = 1  # for LATEST
+    versions: tuple[int, ...] = ()  # for SPECIFIC
+
+    def select(self, available: list[int]) -> list[int]:
+        """The versions to serve, newest first."""
+        ordered = sorted(available, reverse=True)
+        if self.kind is VersionPolicyKind.ALL:
+            return ordered
+        if self.kind is VersionPolicyKind.SPECIFIC:
+            return [v for v in ordered if v in self.versions]
+        return ordered[: self.num_versions]
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupSample:
+    """A warmup request: `batch_size` rows of each input, zeros, random or given data."""
+
+    name: str
+    batch_size: int = 1
+    count: int = 1
+    inputs: dict[str, str] = field(default_factory=dict)  # input name -> "zero" | "random"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    backend: str
+    max_batch_size: int = 0  # 0: the model takes no batch dimension; requests are not batched
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    dynamic_batching: DynamicBatching | None = None
+    latency_slo_ms: float | None = None
+    instance_count: int = 1
+    version_policy: VersionPolicy = VersionPolicy()
+    warmup: tuple[WarmupSample, ...] = ()
+    parameters: dict[str, str] = field(default_factory=dict)  # backend-specific settings
+    default_model_filename: str = ""
+    source: str = ""  # the file this config came from, for error messages
+
+    def input(self, name: str) -> TensorSpec | None:
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec
+        return None
+
+    def output(self, name: str) -> TensorSpec | None:
+        for spec in self.outputs:
+            if spec.name == name:
+                return spec
+        return None
+
+    @property
+    def batching(self) -> bool:
+        return self.max_batch_size > 0
+
+    @property
+    def batcher(self) -> DynamicBatching:
+        return self.dynamic_batching or DynamicBatching()

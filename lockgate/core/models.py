@@ -1,0 +1,297 @@
+"""Model lifecycle: load, warm up, profile, serve, unload. One `ModelManager` per server.
+
+A model version reports ready only after its warmup has run. A model that fails to load is
+kept with its error, so the readiness endpoint can say why, and the other models serve on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+
+from lockgate.backends.base import Arrays, Backend, get_factory
+from lockgate.core.admission import AdmissionSettings
+from lockgate.core.batcher import Batcher
+from lockgate.core.config import ModelConfig, TensorSpec
+from lockgate.core.metrics import Registry
+from lockgate.core.request import InferRequest
+from lockgate.core.runner import Instance
+from lockgate.core.serving_metrics import ServingMetrics
+from lockgate.core.slo import ServiceProfile
+from lockgate.errors import NotFound, Unavailable
+
+log = logging.getLogger("lockgate.models")
+
+
+class ModelState(Enum):
+    LOADING = "LOADING"
+    READY = "READY"
+    FAILED = "UNAVAILABLE"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass(slots=True)
+class ServedVersion:
+    config: ModelConfig
+    version: int
+    path: Path
+    state: ModelState = ModelState.LOADING
+    error: str = ""
+    batcher: Batcher | None = None
+    load_seconds: float = 0.0
+    warmup_seconds: float = 0.0
+    last_inference_ms: int = 0
+
+
+@dataclass(slots=True)
+class ServedModel:
+    name: str
+    path: Path
+    config: ModelConfig | None
+    versions: dict[int, ServedVersion] = field(default_factory=dict)
+    error: str = ""
+
+    def latest_ready(self) -> ServedVersion | None:
+        for version in sorted(self.versions, reverse=True):
+            if self.versions[version].state is ModelState.READY:
+                return self.versions[version]
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ServingSettings:
+    hang_timeout: float | None = 30.0  # seconds a batch may run before its instance restarts
+    profile_repeats: int = 5  # runs per batch size when profiling T(B) at warmup
+    admission: AdmissionSettings = AdmissionSettings()
+
+
+def synthetic_input(spec: TensorSpec, rows: int, batching: bool, kind: str = "zero") -> np.ndarray:
+    """Warmup data for one input: `rows` rows of zeros or random values (BYTES: short text)."""
+    dims = tuple(1 if d < 0 else d for d in spec.dims)
+    shape = ((rows,) if batching else ()) + dims
+    if spec.datatype == "BYTES":
+        return np.full(shape, b"lockgate warmup text", dtype=object)
+    from lockgate.protocol.datatypes import numpy_dtype
+
+    dtype = numpy_dtype(spec.datatype)
+    if kind == "random":
+        rng = np.random.default_rng(0)
+        return rng.random(shape).astype(dtype)
+    return np.zeros(shape, dtype=dtype)
+
+
+def synthetic_batch(config: ModelConfig, rows: int, kind: str = "zero") -> Arrays:
+    return {
+        spec.name: synthetic_input(spec, rows, config.batching, kind)
+        for spec in config.inputs
+        if not spec.optional
+    }
+
+
+class ModelManager:
+    def __init__(
+        self, registry: Registry, settings: ServingSettings | None = None
+    ) -> None:
+        self.registry = registry
+        self.metrics = ServingMetrics.create(registry)
+        self.settings = settings or ServingSettings()
+        self.models: dict[str, ServedModel] = {}
+
+    # -- lookup ------------------------------------------------------------------------
+    def get(self, name: str, version: int | None = None) -> ServedVersion:
+        model = self.models.get(name)
+        if model is None:
+            raise NotFound(f"unknown model '{name}'")
+        if version is None:
+            served = model.latest_ready()
+            if served is None:
+                reason = model.error or self._why_not_ready(model)
+                raise Unavailable(f"model '{name}' is not ready: {reason}", retry_after=1)
+            return served
+        served_version = model.versions.get(version)
+        if served_version is None:
+            raise NotFound(f"unknown version {version} of model '{name}'")
+        if served_version.state is not ModelState.READY:
+            reason = served_version.error or served_version.state.value.lower()
+            raise Unavailable(f"model '{name}' version {version} is not ready: {reason}", retry_after=1)
+        return served_version
+
+    @staticmethod
+    def _why_not_ready(model: ServedModel) -> str:
+        errors = [v.error for v in model.versions.values() if v.error]
+        if errors:
+            return errors[0]
+        return "loading" if model.versions else "no version to serve"
+
+    async def infer(self, request: InferRequest) -> Arrays:
+        served = self.get(request.model, request.version)
+        assert served.batcher is not None
+        result = await served.batcher.submit(request)
+        served.last_inference_ms = int(time.time() * 1000)
+        return result
+
+    # -- loading -----------------------------------------------------------------------
+    async def load_repository(self, root: Path) -> None:
+        """Load every model of a repository, concurrently. Failures are kept, not raised."""
+        from lockgate.core.repository import scan_repository
+
+        start = time.monotonic()
+        entries = scan_repository(root)
+        await asyncio.gather(
+            *(self.load_model(e.name, e.path, e.config, e.versions, e.error) for e in entries)
+        )
+        ready = sum(1 for m in self.models.values() if m.latest_ready() is not None)
+        log.info(
+            "repository %s: %d of %d models ready in %.2f s",
+            root,
+            ready,
+            len(entries),
+            time.monotonic() - start,
+        )
+
+    async def load_model(
+        self,
+        name: str,
+        path: Path,
+        config: ModelConfig | None,
+        versions: list[int],
+        error: str | None = None,
+    ) -> ServedModel:
+        if name in self.models:
+            await self.unload(name)
+        model = ServedModel(name, path, config, error=error or "")
+        self.models[name] = model
+        if config is None or error:
+            log.error("model %s not loaded: %s", name, error)
+            return model
+        if not versions:
+            model.error = f"no version folder under {path} matches the version policy"
+        await asyncio.gather(*(self._load_version(model, config, v) for v in versions))
+        return model
+
+    async def _load_version(self, model: ServedModel, config: ModelConfig, version: int) -> None:
+        served = ServedVersion(config, version, model.path / str(version))
+        model.versions[version] = served
+        labels = (model.name, str(version))
+        self.metrics.model_ready.set(labels, 0)
+        try:
+            await self._start(served)
+        except Exception as exc:
+            served.state = ModelState.FAILED
+            served.error = f"{type(exc).__name__}: {exc}"
+            log.error("model %s version %d failed to load: %s", model.name, version, served.error)
+            return
+        served.state = ModelState.READY
+        self.metrics.model_ready.set(labels, 1)
+        log.info(
+            "model %s version %d ready: load %.2f s, warmup %.2f s, %d instance(s)",
+            model.name,
+            version,
+            served.load_seconds,
+            served.warmup_seconds,
+            served.config.instance_count,
+        )
+
+    async def _start(self, served: ServedVersion) -> None:
+        loop = asyncio.get_running_loop()
+        config, labels = served.config, (served.config.name, str(served.version))
+        factory = get_factory(config.backend)
+        start = time.monotonic()
+
+        def build() -> Backend:
+            return factory(config, served.path)
+
+        backends = await asyncio.gather(
+            *(loop.run_in_executor(None, build) for _ in range(config.instance_count))
+        )
+        served.load_seconds = time.monotonic() - start
+        self.metrics.load_seconds.set(labels, served.load_seconds)
+        instances = [
+            Instance(
+                f"{config.name}-{served.version}-{i}",
+                backend,
+                hang_timeout=self.settings.hang_timeout,
+                reload=build,
+            )
+            for i, backend in enumerate(backends)
+        ]
+        start = time.monotonic()
+        profile = ServiceProfile(max(1, config.max_batch_size))
+        await loop.run_in_executor(None, self._warmup, config, instances, profile)
+        served.warmup_seconds = time.monotonic() - start
+        self.metrics.warmup_seconds.set(labels, served.warmup_seconds)
+        batcher = Batcher(
+            config, served.version, instances, self.metrics, profile, self.settings.admission
+        )
+        for instance in instances:
+            instance.on_replaced = batcher.instance_ready
+        batcher.start()
+        served.batcher = batcher
+
+    def _warmup(self, config: ModelConfig, instances: list[Instance], profile: ServiceProfile) -> None:
+        """Run the configured warmup samples on every instance, then measure T(B)."""
+        for instance in instances:
+            for sample in config.warmup:
+                kind = next(iter(sample.inputs.values()), "zero")
+                inputs = synthetic_batch(config, sample.batch_size, kind)
+                for _ in range(sample.count):
+                    instance.infer_sync(inputs)
+        if not config.inputs:
+            return
+        sizes = _profile_sizes(config.max_batch_size) if config.batching else [1]
+        instance = instances[0]
+        for rows in sizes:
+            inputs = synthetic_batch(config, rows, "random")
+            instance.infer_sync(inputs)  # first run at a new shape pays for allocation
+            times = []
+            for _ in range(self.settings.profile_repeats):
+                t0 = time.perf_counter()
+                instance.infer_sync(inputs)
+                times.append(time.perf_counter() - t0)
+            profile.observe(rows, statistics.median(times))
+
+    # -- unloading ---------------------------------------------------------------------
+    async def unload(self, name: str) -> None:
+        model = self.models.pop(name, None)
+        if model is None:
+            raise NotFound(f"unknown model '{name}'")
+        for served in model.versions.values():
+            served.state = ModelState.UNLOADING
+            self.metrics.model_ready.set((name, str(served.version)), 0)
+            if served.batcher is not None:
+                await served.batcher.drain(timeout=10.0)
+                await served.batcher.close()
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop intake on every model and wait for admitted requests. True if all finished."""
+        batchers = [
+            s.batcher for m in self.models.values() for s in m.versions.values() if s.batcher
+        ]
+        results = await asyncio.gather(*(b.drain(timeout) for b in batchers))
+        return all(results)
+
+    async def close(self) -> None:
+        for name in list(self.models):
+            await self.unload(name)
+
+    def ready(self) -> bool:
+        """Server readiness: every model that has a valid config has a ready version."""
+        return all(
+            m.latest_ready() is not None for m in self.models.values() if m.config is not None
+        )
+
+
+def _profile_sizes(max_batch_size: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_batch_size)
+    return sizes

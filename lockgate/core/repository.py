@@ -1,0 +1,154 @@
+"""The model repository on disk: one folder per model, one numbered folder per version.
+
+    <root>/<model>/config.yaml        (or config.pbtxt)
+    <root>/<model>/<version>/<file>   (model.onnx, model.joblib, model.py, model.pt, ...)
+
+`scan_repository` reads every model folder. A model whose config is wrong is reported
+with its error and does not stop the others. Model names must be safe path components,
+hidden folders are skipped, and nothing may resolve (through symlinks) outside the root.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lockgate.core.config import ModelConfig
+from lockgate.core.config_files import check_warmup_inputs, load_model_config
+from lockgate.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# The model file each backend looks for when the config names none, in order of preference.
+DEFAULT_MODEL_FILENAMES: dict[str, tuple[str, ...]] = {
+    "onnxruntime": ("model.onnx",),
+    "onnx": ("model.onnx",),
+    "sklearn": ("model.joblib", "model.pkl"),
+    "python": ("model.py",),
+    "pytorch": ("model.pt", "model.pt2"),
+    "torch": ("model.pt", "model.pt2"),
+}
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    """One model folder: its config and the versions its policy selects (newest first)."""
+
+    name: str
+    path: Path
+    config: ModelConfig | None = None
+    versions: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.config is not None
+
+
+def is_safe_name(name: str) -> bool:
+    """A model name that is one plain path component: no `..`, no separator, not hidden."""
+    return _SAFE_NAME.fullmatch(name) is not None and ".." not in name
+
+
+def scan_repository(root: Path) -> list[ModelEntry]:
+    """Every model folder under `root`, sorted by name. Raises ConfigError if root is no folder."""
+    if not root.is_dir():
+        raise ConfigError(str(root), "repository", "not a directory")
+    resolved_root = root.resolve()
+    entries = []
+    for folder in sorted(root.iterdir(), key=lambda p: p.name):
+        if folder.name.startswith("."):
+            log.debug("repository %s: skipping hidden %s", root, folder.name)
+            continue
+        if not folder.is_dir():
+            continue
+        entries.append(scan_model(resolved_root, folder))
+    return entries
+
+
+def scan_model(resolved_root: Path, folder: Path) -> ModelEntry:
+    """Read one model folder. Problems become the entry's `error`, never an exception."""
+    entry = ModelEntry(name=folder.name, path=folder)
+    try:
+        _check_inside(resolved_root, folder, "model folder")
+        if not is_safe_name(folder.name):
+            raise ConfigError(str(folder), "name", f"unsafe model name {folder.name!r}")
+        config = load_model_config(folder)
+        available = _version_folders(resolved_root, folder)
+        entry.versions = config.version_policy.select(available)
+        if not entry.versions:
+            raise ConfigError(str(folder), "version_policy", _no_versions(available))
+        entry.config = _complete(config, folder / str(entry.versions[0]))
+    except ConfigError as exc:
+        entry.error = str(exc)
+        entry.versions = []
+        log.error("model %s: %s", folder.name, entry.error)
+    return entry
+
+
+def _check_inside(resolved_root: Path, path: Path, what: str) -> Path:
+    resolved = path.resolve()
+    if resolved != resolved_root and not resolved.is_relative_to(resolved_root):
+        raise ConfigError(str(path), "path", f"{what} resolves outside the repository")
+    return resolved
+
+
+def _version_folders(resolved_root: Path, folder: Path) -> list[int]:
+    """Numeric subfolders (other names are ignored, as Triton does)."""
+    versions = []
+    for child in folder.iterdir():
+        if child.name.isdigit() and child.name.isascii() and child.is_dir():
+            _check_inside(resolved_root, child, f"version folder {child.name}")
+            versions.append(int(child.name))
+    return versions
+
+
+def _no_versions(available: list[int]) -> str:
+    if not available:
+        return "no numbered version folder (e.g. 1/) holds the model"
+    listed = ", ".join(str(v) for v in sorted(available))
+    return f"the policy selects none of the available versions ({listed})"
+
+
+def _complete(config: ModelConfig, version_dir: Path) -> ModelConfig:
+    """Fill an ONNX model's inputs and outputs from the file when the config omits them."""
+    if config.backend in ("onnxruntime", "onnx") and not (config.inputs and config.outputs):
+        from lockgate.backends.onnx import autocomplete
+
+        config = autocomplete(config, version_dir)
+    check_warmup_inputs(config)
+    return config
+
+
+def model_file(config: ModelConfig, version_dir: Path) -> Path:
+    """The model file inside `version_dir`; refuses a file that resolves outside it."""
+    names: tuple[str, ...] = (
+        (config.default_model_filename,) if config.default_model_filename else ()
+    )
+    names = names or DEFAULT_MODEL_FILENAMES.get(config.backend, ())
+    for name in names:
+        candidate = version_dir / name
+        if candidate.exists():
+            resolved = candidate.resolve()
+            if not resolved.is_relative_to(version_dir.resolve()):
+                problem = f"{candidate} resolves outside its version folder"
+                raise ConfigError(config.source, "default_model_filename", problem)
+            return resolved
+    wanted = " or ".join(names) or "a model file"
+    raise ConfigError(config.source, "default_model_filename", f"{version_dir} holds no {wanted}")
+
+
+def resolve_model_file(root: Path, entry: ModelEntry, version: int) -> Path:
+    """The model file of one served version of `entry`, checked to stay inside `root`."""
+    if entry.config is None:
+        raise ConfigError(str(entry.path), "config", entry.error or "the model has no config")
+    if version not in entry.versions:
+        served = ", ".join(str(v) for v in entry.versions) or "none"
+        raise ConfigError(entry.config.source, "version", f"{version} is not served ({served})")
+    resolved_root = root.resolve()
+    version_dir = _check_inside(resolved_root, root / entry.name / str(version), "version folder")
+    return model_file(entry.config, version_dir)

@@ -1,0 +1,43 @@
+"""A request as the core sees it: named arrays plus deadline, priority and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Arrays = dict[str, np.ndarray]
+
+_ids = itertools.count(1)
+
+
+@dataclass(slots=True, eq=False)
+class InferRequest:
+    """One client request to a classic model.
+
+    `inputs` hold numpy arrays; BYTES tensors are object arrays of `bytes`. When the model
+    batches, every input has the batch dimension first and `rows` is its length.
+    """
+
+    model: str
+    inputs: Arrays
+    version: int | None = None
+    outputs: tuple[str, ...] | None = None  # None: all outputs
+    deadline: float | None = None  # time.monotonic() seconds
+    priority: int = 0  # 0: the model's default; 1 is the highest
+    id: str = ""
+    arrival: float = field(default_factory=time.monotonic)
+    rows: int = 1
+    future: asyncio.Future[Arrays] | None = None
+    seq: int = field(default_factory=lambda: next(_ids))
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.deadline is not None and (now or time.monotonic()) >= self.deadline
+
+    def remaining(self, now: float | None = None) -> float:
+        if self.deadline is None:
+            return float("inf")
+        return self.deadline - (now or time.monotonic())

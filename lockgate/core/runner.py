@@ -1,0 +1,98 @@
+"""A model instance and the thread that owns it.
+
+Each instance runs its backend on one dedicated thread, so a model never sees two batches at
+once and the event loop never blocks on compute. An instance whose batch runs past
+`hang_timeout` is marked unhealthy, its batch is answered with an error, and it is replaced
+by a freshly loaded backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from lockgate.backends.base import Arrays, Backend
+from lockgate.errors import Unavailable
+
+log = logging.getLogger("lockgate.runner")
+
+
+class Instance:
+    def __init__(
+        self,
+        name: str,
+        backend: Backend,
+        *,
+        hang_timeout: float | None = None,
+        reload: Callable[[], Backend] | None = None,
+        on_replaced: Callable[[Instance], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.backend = backend
+        self.hang_timeout = hang_timeout
+        self.reload = reload
+        self.on_replaced = on_replaced
+        self.healthy = True
+        # Native runtimes (onnxruntime, scikit-learn) may run tiny batches on the event loop.
+        self.inline_safe = bool(getattr(backend, "inline_safe", False))
+        self.restarts = 0
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lockgate-{name}")
+
+    def infer_sync(self, inputs: Arrays) -> Arrays:
+        return self.backend.infer(inputs)
+
+    async def infer(self, inputs: Arrays) -> Arrays:
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self.executor, self.backend.infer, inputs)
+        if self.hang_timeout is None:
+            return await work
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), self.hang_timeout)
+        except TimeoutError:
+            self._hung()
+            raise Unavailable(
+                f"model instance {self.name} did not answer within {self.hang_timeout:.1f} s "
+                "and is being restarted",
+                retry_after=1,
+            ) from None
+
+    def _hung(self) -> None:
+        log.error("instance %s hung past %.1f s; restarting it", self.name, self.hang_timeout)
+        self.healthy = False
+        stuck = self.executor
+        stuck.shutdown(wait=False, cancel_futures=True)
+        if self.reload is None:
+            return
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        assert self.reload is not None
+        start = time.monotonic()
+        loop = asyncio.get_running_loop()
+        fresh_executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"lockgate-{self.name}"
+        )
+        try:
+            backend = await loop.run_in_executor(fresh_executor, self.reload)
+        except Exception as exc:
+            log.error("restart of instance %s failed: %r", self.name, exc)
+            fresh_executor.shutdown(wait=False)
+            return
+        self.backend = backend
+        self.executor = fresh_executor
+        self.healthy = True
+        self.restarts += 1
+        log.info("instance %s restarted in %.2f s", self.name, time.monotonic() - start)
+        if self.on_replaced is not None:
+            self.on_replaced(self)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.backend.close()
+        except Exception as exc:
+            log.warning("closing instance %s: %r", self.name, exc)

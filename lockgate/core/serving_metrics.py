@@ -1,0 +1,73 @@
+"""The metric set of the classic-model path, labelled by model and version."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lockgate.core.metrics import BATCH_BUCKETS, Counter, Gauge, Histogram, Registry
+
+
+@dataclass(slots=True)
+class ServingMetrics:
+    requests: Counter  # model, version, outcome
+    rejected: Counter  # model, version, reason
+    request_latency: Histogram  # end to end inside the server
+    queue_latency: Histogram
+    compute_latency: Histogram
+    batch_size: Histogram
+    batches: Counter
+    queue_depth: Gauge
+    inflight: Gauge
+    load_seconds: Gauge
+    warmup_seconds: Gauge
+    model_ready: Gauge
+
+    @classmethod
+    def create(cls, registry: Registry) -> ServingMetrics:
+        mv = ("model", "version")
+        return cls(
+            requests=registry.counter(
+                "lockgate_requests_total",
+                "Inference requests answered, by outcome (success, or an error kind).",
+                (*mv, "outcome"),
+            ),
+            rejected=registry.counter(
+                "lockgate_requests_rejected_total",
+                "Requests refused before they ran, by reason.",
+                (*mv, "reason"),
+            ),
+            request_latency=registry.histogram(
+                "lockgate_request_duration_seconds",
+                "Time from admission to answer, in seconds.",
+                mv,
+            ),
+            queue_latency=registry.histogram(
+                "lockgate_queue_duration_seconds",
+                "Time a request waited in the batcher queue, in seconds.",
+                mv,
+            ),
+            compute_latency=registry.histogram(
+                "lockgate_compute_duration_seconds",
+                "Time the model took to run one batch, in seconds.",
+                mv,
+            ),
+            batch_size=registry.histogram(
+                "lockgate_batch_size", "Rows per executed batch.", mv, BATCH_BUCKETS
+            ),
+            batches=registry.counter("lockgate_batches_total", "Batches executed.", mv),
+            queue_depth=registry.gauge(
+                "lockgate_queue_depth", "Rows waiting in the batcher queue.", mv
+            ),
+            inflight=registry.gauge(
+                "lockgate_inflight_requests", "Requests admitted and not yet answered.", mv
+            ),
+            load_seconds=registry.gauge(
+                "lockgate_model_load_seconds", "Time taken to load the model, in seconds.", mv
+            ),
+            warmup_seconds=registry.gauge(
+                "lockgate_model_warmup_seconds", "Time taken to warm the model up, in seconds.", mv
+            ),
+            model_ready=registry.gauge(
+                "lockgate_model_ready", "1 when the model version is ready to serve.", mv
+            ),
+        )

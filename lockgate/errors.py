@@ -1,0 +1,77 @@
+"""The one error vocabulary of lockgate: every failure a client can see has a status and a message."""
+
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    """An error with an HTTP status. Frontends turn it into the wire format of their protocol."""
+
+    status: int = 500
+    kind: str = "internal_error"
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"retry-after": str(max(1, round(self.retry_after)))}
+
+
+class BadRequest(ServingError):
+    status = 400
+    kind = "invalid_request"
+
+
+class Unauthorized(ServingError):
+    status = 401
+    kind = "unauthorized"
+
+
+class Forbidden(ServingError):
+    status = 403
+    kind = "forbidden"
+
+
+class NotFound(ServingError):
+    status = 404
+    kind = "not_found"
+
+
+class PayloadTooLarge(ServingError):
+    status = 413
+    kind = "payload_too_large"
+
+
+class TooManyRequests(ServingError):
+    status = 429
+    kind = "rate_limited"
+
+
+class BackendError(ServingError):
+    """The model itself raised. Only the requests of that batch see it."""
+
+    status = 500
+    kind = "backend_error"
+
+
+class Unavailable(ServingError):
+    status = 503
+    kind = "unavailable"
+
+
+class DeadlineExceeded(ServingError):
+    status = 504
+    kind = "deadline_exceeded"
+
+
+class ConfigError(Exception):
+    """A model repository or config file is wrong. The message names the file and the field."""
+
+    def __init__(self, path: str, field: str, problem: str) -> None:
+        super().__init__(f"{path}: field '{field}': {problem}")
+        self.path = path
+        self.field = field
+        self.problem = problem

@@ -1,0 +1,232 @@
+"""The ASGI application: routing, authentication, health, metrics and error answers.
+
+Routes are matched on path segments, not regular expressions. Every error leaves as
+`{"error": "..."}` with its status (OpenAI routes use OpenAI's error shape); a client
+mistake never becomes a 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lockgate.core.models import ModelManager
+from lockgate.errors import (
+    BadRequest,
+    Forbidden,
+    NotFound,
+    ServingError,
+    Unauthorized,
+)
+from lockgate.frontend import v2_routes
+from lockgate.frontend.http import (
+    ClientDisconnected,
+    HttpRequest,
+    Receive,
+    Scope,
+    Send,
+    error_headers,
+    respond,
+    respond_json,
+)
+from lockgate.frontend.openapi import openapi_document
+from lockgate.protocol import v2
+
+log = logging.getLogger("lockgate.frontend")
+
+OpenAIHandler = Callable[[HttpRequest, list[str]], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    max_body_bytes: int = 64 * 1024 * 1024
+    api_keys: frozenset[str] = frozenset()  # empty: no authentication
+    admin_keys: frozenset[str] = frozenset()  # guard model load and unload; empty: api keys
+    strict_readiness: bool = False  # True: ready only when every model is ready
+    repository: Path | None = None
+    public_paths: frozenset[str] = field(
+        default_factory=lambda: frozenset(
+            {"/v2/health/live", "/v2/health/ready", "/health", "/metrics", "/openapi.json"}
+        )
+    )
+
+
+class App:
+    def __init__(
+        self,
+        models: ModelManager,
+        settings: ServerSettings | None = None,
+        openai: OpenAIHandler | None = None,
+    ) -> None:
+        self.models = models
+        self.settings = settings or ServerSettings()
+        self.openai = openai
+        self.started = False  # set once the repository has been loaded
+        self.draining = False
+        self.closers: list[Callable[[], Awaitable[None]]] = []  # run at shutdown
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        request = HttpRequest(
+            scope, receive, send, scope["method"], scope["path"], self.settings.max_body_bytes
+        )
+        openai = request.path.startswith("/v1/")
+        try:
+            self._authenticate(request)
+            await self._route(request)
+        except ClientDisconnected:
+            return
+        except ServingError as exc:
+            await self._error(request, exc, openai)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            await self._error(request, ServingError(f"internal error: {type(exc).__name__}"), openai)
+
+    async def _error(self, request: HttpRequest, exc: ServingError, openai: bool) -> None:
+        if openai:
+            payload = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
+            await respond_json(request.send, exc.status, payload, error_headers(exc))
+        else:
+            await respond(request.send, exc.status, v2.encode_error(exc.message), headers=error_headers(exc))
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- authentication ----------------------------------------------------------------
+    def _authenticate(self, request: HttpRequest) -> None:
+        keys = self.settings.api_keys
+        admin = request.path.startswith("/v2/repository/") and request.method == "POST"
+        if admin and self.settings.admin_keys:
+            keys = self.settings.admin_keys
+        if not keys or (request.path in self.settings.public_paths and not admin):
+            return
+        presented = _bearer(request)
+        if presented is None:
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        if not any(hmac.compare_digest(presented, k) for k in keys):
+            raise Forbidden("API key not accepted" + (" for model management" if admin else ""))
+
+    # -- routing -----------------------------------------------------------------------
+    async def _route(self, request: HttpRequest) -> None:
+        path, method = request.path, request.method
+        parts = [p for p in path.split("/") if p]
+        if parts[:2] == ["v2", "models"] and len(parts) >= 3:
+            await self._model_route(request, parts[2:])
+        elif parts and parts[0] == "v1" and self.openai is not None:
+            await self.openai(request, parts[1:])
+        elif path in ("/v2/health/live", "/health"):
+            await respond_json(request.send, 200, {"live": True})
+        elif path == "/v2/health/ready":
+            await self._ready(request)
+        elif path == "/v2" and method == "GET":
+            await respond(request.send, 200, v2_routes.SERVER_METADATA)
+        elif path == "/metrics":
+            body = self.models.registry.render().encode()
+            await respond(request.send, 200, body, b"text/plain; version=0.0.4; charset=utf-8")
+        elif path == "/openapi.json":
+            await respond_json(request.send, 200, openapi_document())
+        elif path == "/v2/models/stats":
+            await respond(request.send, 200, v2_routes.statistics(self.models, None, None))
+        elif parts[:2] == ["v2", "repository"]:
+            await self._repository(request, parts[2:])
+        else:
+            raise NotFound(f"no route for {method} {path[:200]}")
+
+    async def _model_route(self, request: HttpRequest, rest: list[str]) -> None:
+        name, rest = rest[0], rest[1:]
+        version: str | None = None
+        if len(rest) >= 2 and rest[0] == "versions":
+            version, rest = rest[1], rest[2:]
+        action = rest[0] if rest else ""
+        if len(rest) > 1:
+            raise NotFound(f"no route for {request.method} {request.path[:200]}")
+        method = request.method
+        if action == "infer" and method == "POST":
+            await v2_routes.infer(request, self.models, name, version)
+        elif action == "" and method == "GET":
+            body = await v2_routes.model_metadata(self.models, name, version)
+            await respond(request.send, 200, body)
+        elif action == "ready" and method == "GET":
+            status, payload = v2_routes.model_ready(self.models, name, version)
+            await respond_json(request.send, status, payload)
+        elif action == "config" and method == "GET":
+            served = self.models.get(name, v2_routes.parse_version(version))
+            await respond(request.send, 200, v2.model_config_json(served.config))
+        elif action == "stats" and method == "GET":
+            await respond(request.send, 200, v2_routes.statistics(self.models, name, version))
+        else:
+            raise NotFound(f"no route for {method} {request.path[:200]}")
+
+    async def _ready(self, request: HttpRequest) -> None:
+        models = self.models
+        if self.draining:
+            await respond_json(request.send, 503, {"ready": False, "error": "draining"})
+            return
+        if not self.started:
+            await respond_json(request.send, 503, {"ready": False, "error": "loading models"})
+            return
+        if self.settings.strict_readiness and not models.ready():
+            not_ready = [
+                m.name for m in models.models.values() if m.latest_ready() is None
+            ]
+            await respond_json(
+                request.send, 503, {"ready": False, "error": f"models not ready: {not_ready}"}
+            )
+            return
+        await respond_json(request.send, 200, {"ready": True})
+
+    async def _repository(self, request: HttpRequest, rest: list[str]) -> None:
+        if rest == ["index"] and request.method == "POST":
+            await v2_routes.repository_index(request, self.models)
+            return
+        if len(rest) == 3 and rest[0] == "models" and request.method == "POST":
+            name, action = rest[1], rest[2]
+            if action == "load":
+                await self._load(name)
+                await respond_json(request.send, 200, {})
+                return
+            if action == "unload":
+                await self.models.unload(name)
+                await respond_json(request.send, 200, {})
+                return
+        raise NotFound(f"no route for {request.method} {request.path[:200]}")
+
+    async def _load(self, name: str) -> None:
+        from lockgate.core.repository import scan_repository
+
+        root = self.settings.repository
+        if root is None:
+            raise BadRequest("the server was started without a model repository")
+        entries = {e.name: e for e in scan_repository(root)}
+        entry = entries.get(name)
+        if entry is None:
+            raise NotFound(f"no model '{name}' in the repository")
+        model = await self.models.load_model(
+            entry.name, entry.path, entry.config, entry.versions, entry.error
+        )
+        if model.latest_ready() is None:
+            reason = model.error or self.models._why_not_ready(model)
+            raise BadRequest(f"model '{name}' failed to load: {reason}")
+
+
+def _bearer(request: HttpRequest) -> str | None:
+    value = request.header_str(b"authorization")
+    if value is None:
+        return None
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()

@@ -1,0 +1,141 @@
+"""ASGI primitives: the request view, body reading with a limit, and responses.
+
+lockgate speaks raw ASGI rather than through a framework: the per-request cost of the HTTP
+layer sets the latency floor for small models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from lockgate.errors import BadRequest, PayloadTooLarge, ServingError
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+JSON = b"application/json"
+_json_encode = msgspec.json.Encoder().encode
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its request was read or answered."""
+
+
+@dataclass(slots=True)
+class HttpRequest:
+    scope: Scope
+    receive: Receive
+    send: Send
+    method: str
+    path: str
+    max_body: int
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.scope["headers"]:
+            if key == name:
+                return bytes(value)
+        return None
+
+    def header_str(self, name: bytes) -> str | None:
+        value = self.header(name)
+        return value.decode("latin-1") if value is not None else None
+
+    @property
+    def query(self) -> dict[str, str]:
+        raw = self.scope.get("query_string", b"").decode("latin-1")
+        pairs = (p.partition("=") for p in raw.split("&") if p)
+        return {k: v for k, _, v in pairs}
+
+    async def body(self) -> bytes:
+        """The whole body, refused with 413 past `max_body` bytes (declared or streamed)."""
+        declared = self.header(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                raise BadRequest("Content-Length is not an integer") from None
+            if size > self.max_body:
+                raise PayloadTooLarge(f"body of {size} bytes is over the limit of {self.max_body}")
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected()
+            chunk = message.get("body", b"")
+            if chunk:
+                total += len(chunk)
+                if total > self.max_body:
+                    raise PayloadTooLarge(f"body is over the limit of {self.max_body} bytes")
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        if len(chunks) == 1:
+            return chunks[0]
+        return b"".join(chunks)
+
+    async def json(self, decoder: msgspec.json.Decoder[Any] | None = None) -> Any:
+        body = await self.body()
+        try:
+            if decoder is not None:
+                return decoder.decode(body)
+            return msgspec.json.decode(body)
+        except msgspec.ValidationError as exc:
+            raise BadRequest(f"invalid request: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"malformed JSON: {exc}") from None
+
+
+async def respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = JSON,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    raw_headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    if headers:
+        raw_headers.extend(headers)
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def respond_json(
+    send: Send, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await respond(send, status, _json_encode(payload), JSON, headers)
+
+
+def error_headers(error: ServingError) -> list[tuple[bytes, bytes]]:
+    return [(k.encode(), v.encode()) for k, v in error.headers().items()]
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(receive: Receive) -> Any:
+    """Cancel the current task if the client disconnects while the block runs.
+
+    Use after the body has been read: the only message left to receive is the disconnect.
+    """
+    task = asyncio.current_task()
+    assert task is not None
+
+    async def watch() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                task.cancel("client disconnected")
+                return
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()

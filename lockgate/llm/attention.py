@@ -1,0 +1,216 @@
+"""The boundary between the engine and the model: flat tensors that describe one step.
+
+The runner (`llm/runner.py`) builds an `AttentionMetadata` from scheduled sequences; the
+model (`llm/models/`) reads it to write new keys and values into the paged KV cache and to
+attend over each sequence's blocks. Neither side sees the other's types.
+
+Shapes (T = tokens scheduled this step, S = sequences this step):
+- input_ids, positions: [T] int64, sequences laid end to end, each sequence's tokens in order
+- slot_mapping: [T] int64, block_id * block_size + offset where each new token's K/V goes
+- query_start_loc: [S + 1] int64, cumulative query lengths (query_start_loc[0] == 0)
+- seq_lens: [S] int64, context length of each sequence after this step's tokens
+- block_tables: [S, max_blocks] int64, each sequence's block ids, padded with 0
+- logits_indices: [N] int64, indices into T whose hidden states need logits
+  (the last token of each sequence that finishes its prompt or decodes)
+
+The KV cache of one layer is a pair of tensors [num_blocks, block_size, n_kv_heads, head_dim].
+
+The second half of this module is the paged attention itself: `plan_attention` turns the
+metadata into per-step index tensors once, and `paged_attention` runs one layer with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lockgate.errors import BadRequest
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host copies of the small per-sequence vectors, to avoid tensor->list syncs in Python loops.
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_list)
+
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """Sequences whose query is one token, attended in one batched SDPA call."""
+
+    token_idx: torch.Tensor | None  # [Sd] rows of T; None when every token decodes, in order
+    block_tables: torch.Tensor  # [Sd, nb] trimmed to the longest context
+    mask: torch.Tensor  # [Sd, 1, 1, nb * block_size] True where a key position is < seq_len
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    """One sequence whose query is several tokens: a whole prompt or one chunk of it."""
+
+    start: int  # first row in T
+    end: int  # one past the last row in T
+    context_len: int  # tokens already in the cache before this chunk
+    seq_len: int  # context_len + query length
+    block_ids: torch.Tensor  # [nb] blocks holding positions 0..seq_len-1
+    mask: torch.Tensor | None  # [q, seq_len] offset-causal; None when context_len == 0
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """Index tensors derived once per step from `AttentionMetadata`, shared by every layer."""
+
+    num_tokens: int
+    block_size: int
+    decode: DecodeBatch | None
+    prefills: list[PrefillSegment]
+
+
+def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
+    """Check the metadata and split the step into one decode batch and prefill segments."""
+    _check_metadata(meta)
+    starts = [0]
+    for q in meta.query_lens_list:
+        starts.append(starts[-1] + q)
+    decode_rows = [i for i, q in enumerate(meta.query_lens_list) if q == 1]
+    prefills = [
+        _prefill_segment(meta, i, starts[i]) for i, q in enumerate(meta.query_lens_list) if q > 1
+    ]
+    decode = _decode_batch(meta, decode_rows, starts) if decode_rows else None
+    return AttentionPlan(starts[-1], meta.block_size, decode, prefills)
+
+
+def _check_metadata(meta: AttentionMetadata) -> None:
+    if len(meta.query_lens_list) != len(meta.seq_lens_list):
+        raise BadRequest("attention metadata: query_lens_list and seq_lens_list differ in length")
+    if meta.block_size <= 0:
+        raise BadRequest(f"attention metadata: block_size must be > 0, got {meta.block_size}")
+    max_context = meta.block_tables.shape[1] * meta.block_size if meta.num_seqs else 0
+    for q, s in zip(meta.query_lens_list, meta.seq_lens_list, strict=True):
+        if q <= 0 or s < q:
+            raise BadRequest(f"attention metadata: query length {q} with sequence length {s}")
+        if s > max_context:
+            raise BadRequest(f"attention metadata: sequence length {s} exceeds its block table")
+
+
+def _decode_batch(meta: AttentionMetadata, rows: list[int], starts: list[int]) -> DecodeBatch:
+    seq_lens = [meta.seq_lens_list[i] for i in rows]
+    num_blocks = -(-max(seq_lens) // meta.block_size)
+    everything = len(rows) == meta.num_seqs
+    rows_t = torch.tensor(rows, dtype=torch.long)
+    tables = meta.block_tables if everything else meta.block_tables.index_select(0, rows_t)
+    key_pos = torch.arange(num_blocks * meta.block_size)
+    mask = key_pos[None, :] < torch.tensor(seq_lens)[:, None]  # [Sd, L]
+    token_idx = None if everything else torch.tensor([starts[i] for i in rows], dtype=torch.long)
+    return DecodeBatch(token_idx, tables[:, :num_blocks].contiguous(), mask[:, None, None, :])
+
+
+def _prefill_segment(meta: AttentionMetadata, i: int, start: int) -> PrefillSegment:
+    q, s = meta.query_lens_list[i], meta.seq_lens_list[i]
+    context = s - q
+    block_ids = meta.block_tables[i, : -(-s // meta.block_size)].contiguous()
+    mask = None
+    if context:
+        # query i sits at position context + i and sees keys 0..context + i
+        mask = torch.arange(s)[None, :] <= (torch.arange(q) + context)[:, None]  # [q, s]
+    return PrefillSegment(start, start + q, context, s, block_ids, mask)
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Store this step's keys and values ([T, kvh, d]) at their slots in one layer's cache."""
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+) -> torch.Tensor:
+    """Attention of this step's queries over each sequence's cached context.
+
+    q: [T, nh, d]; k, v: [T, kvh, d], already written to the cache. Returns [T, nh * d].
+    """
+    if plan.decode is not None and not plan.prefills and plan.decode.token_idx is None:
+        return _attend_decode(q, k_cache, v_cache, plan.decode, plan.block_size)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    if plan.decode is not None:
+        rows = plan.decode.token_idx
+        assert rows is not None
+        dec = _attend_decode(
+            q.index_select(0, rows), k_cache, v_cache, plan.decode, plan.block_size
+        )
+        out.index_copy_(0, rows, dec)
+    for seg in plan.prefills:
+        out[seg.start : seg.end] = _attend_prefill(q, k, v, k_cache, v_cache, seg)
+    return out
+
+
+def _attend_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, bs: int
+) -> torch.Tensor:
+    # q: [Sd, nh, d]; grouped-query heads become query rows of their KV head: [Sd, kvh, g, d]
+    sd, nh, d = q.shape
+    kvh = k_cache.shape[2]
+    length = batch.block_tables.shape[1] * bs
+    keys = k_cache[batch.block_tables].view(sd, length, kvh, d).transpose(1, 2)  # [Sd, kvh, L, d]
+    values = v_cache[batch.block_tables].view(sd, length, kvh, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.view(sd, kvh, nh // kvh, d), keys, values, batch.mask)
+    return out.reshape(sd, nh * d)
+
+
+def _attend_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg: PrefillSegment,
+) -> torch.Tensor:
+    nh, d = q.shape[1], q.shape[2]
+    query = q[seg.start : seg.end].transpose(0, 1)  # [nh, q, d]
+    if seg.mask is None:
+        # a whole prompt: its keys are exactly this step's, causal from position 0
+        keys = k[seg.start : seg.end].transpose(0, 1)  # [kvh, q, d]
+        values = v[seg.start : seg.end].transpose(0, 1)
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
+    else:
+        kvh = k_cache.shape[2]
+        keys = k_cache[seg.block_ids].view(-1, kvh, d)[: seg.seq_len].transpose(0, 1)  # [kvh, s, d]
+        values = v_cache[seg.block_ids].view(-1, kvh, d)[: seg.seq_len].transpose(0, 1)
+        out = F.scaled_dot_product_attention(query, keys, values, seg.mask, enable_gqa=True)
+    return out.transpose(0, 1).reshape(-1, nh * d)

@@ -1,0 +1,75 @@
+"""Settings of the LLM engine: KV cache size, batch budgets and scheduling policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lockgate.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16")
+_SOURCE = "EngineConfig"
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    """Validated on construction; a wrong value raises ConfigError naming the field.
+
+    The KV cache size is given either as a block count (`kv_cache_blocks`) or as memory
+    (`kv_cache_gib`, turned into blocks by `num_kv_blocks` once the model's bytes per block
+    are known).
+    """
+
+    max_model_len: int = 2048  # prompt + output tokens of one sequence
+    block_size: int = 16
+    kv_cache_blocks: int | None = None
+    kv_cache_gib: float | None = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    continuous_batching: bool = True
+    dtype: str = "float32"
+    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+
+    def __post_init__(self) -> None:
+        for fld, ok, problem in self._checks():
+            if not ok:
+                raise ConfigError(_SOURCE, fld, problem)
+
+    def _checks(self) -> list[tuple[str, bool, str]]:
+        gib = self.kv_cache_gib
+        return [
+            ("max_model_len", self.max_model_len >= 2, "must be >= 2"),
+            ("block_size", 1 <= self.block_size <= 1024, "must be in [1, 1024]"),
+            ("kv_cache_blocks", self.kv_cache_blocks is None or self.kv_cache_blocks >= 1,
+             "must be >= 1"),
+            ("kv_cache_gib", gib is None or gib > 0, "must be > 0"),
+            ("kv_cache_gib", gib is not None or self.kv_cache_blocks is not None,
+             "give kv_cache_blocks or kv_cache_gib"),
+            ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= self.max_num_seqs,
+             "must be >= max_num_seqs (each running sequence decodes one token per step)"),
+            ("max_num_batched_tokens",
+             self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+             "must be >= max_model_len when chunked prefill is off (a prompt runs whole)"),
+            ("max_waiting", self.max_waiting >= 1, "must be >= 1"),
+            ("dtype", self.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
+            ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1"),
+        ]  # fmt: skip
+
+    def num_kv_blocks(self, bytes_per_block: int) -> int:
+        """Blocks in the cache: `kv_cache_blocks`, else as many as fit in `kv_cache_gib`."""
+        if self.kv_cache_blocks is not None:
+            blocks = self.kv_cache_blocks
+        else:
+            assert self.kv_cache_gib is not None  # checked in __post_init__
+            blocks = int(self.kv_cache_gib * 2**30 // bytes_per_block)
+        if blocks * self.block_size < self.max_model_len:
+            raise ConfigError(
+                _SOURCE,
+                "kv_cache_blocks" if self.kv_cache_blocks is not None else "kv_cache_gib",
+                f"{blocks} blocks of {self.block_size} tokens cannot hold one sequence of "
+                f"max_model_len {self.max_model_len}",
+            )
+        return blocks

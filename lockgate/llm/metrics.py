@@ -1,0 +1,127 @@
+"""Engine-side statistics as plain counters and per-request timings.
+
+The engine records; exporters (Prometheus, logs, benchmarks) read `EngineStats` snapshots and
+drain finished `RequestTimings`. Nothing here knows about HTTP. All times are
+`time.monotonic()` seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    """The life of one request: queue time, TTFT and the gaps between tokens (ITL)."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    def record_scheduled(self, now: float) -> None:
+        if self.first_scheduled is None:
+            self.first_scheduled = now
+
+    def record_token(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        elif self.last_token is not None:
+            self.inter_token_latencies.append(now - self.last_token)
+        self.last_token = now
+        self.num_generation_tokens += 1
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        itl = self.inter_token_latencies
+        return sum(itl) / len(itl) if itl else None
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """A consistent snapshot of the engine's gauges and counters."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks referenced by sequences
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found cached
+    num_preemptions: int
+    finished_by_reason: dict[str, int]
+    prompt_tokens: int  # prompt tokens computed (cache hits excluded)
+    generation_tokens: int
+    num_steps: int
+    step_time: float  # total seconds inside step()
+    forward_time: float  # of which seconds in model forward + logits + sampling
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+    @property
+    def step_overhead_share(self) -> float:
+        """Share of step time spent outside the model: scheduling, tensor building, postprocess."""
+        return 1.0 - self.forward_time / self.step_time if self.step_time > 0 else 0.0
+
+
+@dataclass(slots=True)
+class StepCounters:
+    """Monotonic counters the engine bumps once per step (its own thread only)."""
+
+    num_steps: int = 0
+    step_time: float = 0.0
+    forward_time: float = 0.0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished_by_reason: Counter[str] = field(default_factory=Counter)
+
+    def record_step(self, total: float, forward: float, prompt: int, generated: int) -> None:
+        self.num_steps += 1
+        self.step_time += total
+        self.forward_time += forward
+        self.prompt_tokens += prompt
+        self.generation_tokens += generated
+
+
+class FinishedLog:
+    """A bounded, thread-safe buffer of finished requests' timings for exporters to drain."""
+
+    def __init__(self, maxlen: int = 10_000) -> None:
+        self._items: deque[RequestTimings] = deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def push(self, timings: RequestTimings) -> None:
+        with self._lock:
+            self._items.append(timings)
+
+    def drain(self) -> list[RequestTimings]:
+        with self._lock:
+            items = list(self._items)
+            self._items.clear()
+        return items

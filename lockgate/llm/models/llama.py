@@ -1,0 +1,274 @@
+"""A Llama decoder over a paged KV cache: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+The model sees only tensors and `AttentionMetadata`. Q/K/V and gate/up projections are fused
+into one Linear each when the weights are loaded, so a decode step runs few, larger ops.
+Weights come in Hugging Face naming (`model.layers.N.self_attn.q_proj.weight`, ...).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lockgate.errors import BadRequest, ConfigError
+from lockgate.llm.attention import (
+    AttentionMetadata,
+    AttentionPlan,
+    KVCache,
+    paged_attention,
+    plan_attention,
+    write_kv,
+)
+from lockgate.llm.model_config import LlamaConfig
+
+SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """`"float32"` / `"bfloat16"` (or the torch dtype itself) to a torch dtype."""
+    if isinstance(name, torch.dtype) and name in SUPPORTED_DTYPES.values():
+        return name
+    if isinstance(name, str) and name in SUPPORTED_DTYPES:
+        return SUPPORTED_DTYPES[name]
+    raise ConfigError("<model>", "dtype", f"{name!r} is not one of {sorted(SUPPORTED_DTYPES)}")
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies after the configured scaling."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.kind == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, config)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
+    s = config.rope_scaling
+    old_context = s.original_max_position_embeddings
+    low_freq_wavelen = old_context / s.low_freq_factor
+    high_freq_wavelen = old_context / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are interpolated, short ones kept, the band between blended
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryTable:
+    """cos/sin of every position, computed once: [max_positions, head_dim / 2] each."""
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype) -> None:
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, rope_inverse_frequencies(config))  # [P, d/2]
+        self.cos = freqs.cos().to(dtype)
+        self.sin = freqs.sin().to(dtype)
+        self.max_positions = config.max_position_embeddings
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the given positions, [T, 1, d/2], broadcastable over heads."""
+        if positions.numel() and int(positions.max()) >= self.max_positions:
+            raise BadRequest(f"position beyond the model's context of {self.max_positions} tokens")
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, d] in half-split layout (Hugging Face's rotate_half convention)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (nh + 2 kvh) d]
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
+        qk = apply_rope(qk, cos, sin)  # [T, nh + kvh, d]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, plan))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # accumulates in float32 for bfloat16 inputs
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, slot_mapping, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Build with `build_llama`; call `forward` then `compute_logits` on the rows you need."""
+
+    def __init__(self, config: LlamaConfig, rope: RotaryTable) -> None:
+        super().__init__()
+        self.config = config
+        self.rope = rope
+        # an explicit weight skips the random init (weights are assigned at load)
+        embedding = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: KVCache,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        if len(kv_caches) != len(self.layers):
+            raise BadRequest(f"got {len(kv_caches)} KV cache layers, model has {len(self.layers)}")
+        if input_ids.shape[0] != meta.num_tokens:
+            raise BadRequest(f"{input_ids.shape[0]} input ids for {meta.num_tokens} query tokens")
+        plan = plan_attention(meta)
+        cos, sin = self.rope.lookup(positions)
+        h = self.embed_tokens(input_ids)  # [T, H]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta.slot_mapping, plan)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> float32 logits [N, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def fuse_weights(
+    config: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Hugging Face LlamaForCausalLM names -> this module's names, Q/K/V and gate/up fused."""
+    out: dict[str, torch.Tensor] = {}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise ConfigError(config.source, name, "tensor missing from the checkpoint")
+        return weights[name].to(dtype)
+
+    out["embed_tokens.weight"] = take("model.embed_tokens.weight")
+    out["norm.weight"] = take("model.norm.weight")
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = [take(f"{src}self_attn.{p}_proj.weight") for p in ("q", "k", "v")]
+        out[f"{dst}self_attn.qkv_proj.weight"] = torch.cat(attn, dim=0)
+        out[f"{dst}self_attn.o_proj.weight"] = take(f"{src}self_attn.o_proj.weight")
+        mlp = [take(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]
+        out[f"{dst}mlp.gate_up_proj.weight"] = torch.cat(mlp, dim=0)
+        out[f"{dst}mlp.down_proj.weight"] = take(f"{src}mlp.down_proj.weight")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{dst}{norm}.weight"] = take(f"{src}{norm}.weight")
+    return out
+
+
+def build_llama(
+    config: LlamaConfig, weights: dict[str, torch.Tensor], dtype: str | torch.dtype = "float32"
+) -> LlamaForCausalLM:
+    """A ready-to-run model from Hugging Face-named weights, cast to `dtype`."""
+    torch_dtype = resolve_dtype(dtype)
+    fused = fuse_weights(config, weights, torch_dtype)
+    rope = RotaryTable(config, torch_dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, rope)
+    try:
+        model.load_state_dict(fused, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ConfigError(config.source, "weights", str(exc).splitlines()[0]) from exc
+    return model.eval().requires_grad_(False)
+
+
+def allocate_kv_cache(
+    config: LlamaConfig, num_blocks: int, block_size: int, dtype: str | torch.dtype
+) -> KVCache:
+    """Zeroed per-layer (k_cache, v_cache), each [num_blocks, block_size, kvh, head_dim]."""
+    if num_blocks <= 0 or block_size <= 0:
+        raise ConfigError("<kv cache>", "num_blocks", "num_blocks and block_size must be > 0")
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    torch_dtype = resolve_dtype(dtype)
+    return [
+        (torch.zeros(shape, dtype=torch_dtype), torch.zeros(shape, dtype=torch_dtype))
+        for _ in range(config.num_hidden_layers)
+    ]
+
+
+def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype: str | torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    element = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * element
+    return per_layer * config.num_hidden_layers

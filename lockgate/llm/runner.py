@@ -1,0 +1,118 @@
+"""The tensor boundary: scheduled sequences become flat tensors, the model runs, tokens come back.
+
+The model sees only `input_ids`, `positions`, `AttentionMetadata` and its KV cache; the
+scheduler's types end here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from lockgate.llm.attention import AttentionMetadata, KVCache
+from lockgate.llm.sampling import Sampler, SamplerOutput, SamplingBatch
+from lockgate.llm.scheduler import SchedulerOutput
+
+
+class CausalLM(Protocol):
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: KVCache,
+    ) -> torch.Tensor: ...  # hidden [T, H]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [N, H] -> [N, V] fp32
+
+
+@dataclass(slots=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: SamplerOutput  # one row per scheduled sequence with needs_logits, in order
+    prepare_time: float
+    forward_time: float  # model forward + logits
+    sample_time: float
+
+
+class ModelRunner:
+    """Owns the model and its KV cache; one `run` per engine step."""
+
+    def __init__(self, model: CausalLM, kv_caches: KVCache, block_size: int, sampler: Sampler):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = sampler
+
+    def prepare(self, out: SchedulerOutput) -> ModelInput:
+        """Lay the scheduled tokens end to end and map each to its KV slot."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        tables: list[list[int]] = []
+        for s in out.scheduled:
+            start, end, table = s.start, s.start + s.num_tokens, s.seq.block_table
+            input_ids += s.seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start.append(query_start[-1] + s.num_tokens)
+            seq_lens.append(end)
+            tables.append(table)
+            if s.needs_logits:
+                logits_indices.append(query_start[-1] - 1)
+        width = max(len(t) for t in tables)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int64
+            ),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            max_query_len=max(s.num_tokens for s in out.scheduled),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+            query_lens_list=[s.num_tokens for s in out.scheduled],
+            seq_lens_list=seq_lens,
+        )
+        return ModelInput(
+            torch.tensor(input_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            meta,
+        )
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> RunnerOutput:
+        """Compute the scheduled tokens and sample for the rows that need logits."""
+        t0 = time.perf_counter()
+        inp = self.prepare(out)
+        t1 = time.perf_counter()
+        rows = [s.seq for s in out.scheduled if s.needs_logits]
+        hidden = self.model.forward(
+            inp.input_ids, inp.positions, inp.meta, self.kv_caches
+        )  # [T, H]
+        if not rows:
+            return RunnerOutput(SamplerOutput([], []), t1 - t0, time.perf_counter() - t1, 0.0)
+        logits = self.model.compute_logits(hidden[inp.meta.logits_indices])  # [N, V] fp32
+        t2 = time.perf_counter()
+        batch = SamplingBatch.build(
+            [seq.params for seq in rows],
+            [seq.output_token_ids if seq.params.has_penalties else [] for seq in rows],
+            [seq.num_output_tokens for seq in rows],
+            vocab_size=logits.shape[1],
+        )
+        sampled = self.sampler(logits, batch)
+        return RunnerOutput(sampled, t1 - t0, t2 - t1, time.perf_counter() - t2)

@@ -1,0 +1,220 @@
+"""Pick the next token of every sequence in one pass of tensor ops over [N, V] logits.
+
+Order of processing, per row: presence/frequency penalties (from the counts of the row's
+output tokens), then temperature, top-k, top-p and min-p. Greedy rows (temperature 0) take
+the argmax of the penalized logits and skip temperature and the filters.
+
+Random rows sample with the exponential race: argmax(probs / q), q ~ Exp(1), which draws
+exactly from `probs`. Unseeded rows share the sampler's generator. A seeded row draws its q
+from a generator seeded by (seed, index of the token being generated), so its output does
+not depend on which other requests share the batch, nor on preemption and recompute.
+
+Logprobs are the log_softmax of the processed logits, the distribution the token was drawn
+from (after penalties, temperature and filters; filtered tokens have -inf).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lockgate.llm.sequence import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+_TINY = 1e-20
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # [N]
+    logprobs: list[TokenLogprobs | None]  # [N]; None where the request asked for none
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row parameters as tensors; None for a process that no row uses."""
+
+    temperature: torch.Tensor  # [N] float32, 1.0 on greedy rows
+    is_greedy: torch.Tensor  # [N] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [N] int64, V where off
+    top_p: torch.Tensor | None  # [N] float32, 1.0 where off
+    min_p: torch.Tensor | None  # [N] float32
+    presence_penalty: torch.Tensor | None  # [N] float32
+    frequency_penalty: torch.Tensor | None  # [N] float32
+    output_token_ids: torch.Tensor | None  # [N, L] int64, padded with V
+    seeds: dict[int, int]  # row -> seed for this token
+    num_logprobs: list[int | None]  # [N]
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        output_token_ids: Sequence[list[int]],
+        num_output_tokens: Sequence[int],
+        vocab_size: int,
+    ) -> SamplingBatch:
+        """Row i has generated `num_output_tokens[i]` tokens so far (seeds count them);
+        `output_token_ids[i]` lists them where the row has penalties (elsewhere unused)."""
+        greedy = [p.is_greedy for p in params]
+        sampled = [p for p in params if not p.is_greedy]
+        return cls(
+            temperature=torch.tensor([1.0 if p.is_greedy else p.temperature for p in params]),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool),
+            all_greedy=all(greedy),
+            top_k=_row_param([_top_k(p, vocab_size) for p in params], any(
+                0 < p.top_k < vocab_size for p in sampled), torch.int64),
+            top_p=_row_param([1.0 if p.is_greedy else p.top_p for p in params], any(
+                p.top_p < 1.0 for p in sampled), torch.float32),
+            min_p=_row_param([0.0 if p.is_greedy else p.min_p for p in params], any(
+                p.min_p > 0.0 for p in sampled), torch.float32),
+            presence_penalty=_row_param([p.presence_penalty for p in params], any(
+                p.has_penalties for p in params), torch.float32),
+            frequency_penalty=_row_param([p.frequency_penalty for p in params], any(
+                p.has_penalties for p in params), torch.float32),
+            output_token_ids=_padded_outputs(params, output_token_ids, vocab_size),
+            seeds={i: _row_seed(p.seed, n) for i, (p, n) in enumerate(
+                zip(params, num_output_tokens, strict=True)) if p.seed is not None
+                and not p.is_greedy},
+            num_logprobs=[p.logprobs for p in params],
+        )  # fmt: skip
+
+
+def _top_k(p: SamplingParams, vocab_size: int) -> int:
+    return p.top_k if 0 < p.top_k < vocab_size and not p.is_greedy else vocab_size
+
+
+def _row_param(
+    values: list[float] | list[int], used: bool, dtype: torch.dtype
+) -> torch.Tensor | None:
+    return torch.tensor(values, dtype=dtype) if used else None
+
+
+def _row_seed(seed: int, token_index: int) -> int:
+    return (seed * _SEED_MIX + token_index) % (2**63)
+
+
+def _padded_outputs(
+    params: Sequence[SamplingParams], outputs: Sequence[list[int]], vocab_size: int
+) -> torch.Tensor | None:
+    if not any(p.has_penalties for p in params):
+        return None
+    width = max(1, max(len(o) for o in outputs))
+    return torch.tensor([o + [vocab_size] * (width - len(o)) for o in outputs], dtype=torch.int64)
+
+
+class Sampler:
+    """Turns fp32 logits [N, V] into one token per row (plus logprobs where asked)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = torch.Generator()
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = apply_penalties(logits.float(), batch)  # [N, V]
+        if batch.all_greedy:
+            processed, tokens = logits, logits.argmax(dim=-1)
+        else:
+            processed = self._filter(logits / batch.temperature.unsqueeze(1), batch)
+            tokens = torch.where(
+                batch.is_greedy, processed.argmax(dim=-1), self._draw(processed, batch)
+            )
+        token_list: list[int] = tokens.tolist()
+        return SamplerOutput(token_list, _logprobs(processed, tokens, batch.num_logprobs))
+
+    def _filter(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.top_p is not None:
+            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        elif batch.top_k is not None:
+            logits = apply_top_k(logits, batch.top_k)
+        if batch.min_p is not None:
+            logits = apply_min_p(logits, batch.min_p)
+        return logits
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        probs = logits.softmax(dim=-1)  # [N, V]
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed in batch.seeds.items():
+            q[row].exponential_(generator=torch.Generator().manual_seed(seed))
+        return (probs / q.clamp_(min=_TINY)).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits -= frequency * count + presence * (count > 0), counts over output tokens."""
+    if batch.output_token_ids is None:
+        return logits
+    assert batch.presence_penalty is not None and batch.frequency_penalty is not None
+    n, v = logits.shape
+    ids = batch.output_token_ids  # [N, L], padded with V
+    counts = torch.zeros(n, v + 1, dtype=logits.dtype).scatter_add_(
+        1, ids, torch.ones_like(ids, dtype=logits.dtype)
+    )[:, :v]  # [N, V]
+    penalty = batch.frequency_penalty.unsqueeze(1) * counts
+    penalty += batch.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits - penalty
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k largest logits (ties at the k-th value are kept)."""
+    active = (top_k < logits.shape[1]).unsqueeze(1)  # [N, 1]
+    k_max = int(top_k.masked_fill(~active.squeeze(1), 1).max())
+    top_values = logits.topk(k_max, dim=-1).values  # [N, k_max]
+    threshold = top_values.gather(1, (top_k.clamp(max=k_max) - 1).unsqueeze(1))  # [N, 1]
+    threshold = threshold.masked_fill(~active, float("-inf"))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k, then the smallest set of tokens whose probability reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # [N, V] ascending
+    if top_k is not None:
+        cut = (logits.shape[1] - top_k).unsqueeze(1)  # index of each row's k-th largest
+        sorted_logits.masked_fill_(sorted_logits < sorted_logits.gather(1, cut), float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
+    drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # always keep the most likely token
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(dim=-1)  # [N, V]
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [N, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _logprobs(
+    processed: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
+) -> list[TokenLogprobs | None]:
+    if all(n is None for n in wanted):
+        return [None] * len(wanted)
+    logprobs = processed.log_softmax(dim=-1)  # [N, V]
+    chosen: list[float] = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    k = max(n or 0 for n in wanted)
+    top = logprobs.topk(k, dim=-1) if k else None
+    top_ids: list[list[int]] = top.indices.tolist() if top is not None else [[]] * len(wanted)
+    top_lps: list[list[float]] = top.values.tolist() if top is not None else [[]] * len(wanted)
+    token_list: list[int] = tokens.tolist()
+    return [
+        None
+        if n is None
+        else TokenLogprobs(token_list[i], chosen[i], top_ids[i][:n], top_lps[i][:n])
+        for i, n in enumerate(wanted)
+    ]

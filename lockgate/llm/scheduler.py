@@ -1,0 +1,189 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+Each step spends a token budget (`max_num_batched_tokens`) over at most `max_num_seqs`
+sequences: running decodes first (one token each), then prompts already being prefilled,
+then waiting sequences in arrival order. Long prompts are cut into chunks that fit the
+remaining budget (chunked prefill). When KV blocks run out, the newest running sequence is
+preempted: its blocks are freed and it is recomputed later from the front of the queue.
+
+Pure bookkeeping: no tensors here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lockgate.errors import BadRequest, TooManyRequests
+from lockgate.llm.engine_config import EngineConfig
+from lockgate.llm.kv_cache import BlockManager
+from lockgate.llm.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class QueueFull(TooManyRequests):
+    """The waiting queue is at `max_waiting`: the request is refused before it queues."""
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    start: int  # position of the first token computed this step
+    num_tokens: int  # tokens computed this step
+    needs_logits: bool  # this step reaches the sequence's last token: sample the next one
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    expired: list[Sequence] = field(default_factory=list)  # finished by deadline this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class _Budget:
+    tokens: int
+    now: float
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set; the only writer of `Sequence.status`."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.sequences: dict[str, Sequence] = {}  # unfinished, by id
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; QueueFull when `max_waiting` sequences already wait."""
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(
+                f"{len(self.waiting)} requests are waiting (max_waiting)", retry_after=1.0
+            )
+        if seq.seq_id in self.sequences:
+            raise BadRequest(f"request id {seq.seq_id!r} is already in use")
+        if not 0 < seq.num_tokens < self.config.max_model_len:
+            raise BadRequest(
+                f"prompt has {seq.num_tokens} tokens; it must have between 1 and "
+                f"{self.config.max_model_len - 1} (max_model_len {self.config.max_model_len})"
+            )
+        self.waiting.append(seq)
+        self.sequences[seq.seq_id] = seq
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Finish a sequence at once and free its blocks; None if it is unknown or done."""
+        seq = self.sequences.get(seq_id)
+        if seq is not None:
+            self.finish(seq, FinishReason.ABORT)
+        return seq
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.sequences.pop(seq.seq_id, None)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._expire(now, out)
+        may_admit = self.config.continuous_batching or not self.running
+        budget = _Budget(self.config.max_num_batched_tokens, now)
+        self._schedule_decodes(budget, out)
+        self._schedule_partial_prefills(budget, out)
+        if may_admit:
+            self._admit(budget, out)
+        return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After the step ran: advance progress and publish newly full blocks."""
+        for s in out.scheduled:
+            if not s.seq.is_finished:  # not aborted while the step ran
+                s.seq.num_computed_tokens += s.num_tokens
+                self.block_manager.cache_blocks(s.seq)
+
+    def _expire(self, now: float, out: SchedulerOutput) -> None:
+        for seq in [*self.running, *self.waiting]:
+            if seq.expired(now):
+                self.finish(seq, FinishReason.DEADLINE)
+                out.expired.append(seq)
+
+    def _schedule_decodes(self, budget: _Budget, out: SchedulerOutput) -> None:
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefill:
+                continue  # preempted by an older sequence, or still prefilling
+            if budget.tokens == 0:
+                return
+            if self._make_room(seq, out):
+                self.block_manager.may_append(seq)
+                self._schedule(seq, 1, budget, out)
+
+    def _schedule_partial_prefills(self, budget: _Budget, out: SchedulerOutput) -> None:
+        for seq in self.running:
+            if seq.is_prefill and budget.tokens > 0:
+                self._schedule(seq, self._chunk(seq, budget.tokens), budget, out)
+
+    def _admit(self, budget: _Budget, out: SchedulerOutput) -> None:
+        bm, continuous = self.block_manager, self.config.continuous_batching
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if continuous and budget.tokens == 0:
+                return
+            uncomputed = seq.num_tokens - bm.num_cached_prefix_tokens(seq)
+            if continuous and self._chunk_size(uncomputed, budget.tokens) == 0:
+                return  # chunked prefill off and the prompt does not fit whole
+            if not bm.can_allocate(seq):
+                return
+            self.waiting.popleft()
+            bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._schedule(seq, self._chunk(seq, budget.tokens), budget, out)
+
+    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences until `seq` can append; False if it was one."""
+        while not self.block_manager.can_append(seq):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        seq.timings.num_preemptions += 1
+        out.preempted.append(seq.seq_id)
+
+    def _chunk(self, seq: Sequence, budget_tokens: int) -> int:
+        return self._chunk_size(seq.num_uncomputed_tokens, budget_tokens)
+
+    def _chunk_size(self, uncomputed: int, budget_tokens: int) -> int:
+        if uncomputed <= budget_tokens:
+            return uncomputed
+        return budget_tokens if self.config.enable_chunked_prefill else 0
+
+    def _schedule(self, seq: Sequence, n: int, budget: _Budget, out: SchedulerOutput) -> None:
+        if n == 0:
+            return
+        end = seq.num_computed_tokens + n
+        out.scheduled.append(
+            ScheduledSequence(seq, seq.num_computed_tokens, n, end == seq.num_tokens)
+        )
+        budget.tokens -= n
+        seq.timings.record_scheduled(budget.now)

@@ -1,0 +1,157 @@
+"""One generation request as the engine tracks it: tokens, progress, blocks and limits.
+
+Only the scheduler changes a sequence's status. Everything here is plain Python.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from lockgate.errors import BadRequest
+from lockgate.llm.metrics import RequestTimings
+
+
+class InvalidSamplingParams(BadRequest, ValueError):
+    """A sampling parameter is out of range (HTTP 400)."""
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled or client disconnected
+    DEADLINE = "deadline"  # deadline passed before the request finished
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. Validated on construction."""
+
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # number of top alternatives to report per token
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        problems = self._problems()
+        if problems:
+            raise InvalidSamplingParams("invalid sampling parameters: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        checks = [
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= -1, "top_k must be -1, 0 (off) or a positive count"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
+        ]
+        return [message for ok, message in checks if not ok]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request's tokens (prompt then output), its progress and its KV blocks."""
+
+    seq_id: str
+    token_ids: list[int]  # prompt followed by output
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: float
+    deadline: float | None = None  # time.monotonic() seconds
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of the prompt, tokens served by the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    num_hashed_blocks: int = 0  # leading blocks already offered to the prefix cache
+    output_text: str = ""
+    num_emitted_chars: int = 0  # of output_text, already returned to the client
+    timings: RequestTimings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timings = RequestTimings(
+            arrival=self.arrival, num_prompt_tokens=self.num_prompt_tokens
+        )
+
+    @classmethod
+    def from_prompt(
+        cls,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        deadline: float | None = None,
+    ) -> Sequence:
+        prompt = list(prompt_token_ids)
+        return cls(seq_id, prompt, len(prompt), params, arrival, deadline)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than the last token still needs computing (a prompt or a recompute)."""
+        return len(self.token_ids) - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline

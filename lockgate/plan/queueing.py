@@ -1,0 +1,274 @@
+"""Queueing models for capacity planning: pure math, no I/O.
+
+Times are in seconds and rates in requests per second throughout.
+
+- Little's law: L = lambda * W.
+- M/M/1: the response time is exponential with rate mu - lambda, so its p-quantile is
+  -ln(1 - p) / (mu - lambda); for p = 0.99 that is ln(100) * S / (1 - rho) ~= 4.6 S / (1 - rho).
+- M/D/1: the mean wait is Pollaczek-Khinchine's rho * S / (2 (1 - rho)). Quantiles use the
+  exact waiting-time distribution of Erlang (1909), also known as Crommelin's formula:
+      P(W <= t) = (1 - rho) * sum_{k=0}^{floor(t/S)} (lambda (k S - t))^k / k! * e^{-lambda (k S - t)}
+  The alternating terms grow like e^{lambda t}, so the sum runs in decimal arithmetic with
+  enough digits to cancel exactly. The response time is W + S (service is deterministic).
+- M/M/c: Erlang C gives P(wait); the wait is 0 with probability 1 - C, else exponential with
+  rate c mu - lambda. The response time adds an independent Exp(mu) service, whose tail has
+  a closed form (a hypoexponential mix), so its quantile is found by bisection, no
+  approximation beyond the model itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from decimal import Decimal, localcontext
+
+from lockgate.errors import BadRequest
+
+P99 = 0.99
+
+
+def _check_rates(arrival_rate: float, service_rate: float, servers: int = 1) -> None:
+    if not (arrival_rate >= 0 and math.isfinite(arrival_rate)):
+        raise BadRequest(f"arrival rate must be a finite number >= 0, got {arrival_rate}")
+    if not (service_rate > 0 and math.isfinite(service_rate)):
+        raise BadRequest(f"service rate must be a finite number > 0, got {service_rate}")
+    if servers < 1:
+        raise BadRequest(f"the number of servers must be >= 1, got {servers}")
+    if arrival_rate >= servers * service_rate:
+        raise BadRequest(
+            f"unstable queue: arrival rate {arrival_rate:g}/s >= capacity "
+            f"{servers * service_rate:g}/s (utilization must stay below 1)"
+        )
+
+
+def _check_quantile(p: float) -> None:
+    if not 0 < p < 1:
+        raise BadRequest(f"quantile must be in (0, 1), got {p}")
+
+
+def littles_law(arrival_rate: float, time_in_system: float) -> float:
+    """L = lambda * W: the mean number in the system."""
+    return arrival_rate * time_in_system
+
+
+def bisect_increasing(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
+    """The x in [lo, hi] where the increasing function f reaches target (hi grows if needed)."""
+    for _ in range(200):
+        if f(hi) >= target:
+            break
+        lo, hi = hi, hi * 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if f(mid) >= target:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * max(hi, 1e-12):
+            break
+    return hi
+
+
+@dataclass(frozen=True, slots=True)
+class MM1:
+    """Poisson arrivals, exponential service, one server."""
+
+    arrival_rate: float
+    service_rate: float
+
+    def __post_init__(self) -> None:
+        _check_rates(self.arrival_rate, self.service_rate)
+
+    @property
+    def utilization(self) -> float:
+        return self.arrival_rate / self.service_rate
+
+    @property
+    def mean_wait(self) -> float:
+        return self.utilization / (self.service_rate - self.arrival_rate)
+
+    @property
+    def mean_response(self) -> float:
+        return 1.0 / (self.service_rate - self.arrival_rate)
+
+    def response_quantile(self, p: float = P99) -> float:
+        _check_quantile(p)
+        return -math.log1p(-p) / (self.service_rate - self.arrival_rate)
+
+    def wait_quantile(self, p: float = P99) -> float:
+        """P(Wq > t) = rho e^{-(mu - lambda) t}."""
+        _check_quantile(p)
+        rho = self.utilization
+        if rho <= 1 - p:
+            return 0.0
+        return math.log(rho / (1 - p)) / (self.service_rate - self.arrival_rate)
+
+
+@dataclass(frozen=True, slots=True)
+class MD1:
+    """Poisson arrivals, deterministic service time S, one server."""
+
+    arrival_rate: float
+    service_time: float
+
+    def __post_init__(self) -> None:
+        if not self.service_time > 0:
+            raise BadRequest(f"service time must be > 0, got {self.service_time}")
+        _check_rates(self.arrival_rate, 1.0 / self.service_time)
+
+    @property
+    def utilization(self) -> float:
+        return self.arrival_rate * self.service_time
+
+    @property
+    def mean_wait(self) -> float:
+        """Pollaczek-Khinchine: rho / (2 mu (1 - rho))."""
+        rho = self.utilization
+        return rho * self.service_time / (2 * (1 - rho))
+
+    @property
+    def mean_response(self) -> float:
+        return self.mean_wait + self.service_time
+
+    def wait_cdf(self, t: float) -> float:
+        """P(W <= t), exact (Erlang's formula, evaluated in decimal arithmetic)."""
+        if t < 0:
+            return 0.0
+        lam, s = self.arrival_rate, self.service_time
+        n = math.floor(t / s)
+        with localcontext() as ctx:
+            ctx.prec = 30 + math.ceil(lam * t / math.log(10)) + len(str(n))
+            total = Decimal(0)
+            lam_d, s_d, t_d = Decimal(lam), Decimal(s), Decimal(t)
+            factorial = Decimal(1)
+            for k in range(n + 1):
+                if k:
+                    factorial *= k
+                x = lam_d * (k * s_d - t_d)  # <= 0
+                power = x**k if k else Decimal(1)  # Decimal refuses 0 ** 0
+                total += power / factorial * (-x).exp()
+            value = float(total * Decimal(1 - self.utilization))
+        return min(1.0, max(0.0, value))
+
+    def wait_quantile(self, p: float = P99) -> float:
+        _check_quantile(p)
+        if self.wait_cdf(0.0) >= p:
+            return 0.0
+        return bisect_increasing(self.wait_cdf, p, 0.0, self.service_time)
+
+    def response_quantile(self, p: float = P99) -> float:
+        return self.wait_quantile(p) + self.service_time
+
+    def tail_decay_rate(self) -> float:
+        """theta with lambda (e^{theta S} - 1) = theta: P(W > t) ~ C e^{-theta t} for large t."""
+        lam, s = self.arrival_rate, self.service_time
+        if lam == 0:
+            return math.inf
+
+        def g(theta: float) -> float:
+            return theta - lam * math.expm1(theta * s)  # > 0 between 0 and the root
+
+        lo, hi = 1e-12 / s, 1.0 / s
+        while g(hi) > 0:
+            lo, hi = hi, hi * 2
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if g(mid) > 0 else (lo, mid)
+        return (lo + hi) / 2
+
+
+def erlang_c(servers: int, offered_load: float) -> float:
+    """Probability that an arrival waits in M/M/c with c servers and a = lambda/mu Erlangs."""
+    if servers < 1:
+        raise BadRequest(f"the number of servers must be >= 1, got {servers}")
+    if not 0 <= offered_load < servers:
+        raise BadRequest(f"offered load must be in [0, {servers}), got {offered_load}")
+    erlang_b = 1.0
+    for k in range(1, servers + 1):
+        erlang_b = offered_load * erlang_b / (k + offered_load * erlang_b)
+    return servers * erlang_b / (servers - offered_load * (1 - erlang_b))
+
+
+@dataclass(frozen=True, slots=True)
+class MMc:
+    """Poisson arrivals, exponential service at rate mu per server, c servers, one queue."""
+
+    arrival_rate: float
+    service_rate: float
+    servers: int
+
+    def __post_init__(self) -> None:
+        _check_rates(self.arrival_rate, self.service_rate, self.servers)
+
+    @property
+    def utilization(self) -> float:
+        return self.arrival_rate / (self.servers * self.service_rate)
+
+    @property
+    def prob_wait(self) -> float:
+        return erlang_c(self.servers, self.arrival_rate / self.service_rate)
+
+    @property
+    def _drain_rate(self) -> float:
+        return self.servers * self.service_rate - self.arrival_rate
+
+    @property
+    def mean_wait(self) -> float:
+        return self.prob_wait / self._drain_rate
+
+    @property
+    def mean_response(self) -> float:
+        return self.mean_wait + 1.0 / self.service_rate
+
+    def wait_tail(self, t: float) -> float:
+        """P(W > t) = C e^{-(c mu - lambda) t}."""
+        return self.prob_wait * math.exp(-self._drain_rate * t)
+
+    def wait_quantile(self, p: float = P99) -> float:
+        _check_quantile(p)
+        c = self.prob_wait
+        if c <= 1 - p:
+            return 0.0
+        return math.log(c / (1 - p)) / self._drain_rate
+
+    def response_tail(self, t: float) -> float:
+        """P(W + S > t) with W as above and S ~ Exp(mu) independent of W."""
+        mu, gamma, c = self.service_rate, self._drain_rate, self.prob_wait
+        if abs(gamma - mu) < 1e-12 * mu:
+            both = (1 + mu * t) * math.exp(-mu * t)
+        else:
+            both = (gamma * math.exp(-mu * t) - mu * math.exp(-gamma * t)) / (gamma - mu)
+        return (1 - c) * math.exp(-mu * t) + c * both
+
+    def response_quantile(self, p: float = P99) -> float:
+        _check_quantile(p)
+        return bisect_increasing(
+            lambda t: 1 - self.response_tail(t), p, 0.0, 1.0 / self.service_rate
+        )
+
+
+def max_utilization(p99_at: Callable[[float], float], slo: float) -> float:
+    """The largest utilization rho in [0, 1) whose p99 response time stays within slo.
+
+    `p99_at(rho)` must increase with rho. Returns 0.0 when even an idle server misses the SLO.
+    """
+    if p99_at(0.0) > slo:
+        return 0.0
+    lo, hi = 0.0, 1.0 - 1e-9
+    if p99_at(hi) <= slo:
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if p99_at(mid) <= slo:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-7:
+            break
+    return lo
+
+
+def mm1_max_utilization(service_time: float, slo: float, p: float = P99) -> float:
+    """Closed form: -ln(1-p) S / (1 - rho) <= slo  =>  rho <= 1 + ln(1-p) S / slo."""
+    _check_quantile(p)
+    return max(0.0, 1.0 + math.log1p(-p) * service_time / slo)

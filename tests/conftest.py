@@ -1,0 +1,182 @@
+"""Shared fixtures: model repositories built on the fly and real servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_server(
+    repository: Path,
+    tmp: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    ready_timeout: float = 180.0,
+    wait_ready: bool = True,
+) -> RunningServer:
+    port = free_port()
+    log_path = tmp / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "lockgate.cli", "serve", str(repository), "--port", str(port)]
+    full_env = {**os.environ, **(env or {})}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT
+        )
+    server = RunningServer(process, port, log_path)
+    deadline = time.monotonic() + ready_timeout
+    path = "/v2/health/ready" if wait_ready else "/v2/health/live"
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.url + path, timeout=1.0).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"server not ready in {ready_timeout} s:\n{server.log()}")
+
+
+# -- repositories ----------------------------------------------------------------------
+
+FAULTY_MODEL = '''
+import time
+import numpy as np
+
+class Model:
+    """Doubles its input. Raises on every `fail_every`-th batch of values >= 1000 (warmup and
+    profiling send small values); sleeps when asked."""
+
+    def load(self, config, version_dir):
+        self.fail_every = int(config.parameters.get("fail_every", "0"))
+        self.batches = 0
+
+    def infer(self, inputs):
+        x = inputs["x"]
+        if float(x.flat[0]) >= 1000:
+            self.batches += 1
+        if self.fail_every and x.flat[0] >= 1000 and self.batches % self.fail_every == 0:
+            raise RuntimeError(f"injected failure on batch {self.batches}")
+        delay = float(np.max(inputs["delay"])) if "delay" in inputs else 0.0
+        if delay > 0:
+            time.sleep(delay)
+        return {"y": x * 2}
+'''
+
+
+def _write_python_model(repo: Path, name: str, parameters: dict[str, str], extra: str = "") -> None:
+    folder = repo / name
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(FAULTY_MODEL)
+    params = "".join(f"\n  {k}: \"{v}\"" for k, v in parameters.items())
+    (folder / "config.yaml").write_text(
+        textwrap.dedent(
+            f"""\
+            backend: python
+            max_batch_size: 8
+            inputs:
+              - {{name: x, datatype: FP32, dims: [4]}}
+              - {{name: delay, datatype: FP32, dims: [1], optional: true}}
+            outputs:
+              - {{name: y, datatype: FP32, dims: [4]}}
+            """
+        )
+        + (f"parameters:{params}\n" if parameters else "")
+        + extra
+    )
+
+
+@pytest.fixture(scope="session")
+def demo_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled demo repository (classic models), built once per session."""
+    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
+
+    cache = Path(os.environ.get("LOCKGATE_CACHE_DIR", tmp_path_factory.mktemp("cache")))
+    classic = [m for m in DEMO_MODELS if m.name in ("digits_onnx", "digits_sklearn", "minilm")]
+    return build_demo_repository(cache / "demo-test", models=classic)
+
+
+@pytest.fixture(scope="session")
+def test_repo(tmp_path_factory: pytest.TempPathFactory, demo_repo: Path) -> Path:
+    """Demo models plus small python models that fail, hang or sleep on request."""
+    repo = tmp_path_factory.mktemp("repo")
+    for model in ("digits_onnx", "digits_sklearn", "minilm"):
+        shutil.copytree(demo_repo / model, repo / model)
+    _write_python_model(repo, "echo", {})
+    _write_python_model(repo, "faulty", {"fail_every": "10"})
+    _write_python_model(
+        repo,
+        "slow",
+        {},
+        "dynamic_batching: {max_queue_size: 4, priority_levels: 2, default_priority_level: 2}\n",
+    )
+    broken = repo / "broken"
+    (broken / "1").mkdir(parents=True)
+    (broken / "1" / "model.onnx").write_bytes(b"this is not an onnx file")
+    (broken / "config.yaml").write_text("backend: onnxruntime\nmax_batch_size: 4\n")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(test_repo, tmp_path_factory.mktemp("server"), "--no-llm")
+    yield running
+    running.stop()
+
+
+def digits_rows(n: int) -> np.ndarray:
+    from sklearn.datasets import load_digits
+
+    x = load_digits().data[:n] / 16.0
+    return x.astype(np.float32)

@@ -1,0 +1,381 @@
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from lockgate.core.config import DynamicBatching, TensorSpec, VersionPolicyKind
+from lockgate.core.config_files import (
+    check_warmup_inputs,
+    load_model_config,
+    normalize_datatype,
+    parse_pbtxt_config,
+    parse_yaml_config,
+)
+from lockgate.errors import ConfigError
+
+FULL_YAML = """
+name: digits
+backend: onnxruntime
+max_batch_size: 64
+inputs:
+  - {name: input, datatype: FP32, dims: [64]}
+  - {name: mask, datatype: TYPE_BOOL, dims: [-1], optional: true}
+outputs:
+  - {name: label, datatype: INT64, dims: []}
+dynamic_batching:
+  max_queue_delay_us: 500
+  preferred_batch_sizes: [16, 8]
+  max_queue_size: 100
+  default_timeout_us: 20000
+  priority_levels: 2
+  default_priority_level: 1
+latency_slo_ms: 20
+instance_count: 2
+version_policy: {latest: {num_versions: 2}}
+warmup:
+  - {name: zeros, batch_size: 8, count: 3, inputs: {input: zero}}
+parameters: {intra_op_threads: 2, fast: true, mode: x}
+default_model_filename: weights.onnx
+"""
+
+
+X1 = "{name: x, datatype: FP32, dims: [1]}"
+BATCH8 = "backend: python\nmax_batch_size: 8\n"
+
+
+def write(folder: Path, filename: str, text: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / filename).write_text(text)
+    return folder
+
+
+def yaml_error(text: str, folder: str = "m") -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        parse_yaml_config(text, path="repo/m/config.yaml", folder=folder)
+    assert info.value.path == "repo/m/config.yaml"
+    assert "repo/m/config.yaml" in str(info.value)
+    return info.value
+
+
+def test_full_yaml(tmp_path: Path) -> None:
+    config = load_model_config(write(tmp_path / "digits", "config.yaml", FULL_YAML))
+    assert config.name == "digits" and config.backend == "onnxruntime"
+    assert config.max_batch_size == 64
+    assert config.inputs == (
+        TensorSpec("input", "FP32", (64,)),
+        TensorSpec("mask", "BOOL", (-1,), optional=True),
+    )
+    assert config.outputs == (TensorSpec("label", "INT64", ()),)
+    assert config.dynamic_batching == DynamicBatching(
+        max_queue_delay_us=500,
+        preferred_batch_sizes=(8, 16),
+        max_queue_size=100,
+        default_timeout_us=20000,
+        priority_levels=2,
+        default_priority_level=1,
+    )
+    assert config.latency_slo_ms == 20.0
+    assert config.instance_count == 2
+    assert config.version_policy.kind is VersionPolicyKind.LATEST
+    assert config.version_policy.num_versions == 2
+    assert config.warmup[0].batch_size == 8 and config.warmup[0].count == 3
+    assert config.warmup[0].inputs == {"input": "zero"}
+    assert config.parameters == {"intra_op_threads": "2", "fast": "true", "mode": "x"}
+    assert config.default_model_filename == "weights.onnx"
+    assert config.source == str(tmp_path / "digits" / "config.yaml")
+
+
+def test_minimal_yaml_defaults() -> None:
+    config = parse_yaml_config("backend: sklearn\ninput: []\n", path="c.yaml", folder="iris")
+    assert config.name == "iris"
+    assert config.max_batch_size == 0 and config.dynamic_batching is None
+    assert config.instance_count == 1 and config.latency_slo_ms is None
+
+
+def test_yaml_preferred_over_pbtxt(tmp_path: Path) -> None:
+    folder = write(tmp_path / "m", "config.yaml", "backend: python\n")
+    write(folder, "config.pbtxt", 'backend: "onnxruntime"\n')
+    assert load_model_config(folder).backend == "python"
+
+
+def test_version_policies() -> None:
+    all_ = parse_yaml_config("backend: python\nversion_policy: {all: {}}", path="c", folder="m")
+    assert all_.version_policy.kind is VersionPolicyKind.ALL
+    text = "backend: python\nversion_policy: {specific: {versions: [1, 3]}}"
+    specific = parse_yaml_config(text, path="c", folder="m")
+    assert specific.version_policy.kind is VersionPolicyKind.SPECIFIC
+    assert specific.version_policy.select([1, 2, 3]) == [3, 1]
+
+
+def test_instance_group_counts_are_summed() -> None:
+    text = "backend: python\ninstance_group: [{count: 2, kind: KIND_CPU}, {count: 1}]"
+    assert parse_yaml_config(text, path="c", folder="m").instance_count == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "fragment"),
+    [
+        ("backend: tensorflow", "backend", "unknown backend"),
+        ("max_batch_size: 1", "backend", "missing"),
+        ("backend: python\nmax_batch_size: -1", "max_batch_size", ">= 0"),
+        ("backend: python\nmax_batch_size: yes", "max_batch_size", "integer"),
+        ("backend: python\nname: other", "name", "does not match"),
+        ("backend: python\nlatency_slo_ms: 0", "latency_slo_ms", "> 0"),
+        ("backend: python\nlatency_slo_ms: -5", "latency_slo_ms", "> 0"),
+        ("backend: python\ninstance_count: 0", "instance_count", ">= 1"),
+        ("backend: python\nbatch_size: 4", "batch_size", "unknown key"),
+        (
+            "backend: python\ninputs: [{name: x, datatype: FLOAT99, dims: [1]}]",
+            "inputs[0].datatype",
+            "unknown datatype",
+        ),
+        ("backend: python\ninputs: [{name: x, datatype: FP32, dims: 3}]", "inputs[0].dims", "list"),
+        (
+            "backend: python\ninputs: [{name: x, datatype: FP32, dims: [-2]}]",
+            "inputs[0].dims",
+            ">= -1",
+        ),
+        (
+            "backend: python\ninputs: [{name: x, datatype: FP32, dims: [1.5]}]",
+            "inputs[0].dims",
+            "integers",
+        ),
+        (
+            "backend: python\ninputs: [{name: x, datatype: FP32, dims: [true]}]",
+            "inputs[0].dims",
+            "integers",
+        ),
+        (
+            "backend: python\ninputs: [{name: x, datatype: FP32, dims: [1], shape: [1]}]",
+            "inputs[0].shape",
+            "unknown key",
+        ),
+        (
+            f"backend: python\ninputs: [{X1}, {X1}]",
+            "inputs[1].name",
+            "duplicate",
+        ),
+        ("backend: python\ninput: []\ninputs: []", "inputs", "not both"),
+        (
+            BATCH8 + "dynamic_batching: {preferred_batch_sizes: [4, 16]}",
+            "dynamic_batching.preferred_batch_sizes",
+            "exceeds max_batch_size",
+        ),
+        (
+            "backend: python\nmax_batch_size: 8\ndynamic_batching: {max_queue_delay: 5}",
+            "dynamic_batching.max_queue_delay",
+            "unknown key",
+        ),
+        (
+            "backend: python\nmax_batch_size: 8\ndynamic_batching: {max_queue_size: 0}",
+            "dynamic_batching.max_queue_size",
+            ">= 1",
+        ),
+        (
+            BATCH8 + "dynamic_batching: {priority_levels: 2, default_priority_level: 3}",
+            "dynamic_batching.default_priority_level",
+            "<= priority_levels",
+        ),
+        ("backend: python\ndynamic_batching: {}", "dynamic_batching", "max_batch_size > 0"),
+        ("backend: python\nversion_policy: {newest: {}}", "version_policy.newest", "unknown key"),
+        (
+            "backend: python\nversion_policy: {latest: {num_versions: 0}}",
+            "version_policy.latest.num_versions",
+            ">= 1",
+        ),
+        (
+            "backend: python\nversion_policy: {specific: {versions: []}}",
+            "version_policy.specific.versions",
+            "at least one",
+        ),
+        ("backend: python\nversion_policy: {all: {}, latest: {}}", "version_policy", "exactly one"),
+        (
+            "backend: python\nmax_batch_size: 4\nwarmup: [{batch_size: 8}]",
+            "warmup[0].batch_size",
+            "exceeds",
+        ),
+        ("backend: python\nwarmup: [{inputs: {x: ones}}]", "warmup[0].inputs.x", "zero"),
+        (
+            f"backend: python\ninputs: [{X1}]\nwarmup: [{{inputs: {{y: zero}}}}]",
+            "warmup[0].inputs.y",
+            "no input",
+        ),
+        ("backend: python\nparameters: {a: [1, 2]}", "parameters.a", "scalar"),
+        (
+            "backend: python\ndefault_model_filename: ../x.onnx",
+            "default_model_filename",
+            "plain file name",
+        ),
+        (
+            "backend: python\ninstance_group: [{count: 1, kind: KIND_TPU}]",
+            "instance_group[0].kind",
+            "unknown kind",
+        ),
+        ("backend: python\ninstance_count: 1\ninstance_group: []", "instance_count", "not both"),
+        ("- backend: python", "config", "mapping"),
+    ],
+)
+def test_yaml_errors_name_the_field(text: str, field: str, fragment: str) -> None:
+    error = yaml_error(text)
+    assert error.field == field
+    assert fragment in error.problem
+
+
+def test_yaml_syntax_error_has_line() -> None:
+    error = yaml_error("backend: python\nmax_batch_size: [1,\n  inputs: {\n")
+    assert error.field == "yaml"
+    assert "line" in error.problem
+
+
+def test_missing_config(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_model_config(tmp_path)
+    assert info.value.field == "config"
+
+
+def test_datatype_names() -> None:
+    assert normalize_datatype("TYPE_FP32") == "FP32"
+    assert normalize_datatype("fp16") == "FP16"
+    assert normalize_datatype("TYPE_STRING") == "BYTES"
+    assert normalize_datatype("FLOAT") is None
+
+
+TRITON_CONFIG = """
+name: "resnet"
+platform: "onnxruntime_onnx"
+max_batch_size: 16
+input [
+  {
+    name: "input__0"
+    data_type: TYPE_FP32
+    format: FORMAT_NCHW
+    dims: [ 3, 224, 224 ]
+    reshape { shape: [ 1, 3, 224, 224 ] }
+  }
+]
+output [
+  { name: "probs", data_type: TYPE_FP32, dims: [ 1000 ] },
+  { name: "names", data_type: TYPE_STRING, dims: [ -1 ] }
+]
+instance_group [ { count: 2 kind: KIND_CPU }, { count: 1 kind: KIND_CPU } ]
+dynamic_batching {
+  preferred_batch_size: [ 4, 8 ]
+  max_queue_delay_microseconds: 100
+  preserve_ordering: true
+  default_queue_policy { max_queue_size: 64 default_timeout_microseconds: 5000 }
+  priority_levels: 3
+  default_priority_level: 2
+}
+version_policy: { specific { versions: [ 1, 3 ] } }
+model_warmup [
+  {
+    name: "zeros"
+    batch_size: 4
+    count: 2
+    inputs { key: "input__0" value { data_type: TYPE_FP32 dims: [3, 224, 224] zero_data: true } }
+  },
+  {
+    name: "random"
+    inputs { key: "input__0" value { data_type: TYPE_FP32 dims: [3, 224, 224] random_data: true } }
+  }
+]
+parameters { key: "intra_op_threads" value { string_value: "2" } }
+parameters [ { key: "mode" value: { string_value: "fast" } } ]
+default_model_filename: "resnet.onnx"
+optimization { execution_accelerators { cpu_execution_accelerator: [ { name: "openvino" } ] } }
+response_cache { enable: true }
+"""
+
+
+def test_triton_pbtxt(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        config = parse_pbtxt_config(TRITON_CONFIG, path="r/resnet/config.pbtxt", folder="resnet")
+    assert config.backend == "onnxruntime"
+    assert config.max_batch_size == 16
+    assert config.inputs == (TensorSpec("input__0", "FP32", (3, 224, 224)),)
+    assert config.outputs == (
+        TensorSpec("probs", "FP32", (1000,)),
+        TensorSpec("names", "BYTES", (-1,)),
+    )
+    assert config.instance_count == 3
+    assert config.dynamic_batching == DynamicBatching(
+        max_queue_delay_us=100,
+        preferred_batch_sizes=(4, 8),
+        max_queue_size=64,
+        default_timeout_us=5000,
+        priority_levels=3,
+        default_priority_level=2,
+    )
+    assert config.version_policy.versions == (1, 3)
+    assert [(w.name, w.batch_size, w.count, w.inputs) for w in config.warmup] == [
+        ("zeros", 4, 2, {"input__0": "zero"}),
+        ("random", 1, 1, {"input__0": "random"}),
+    ]
+    assert config.parameters == {"intra_op_threads": "2", "mode": "fast"}
+    assert config.default_model_filename == "resnet.onnx"
+    ignored = " ".join(r.getMessage() for r in caplog.records)
+    assert "optimization" in ignored and "response_cache" in ignored
+    assert "dynamic_batching.preserve_ordering" in ignored
+    assert "reshape" not in ignored  # ignored quietly
+
+
+def test_triton_defaults_keep_queue_bounded() -> None:
+    text = """backend: "python" max_batch_size: 4
+    dynamic_batching { default_queue_policy { max_queue_size: 0 } priority_levels: 0 }"""
+    config = parse_pbtxt_config(text, path="c.pbtxt", folder="m")
+    assert config.batcher.max_queue_size == DynamicBatching().max_queue_size
+    assert config.batcher.priority_levels == 1
+
+
+def test_triton_latest_and_all_policies() -> None:
+    latest = parse_pbtxt_config(
+        'backend: "python" version_policy { latest { num_versions: 2 } }', path="c", folder="m"
+    )
+    assert latest.version_policy.num_versions == 2
+    all_ = parse_pbtxt_config('backend: "python" version_policy: { all { } }', path="c", folder="m")
+    assert all_.version_policy.kind is VersionPolicyKind.ALL
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "fragment"),
+    [
+        ('platform: "tensorflow_savedmodel"', "platform", "unsupported platform"),
+        ('backend: "python" max_batch_size: -2', "max_batch_size", ">= 0"),
+        ('backend: "python" name: "other"', "name", "does not match"),
+        (
+            'backend: "python" input { name: "x" data_type: TYPE_FP99 dims: 1 }',
+            "input[0].data_type",
+            "unknown datatype",
+        ),
+        (
+            'backend: "python" max_batch_size: 2 dynamic_batching { preferred_batch_size: 4 }',
+            "dynamic_batching.preferred_batch_sizes",
+            "exceeds",
+        ),
+        ('backend: "python" instance_group { count: 0 }', "instance_group[0].count", ">= 1"),
+        ('backend: "python" input: "x"', "input[0]", "message"),
+        (
+            'backend: "python" model_warmup { inputs { key: "x" value { input_data_file: "f" } } }',
+            "model_warmup[0].inputs[0].input_data_file",
+            "not supported",
+        ),
+        ('backend: "python"\nmax_batch_size: {', "pbtxt", "line 2"),
+    ],
+)
+def test_pbtxt_errors_name_the_field(text: str, field: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_pbtxt_config(text, path="r/m/config.pbtxt", folder="m")
+    assert info.value.path == "r/m/config.pbtxt"
+    assert info.value.field == field
+    assert fragment in info.value.problem
+
+
+def test_check_warmup_inputs_after_inputs_are_known() -> None:
+    config = parse_yaml_config("backend: onnx\nwarmup: [{inputs: {x: zero}}]", path="c", folder="m")
+    check_warmup_inputs(config)  # no inputs known: nothing to check against
+    from dataclasses import replace
+
+    with pytest.raises(ConfigError, match="no input named 'x'"):
+        check_warmup_inputs(replace(config, inputs=(TensorSpec("y", "FP32", (1,)),)))

@@ -1,0 +1,162 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lockgate.errors import BadRequest
+from lockgate.llm.sampling import (
+    Sampler,
+    SamplingBatch,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_k_top_p,
+)
+from lockgate.llm.sequence import SamplingParams
+
+V = 50
+
+
+def batch_for(
+    params: list[SamplingParams], outputs: list[list[int]] | None = None
+) -> SamplingBatch:
+    outputs = outputs if outputs is not None else [[] for _ in params]
+    return SamplingBatch.build(params, outputs, [len(o) for o in outputs], V)
+
+
+def random_logits(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_rows_are_exactly_argmax() -> None:
+    logits = random_logits(6)
+    params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(temperature=1.5)] * 3
+    out = Sampler(seed=1)(logits, batch_for(params))
+    assert out.token_ids[:3] == logits[:3].argmax(dim=-1).tolist()
+    all_greedy = Sampler(seed=1)(logits, batch_for([SamplingParams(temperature=0.0)] * 6))
+    assert all_greedy.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_ignores_filters() -> None:
+    logits = random_logits(2)
+    params = [SamplingParams(temperature=0.0, top_k=3, top_p=0.1, min_p=0.5)] * 2
+    assert Sampler()(logits, batch_for(params)).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_keeps_exactly_k_per_row() -> None:
+    logits = random_logits(3)
+    top_k = torch.tensor([1, 5, V])
+    out = apply_top_k(logits, top_k)
+    kept = torch.isfinite(out).sum(dim=-1).tolist()
+    assert kept == [1, 5, V]
+    assert torch.equal(
+        out[1].topk(5).indices.sort().values, logits[1].topk(5).indices.sort().values
+    )
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
+    out = apply_top_k_top_p(logits, None, torch.tensor([0.7, 1.0]))
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]
+    assert torch.isfinite(out[1]).all()
+    out = apply_top_k_top_p(logits, torch.tensor([1, 4]), torch.tensor([0.9, 0.5]))
+    assert torch.isfinite(out[0]).tolist() == [True, False, False, False]
+    assert int(torch.isfinite(out[1]).sum()) == 2
+
+
+def test_min_p_drops_tokens_below_the_scaled_top_probability() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    out = apply_min_p(logits, torch.tensor([0.4]))  # threshold 0.2
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]
+
+
+def test_sampled_tokens_respect_filters() -> None:
+    logits = random_logits(64, seed=3)
+    params = [SamplingParams(temperature=2.0, top_k=3)] * 64
+    out = Sampler(seed=0)(logits, batch_for(params))
+    allowed = logits.topk(3, dim=-1).indices.tolist()
+    assert all(t in allowed[i] for i, t in enumerate(out.token_ids))
+
+
+def test_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = torch.log(probs).expand(4000, 3).contiguous()
+    params = [SamplingParams(temperature=1.0)] * 4000
+    batch = SamplingBatch.build(params, [[]] * 4000, [0] * 4000, 3)
+    counts = torch.bincount(torch.tensor(Sampler(seed=7)(logits, batch).token_ids), minlength=3)
+    assert torch.allclose(counts.float() / 4000, probs, atol=0.03)
+
+
+def test_seeded_rows_are_reproducible_and_independent_of_the_batch() -> None:
+    logits = random_logits(4, seed=5)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = Sampler()(logits[2:3], batch_for([seeded]))
+    mixed = Sampler()(logits, batch_for([SamplingParams(temperature=1.0)] * 2 + [seeded] * 2))
+    assert mixed.token_ids[2] == alone.token_ids[0]
+    draws = {Sampler()(logits[2:3], batch_for([seeded])).token_ids[0] for _ in range(5)}
+    assert draws == {alone.token_ids[0]}
+    varied = {
+        Sampler()(logits[2:3], batch_for([SamplingParams(temperature=1.0, seed=s)])).token_ids[0]
+        for s in range(40)
+    }
+    assert len(varied) > 1
+
+
+def test_penalties_subtract_counts_and_presence() -> None:
+    logits = torch.zeros(2, V)
+    params = [
+        SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=1.0),
+        SamplingParams(temperature=0.0),
+    ]
+    batch = batch_for(params, [[3, 3, 7], [3]])
+    out = Sampler()(logits, SamplingBatch.build(params, [[3, 3, 7], [3]], [3, 1], V))
+    penalized = apply_penalties(logits, batch)
+    assert penalized[0, 3] == pytest.approx(-(0.5 * 2 + 1.0))
+    assert penalized[0, 7] == pytest.approx(-(0.5 + 1.0))
+    assert penalized[0, 0] == 0.0 and torch.all(penalized[1] == 0.0)
+    assert out.token_ids[0] not in (3, 7)
+
+
+def test_logprobs_are_top_n_of_the_processed_distribution() -> None:
+    logits = random_logits(3, seed=9)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.5, top_k=4, logprobs=3),
+        SamplingParams(temperature=1.0),
+    ]
+    out = Sampler(seed=0)(logits, batch_for(params))
+    greedy, filtered, none = out.logprobs
+    assert none is None and greedy is not None and filtered is not None
+    expected = logits[0].log_softmax(-1)
+    assert greedy.token_id == out.token_ids[0]
+    assert greedy.logprob == pytest.approx(float(expected.max()), abs=1e-5)
+    assert greedy.top_token_ids == expected.topk(5).indices.tolist()
+    assert len(filtered.top_logprobs) == 3
+    top4 = (logits[1] / 0.5).topk(4).values.log_softmax(-1)
+    assert filtered.top_logprobs == pytest.approx(top4[:3].tolist(), abs=1e-5)
+    assert math.fsum(math.exp(x) for x in top4.tolist()) == pytest.approx(1.0)
+    assert min(abs(filtered.logprob - x) for x in top4.tolist()) < 1e-5  # one of the 4 kept
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -1.0},
+        {"temperature": float("nan")},
+        {"top_p": 0.0},
+        {"top_k": -2},
+        {"min_p": 1.5},
+        {"max_tokens": 0},
+        {"presence_penalty": 3.0},
+        {"logprobs": 21},
+        {"stop": ("",)},
+        {"seed": -1},
+    ],
+)
+def test_invalid_params_raise_a_clear_400(kwargs: dict[str, object]) -> None:
+    with pytest.raises(BadRequest, match="invalid sampling parameters") as err:
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+    assert err.value.status == 400
+    assert isinstance(err.value, ValueError)

@@ -1,0 +1,198 @@
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from lockgate.errors import BadRequest
+from lockgate.llm.engine_config import EngineConfig
+from lockgate.llm.kv_cache import BlockManager
+from lockgate.llm.scheduler import QueueFull, Scheduler, SchedulerOutput
+from lockgate.llm.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+
+
+def make_scheduler(blocks: int = 64, **overrides: object) -> Scheduler:
+    settings: dict[str, object] = {
+        "block_size": 4,
+        "kv_cache_blocks": blocks,
+        "max_model_len": 256,
+        "max_num_batched_tokens": 32,
+        "max_num_seqs": 8,
+    }
+    settings.update(overrides)
+    config = EngineConfig(**settings)  # type: ignore[arg-type]
+    return Scheduler(config, BlockManager(blocks, config.block_size, config.enable_prefix_caching))
+
+
+def make_seq(
+    seq_id: str, prompt_len: int, max_tokens: int = 4, deadline: float | None = None
+) -> Sequence:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    tokens = [(zlib.crc32(seq_id.encode()) + i) % 50 for i in range(prompt_len)]
+    return Sequence.from_prompt(seq_id, tokens, params, arrival=0.0, deadline=deadline)
+
+
+def run_step(sched: Scheduler, now: float = 0.0) -> SchedulerOutput:
+    """One engine step without a model: every sequence that needs logits gets token 1."""
+    out = sched.schedule(now)
+    sched.update(out)
+    for s in out.scheduled:
+        if s.needs_logits:
+            s.seq.append_token(1)
+            if s.seq.num_output_tokens >= s.seq.params.max_tokens:
+                sched.finish(s.seq, FinishReason.LENGTH)
+    sched.block_manager.check_invariants(sched.sequences.values())
+    return out
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 500) -> list[SchedulerOutput]:
+    outs = []
+    while sched.has_unfinished:
+        outs.append(run_step(sched))
+        assert len(outs) < max_steps, "scheduler made no progress"
+    return outs
+
+
+def test_token_budget_and_seq_limit_are_respected() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16, max_num_seqs=3)
+    seqs = [make_seq(f"r{i}", 10, max_tokens=5) for i in range(6)]
+    for seq in seqs:
+        sched.add(seq)
+    for out in run_to_completion(sched):
+        assert out.num_batched_tokens <= 16
+        assert len(out.scheduled) <= 3
+    assert all(s.finish_reason is FinishReason.LENGTH and s.num_output_tokens == 5 for s in seqs)
+    assert sched.block_manager.num_free_blocks == 64
+
+
+def test_chunked_prefill_splits_a_long_prompt_while_decodes_continue() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16)
+    short = make_seq("short", 4, max_tokens=20)
+    sched.add(short)
+    run_step(sched)  # short: prefill done, first token out
+    long = make_seq("long", 50, max_tokens=2)
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < 50:
+        out = run_step(sched)
+        by_id = {s.seq.seq_id: s for s in out.scheduled}
+        assert by_id["short"].num_tokens == 1  # decode kept running
+        chunks.append(by_id["long"].num_tokens)
+        assert by_id["long"].needs_logits == (long.num_computed_tokens == 50)
+    assert chunks == [15, 15, 15, 5]
+    assert long.num_output_tokens == 1
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget() -> None:
+    sched = make_scheduler(
+        blocks=128, max_num_batched_tokens=256, max_model_len=256, enable_chunked_prefill=False
+    )
+    a, b = make_seq("a", 200, max_tokens=3), make_seq("b", 100, max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    out = run_step(sched)
+    assert [(s.seq.seq_id, s.num_tokens) for s in out.scheduled] == [("a", 200)]
+    out = run_step(sched)
+    assert [(s.seq.seq_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 100)]
+
+
+def test_preemption_takes_the_newest_and_it_finishes_later() -> None:
+    # 6 blocks of 4 tokens; three sequences of 7 tokens growing by 6 must collide
+    sched = make_scheduler(blocks=6, max_num_batched_tokens=64)
+    seqs = [make_seq(f"r{i}", 7, max_tokens=6) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    outs = run_to_completion(sched)
+    preempted = [p for out in outs for p in out.preempted]
+    assert preempted and preempted[0] == "r2"
+    assert sched.num_preemptions == len(preempted)
+    assert all(s.num_output_tokens == 6 for s in seqs)
+    assert seqs[2].timings.num_preemptions >= 1
+    assert sched.block_manager.num_free_blocks == 6
+
+
+def test_preempted_sequence_returns_to_the_front_of_the_queue() -> None:
+    sched = make_scheduler(blocks=4, max_num_batched_tokens=64, max_num_seqs=2)
+    a, b, c = make_seq("a", 7, 8), make_seq("b", 7, 8), make_seq("c", 3, 1)
+    for seq in (a, b, c):
+        sched.add(seq)
+    run_step(sched)  # prefill: 7 prompt tokens + 1 output fill two blocks each
+    run_step(sched)
+    out = run_step(sched)  # a and b both need a third block: b is preempted
+    assert out.preempted == ["b"]
+    assert list(sched.waiting) == [b, c]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+
+
+def test_bounded_waiting_queue_refuses_with_queue_full() -> None:
+    sched = make_scheduler(max_waiting=2)
+    sched.add(make_seq("a", 4))
+    sched.add(make_seq("b", 4))
+    with pytest.raises(QueueFull) as err:
+        sched.add(make_seq("c", 4))
+    assert err.value.status == 429 and err.value.retry_after is not None
+
+
+def test_bad_prompts_are_refused() -> None:
+    sched = make_scheduler(max_model_len=16)
+    with pytest.raises(BadRequest, match="max_model_len"):
+        sched.add(make_seq("long", 16))
+    with pytest.raises(BadRequest):
+        sched.add(make_seq("empty", 0))
+    sched.add(make_seq("a", 4))
+    with pytest.raises(BadRequest, match="already in use"):
+        sched.add(make_seq("a", 4))
+
+
+def test_abort_frees_blocks_at_once() -> None:
+    sched = make_scheduler()
+    seq = make_seq("a", 20, max_tokens=50)
+    sched.add(seq)
+    run_step(sched)
+    assert sched.block_manager.num_free_blocks < 64
+    assert sched.abort("a") is seq
+    assert seq.finish_reason is FinishReason.ABORT and seq.block_table == []
+    assert sched.block_manager.num_free_blocks == 64
+    assert sched.abort("a") is None
+    assert not sched.has_unfinished
+
+
+def test_deadline_expiry_finishes_and_frees() -> None:
+    sched = make_scheduler()
+    late = make_seq("late", 8, max_tokens=50, deadline=5.0)
+    waiting = make_seq("waiting", 8, deadline=5.0)
+    ok = make_seq("ok", 8, max_tokens=50)
+    sched.add(late)
+    sched.add(ok)
+    run_step(sched, now=1.0)
+    sched.add(waiting)
+    out = run_step(sched, now=6.0)
+    assert {s.seq_id for s in out.expired} == {"late", "waiting"}
+    assert late.finish_reason is FinishReason.DEADLINE and late.block_table == []
+    assert [s.seq.seq_id for s in out.scheduled] == ["ok"]
+
+
+def test_static_batching_admits_only_when_the_batch_is_done() -> None:
+    sched = make_scheduler(continuous_batching=False, max_num_seqs=2, max_num_batched_tokens=64)
+    a, b, c = make_seq("a", 5, 2), make_seq("b", 5, 6), make_seq("c", 5, 2)
+    for seq in (a, b, c):
+        sched.add(seq)
+    out = run_step(sched)
+    assert {s.seq.seq_id for s in out.scheduled} == {"a", "b"}
+    while not b.is_finished:
+        out = run_step(sched)
+        assert "c" not in {s.seq.seq_id for s in out.scheduled}  # a's slot stays empty
+    out = run_step(sched)
+    assert [s.seq.seq_id for s in out.scheduled] == ["c"]
+
+
+def test_prefix_cache_hit_skips_computed_tokens() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64)
+    a = make_seq("a", 20, max_tokens=1)
+    sched.add(a)
+    run_to_completion(sched)
+    b = Sequence.from_prompt("b", a.prompt_token_ids, a.params, arrival=0.0)
+    sched.add(b)
+    out = run_step(sched)
+    assert out.scheduled[0].start == 16 and out.scheduled[0].num_tokens == 4
+    assert b.num_cached_tokens == 16
