@@ -37,8 +37,11 @@ _REGISTRY: dict[str, str] = {
 }
 
 
+LLM_BACKEND = "llm"  # causal language models: served by the LLM engine, not by a Backend
+
+
 def backend_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted([*_REGISTRY, LLM_BACKEND])
 
 
 def get_factory(name: str) -> BackendFactory:

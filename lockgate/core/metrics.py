@@ -194,6 +194,11 @@ class Registry:
     def __init__(self) -> None:
         self._metrics: dict[str, Metric] = {}
         self._lock = threading.Lock()
+        self._collectors: list[Callable[[], None]] = []
+
+    def add_collector(self, collect: Callable[[], None]) -> None:
+        """Call `collect` before every render, to pull values kept elsewhere."""
+        self._collectors.append(collect)
 
     def _register(self, metric: Metric) -> Metric:
         with self._lock:
@@ -230,6 +235,8 @@ class Registry:
         return self._metrics.get(name)
 
     def render(self) -> str:
+        for collect in self._collectors:
+            collect()
         with self._lock:
             metrics = list(self._metrics.values())
         return "".join(m.render() for m in metrics)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lockgate.backends.base import Arrays, Backend, get_factory
+from lockgate.backends.base import LLM_BACKEND, Arrays, Backend, get_factory
 from lockgate.core.admission import AdmissionSettings
 from lockgate.core.batcher import Batcher
 from lockgate.core.config import ModelConfig, TensorSpec
@@ -25,7 +25,7 @@ from lockgate.core.request import InferRequest
 from lockgate.core.runner import Instance
 from lockgate.core.serving_metrics import ServingMetrics
 from lockgate.core.slo import ServiceProfile
-from lockgate.errors import NotFound, Unavailable
+from lockgate.errors import BadRequest, NotFound, Unavailable
 
 log = logging.getLogger("lockgate.models")
 
@@ -132,7 +132,11 @@ class ModelManager:
 
     async def infer(self, request: InferRequest) -> Arrays:
         served = self.get(request.model, request.version)
-        assert served.batcher is not None
+        if served.batcher is None:
+            raise BadRequest(
+                f"model '{request.model}' is a language model: use /v1/completions "
+                "or /v1/chat/completions"
+            )
         result = await served.batcher.submit(request)
         served.last_inference_ms = int(time.time() * 1000)
         return result
@@ -143,7 +147,9 @@ class ModelManager:
         from lockgate.core.repository import scan_repository
 
         start = time.monotonic()
-        entries = scan_repository(root)
+        entries = [
+            e for e in scan_repository(root) if e.config is None or e.config.backend != LLM_BACKEND
+        ]
         await asyncio.gather(
             *(self.load_model(e.name, e.path, e.config, e.versions, e.error) for e in entries)
         )
@@ -256,6 +262,16 @@ class ModelManager:
                 instance.infer_sync(inputs)
                 times.append(time.perf_counter() - t0)
             profile.observe(rows, statistics.median(times))
+
+    def record_external(self, name: str, path: Path, config: ModelConfig, version: int) -> None:
+        """A model served outside the batcher (a language model), listed for health and index."""
+        model = ServedModel(name, path, config)
+        model.versions[version] = ServedVersion(config, version, path / str(version), ModelState.READY)
+        self.models[name] = model
+        self.metrics.model_ready.set((name, str(version)), 1)
+
+    def record_failure(self, name: str, path: Path, config: ModelConfig, error: str) -> None:
+        self.models[name] = ServedModel(name, path, config, error=error)
 
     # -- unloading ---------------------------------------------------------------------
     async def unload(self, name: str) -> None:

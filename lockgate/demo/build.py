@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from lockgate.demo.smollm2 import build_smollm2
+
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
@@ -271,4 +273,5 @@ DEMO_MODELS: list[DemoModel] = [
     DemoModel("digits_onnx", build_digits_onnx),
     DemoModel("digits_sklearn", build_digits_sklearn),
     DemoModel("minilm", build_minilm),
+    DemoModel("smollm2", build_smollm2),
 ]

@@ -87,14 +87,18 @@ class App:
             await self._error(request, exc, openai)
         except Exception as exc:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            await self._error(request, ServingError(f"internal error: {type(exc).__name__}"), openai)
+            await self._error(
+                request, ServingError(f"internal error: {type(exc).__name__}"), openai
+            )
 
     async def _error(self, request: HttpRequest, exc: ServingError, openai: bool) -> None:
         if openai:
             payload = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
             await respond_json(request.send, exc.status, payload, error_headers(exc))
         else:
-            await respond(request.send, exc.status, v2.encode_error(exc.message), headers=error_headers(exc))
+            await respond(
+                request.send, exc.status, v2.encode_error(exc.message), headers=error_headers(exc)
+            )
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -107,16 +111,19 @@ class App:
 
     # -- authentication ----------------------------------------------------------------
     def _authenticate(self, request: HttpRequest) -> None:
-        keys = self.settings.api_keys
-        admin = request.path.startswith("/v2/repository/") and request.method == "POST"
-        if admin and self.settings.admin_keys:
-            keys = self.settings.admin_keys
+        parts = [p for p in request.path.split("/") if p]  # as `_route` splits it
+        admin = _is_model_control(request.method, parts)
+        keys = (
+            self.settings.admin_keys
+            if admin and self.settings.admin_keys
+            else self.settings.api_keys
+        )
         if not keys or (request.path in self.settings.public_paths and not admin):
             return
         presented = _bearer(request)
         if presented is None:
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        if not any(hmac.compare_digest(presented, k) for k in keys):
+        if not any(hmac.compare_digest(presented, k.encode()) for k in keys):
             raise Forbidden("API key not accepted" + (" for model management" if admin else ""))
 
     # -- routing -----------------------------------------------------------------------
@@ -179,9 +186,7 @@ class App:
             await respond_json(request.send, 503, {"ready": False, "error": "loading models"})
             return
         if self.settings.strict_readiness and not models.ready():
-            not_ready = [
-                m.name for m in models.models.values() if m.latest_ready() is None
-            ]
+            not_ready = [m.name for m in models.models.values() if m.latest_ready() is None]
             await respond_json(
                 request.send, 503, {"ready": False, "error": f"models not ready: {not_ready}"}
             )
@@ -205,11 +210,13 @@ class App:
         raise NotFound(f"no route for {request.method} {request.path[:200]}")
 
     async def _load(self, name: str) -> None:
-        from lockgate.core.repository import scan_repository
+        from lockgate.core.repository import is_safe_name, scan_repository
 
         root = self.settings.repository
         if root is None:
             raise BadRequest("the server was started without a model repository")
+        if not is_safe_name(name):
+            raise BadRequest(f"invalid model name {name[:200]!r}")
         entries = {e.name: e for e in scan_repository(root)}
         entry = entries.get(name)
         if entry is None:
@@ -222,11 +229,22 @@ class App:
             raise BadRequest(f"model '{name}' failed to load: {reason}")
 
 
-def _bearer(request: HttpRequest) -> str | None:
-    value = request.header_str(b"authorization")
+def _is_model_control(method: str, parts: list[str]) -> bool:
+    """POST /v2/repository/models/{m}/load|unload: guarded by the admin keys when set."""
+    return (
+        method == "POST"
+        and len(parts) == 5
+        and parts[:3] == ["v2", "repository", "models"]
+        and parts[4] in ("load", "unload")
+    )
+
+
+def _bearer(request: HttpRequest) -> bytes | None:
+    """The raw token of an `Authorization: Bearer` header (bytes: compared in constant time)."""
+    value = request.header(b"authorization")
     if value is None:
         return None
-    scheme, _, token = value.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    scheme, _, token = value.partition(b" ")
+    if scheme.lower() != b"bearer" or not token.strip():
         return None
     return token.strip()

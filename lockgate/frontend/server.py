@@ -1,25 +1,38 @@
 """Run the server: uvicorn (uvloop, httptools) in front of the app, models loading behind it.
 
 The HTTP port opens at once so liveness answers while models load; readiness turns true when
-the repository has been loaded and warmed up. SIGTERM or SIGINT stops intake (readiness goes
-false, new requests get 503), lets admitted requests finish within `drain_timeout`, then exits.
+the repository has been loaded and warmed up. SIGTERM or SIGINT starts the drain: the port
+stays open, readiness answers 503 and new inference requests get 503, while admitted
+requests finish within `drain_timeout`; then the port closes and the process exits with 0.
+A second signal ends the drain at once.
+
+The request head (request line and headers) is bounded by `max_head_bytes`: past it the
+client gets 431 and the connection closes, so a header flood cannot grow memory. Requests
+the HTTP parser rejects get a JSON 400 like every other error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
+import httptools
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from lockgate.core.metrics import Registry
 from lockgate.core.models import ModelManager, ServingSettings
 from lockgate.frontend.app import App, ServerSettings
+from lockgate.protocol.v2 import encode_error
 
 log = logging.getLogger("lockgate.server")
 
@@ -34,25 +47,123 @@ class ServeOptions:
     drain_timeout: float = 30.0
     limit_concurrency: int | None = 1024  # connections beyond this get 503 at once
     backlog: int = 2048
+    max_head_bytes: int = 64 * 1024  # request line and headers, as nginx's 4 x 8 KiB and more
     http: ServerSettings = field(default_factory=ServerSettings)
     serving: ServingSettings = field(default_factory=ServingSettings)
     extensions: list[Extension] = field(default_factory=list)  # e.g. the LLM engine
 
 
+class HeadTooLarge(httptools.HttpParserCallbackError):
+    """The request line and headers are over the limit."""
+
+
+class _Protocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a bounded request head and JSON parser errors."""
+
+    max_head_bytes = 64 * 1024
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_bytes = 0
+        self.head_too_large = False
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.head_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def _count(self, size: int) -> None:
+        self.head_bytes += size
+        if self.head_bytes > self.max_head_bytes:
+            self.head_too_large = True
+            raise HeadTooLarge(f"request head is over {self.max_head_bytes} bytes")
+
+    def send_400_response(self, msg: str) -> None:
+        status, text = 400, "invalid HTTP request"
+        if self.head_too_large:
+            status, text = 431, f"request line and headers are over {self.max_head_bytes} bytes"
+        body = encode_error(text)
+        head = [b"HTTP/1.1 %d %s" % (status, _REASONS[status])]
+        head += [name + b": " + value for name, value in self.server_state.default_headers]
+        head += [b"content-type: application/json", b"content-length: %d" % len(body)]
+        head += [b"connection: close", b"", b""]
+        self.transport.write(b"\r\n".join(head) + body)
+        self.transport.close()
+
+
+_REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
+
+
+def _protocol_class(max_head_bytes: int) -> type[_Protocol]:
+    return type("LockgateHttpProtocol", (_Protocol,), {"max_head_bytes": max_head_bytes})
+
+
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app: App) -> None:
+    """uvicorn's server, draining the models before it closes the port on a signal."""
+
+    def __init__(self, config: uvicorn.Config, app: App, drain_timeout: float) -> None:
         super().__init__(config)
         self.lockgate_app = app
+        self.drain_timeout = drain_timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.drainer: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Handle SIGINT and SIGTERM as a drain; unlike uvicorn, do not re-raise them after."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.lockgate_app.draining:
-            log.info("signal %d: draining (no new requests), then exiting", sig)
-        self.lockgate_app.draining = True
-        for model in self.lockgate_app.models.models.values():
+        # Not uvicorn's handler: it re-raises the signal after shutdown (exit status -15).
+        app = self.lockgate_app
+        if app.draining:  # a second signal: stop draining, close now; a third: force
+            self.force_exit = self.should_exit
+            self.should_exit = True
+            return
+        log.info("signal %d: draining (readiness 503, no new requests), then exiting", sig)
+        app.draining = True
+        for model in app.models.models.values():
             for served in model.versions.values():
                 if served.batcher is not None:
                     served.batcher.accepting = False
-        super().handle_exit(sig, frame)
+        if self.loop is None:
+            self.should_exit = True
+            return
+        self.loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        assert self.loop is not None
+        self.drainer = self.loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        start = time.monotonic()
+        drained = await self.lockgate_app.models.drain(self.drain_timeout)
+        if not drained:
+            log.warning(
+                "drain timed out after %.1f s; closing with requests unanswered", self.drain_timeout
+            )
+        left = self.drain_timeout - (time.monotonic() - start)
+        self.config.timeout_graceful_shutdown = max(1, int(left))  # for responses being written
+        self.should_exit = True
 
 
 def build_app(options: ServeOptions) -> App:
@@ -82,8 +193,8 @@ async def serve(options: ServeOptions) -> int:
         host=options.host,
         port=options.port,
         loop="none",
-        http="httptools",
         lifespan="off",
+        http=_protocol_class(options.max_head_bytes),
         access_log=False,
         log_level="warning",
         limit_concurrency=options.limit_concurrency,
@@ -91,14 +202,11 @@ async def serve(options: ServeOptions) -> int:
         timeout_graceful_shutdown=int(options.drain_timeout),
         timeout_keep_alive=5,
     )
-    server = _Server(config, app)
+    server = _Server(config, app, options.drain_timeout)
     loader = asyncio.get_running_loop().create_task(load(app, options))
     log.info("lockgate listening on http://%s:%d", options.host, options.port)
     await server.serve()
     loader.cancel()
-    drained = await app.models.drain(options.drain_timeout)
-    if not drained:
-        log.warning("drain timed out after %.1f s; exiting with requests unanswered", options.drain_timeout)
     await app.models.close()
     for closer in app.closers:
         await closer()

@@ -160,8 +160,9 @@ def spec_from_hf_folder(folder: Path) -> TokenizerSpec:
     tok = Tokenizer.from_str(tok_json)
     bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
     eos_ids = _as_id_list(_read_json(folder / "generation_config.json").get("eos_token_id"))
-    if eos is not None and tok.token_to_id(eos) is not None:
-        eos_ids.append(tok.token_to_id(eos))
+    eos_id = None if eos is None else tok.token_to_id(eos)
+    if eos_id is not None:
+        eos_ids.append(eos_id)
     return TokenizerSpec(tok_json, template, bos, eos, sorted(set(eos_ids)))
 
 

@@ -102,12 +102,19 @@ def p99_at(model: str, rho: float, service_time: float, replicas: int) -> float:
     return MMc(rho * replicas * mu, mu, replicas).response_quantile(P99)
 
 
+def md1_meets(rho: float, service_time: float, slo: float) -> bool:
+    """P(W + S <= slo) >= 0.99: one CDF evaluation with at most slo / S terms."""
+    if rho == 0:
+        return service_time <= slo
+    return MD1(rho / service_time, service_time).wait_cdf(slo - service_time) >= P99
+
+
 def replicas_for(model: str, load: float, service_time: float, slo: float) -> tuple[int, float]:
     """Fewest replicas for the SLO with `load` = rate / capacity, and rho_max for that model."""
     if model == "mm1":
         rho_max = mm1_max_utilization(service_time, slo)
     elif model == "md1":
-        rho_max = max_utilization(lambda rho: p99_at("md1", rho, service_time, 1), slo)
+        rho_max = max_utilization(lambda rho: md1_meets(rho, service_time, slo))
     else:
         n = math.floor(load) + 1
         while p99_at("mmc", load / n, service_time, n) > slo:
@@ -199,8 +206,9 @@ def choose_batch(profile: ServiceProfile, inputs: PlanInputs) -> tuple[int, floa
             continue
         capacity = batch / service_time
         try:
-            n, _ = replicas_for(inputs.queue_model, inputs.rate / capacity, service_time,
-                                inputs.slo_p99_s)
+            n, _ = replicas_for(
+                inputs.queue_model, inputs.rate / capacity, service_time, inputs.slo_p99_s
+            )
         except BadRequest:
             continue
         fill = batch_latency(batch, inputs.rate / n, profile.service_time)

@@ -64,7 +64,9 @@ class ServiceProfile:
         return cls.from_json(data, str(path))
 
 
-def fit_profile(model: str, batch_sizes: tuple[int, ...], median_s: tuple[float, ...]) -> ServiceProfile:
+def fit_profile(
+    model: str, batch_sizes: tuple[int, ...], median_s: tuple[float, ...]
+) -> ServiceProfile:
     """Least-squares fit of T(B) = a + b B, with R^2 (1.0 when the line is exact)."""
     if len(batch_sizes) != len(median_s) or not batch_sizes:
         raise BadRequest("a profile needs one median time per batch size, and at least one")

@@ -53,7 +53,9 @@ def hf_tokenizer(gguf_path: Path) -> Any:
     transformers = pytest.importorskip("transformers")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        return transformers.AutoTokenizer.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name
+        )
 
 
 def hf_llama_config(config: LlamaConfig) -> Any:
@@ -115,7 +117,10 @@ class PagedLoop:
 
     def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Run one forward over (sequence id, new tokens) pairs; logits of each last token."""
-        ids, positions, slots, query_lens = [], [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
         for seq, tokens in chunks:
             start = self.lens.get(seq, 0)
             ids += tokens

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -86,7 +87,7 @@ def test_chunked_prefill_mixed_with_decodes_matches(
     short, long = prompt_ids[0], prompt_ids[2]
     out_short = greedy(loop.step([(0, short)]))
     cuts = [0, len(long) // 3, 2 * len(long) // 3, len(long)]
-    for a, b in zip(cuts, cuts[1:], strict=False):
+    for a, b in itertools.pairwise(cuts):
         # the long prompt arrives in chunks while the short sequence decodes beside it
         logits = loop.step([(1, long[a:b]), (0, out_short[-1:])])
         out_short.append(greedy(logits)[1])

@@ -1,0 +1,1 @@
+"""lockgate benchmark suites: `python -m benchmarks.run` (see benchmarks/README.md)."""

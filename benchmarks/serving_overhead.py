@@ -1,0 +1,274 @@
+"""serving_overhead: what lockgate adds to one small ONNX model, against two baselines.
+
+- direct: onnxruntime `session.run` in this process on one row (1 intra-op thread), pinned
+  to the server's core: the model's own time.
+- floor: `benchmarks/floor_app.py`, a raw ASGI app on uvicorn (uvloop, httptools) that runs
+  the same model inline: the least an HTTP server in Python can add.
+
+Closed-loop aiohttp clients at concurrency 1 (latency) and 32 (throughput), V2 JSON with
+one row of the digits model. Repetitions alternate lockgate and floor so that drift on a
+noisy machine hits both; tables quote medians over repetitions. Triton's perf_analyzer
+cross-checks the c=1 latency when `.venv-perf` has it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import (
+    CLIENT_CORE,
+    ROOT,
+    SERVER_CORE,
+    Context,
+    LoadResult,
+    Server,
+    SuiteResult,
+    Target,
+    closed_loop,
+    environment,
+    free_port,
+    median,
+    percentile,
+    pin_command,
+    pinned,
+    run_async,
+    running,
+    start_lockgate,
+    start_server,
+    time_calls,
+    v2_body,
+)
+
+SUITE = "serving_overhead"
+MODEL = "digits_onnx"
+TARGET_ADDED_P50_MS = 1.0
+PERF_ANALYZER = ROOT / ".venv-perf" / "bin" / "perf_analyzer_wrapped"
+
+
+@dataclass(slots=True)
+class Samples:
+    """Per-repetition figures for one server (or the direct call), in seconds or req/s."""
+
+    p50: list[float] = field(default_factory=list)
+    p99: list[float] = field(default_factory=list)
+    rate: list[float] = field(default_factory=list)
+    errors: int = 0
+
+    def add_latency(self, latencies: list[float]) -> None:
+        self.p50.append(percentile(latencies, 50))
+        self.p99.append(percentile(latencies, 99))
+
+    def add_run(self, result: LoadResult) -> None:
+        self.errors += result.errors + result.refused
+
+
+def run(ctx: Context) -> SuiteResult:
+    started = time.perf_counter()
+    model_dir = demo_model(ctx, MODEL)
+    repository = ctx.work / "overhead-repo"
+    shutil.copytree(model_dir, repository / MODEL)
+    rows = digits_rows(16)  # [16, 64] float32
+    ctx.say(SUITE, "starting lockgate and the floor app on core 0")
+    lockgate = start_lockgate(repository, ctx.work)
+    floor = start_floor(model_dir / "1" / "model.onnx", ctx.work)
+    with running(lockgate, floor):
+        samples = measure(ctx, {"lockgate": lockgate, "floor": floor}, rows, model_dir)
+        perf = perf_analyzer(ctx, lockgate)
+    result = report(samples, perf)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def demo_model(ctx: Context, name: str) -> Path:
+    """A demo model folder, built into the lockgate cache if needed."""
+    from lockgate.demo.build import DEMO_MODELS, build_demo_repository, default_demo_path
+
+    chosen = [m for m in DEMO_MODELS if m.name == name]
+    repository = build_demo_repository(
+        default_demo_path(), models=chosen, progress=lambda m: ctx.say("build", m)
+    )
+    return repository / name
+
+
+def digits_rows(count: int) -> np.ndarray:
+    from sklearn.datasets import load_digits
+
+    return (load_digits().data[:count] / 16.0).astype(np.float32)  # [count, 64]
+
+
+def start_floor(model_path: Path, work: Path) -> Server:
+    port = free_port()
+    command = [sys.executable, "-m", "benchmarks.floor_app", str(model_path), "--port", str(port)]
+    return start_server("floor", command, port, work)
+
+
+def measure(
+    ctx: Context, servers: dict[str, Server], rows: np.ndarray, model_dir: Path
+) -> dict[str, Samples]:
+    bodies = tuple(v2_body({"input": rows[i : i + 1]}) for i in range(len(rows)))
+    targets = {n: Target(f"{s.url}/v2/models/{MODEL}/infer", bodies) for n, s in servers.items()}
+    samples = {name: Samples() for name in [*servers, "direct"]}
+    session = direct_session(model_dir / "1" / "model.onnx")
+    count = 300 if ctx.quick else 1500
+    for rep in range(1, ctx.repetitions + 1):
+        for name, target in targets.items():
+            latency = run_async(closed_loop(target, 1, requests=count, warmup=100))
+            samples[name].add_latency(latency.latencies)
+            samples[name].add_run(latency)
+            load = run_async(closed_loop(target, 32, seconds=ctx.scale(3.0), warmup=100))
+            samples[name].rate.append(load.throughput)
+            samples[name].add_run(load)
+            ctx.say(
+                SUITE,
+                f"rep {rep}: {name:8} c=1 p50 {latency.p(50) * 1e3:.3f} ms "
+                f"p99 {latency.p(99) * 1e3:.3f} ms, c=32 {load.throughput:,.0f} req/s",
+            )
+        times = time_direct(session, rows, count)
+        samples["direct"].add_latency(times)
+        ctx.say(SUITE, f"rep {rep}: direct   p50 {percentile(times, 50) * 1e3:.3f} ms")
+    return samples
+
+
+def time_direct(session: Any, rows: np.ndarray, count: int) -> list[float]:
+    """Seconds per `session.run` on one row, on the server's core."""
+    feeds = [{"input": rows[i : i + 1]} for i in range(len(rows))]  # each [1, 64]
+    calls = iter(range(count + 50))
+    with pinned(SERVER_CORE):
+        return time_calls(lambda: session.run(None, feeds[next(calls) % len(feeds)]), count, 50)
+
+
+def direct_session(path: Path) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    with pinned(SERVER_CORE):  # ORT's threads inherit this process's affinity
+        return ort.InferenceSession(str(path), sess_options=options)
+
+
+# -- perf_analyzer -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PerfAnalyzer:
+    p50: float  # seconds
+    p99: float
+    rate: float
+    server_line: str
+
+
+def perf_analyzer(ctx: Context, server: Server) -> PerfAnalyzer | None:
+    if not PERF_ANALYZER.exists():
+        ctx.say(SUITE, "perf_analyzer not installed (scripts/install-perf-analyzer.sh): skipped")
+        return None
+    ctx.say(SUITE, "perf_analyzer at concurrency 1")
+    command = [str(PERF_ANALYZER), "-m", MODEL, "-u", f"127.0.0.1:{server.port}", "-i", "http"]
+    command += ["--concurrency-range", "1", "--measurement-mode", "count_windows"]
+    command += ["--measurement-request-count", "1000", "--stability-percentage", "100"]
+    try:
+        done = subprocess.run(
+            pin_command(command, CLIENT_CORE), capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        ctx.say(SUITE, "perf_analyzer timed out")
+        return None
+    found = parse_perf_analyzer(done.stdout)
+    if found is None:
+        ctx.say(SUITE, f"perf_analyzer failed ({done.returncode}): {done.stderr[-300:]}")
+    return found
+
+
+def parse_perf_analyzer(text: str) -> PerfAnalyzer | None:
+    p50 = re.search(r"p50 latency: (\d+) usec", text)
+    p99 = re.search(r"p99 latency: (\d+) usec", text)
+    rate = re.search(r"Throughput: ([\d.]+) infer/sec", text)
+    server = re.search(r"Avg request latency: .*", text)
+    if not (p50 and p99 and rate):
+        return None
+    line = server.group(0) if server else ""
+    return PerfAnalyzer(int(p50[1]) / 1e6, int(p99[1]) / 1e6, float(rate[1]), line)
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+def report(samples: dict[str, Samples], perf: PerfAnalyzer | None) -> SuiteResult:
+    lg, floor, direct = samples["lockgate"], samples["floor"], samples["direct"]
+    ms = 1e3
+    added50 = (median(lg.p50) - median(direct.p50)) * ms
+    added99 = (median(lg.p99) - median(direct.p99)) * ms
+    result = SuiteResult(
+        suite=SUITE,
+        title="Serving overhead: digits ONNX, one row, V2 JSON",
+        target=f"added latency at c=1, p50 (lockgate - direct ORT) ≤ {TARGET_ADDED_P50_MS:g} ms",
+        met=added50 <= TARGET_ADDED_P50_MS,
+        environment=environment(),
+    )
+    for q, lg_q, fl_q, di_q in (
+        ("p50", lg.p50, floor.p50, direct.p50),
+        ("p99", lg.p99, floor.p99, direct.p99),
+    ):
+        result.add(
+            f"lockgate c=1 {q}",
+            median(lg_q) * ms,
+            "ms",
+            baseline_label=f"floor c=1 {q}",
+            baseline=median(fl_q) * ms,
+        )
+        result.add(f"direct ORT {q}", median(di_q) * ms, "ms", note="in-process session.run")
+    result.add(
+        "added latency p50 (lockgate - direct)",
+        added50,
+        "ms",
+        baseline_label="floor - direct",
+        baseline=(median(floor.p50) - median(direct.p50)) * ms,
+        note=f"target ≤ {TARGET_ADDED_P50_MS:g} ms",
+    )
+    result.add(
+        "added latency p99 (lockgate - direct)",
+        added99,
+        "ms",
+        baseline_label="floor - direct",
+        baseline=(median(floor.p99) - median(direct.p99)) * ms,
+    )
+    result.add(
+        "lockgate c=32 throughput",
+        median(lg.rate),
+        "req/s",
+        baseline_label="floor c=32",
+        baseline=median(floor.rate),
+    )
+    if perf is not None:
+        result.add(
+            "perf_analyzer c=1 p50 (lockgate)",
+            perf.p50 * ms,
+            "ms",
+            baseline_label="aiohttp c=1 p50",
+            baseline=median(lg.p50) * ms,
+        )
+        result.add(
+            "perf_analyzer c=1 p99 (lockgate)",
+            perf.p99 * ms,
+            "ms",
+            baseline_label="aiohttp c=1 p99",
+            baseline=median(lg.p99) * ms,
+        )
+        if perf.server_line:
+            result.notes.append(f"perf_analyzer, server side: {perf.server_line}")
+    errors = lg.errors + floor.errors
+    if errors:
+        result.notes.append(f"{errors} requests failed or were refused")
+    result.raw = {
+        name: {"p50_s": s.p50, "p99_s": s.p99, "req_per_s": s.rate} for name, s in samples.items()
+    }
+    return result

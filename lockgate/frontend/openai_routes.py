@@ -1,0 +1,390 @@
+"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (both with SSE
+streaming) and /v1/embeddings. Language models come from `backend: llm` entries of the model
+repository; embeddings from any classic model with a BYTES input and an FP32 output."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from lockgate.core.request import InferRequest
+from lockgate.errors import BadRequest, NotFound, ServingError, Unavailable
+from lockgate.frontend.app import App
+from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
+from lockgate.llm.engine import RequestOutput
+from lockgate.llm.sequence import SamplingParams
+from lockgate.llm.service import LLMMetrics, LLMService
+from lockgate.protocol import openai as oa
+
+log = logging.getLogger("lockgate.openai")
+_encode = msgspec.json.Encoder().encode
+LLM_BACKEND = "llm"
+
+
+@dataclass(slots=True)
+class OpenAIRoutes:
+    app: App
+    services: dict[str, LLMService] = field(default_factory=dict)
+
+    async def __call__(self, request: HttpRequest, parts: list[str]) -> None:
+        route = "/".join(parts)
+        method = request.method
+        if route == "models" and method == "GET":
+            await respond_json(request.send, 200, self._models())
+        elif route == "completions" and method == "POST":
+            await self._completions(request)
+        elif route == "chat/completions" and method == "POST":
+            await self._chat(request)
+        elif route == "embeddings" and method == "POST":
+            await self._embeddings(request)
+        else:
+            raise NotFound(f"no route for {method} /v1/{route[:200]}")
+
+    # -- models ------------------------------------------------------------------------
+    def _models(self) -> dict[str, Any]:
+        data = [
+            {"id": s.name, "object": "model", "created": s.created, "owned_by": "lockgate",
+             "max_model_len": s.engine_config.max_model_len}
+            for s in self.services.values()
+        ]
+        data += [
+            {"id": name, "object": "model", "created": 0, "owned_by": "lockgate"}
+            for name in self._embedding_models()
+        ]
+        return {"object": "list", "data": data}
+
+    def _service(self, name: str) -> LLMService:
+        service = self.services.get(name)
+        if service is None:
+            if len(self.services) == 1 and not name:
+                return next(iter(self.services.values()))
+            known = ", ".join(sorted(self.services)) or "none"
+            raise NotFound(f"the model '{name}' does not exist (language models: {known})")
+        return service
+
+    # -- completions -------------------------------------------------------------------
+    async def _completions(self, request: HttpRequest) -> None:
+        body = oa.decode(await request.body(), oa.CompletionRequest)
+        service = self._service(body.model)
+        if body.echo:
+            raise BadRequest("echo is not supported")
+        prompt_ids = self._prompt_ids(service, body.prompt)
+        params = self._sampling(service, body, len(prompt_ids), body.max_tokens, 16, body.logprobs)
+        rid = oa.new_id("cmpl")
+        stream = self._submit(request, service, prompt_ids, params, rid)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            await self._stream(request, stream, rid, service, "text_completion", include_usage, _completion_piece(service))
+            return
+        text, reason, logprobs, last = await self._collect(request, stream, service, legacy=True)
+        payload = oa.completion_response(rid, service.name, text, reason, logprobs, _usage(last))
+        await respond_json(request.send, 200, payload)
+
+    async def _chat(self, request: HttpRequest) -> None:
+        body = oa.decode(await request.body(), oa.ChatRequest)
+        service = self._service(body.model)
+        messages = [{"role": m.role, "content": oa.message_text(m)} for m in body.messages]
+        if not messages:
+            raise BadRequest("messages must not be empty")
+        try:
+            prompt = service.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ServingError:
+            raise
+        except Exception as exc:
+            raise BadRequest(f"chat template failed: {exc}") from None
+        prompt_ids = service.tokenizer.encode(prompt, add_special_tokens=False)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = self._sampling(service, body, len(prompt_ids), max_tokens, None, top)
+        rid = oa.new_id("chatcmpl")
+        stream = self._submit(request, service, prompt_ids, params, rid)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            await self._stream(request, stream, rid, service, "chat.completion.chunk", include_usage, _chat_piece(service))
+            return
+        text, reason, logprobs, last = await self._collect(request, stream, service, legacy=False)
+        payload = oa.chat_response(rid, service.name, text, reason, logprobs, _usage(last))
+        await respond_json(request.send, 200, payload)
+
+    def _prompt_ids(self, service: LLMService, prompt: object) -> list[int]:
+        if isinstance(prompt, str):
+            return service.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+            bad = [t for t in ids if not 0 <= t < service.vocab_size]
+            if bad:
+                raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary (0..{service.vocab_size - 1})")
+            return ids
+        if isinstance(prompt, list) and len(prompt) == 1:
+            return self._prompt_ids(service, prompt[0])
+        raise BadRequest("prompt must be a string, a list of token ids, or a list of one of those")
+
+    def _sampling(
+        self,
+        service: LLMService,
+        body: oa.CompletionRequest | oa.ChatRequest,
+        prompt_len: int,
+        max_tokens: int | None,
+        default_max: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        if body.n != 1:
+            raise BadRequest("n must be 1")
+        limit = service.engine_config.max_model_len
+        if prompt_len >= limit:
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {prompt_len} tokens. Please reduce the length of the prompt."
+            )
+        if max_tokens is None:
+            max_tokens = default_max or (limit - prompt_len)
+        if max_tokens < 1:
+            raise BadRequest("max_tokens must be at least 1")
+        if prompt_len + max_tokens > limit:
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+                "the completion). Please reduce the length of the prompt or max_tokens."
+            )
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            stop=tuple(stop),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logprobs=logprobs,
+        )
+
+    def _submit(
+        self, request: HttpRequest, service: LLMService, ids: list[int], params: SamplingParams, rid: str
+    ) -> AsyncIterator[RequestOutput]:
+        if self.app.draining:
+            raise Unavailable("server is shutting down", retry_after=1)
+        return service.engine.generate(ids, params, rid, _deadline(request))
+
+    async def _collect(
+        self, request: HttpRequest, stream: Any, service: LLMService, legacy: bool
+    ) -> tuple[str, str | None, Any, RequestOutput | None]:
+        texts: list[str] = []
+        entries: list[Any] = []
+        last: RequestOutput | None = None
+        async with cancel_on_disconnect(request.receive), stream:
+            async for out in stream:
+                texts.append(out.text)
+                if out.logprobs:
+                    entries.extend(out.logprobs)
+                last = out
+        reason = last.finish_reason.value if last and last.finish_reason else None
+        logprobs = None
+        if entries:
+            logprobs = (_legacy_logprobs if legacy else _chat_logprobs)(service, entries)
+        return "".join(texts), _openai_reason(reason), logprobs, last
+
+    async def _stream(
+        self,
+        request: HttpRequest,
+        stream: Any,
+        rid: str,
+        service: LLMService,
+        obj: str,
+        include_usage: bool,
+        piece: Callable[[str, str, RequestOutput, bool], dict[str, Any]],
+    ) -> None:
+        send = request.send
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        first = True
+        last: RequestOutput | None = None
+        async with cancel_on_disconnect(request.receive), stream:
+            try:
+                async for out in stream:
+                    if first:
+                        await send({"type": "http.response.start", "status": 200, "headers": headers})
+                    await _sse(send, piece(rid, service.name, out, first))
+                    first = False
+                    last = out
+            except ServingError as exc:
+                if first:
+                    raise
+                await _sse(send, oa.error_body(exc.message, exc.kind, exc.status))
+            if include_usage and last is not None:
+                await _sse(send, oa.usage_chunk(rid, service.name, obj, _usage(last)))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    # -- embeddings --------------------------------------------------------------------
+    def _embedding_models(self) -> list[str]:
+        names = []
+        for model in self.app.models.models.values():
+            config = model.config
+            if config is None or model.latest_ready() is None:
+                continue
+            if len(config.inputs) == 1 and config.inputs[0].datatype == "BYTES" and config.outputs and config.outputs[0].datatype == "FP32":
+                names.append(model.name)
+        return names
+
+    async def _embeddings(self, request: HttpRequest) -> None:
+        body = oa.decode(await request.body(), oa.EmbeddingRequest)
+        names = self._embedding_models()
+        name = body.model or (names[0] if len(names) == 1 else "")
+        if name not in names:
+            raise NotFound(f"the model '{body.model}' does not serve embeddings (try: {', '.join(names) or 'none'})")
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise BadRequest("input must be a string or a non-empty list of strings")
+        if body.encoding_format not in ("float", "base64"):
+            raise BadRequest("encoding_format must be 'float' or 'base64'")
+        served = self.app.models.get(name)
+        config = served.config
+        if config.max_batch_size and len(texts) > config.max_batch_size:
+            raise BadRequest(f"at most {config.max_batch_size} inputs per request for model '{name}'")
+        array = np.array([[t.encode()] for t in texts], dtype=object)
+        core = InferRequest(model=name, inputs={config.inputs[0].name: array}, version=served.version, rows=len(texts))
+        async with cancel_on_disconnect(request.receive):
+            outputs = await self.app.models.infer(core)
+        vectors = np.asarray(outputs[config.outputs[0].name], dtype=np.float32)
+        data = [
+            {"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}
+            for i, v in enumerate(vectors)
+        ]
+        tokens = sum(len(t.split()) for t in texts)
+        payload = {"object": "list", "data": data, "model": name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        await respond_json(request.send, 200, payload)
+
+
+def _vector(v: np.ndarray, encoding: str) -> Any:
+    if encoding == "base64":
+        return base64.b64encode(v.astype("<f4").tobytes()).decode()
+    return v.tolist()
+
+
+def _deadline(request: HttpRequest) -> float | None:
+    header = request.header(b"request-timeout")
+    if header is None:
+        return None
+    try:
+        seconds = float(header)
+    except ValueError:
+        raise BadRequest("Request-Timeout header must be a number of seconds") from None
+    if not 0 < seconds < 1e7:
+        raise BadRequest("Request-Timeout header must be a positive number of seconds")
+    return time.monotonic() + seconds
+
+
+def _openai_reason(reason: str | None) -> str | None:
+    return {"deadline": "length", "abort": "abort"}.get(reason, reason) if reason else None
+
+
+def _usage(last: RequestOutput | None) -> dict[str, Any]:
+    if last is None:
+        return oa.usage(0, 0)
+    return oa.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+
+
+async def _sse(send: Callable[[dict[str, Any]], Awaitable[None]], payload: dict[str, Any]) -> None:
+    await send({"type": "http.response.body", "body": b"data: " + _encode(payload) + b"\n\n", "more_body": True})
+
+
+def _token_text(service: LLMService, token_id: int) -> str:
+    return service.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _legacy_logprobs(service: LLMService, entries: list[Any]) -> dict[str, Any]:
+    tokens = [_token_text(service, e.token_id) for e in entries]
+    offsets, position = [], 0
+    for t in tokens:
+        offsets.append(position)
+        position += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [
+            {_token_text(service, t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)}
+            for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(service: LLMService, entries: list[Any]) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(service, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {
+                **item(e.token_id, e.logprob),
+                "top_logprobs": [item(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)],
+            }
+            for e in entries
+        ]
+    }
+
+
+def _completion_piece(service: LLMService) -> Callable[[str, str, RequestOutput, bool], dict[str, Any]]:
+    def piece(rid: str, model: str, out: RequestOutput, first: bool) -> dict[str, Any]:
+        logprobs = _legacy_logprobs(service, out.logprobs) if out.logprobs else None
+        reason = _openai_reason(out.finish_reason.value if out.finish_reason else None)
+        return oa.completion_chunk(rid, model, out.text, reason, logprobs)
+
+    return piece
+
+
+def _chat_piece(service: LLMService) -> Callable[[str, str, RequestOutput, bool], dict[str, Any]]:
+    def piece(rid: str, model: str, out: RequestOutput, first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": out.text}
+        if first:
+            delta["role"] = "assistant"
+        logprobs = _chat_logprobs(service, out.logprobs) if out.logprobs else None
+        reason = _openai_reason(out.finish_reason.value if out.finish_reason else None)
+        return oa.chat_chunk(rid, model, delta, reason, logprobs)
+
+    return piece
+
+
+def llm_extension(repository: Path) -> Callable[[App], Awaitable[None]]:
+    """Start-up hook: load every `backend: llm` model of the repository and mount /v1."""
+
+    async def start(app: App) -> None:
+        from lockgate.core.repository import scan_repository
+
+        routes = OpenAIRoutes(app)
+        app.openai = routes
+        metrics = LLMMetrics(app.models.registry)
+        loop = asyncio.get_running_loop()
+        for entry in scan_repository(repository):
+            if entry.config is None or entry.config.backend != LLM_BACKEND or not entry.versions:
+                continue
+            version_dir = entry.path / str(entry.versions[0])
+            try:
+                service = await loop.run_in_executor(None, LLMService.load, entry.config, version_dir)
+            except Exception as exc:
+                log.error("language model %s failed to load: %s", entry.name, exc)
+                app.models.record_failure(entry.name, entry.path, entry.config, f"{type(exc).__name__}: {exc}")
+                continue
+            routes.services[service.name] = service
+            metrics.services.append(service)
+            app.models.record_external(entry.name, entry.path, entry.config, entry.versions[0])
+
+        async def close() -> None:
+            for service in routes.services.values():
+                await loop.run_in_executor(None, service.close)
+
+        app.closers.append(close)
+
+    return start

@@ -1,0 +1,217 @@
+"""A served language model: checkpoint, tokenizer, engine and its Prometheus metrics.
+
+A model folder whose config says `backend: llm` holds the weights in its version folder (a
+`.gguf` file or a Hugging Face folder) and the engine settings in `parameters`:
+
+| parameter | meaning | default |
+|---|---|---|
+| model_file | file or folder inside the version folder | the only `.gguf` there |
+| served_model_name | the name clients use in the OpenAI API | the model folder's name |
+| dtype | float32 or bfloat16 | bfloat16 |
+| kv_cache_gib / kv_cache_blocks | KV cache size | 1.0 GiB |
+| block_size | tokens per KV block | 16 |
+| max_model_len | prompt + output tokens of one sequence | 2048 |
+| max_num_seqs | sequences in one step | 64 |
+| max_num_batched_tokens | tokens in one step (prefill chunks + decodes) | 512 |
+| max_waiting | waiting requests before 429 | 256 |
+| enable_prefix_caching | share KV blocks of common prefixes | true |
+| enable_chunked_prefill | split long prompts across steps | true |
+| num_threads | torch intra-op threads | torch's default |
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lockgate.core.config import ModelConfig
+from lockgate.core.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, Registry
+from lockgate.errors import ConfigError
+from lockgate.llm.engine import AsyncLLMEngine, LLMEngine
+from lockgate.llm.engine_config import EngineConfig
+from lockgate.llm.loader import load_checkpoint
+from lockgate.llm.models.llama import allocate_kv_cache, build_llama, kv_bytes_per_block
+from lockgate.llm.tokenizer import ChatTokenizer, IncrementalDetokenizer
+
+log = logging.getLogger("lockgate.llm")
+
+_BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def engine_config_from(config: ModelConfig) -> EngineConfig:
+    p = config.parameters
+    source = config.source or config.name
+
+    def number(key: str, kind: type, default: object) -> object:
+        if key not in p:
+            return default
+        try:
+            return kind(p[key])
+        except ValueError:
+            raise ConfigError(source, f"parameters.{key}", f"not a {kind.__name__}: {p[key]!r}") from None
+
+    def flag(key: str, default: bool) -> bool:
+        if key not in p:
+            return default
+        value = _BOOL.get(str(p[key]).lower())
+        if value is None:
+            raise ConfigError(source, f"parameters.{key}", "must be true or false")
+        return value
+
+    blocks = number("kv_cache_blocks", int, None)
+    return EngineConfig(
+        max_model_len=number("max_model_len", int, 2048),  # type: ignore[arg-type]
+        block_size=number("block_size", int, 16),  # type: ignore[arg-type]
+        kv_cache_blocks=blocks,  # type: ignore[arg-type]
+        kv_cache_gib=None if blocks is not None else number("kv_cache_gib", float, 1.0),  # type: ignore[arg-type]
+        max_num_seqs=number("max_num_seqs", int, 64),  # type: ignore[arg-type]
+        max_num_batched_tokens=number("max_num_batched_tokens", int, 512),  # type: ignore[arg-type]
+        max_waiting=number("max_waiting", int, 256),  # type: ignore[arg-type]
+        enable_prefix_caching=flag("enable_prefix_caching", True),
+        enable_chunked_prefill=flag("enable_chunked_prefill", True),
+        continuous_batching=flag("continuous_batching", True),
+        dtype=str(p.get("dtype", "bfloat16")),
+        num_threads=number("num_threads", int, None),  # type: ignore[arg-type]
+    )
+
+
+def _weights_path(config: ModelConfig, version_dir: Path) -> Path:
+    name = config.parameters.get("model_file", "")
+    if name:
+        path = (version_dir / name).resolve()
+        if not path.is_relative_to(version_dir.resolve()):
+            raise ConfigError(config.source, "parameters.model_file", "must stay inside the version folder")
+        return path
+    ggufs = sorted(version_dir.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if (version_dir / "config.json").is_file():
+        return version_dir
+    raise ConfigError(
+        config.source, "parameters.model_file", f"no single .gguf file or config.json in {version_dir}"
+    )
+
+
+@dataclass(slots=True)
+class LLMService:
+    name: str
+    config: ModelConfig
+    engine_config: EngineConfig
+    tokenizer: ChatTokenizer
+    engine: AsyncLLMEngine
+    vocab_size: int
+    load_seconds: float
+    created: int
+
+    @classmethod
+    def load(cls, config: ModelConfig, version_dir: Path) -> LLMService:
+        start = time.monotonic()
+        engine_config = engine_config_from(config)
+        checkpoint = load_checkpoint(_weights_path(config, version_dir))
+        model = build_llama(checkpoint.config, checkpoint.weights, engine_config.dtype)
+        per_block = kv_bytes_per_block(checkpoint.config, engine_config.block_size, engine_config.dtype)
+        blocks = engine_config.num_kv_blocks(per_block)
+        kv = allocate_kv_cache(checkpoint.config, blocks, engine_config.block_size, engine_config.dtype)
+        tokenizer = ChatTokenizer(checkpoint.tokenizer)
+        engine = LLMEngine(
+            model,
+            kv,
+            engine_config,
+            eos_token_ids=tokenizer.eos_token_ids,
+            decoder_factory=lambda _prompt: IncrementalDetokenizer(tokenizer),
+        )
+        _warmup(engine)
+        name = config.parameters.get("served_model_name", config.name)
+        elapsed = time.monotonic() - start
+        log.info(
+            "language model %s ready in %.2f s: %s, %s, KV cache %d blocks x %d tokens = %.2f GiB",
+            name,
+            elapsed,
+            checkpoint.source,
+            engine_config.dtype,
+            blocks,
+            engine_config.block_size,
+            blocks * per_block / 2**30,
+        )
+        return cls(
+            name=name,
+            config=config,
+            engine_config=engine_config,
+            tokenizer=tokenizer,
+            engine=AsyncLLMEngine(engine),
+            vocab_size=checkpoint.config.vocab_size,
+            load_seconds=elapsed,
+            created=int(time.time()),
+        )
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _warmup(engine: LLMEngine) -> None:
+    """One short prefill and a few decodes, so the first client does not pay for them."""
+    from lockgate.llm.sequence import SamplingParams
+
+    with torch.inference_mode():
+        engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+
+
+class LLMMetrics:
+    """vLLM's metric meanings under lockgate's prefix, read from the engines at scrape time."""
+
+    def __init__(self, registry: Registry) -> None:
+        m = ("model_name",)
+        self.services: list[LLMService] = []
+        self.ttft = registry.histogram("lockgate_llm_time_to_first_token_seconds", "Time to first token.", m, LATENCY_BUCKETS)
+        self.itl = registry.histogram("lockgate_llm_inter_token_latency_seconds", "Time between consecutive output tokens.", m, LATENCY_BUCKETS)
+        self.e2e = registry.histogram("lockgate_llm_e2e_request_latency_seconds", "End-to-end request latency.", m, LATENCY_BUCKETS)
+        self.queue = registry.histogram("lockgate_llm_request_queue_time_seconds", "Time a request waited before it was first scheduled.", m, LATENCY_BUCKETS)
+        self.prompt = registry.histogram("lockgate_llm_request_prompt_tokens", "Prompt tokens per request.", m, TOKEN_BUCKETS)
+        self.generation = registry.histogram("lockgate_llm_request_generation_tokens", "Generated tokens per request.", m, TOKEN_BUCKETS)
+        self.running = registry.gauge("lockgate_llm_num_requests_running", "Requests in the running batch.", m)
+        self.waiting = registry.gauge("lockgate_llm_num_requests_waiting", "Requests waiting to be scheduled.", m)
+        self.kv_usage = registry.gauge("lockgate_llm_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", m)
+        self.prefix_queries = registry.counter("lockgate_llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", m)
+        self.prefix_hits = registry.counter("lockgate_llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", m)
+        self.preemptions = registry.counter("lockgate_llm_num_preemptions_total", "Sequences preempted (recomputed later).", m)
+        self.finished = registry.counter("lockgate_llm_request_success_total", "Finished requests by finish reason.", (*m, "finished_reason"))
+        self.prompt_total = registry.counter("lockgate_llm_prompt_tokens_total", "Prompt tokens computed.", m)
+        self.generation_total = registry.counter("lockgate_llm_generation_tokens_total", "Tokens generated.", m)
+        self.step_overhead = registry.gauge("lockgate_llm_step_overhead_ratio", "Share of engine step time spent outside the model forward.", m)
+        registry.add_collector(self.collect)
+
+    def collect(self) -> None:
+        for service in self.services:
+            self._collect(service)
+
+    def _collect(self, service: LLMService) -> None:
+        labels = (service.name,)
+        engine = service.engine.engine
+        for t in engine.finished_log.drain():
+            for histogram, value in (
+                (self.ttft, t.ttft),
+                (self.e2e, t.e2e),
+                (self.queue, t.queue_time),
+            ):
+                if value is not None:
+                    histogram.observe(labels, value)
+            for gap in t.inter_token_latencies:
+                self.itl.observe(labels, gap)
+            self.prompt.observe(labels, t.num_prompt_tokens)
+            self.generation.observe(labels, t.num_generation_tokens)
+        stats = engine.stats()
+        self.running.set(labels, stats.num_running)
+        self.waiting.set(labels, stats.num_waiting)
+        self.kv_usage.set(labels, stats.kv_usage)
+        self.prefix_queries.values[labels] = stats.prefix_cache_queries
+        self.prefix_hits.values[labels] = stats.prefix_cache_hits
+        self.preemptions.values[labels] = stats.num_preemptions
+        self.prompt_total.values[labels] = stats.prompt_tokens
+        self.generation_total.values[labels] = stats.generation_tokens
+        for reason, count in stats.finished_by_reason.items():
+            self.finished.values[(*labels, reason)] = count
+        self.step_overhead.set(labels, stats.step_overhead_share)

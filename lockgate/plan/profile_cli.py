@@ -1,0 +1,51 @@
+"""`lockgate profile`: measure T(B) through a running server and save the profile JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lockgate.errors import ServingError
+from lockgate.plan.profile import ServiceProfile, profile_server
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument("--model", required=True, help="model name (KServe v2)")
+    parser.add_argument("--model-version", help="model version (default: the server's choice)")
+    parser.add_argument("--max-batch-size", type=int, required=True, help="largest B to time")
+    parser.add_argument("--repeats", type=int, default=5, help="timed requests per batch size")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed requests per batch size")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    parser.add_argument("--output", help="write the profile JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        profile = profile_server(
+            args.url.rstrip("/"),
+            args.model,
+            args.max_batch_size,
+            version=args.model_version,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            timeout_s=args.timeout,
+        )
+    except ServingError as exc:
+        print(f"lockgate profile: {exc.message}", file=sys.stderr)
+        return 2
+    print(render(profile))
+    if args.output:
+        profile.save(args.output)
+    return 0
+
+
+def render(profile: ServiceProfile) -> str:
+    rows = [f"{'B':>6} {'median ms':>10} {'fit ms':>10}"]
+    for batch, median in zip(profile.batch_sizes, profile.median_s, strict=True):
+        rows.append(f"{batch:>6} {median * 1e3:>10.3f} {profile.service_time(batch) * 1e3:>10.3f}")
+    rows.append(
+        f"T(B) = {profile.a_s * 1e3:.3f} ms + {profile.b_s * 1e3:.4f} ms * B"
+        f"   (R^2 {profile.r2:.4f})"
+    )
+    return "\n".join(rows)

@@ -1,0 +1,184 @@
+"""OpenAI API wire format: request schemas (msgspec) and response and stream-chunk builders.
+
+Unknown request fields are ignored, as OpenAI does; fields of the wrong type are a 400.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from lockgate.errors import BadRequest
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str = ""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: Any  # a string, token ids, or a list of one of those; checked by the route
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    input: str | list[str]
+    model: str = ""
+    encoding_format: str = "float"
+    user: str | None = None
+
+
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
+def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+
+
+def message_text(message: ChatMessage) -> str:
+    """A message's text; content parts of type text are joined, other parts refused."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise BadRequest("only text content parts are supported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_response(
+    rid: str, model: str, text: str, finish_reason: str | None, logprobs: Any, usage_: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+        "usage": usage_,
+    }
+
+
+def completion_chunk(
+    rid: str, model: str, text: str, finish_reason: str | None, logprobs: Any = None
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+    }
+
+
+def chat_response(
+    rid: str, model: str, text: str, finish_reason: str | None, logprobs: Any, usage_: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(
+    rid: str, model: str, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+    }
+
+
+def usage_chunk(rid: str, model: str, obj: str, usage_: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage_,
+    }
+
+
+def error_body(message: str, kind: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}

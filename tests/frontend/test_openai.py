@@ -1,0 +1,192 @@
+"""The OpenAI API through a real server and the official `openai` client, streaming included."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import yaml
+
+from tests.conftest import RunningServer, start_server
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def llm_server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
+
+    llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
+    built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
+    repo = tmp_path_factory.mktemp("llm-repo")
+    shutil.copytree(demo_repo / "minilm", repo / "minilm")
+    target = repo / "smollm2"
+    shutil.copytree(built / "smollm2", target, copy_function=os.link)
+    config = yaml.safe_load((target / "config.yaml").read_text())
+    config["parameters"].update(
+        {"kv_cache_gib": "0.05", "max_model_len": "512", "max_waiting": "64", "dtype": "float32"}
+    )
+    (target / "config.yaml").write_text(yaml.safe_dump(config))
+    server = start_server(repo, tmp_path_factory.mktemp("llm-server"), ready_timeout=300)
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(llm_server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=llm_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def metric(server: RunningServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_models_list(client: openai.OpenAI) -> None:
+    ids = [m.id for m in client.models.list()]
+    assert MODEL in ids
+    assert "minilm" in ids
+
+
+def test_chat_completion_and_stream_agree(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0  # type: ignore[arg-type]
+    )
+    text = full.choices[0].message.content
+    assert text and "Paris" in text
+    assert full.usage is not None and full.usage.completion_tokens <= 12
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_completion_with_token_ids_and_ignore_eos(client: openai.OpenAI) -> None:
+    result = client.completions.create(
+        model=MODEL,
+        prompt=[504, 3458, 282, 260, 1345],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert result.usage is not None
+    assert result.usage.completion_tokens == 20
+    assert result.usage.prompt_tokens == 5
+    assert result.choices[0].finish_reason == "length"
+
+
+def test_stop_string_and_logprobs(client: openai.OpenAI) -> None:
+    result = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=["7"], logprobs=3
+    )
+    choice = result.choices[0]
+    assert "7" not in choice.text
+    assert choice.finish_reason == "stop"
+    assert choice.logprobs is not None and choice.logprobs.top_logprobs
+    assert all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs or [])
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def run() -> str:
+        r = client.completions.create(
+            model=MODEL, prompt="The ocean is", max_tokens=12, temperature=1.0, top_p=0.9, seed=7
+        )
+        return r.choices[0].text
+
+    assert run() == run()
+
+
+def test_errors_use_openai_format(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL, prompt="word " * 600, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=10**9)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", temperature=-3)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi")
+
+
+def test_embeddings(client: openai.OpenAI) -> None:
+    result = client.embeddings.create(model="minilm", input=["a dog runs", "a puppy sprints", "tax law"])
+    vectors = np.array([d.embedding for d in result.data])
+    assert vectors.shape == (3, 384)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-3)
+    assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2]
+
+
+def test_llm_metrics(client: openai.OpenAI, llm_server: RunningServer) -> None:
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+    text = httpx.get(llm_server.url + "/metrics").text
+    for name in (
+        "lockgate_llm_time_to_first_token_seconds_bucket",
+        "lockgate_llm_inter_token_latency_seconds_bucket",
+        "lockgate_llm_e2e_request_latency_seconds_bucket",
+        "lockgate_llm_request_queue_time_seconds_bucket",
+        "lockgate_llm_request_prompt_tokens_bucket",
+        "lockgate_llm_request_generation_tokens_bucket",
+        "lockgate_llm_num_requests_running",
+        "lockgate_llm_num_requests_waiting",
+        "lockgate_llm_kv_cache_usage_perc",
+        "lockgate_llm_prefix_cache_queries_total",
+        "lockgate_llm_prefix_cache_hits_total",
+        "lockgate_llm_num_preemptions_total",
+        "lockgate_llm_request_success_total",
+    ):
+        assert name in text, name
+
+
+def test_disconnect_mid_stream_frees_kv_blocks(llm_server: RunningServer) -> None:
+    body = (
+        b'{"model": "%s", "prompt": "Tell me a long story", "max_tokens": 400, '
+        b'"stream": true, "ignore_eos": true}' % MODEL.encode()
+    )
+    for _ in range(5):
+        sock = socket.create_connection(("127.0.0.1", llm_server.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        received = b""
+        while received.count(b"data:") < 2:
+            received += sock.recv(4096)
+        sock.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if (
+            metric(llm_server, "lockgate_llm_num_requests_running") == 0
+            and metric(llm_server, "lockgate_llm_kv_cache_usage_perc") == 0
+        ):
+            break
+        time.sleep(0.1)
+    assert metric(llm_server, "lockgate_llm_num_requests_running") == 0
+    assert metric(llm_server, "lockgate_llm_kv_cache_usage_perc") == 0
+    text = httpx.get(llm_server.url + "/metrics").text
+    assert 'finished_reason="abort"' in text
