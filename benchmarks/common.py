@@ -113,6 +113,7 @@ def environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "pinning": pinning_available(),
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
 
 

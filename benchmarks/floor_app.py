@@ -25,7 +25,6 @@ Send = Callable[[Message], Awaitable[None]]
 
 _NUMPY = {"FP32": np.float32, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32}
 _V2 = {"float32": "FP32", "float64": "FP64", "int64": "INT64", "int32": "INT32"}
-_JSON = [(b"content-type", b"application/json")]
 
 
 class FloorApp:
@@ -76,7 +75,8 @@ async def _read_body(receive: Receive) -> bytes:
 
 
 async def _respond(send: Send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": _JSON})
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -124,7 +124,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"## {result['suite']}: {result['title']}\n",
         f"Target: {result['target']} — **{met}**. "
         f"Run {env.get('date', '?')}, {result['seconds']:.0f} s, pinning "
-        f"{'on' if env.get('pinning') else 'off'}.\n",
+        f"{'on' if env.get('pinning') else 'off'}, load average {env.get('load_average_1m')}"
+        f" on {env.get('cpus')} CPUs.\n",
         "| measure | value | baseline (same run) | baseline value | ratio | note |",
         "|---|---:|---|---:|---:|---|",
     ]

@@ -225,7 +225,8 @@ def run(ctx: Context) -> SuiteResult:
     bodies = tuple(v2_body({"text": np.array([[s.encode()]], dtype=object)}) for s in pool)
     model = load_model(source)
     ctx.say(SUITE, f"offline sweep over batch sizes {list(BATCH_SIZES)}")
-    offline = offline_rates(model, pool, BATCH_SIZES, ctx.scale(1.5))
+    passes = [offline_rates(model, pool, BATCH_SIZES, ctx.scale(1.0)) for _ in range(2)]
+    offline = Offline({b: median([p.rates[b] for p in passes]) for b in BATCH_SIZES})
     rates = ", ".join(f"B={b}: {r:.0f}" for b, r in offline.rates.items())
     ctx.say(SUITE, f"offline rows/s {rates}")
     rate = LOAD_FACTOR * offline.batch1
@@ -286,7 +287,7 @@ def mean_batch(before: dict[str, float], after: dict[str, float], model: str) ->
 
 
 def report(results: dict[str, ConfigRuns], offline: Offline, rate: float) -> SuiteResult:
-    attainable = min(rate, offline.ceiling)
+    attainable = min(1.0, rate / offline.ceiling)  # as a fraction of the ceiling
     slo = results["minilm_slo"]
     result = SuiteResult(
         suite=SUITE,
@@ -295,7 +296,7 @@ def report(results: dict[str, ConfigRuns], offline: Offline, rate: float) -> Sui
             f"with latency_slo_ms, throughput ≥ {TARGET_FRACTION:.0%} of the offline ceiling "
             "(or of the offered rate, when that is lower)"
         ),
-        met=slo.med(lambda r: r.throughput) >= TARGET_FRACTION * attainable,
+        met=slo.ratio >= TARGET_FRACTION * attainable,
         environment=environment(),
     )
     result.add("batch-1 capacity (in-process)", offline.batch1, "rows/s")

@@ -120,22 +120,38 @@ def measure(
     session = direct_session(model_dir / "1" / "model.onnx")
     count = 300 if ctx.quick else 1500
     for rep in range(1, ctx.repetitions + 1):
+        latencies = interleaved_c1(targets, count)
         for name, target in targets.items():
-            latency = run_async(closed_loop(target, 1, requests=count, warmup=100))
-            samples[name].add_latency(latency.latencies)
-            samples[name].add_run(latency)
             load = run_async(closed_loop(target, 32, seconds=ctx.scale(3.0), warmup=100))
+            samples[name].add_latency(latencies[name])
             samples[name].rate.append(load.throughput)
             samples[name].add_run(load)
             ctx.say(
                 SUITE,
-                f"rep {rep}: {name:8} c=1 p50 {latency.p(50) * 1e3:.3f} ms "
-                f"p99 {latency.p(99) * 1e3:.3f} ms, c=32 {load.throughput:,.0f} req/s",
+                f"rep {rep}: {name:8} c=1 p50 {percentile(latencies[name], 50) * 1e3:.3f} ms "
+                f"p99 {percentile(latencies[name], 99) * 1e3:.3f} ms, "
+                f"c=32 {load.throughput:,.0f} req/s",
             )
         times = time_direct(session, rows, count)
         samples["direct"].add_latency(times)
         ctx.say(SUITE, f"rep {rep}: direct   p50 {percentile(times, 50) * 1e3:.3f} ms")
     return samples
+
+
+def interleaved_c1(
+    targets: dict[str, Target], count: int, chunks: int = 10
+) -> dict[str, list[float]]:
+    """c=1 latencies of each target, `count` each, sent in alternating chunks.
+
+    Background load on a shared machine changes by the second; alternating every
+    count/chunks requests exposes every target to the same load.
+    """
+    latencies: dict[str, list[float]] = {name: [] for name in targets}
+    for _ in range(chunks):
+        for name, target in targets.items():
+            result = run_async(closed_loop(target, 1, requests=count // chunks, warmup=20))
+            latencies[name] += result.latencies
+    return latencies
 
 
 def time_direct(session: Any, rows: np.ndarray, count: int) -> list[float]:
@@ -240,6 +256,12 @@ def report(samples: dict[str, Samples], perf: PerfAnalyzer | None) -> SuiteResul
         "ms",
         baseline_label="floor - direct",
         baseline=(median(floor.p99) - median(direct.p99)) * ms,
+    )
+    result.add(
+        "lockgate - floor, c=1 p50",
+        (median(lg.p50) - median(floor.p50)) * ms,
+        "ms",
+        note="what lockgate adds over a bare ASGI server",
     )
     result.add(
         "lockgate c=32 throughput",

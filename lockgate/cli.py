@@ -29,7 +29,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="open connections beyond this are answered 503 at once",
     )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
-    p.add_argument("--hang-timeout", type=float, default=30.0, help="seconds before a stuck instance restarts")
+    p.add_argument(
+        "--hang-timeout", type=float, default=30.0, help="seconds before a stuck instance restarts"
+    )
     p.add_argument("--no-admission", action="store_true", help="turn off deadline-aware admission")
     p.add_argument("--strict-readiness", action="store_true", help="ready only when all models are")
     p.add_argument("--no-llm", action="store_true", help="do not start language models")

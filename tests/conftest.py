@@ -119,17 +119,17 @@ def _write_python_model(repo: Path, name: str, parameters: dict[str, str], extra
     folder = repo / name
     (folder / "1").mkdir(parents=True)
     (folder / "1" / "model.py").write_text(FAULTY_MODEL)
-    params = "".join(f"\n  {k}: \"{v}\"" for k, v in parameters.items())
+    params = "".join(f'\n  {k}: "{v}"' for k, v in parameters.items())
     (folder / "config.yaml").write_text(
         textwrap.dedent(
-            f"""\
+            """\
             backend: python
             max_batch_size: 8
             inputs:
-              - {{name: x, datatype: FP32, dims: [4]}}
-              - {{name: delay, datatype: FP32, dims: [1], optional: true}}
+              - {name: x, datatype: FP32, dims: [4]}
+              - {name: delay, datatype: FP32, dims: [1], optional: true}
             outputs:
-              - {{name: y, datatype: FP32, dims: [4]}}
+              - {name: y, datatype: FP32, dims: [4]}
             """
         )
         + (f"parameters:{params}\n" if parameters else "")

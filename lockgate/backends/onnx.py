@@ -44,6 +44,7 @@ _ORT_DATATYPES = {
 class OnnxBackend:
     """One InferenceSession. `infer` feeds the inputs the graph takes, returns declared outputs."""
 
+    inline_safe = True  # native code: tiny batches may run on the event loop
     __slots__ = ("_input_names", "_model", "_output_names", "_required", "_session")
 
     def __init__(self, session: ort.InferenceSession, config: ModelConfig) -> None:

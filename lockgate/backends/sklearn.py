@@ -48,6 +48,7 @@ _DEFAULT_OUTPUT = {"predict": "label", "predict_proba": "probabilities"}
 class SklearnBackend:
     """A fitted estimator; each declared output is one method called on the input rows."""
 
+    inline_safe = True  # native code: tiny batches may run on the event loop
     __slots__ = ("_datatypes", "_estimator", "_input", "_methods", "_model")
 
     def __init__(self, estimator: Any, config: ModelConfig) -> None:

@@ -106,7 +106,7 @@ async def run_level(
         probe.cancel()
         printer.cancel()
     if progress is not None:
-        print(tracker.line(level.label), file=progress)
+        print("\r" + tracker.line(level.label), file=progress)
     return LevelResult(
         level, records, time.perf_counter() - wall0, time.process_time() - cpu0, loop_lag
     )

@@ -8,9 +8,10 @@ import codecs
 class SSEDecoder:
     """Feed raw bytes as they arrive; get the data of each completed event.
 
-    Lines and UTF-8 characters may be split across chunks and may end in LF, CRLF or CR. An event ends at a blank
-    line; several `data:` lines in one event are joined with newlines. Comments (lines that
-    start with ':') and the other fields (event, id, retry) are skipped.
+    Lines and UTF-8 characters may be split across chunks; lines may end in LF, CRLF or CR.
+    An event ends at a blank line; several `data:` lines in one event are joined with
+    newlines. Comments (lines that start with ':') and the other fields (event, id, retry)
+    are skipped.
     """
 
     def __init__(self) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lockgate.core.admission import Admission, AdmissionSettings
+from lockgate.core.admission import Admission, AdmissionSettings, QueueState
 from lockgate.core.config import ModelConfig
 from lockgate.core.request import Arrays, InferRequest
 from lockgate.core.runner import Instance
@@ -97,6 +97,7 @@ class Batcher:
         self.queued_rows = 0
         self.max_queue_rows = settings.max_queue_size
         self.free: deque[Instance] = deque(instances)
+        self.busy_until: dict[Instance, float] = {}  # expected end of each running batch
         self.rate = RateMeter()
         self.admission = Admission(admission or AdmissionSettings(), profile)
         self.accepting = True
@@ -137,17 +138,24 @@ class Batcher:
         """Admit, queue and wait for the answer. Raises a ServingError on refusal or failure."""
         now = time.monotonic()
         request.arrival = now
+        slo = self.slo
+        if request.deadline is None and slo is not None:
+            request.deadline = now + slo  # the SLO is the default deadline
+            request.soft_deadline = True
         self._admit(request, now)
         loop = asyncio.get_running_loop()
         request.future = loop.create_future()
-        self.queues[self.level_of(request) - 1].append(request)
-        self.queued_rows += request.rows
         self.rate.add(request.rows, now)
         self._inflight += 1
         self._idle.clear()
-        self._wake.set()
         timer = None
-        if request.deadline is not None:
+        if self._dispatch_now(request, now):
+            pass
+        else:
+            self.queues[self.level_of(request) - 1].append(request)
+            self.queued_rows += request.rows
+            self._wake.set()
+        if request.deadline is not None and not request.future.done():
             # Answer 504 at the deadline itself, not when the batcher next looks at the queue.
             offset = loop.time() - now
             timer = loop.call_at(request.deadline + offset, self._deadline_passed, request)
@@ -170,6 +178,19 @@ class Batcher:
         self.metrics.request_latency.observe(self.labels, time.monotonic() - request.arrival)
         return result
 
+    def _dispatch_now(self, request: InferRequest, now: float) -> bool:
+        """The fast path: nothing queued, an instance idle and no window to wait for. The
+        request runs at once, on the event loop when the model is cheap enough."""
+        if self.queued_rows or not self.free or self._task is None:
+            return False
+        cap, window = self.cap_and_window(now)
+        if window > 0 and request.rows < cap:
+            return False
+        instance = self.free.popleft()
+        batch = Batch([request], request.rows)
+        self._start(instance, batch)
+        return True
+
     def _admit(self, request: InferRequest, now: float) -> None:
         if not self.accepting:
             self._reject("draining", Unavailable("model is shutting down", retry_after=1))
@@ -189,7 +210,7 @@ class Batcher:
                 )
                 break
             self._shed(victim)
-        verdict = self.admission.check(request, now, self._rows_ahead(level), self._capacity())
+        verdict = self.admission.check(request, now, self.queue_state(level, now))
         if verdict is not None:
             self._reject("deadline_unmeetable", verdict)
 
@@ -205,6 +226,12 @@ class Batcher:
         """Rows per second all instances can serve at the current cap."""
         cap, _ = self.cap_and_window(time.monotonic())
         return self.profile.throughput(cap) * len(self.instances) if self.profile.known else 0.0
+
+    def queue_state(self, level: int, now: float) -> QueueState:
+        """The queue as a request of priority `level` arriving now would find it."""
+        cap, _ = self.cap_and_window(now)
+        free_at = sorted(max(now, self.busy_until.get(i, now)) for i in self.instances if i.healthy)
+        return QueueState(self._rows_ahead(level), cap, tuple(free_at), self._capacity())
 
     def _rows_ahead(self, level: int) -> int:
         return sum(sum(r.rows for r in q) for q in self.queues[:level])
@@ -258,10 +285,15 @@ class Batcher:
                     continue  # look again: the batch may be full, or the window spent
             batch = self._form(cap, now)
             if batch is not None:
-                instance = self.free.popleft()
-                task = asyncio.get_running_loop().create_task(self._run(instance, batch))
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
+                self._start(self.free.popleft(), batch)
+
+    def _start(self, instance: Instance, batch: Batch) -> None:
+        if self._inline(instance, batch.rows):
+            self._run_inline(instance, batch)
+            return
+        task = asyncio.get_running_loop().create_task(self._run(instance, batch))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     async def _wait_for_work(self) -> None:
         while not (self.queued_rows and self.free):
@@ -309,42 +341,89 @@ class Batcher:
             queue.extendleft(reversed(kept))
             if chosen and (not batching or rows >= cap):
                 break
-        return Batch(chosen, rows) if chosen else None
+        return self._drop_late(Batch(chosen, rows), now) if chosen else None
 
-    def _expire(self, request: InferRequest) -> None:
+    def _drop_late(self, batch: Batch, now: float) -> Batch | None:
+        """Answer 504 now to requests whose deadline falls before their batch would end.
+
+        Running them would spend the model on answers that come too late to count.
+        """
+        if not self.admission.settings.deadline_aware or not self.profile.known:
+            return batch
+        finish = now + self.profile.service_time(batch.rows)
+        late = {
+            r.seq
+            for r in batch.requests
+            if r.deadline is not None and not r.soft_deadline and r.deadline < finish
+        }
+        if not late:
+            return batch
+        kept = []
+        for request in batch.requests:
+            if request.seq in late:
+                self._expire(request, "would end after its deadline: not run")
+            else:
+                kept.append(request)
+        return Batch(kept, sum(r.rows for r in kept)) if kept else None
+
+    def _expire(self, request: InferRequest, why: str = "passed") -> None:
         self.metrics.rejected.inc((*self.labels, "deadline"))
         waited = (time.monotonic() - request.arrival) * 1000
-        error = DeadlineExceeded(f"deadline passed after {waited:.1f} ms in the queue")
+        error = DeadlineExceeded(f"deadline {why} after {waited:.1f} ms in the queue")
         if request.future is not None and not request.future.done():
             request.future.set_exception(error)
 
     # -- execution ---------------------------------------------------------------------
     async def _run(self, instance: Instance, batch: Batch) -> None:
-        batching = self.config.batching
+        """Run a batch on the instance's thread and answer its requests."""
+        start = self._begin(instance, batch)
+        try:
+            inputs = batch.inputs(self.config.batching)
+            gathered = time.monotonic()
+            outputs = await instance.infer(inputs)
+        except BaseException as exc:
+            self._end(instance, batch, exc)
+            if isinstance(exc, Exception):
+                return
+            raise
+        self._end(instance, batch, outputs, gathered - start)
+
+    def _run_inline(self, instance: Instance, batch: Batch) -> None:
+        """Run a cheap batch on the event loop: no thread handoff, no task."""
+        start = self._begin(instance, batch)
+        try:
+            inputs = batch.inputs(self.config.batching)
+            gathered = time.monotonic()
+            outputs = instance.infer_sync(inputs)
+        except Exception as exc:
+            self._end(instance, batch, exc)
+            return
+        self._end(instance, batch, outputs, gathered - start)
+
+    def _begin(self, instance: Instance, batch: Batch) -> float:
         start = time.monotonic()
+        self.busy_until[instance] = start + self.profile.service_time(batch.rows)
         for request in batch.requests:
             self.metrics.queue_latency.observe(self.labels, start - request.arrival)
+        return start
+
+    def _end(
+        self, instance: Instance, batch: Batch, result: Arrays | BaseException, gather: float = 0.0
+    ) -> None:
+        """Release the instance, record the batch, split its outputs or fail its requests."""
+        self._release(instance)
+        if isinstance(result, BaseException):
+            self._fail(batch, self._as_serving_error(batch, result))
+            return
+        split_start = time.monotonic()
         try:
-            inputs = batch.inputs(batching)
-            started = time.monotonic()
-            if self._inline(instance, batch.rows):
-                outputs = instance.infer_sync(inputs)
-            else:
-                outputs = await instance.infer(inputs)
-            finished = time.monotonic()
-            elapsed = finished - started
-            parts = batch.split(outputs, batching)
-            self.input_seconds += started - start
-            self.output_seconds += time.monotonic() - finished
+            parts = batch.split(result, self.config.batching)
         except ServingError as exc:
             self._fail(batch, exc)
             return
-        except Exception as exc:  # the model raised: only this batch fails
-            log.warning("model %s failed on a batch of %d rows: %r", self, batch.rows, exc)
-            self._fail(batch, BackendError(f"model '{self.config.name}' failed: {exc}"))
-            return
-        finally:
-            self._release(instance)
+        self.input_seconds += gather
+        self.output_seconds += time.monotonic() - split_start
+        elapsed = instance.last_seconds
         self.profile.observe(batch.rows, elapsed)
         self.metrics.compute_latency.observe(self.labels, elapsed)
         self.metrics.batch_size.observe(self.labels, batch.rows)
@@ -352,6 +431,15 @@ class Batcher:
         for request, part in zip(batch.requests, parts, strict=True):
             if request.future is not None and not request.future.done():
                 request.future.set_result(part)
+
+    def _as_serving_error(self, batch: Batch, exc: BaseException) -> ServingError:
+        if isinstance(exc, ServingError):
+            return exc
+        if isinstance(exc, asyncio.CancelledError):
+            return Unavailable("batch cancelled: the model is shutting down", retry_after=1)
+        # the model raised: only this batch fails
+        log.warning("model %s failed on a batch of %d rows: %r", self, batch.rows, exc)
+        return BackendError(f"model '{self.config.name}' failed: {exc}")
 
     def _inline(self, instance: Instance, rows: int) -> bool:
         """Run on the event loop when the batch is cheaper than a thread handoff (~100 µs)."""
@@ -368,6 +456,7 @@ class Batcher:
         self._wake.set()
 
     def _release(self, instance: Instance) -> None:
+        self.busy_until.pop(instance, None)
         if instance.healthy:
             self.free.append(instance)
         self._wake.set()

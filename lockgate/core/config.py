@@ -30,7 +30,7 @@ DATATYPES = (
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """One input or output. `dims` excludes the batch dimension when max_batch_size > 0; -1 is any."""
+    """One input or output. `dims` excludes the batch dim when max_batch_size > 0; -1: any."""
 
     name: str
     datatype: str

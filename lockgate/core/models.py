@@ -69,7 +69,7 @@ class ServedModel:
 class ServingSettings:
     hang_timeout: float | None = 30.0  # seconds a batch may run before its instance restarts
     profile_repeats: int = 5  # runs per batch size when profiling T(B) at warmup
-    admission: AdmissionSettings = AdmissionSettings()
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
 
 
 def synthetic_input(spec: TensorSpec, rows: int, batching: bool, kind: str = "zero") -> np.ndarray:
@@ -96,9 +96,7 @@ def synthetic_batch(config: ModelConfig, rows: int, kind: str = "zero") -> Array
 
 
 class ModelManager:
-    def __init__(
-        self, registry: Registry, settings: ServingSettings | None = None
-    ) -> None:
+    def __init__(self, registry: Registry, settings: ServingSettings | None = None) -> None:
         self.registry = registry
         self.metrics = ServingMetrics.create(registry)
         self.settings = settings or ServingSettings()
@@ -120,7 +118,9 @@ class ModelManager:
             raise NotFound(f"unknown version {version} of model '{name}'")
         if served_version.state is not ModelState.READY:
             reason = served_version.error or served_version.state.value.lower()
-            raise Unavailable(f"model '{name}' version {version} is not ready: {reason}", retry_after=1)
+            raise Unavailable(
+                f"model '{name}' version {version} is not ready: {reason}", retry_after=1
+            )
         return served_version
 
     @staticmethod
@@ -241,7 +241,9 @@ class ModelManager:
         batcher.start()
         served.batcher = batcher
 
-    def _warmup(self, config: ModelConfig, instances: list[Instance], profile: ServiceProfile) -> None:
+    def _warmup(
+        self, config: ModelConfig, instances: list[Instance], profile: ServiceProfile
+    ) -> None:
         """Run the configured warmup samples on every instance, then measure T(B)."""
         for instance in instances:
             for sample in config.warmup:
@@ -266,7 +268,9 @@ class ModelManager:
     def record_external(self, name: str, path: Path, config: ModelConfig, version: int) -> None:
         """A model served outside the batcher (a language model), listed for health and index."""
         model = ServedModel(name, path, config)
-        model.versions[version] = ServedVersion(config, version, path / str(version), ModelState.READY)
+        model.versions[version] = ServedVersion(
+            config, version, path / str(version), ModelState.READY
+        )
         self.models[name] = model
         self.metrics.model_ready.set((name, str(version)), 1)
 

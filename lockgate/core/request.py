@@ -27,6 +27,9 @@ class InferRequest:
     version: int | None = None
     outputs: tuple[str, ...] | None = None  # None: all outputs
     deadline: float | None = None  # time.monotonic() seconds
+    # The deadline came from the model's latency SLO, not from the client: it bounds the time
+    # in the queue, but a request the model alone cannot finish in time is still served.
+    soft_deadline: bool = False
     priority: int = 0  # 0: the model's default; 1 is the highest
     id: str = ""
     arrival: float = field(default_factory=time.monotonic)

@@ -39,14 +39,22 @@ class Instance:
         # Native runtimes (onnxruntime, scikit-learn) may run tiny batches on the event loop.
         self.inline_safe = bool(getattr(backend, "inline_safe", False))
         self.restarts = 0
+        self.last_seconds = 0.0
+        self._restarting: asyncio.Task[None] | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lockgate-{name}")
 
     def infer_sync(self, inputs: Arrays) -> Arrays:
-        return self.backend.infer(inputs)
+        """Run a batch on the calling thread; `last_seconds` is its compute time."""
+        start = time.perf_counter()
+        outputs = self.backend.infer(inputs)
+        self.last_seconds = time.perf_counter() - start
+        return outputs
 
     async def infer(self, inputs: Arrays) -> Arrays:
+        """Run a batch on the instance's thread. `last_seconds` is timed on that thread, so
+        it holds the model's time alone, not the handoff between threads."""
         loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self.executor, self.backend.infer, inputs)
+        work = loop.run_in_executor(self.executor, self.infer_sync, inputs)
         if self.hang_timeout is None:
             return await work
         try:
@@ -66,8 +74,7 @@ class Instance:
         stuck.shutdown(wait=False, cancel_futures=True)
         if self.reload is None:
             return
-        loop = asyncio.get_running_loop()
-        loop.create_task(self._restart())
+        self._restarting = asyncio.get_running_loop().create_task(self._restart())
 
     async def _restart(self) -> None:
         assert self.reload is not None

@@ -31,14 +31,27 @@ class ServiceProfile:
 
     max_batch_size: int
     alpha: float = 0.1  # weight of a new observation in the running average
+    outlier: float = 2.0  # samples are clamped to this multiple of the running average
+    refit_every: int = 64  # observations between refits of a + b·B
+    observations: int = 0
     times: dict[int, float] = field(default_factory=dict)
     fit_a: float = 0.0
     fit_b: float = 0.0
 
     def observe(self, batch_size: int, seconds: float) -> None:
+        """Fold one measured batch into the average. A sample more than `outlier` times the
+        average (a preempted thread, a page fault) counts as `outlier` times the average, so
+        one stall cannot move the profile far; a lasting change still moves it within a few
+        dozen batches."""
         old = self.times.get(batch_size)
-        self.times[batch_size] = seconds if old is None else old + self.alpha * (seconds - old)
-        if old is None or len(self.times) <= 8:
+        if old is None:
+            self.times[batch_size] = seconds
+            self.refit()
+            return
+        seconds = min(seconds, self.outlier * old)
+        self.times[batch_size] = old + self.alpha * (seconds - old)
+        self.observations += 1
+        if self.observations % self.refit_every == 0:
             self.refit()
 
     def refit(self) -> None:

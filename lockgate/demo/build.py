@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 
-DEMO_VERSION = "1"  # bump when a builder changes: the cache path changes with it
+DEMO_VERSION = "2"  # bump when a builder changes: the cache path changes with it
 
 DIGITS_FEATURES = 64
 DIGITS_CLASSES = 10
@@ -155,7 +155,7 @@ def _digits_config(name: str, backend: str, parameters: dict[str, str]) -> dict[
             {"name": "probabilities", "datatype": "FP32", "dims": [DIGITS_CLASSES]},
         ],
         "dynamic_batching": {"max_queue_delay_us": 500},
-        "latency_slo_ms": 20,
+        "latency_slo_ms": 50,
         "instance_count": 1,
         "parameters": parameters,
         "warmup": [
@@ -256,7 +256,7 @@ def _minilm_config() -> dict[str, Any]:
         "inputs": [{"name": "text", "datatype": "BYTES", "dims": [1]}],  # a batch is [B, 1]
         "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [MINILM_DIM]}],
         "dynamic_batching": {"max_queue_delay_us": 2000},
-        "latency_slo_ms": 100,
+        "latency_slo_ms": 500,
         "instance_count": 1,
         "parameters": {
             "onnx_package": MINILM_ONNX_PACKAGE,

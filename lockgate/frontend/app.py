@@ -130,7 +130,9 @@ class App:
     async def _route(self, request: HttpRequest) -> None:
         path, method = request.path, request.method
         parts = [p for p in path.split("/") if p]
-        if parts[:2] == ["v2", "models"] and len(parts) >= 3:
+        if parts == ["v2", "models", "stats"] and method == "GET":  # before model "stats"
+            await respond(request.send, 200, v2_routes.statistics(self.models, None, None))
+        elif parts[:2] == ["v2", "models"] and len(parts) >= 3:
             await self._model_route(request, parts[2:])
         elif parts and parts[0] == "v1" and self.openai is not None:
             await self.openai(request, parts[1:])
@@ -145,8 +147,6 @@ class App:
             await respond(request.send, 200, body, b"text/plain; version=0.0.4; charset=utf-8")
         elif path == "/openapi.json":
             await respond_json(request.send, 200, openapi_document())
-        elif path == "/v2/models/stats":
-            await respond(request.send, 200, v2_routes.statistics(self.models, None, None))
         elif parts[:2] == ["v2", "repository"]:
             await self._repository(request, parts[2:])
         else:

@@ -52,8 +52,13 @@ class OpenAIRoutes:
     # -- models ------------------------------------------------------------------------
     def _models(self) -> dict[str, Any]:
         data = [
-            {"id": s.name, "object": "model", "created": s.created, "owned_by": "lockgate",
-             "max_model_len": s.engine_config.max_model_len}
+            {
+                "id": s.name,
+                "object": "model",
+                "created": s.created,
+                "owned_by": "lockgate",
+                "max_model_len": s.engine_config.max_model_len,
+            }
             for s in self.services.values()
         ]
         data += [
@@ -83,7 +88,15 @@ class OpenAIRoutes:
         stream = self._submit(request, service, prompt_ids, params, rid)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            await self._stream(request, stream, rid, service, "text_completion", include_usage, _completion_piece(service))
+            await self._stream(
+                request,
+                stream,
+                rid,
+                service,
+                "text_completion",
+                include_usage,
+                _completion_piece(service),
+            )
             return
         text, reason, logprobs, last = await self._collect(request, stream, service, legacy=True)
         payload = oa.completion_response(rid, service.name, text, reason, logprobs, _usage(last))
@@ -109,7 +122,15 @@ class OpenAIRoutes:
         stream = self._submit(request, service, prompt_ids, params, rid)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            await self._stream(request, stream, rid, service, "chat.completion.chunk", include_usage, _chat_piece(service))
+            await self._stream(
+                request,
+                stream,
+                rid,
+                service,
+                "chat.completion.chunk",
+                include_usage,
+                _chat_piece(service),
+            )
             return
         text, reason, logprobs, last = await self._collect(request, stream, service, legacy=False)
         payload = oa.chat_response(rid, service.name, text, reason, logprobs, _usage(last))
@@ -122,7 +143,10 @@ class OpenAIRoutes:
             ids = [int(t) for t in prompt]  # type: ignore[arg-type]
             bad = [t for t in ids if not 0 <= t < service.vocab_size]
             if bad:
-                raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary (0..{service.vocab_size - 1})")
+                raise BadRequest(
+                    f"prompt token id {bad[0]} is outside the vocabulary "
+                    f"(0..{service.vocab_size - 1})"
+                )
             return ids
         if isinstance(prompt, list) and len(prompt) == 1:
             return self._prompt_ids(service, prompt[0])
@@ -172,7 +196,12 @@ class OpenAIRoutes:
         )
 
     def _submit(
-        self, request: HttpRequest, service: LLMService, ids: list[int], params: SamplingParams, rid: str
+        self,
+        request: HttpRequest,
+        service: LLMService,
+        ids: list[int],
+        params: SamplingParams,
+        rid: str,
     ) -> AsyncIterator[RequestOutput]:
         if self.app.draining:
             raise Unavailable("server is shutting down", retry_after=1)
@@ -214,7 +243,9 @@ class OpenAIRoutes:
             try:
                 async for out in stream:
                     if first:
-                        await send({"type": "http.response.start", "status": 200, "headers": headers})
+                        await send(
+                            {"type": "http.response.start", "status": 200, "headers": headers}
+                        )
                     await _sse(send, piece(rid, service.name, out, first))
                     first = False
                     last = out
@@ -233,7 +264,12 @@ class OpenAIRoutes:
             config = model.config
             if config is None or model.latest_ready() is None:
                 continue
-            if len(config.inputs) == 1 and config.inputs[0].datatype == "BYTES" and config.outputs and config.outputs[0].datatype == "FP32":
+            if (
+                len(config.inputs) == 1
+                and config.inputs[0].datatype == "BYTES"
+                and config.outputs
+                and config.outputs[0].datatype == "FP32"
+            ):
                 names.append(model.name)
         return names
 
@@ -242,7 +278,10 @@ class OpenAIRoutes:
         names = self._embedding_models()
         name = body.model or (names[0] if len(names) == 1 else "")
         if name not in names:
-            raise NotFound(f"the model '{body.model}' does not serve embeddings (try: {', '.join(names) or 'none'})")
+            raise NotFound(
+                f"the model '{body.model}' does not serve embeddings "
+                f"(try: {', '.join(names) or 'none'})"
+            )
         texts = [body.input] if isinstance(body.input, str) else body.input
         if not texts or not all(isinstance(t, str) for t in texts):
             raise BadRequest("input must be a string or a non-empty list of strings")
@@ -251,9 +290,16 @@ class OpenAIRoutes:
         served = self.app.models.get(name)
         config = served.config
         if config.max_batch_size and len(texts) > config.max_batch_size:
-            raise BadRequest(f"at most {config.max_batch_size} inputs per request for model '{name}'")
+            raise BadRequest(
+                f"at most {config.max_batch_size} inputs per request for model '{name}'"
+            )
         array = np.array([[t.encode()] for t in texts], dtype=object)
-        core = InferRequest(model=name, inputs={config.inputs[0].name: array}, version=served.version, rows=len(texts))
+        core = InferRequest(
+            model=name,
+            inputs={config.inputs[0].name: array},
+            version=served.version,
+            rows=len(texts),
+        )
         async with cancel_on_disconnect(request.receive):
             outputs = await self.app.models.infer(core)
         vectors = np.asarray(outputs[config.outputs[0].name], dtype=np.float32)
@@ -262,7 +308,12 @@ class OpenAIRoutes:
             for i, v in enumerate(vectors)
         ]
         tokens = sum(len(t.split()) for t in texts)
-        payload = {"object": "list", "data": data, "model": name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        payload = {
+            "object": "list",
+            "data": data,
+            "model": name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
         await respond_json(request.send, 200, payload)
 
 
@@ -296,7 +347,13 @@ def _usage(last: RequestOutput | None) -> dict[str, Any]:
 
 
 async def _sse(send: Callable[[dict[str, Any]], Awaitable[None]], payload: dict[str, Any]) -> None:
-    await send({"type": "http.response.body", "body": b"data: " + _encode(payload) + b"\n\n", "more_body": True})
+    await send(
+        {
+            "type": "http.response.body",
+            "body": b"data: " + _encode(payload) + b"\n\n",
+            "more_body": True,
+        }
+    )
 
 
 def _token_text(service: LLMService, token_id: int) -> str:
@@ -313,7 +370,10 @@ def _legacy_logprobs(service: LLMService, entries: list[Any]) -> dict[str, Any]:
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": [
-            {_token_text(service, t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)}
+            {
+                _token_text(service, t): lp
+                for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)
+            }
             for e in entries
         ],
         "text_offset": offsets,
@@ -329,14 +389,18 @@ def _chat_logprobs(service: LLMService, entries: list[Any]) -> dict[str, Any]:
         "content": [
             {
                 **item(e.token_id, e.logprob),
-                "top_logprobs": [item(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)],
+                "top_logprobs": [
+                    item(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)
+                ],
             }
             for e in entries
         ]
     }
 
 
-def _completion_piece(service: LLMService) -> Callable[[str, str, RequestOutput, bool], dict[str, Any]]:
+def _completion_piece(
+    service: LLMService,
+) -> Callable[[str, str, RequestOutput, bool], dict[str, Any]]:
     def piece(rid: str, model: str, out: RequestOutput, first: bool) -> dict[str, Any]:
         logprobs = _legacy_logprobs(service, out.logprobs) if out.logprobs else None
         reason = _openai_reason(out.finish_reason.value if out.finish_reason else None)
@@ -372,10 +436,14 @@ def llm_extension(repository: Path) -> Callable[[App], Awaitable[None]]:
                 continue
             version_dir = entry.path / str(entry.versions[0])
             try:
-                service = await loop.run_in_executor(None, LLMService.load, entry.config, version_dir)
+                service = await loop.run_in_executor(
+                    None, LLMService.load, entry.config, version_dir
+                )
             except Exception as exc:
                 log.error("language model %s failed to load: %s", entry.name, exc)
-                app.models.record_failure(entry.name, entry.path, entry.config, f"{type(exc).__name__}: {exc}")
+                app.models.record_failure(
+                    entry.name, entry.path, entry.config, f"{type(exc).__name__}: {exc}"
+                )
                 continue
             routes.services[service.name] = service
             metrics.services.append(service)

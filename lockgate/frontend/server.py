@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -125,7 +126,9 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             yield
         finally:
@@ -135,9 +138,8 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's handler: it re-raises the signal after shutdown (exit status -15).
         app = self.lockgate_app
-        if app.draining:  # a second signal: stop draining, close now; a third: force
-            self.force_exit = self.should_exit
-            self.should_exit = True
+        if app.draining:  # a second signal: stop waiting for requests, close now
+            self.should_exit = self.force_exit = True
             return
         log.info("signal %d: draining (readiness 503, no new requests), then exiting", sig)
         app.draining = True
@@ -207,6 +209,7 @@ async def serve(options: ServeOptions) -> int:
     log.info("lockgate listening on http://%s:%d", options.host, options.port)
     await server.serve()
     loader.cancel()
+    await _cancel_requests(server)
     await app.models.close()
     for closer in app.closers:
         await closer()
@@ -214,10 +217,39 @@ async def serve(options: ServeOptions) -> int:
     return 0
 
 
+async def _cancel_requests(server: uvicorn.Server) -> None:
+    """Requests still running after a second signal are cancelled: closing the models would
+    otherwise wait for them."""
+    tasks = list(server.server_state.tasks)
+    for task in tasks:
+        task.cancel("server is stopping")
+    if tasks:
+        await asyncio.wait(tasks, timeout=1.0)
+
+
 def run(options: ServeOptions) -> int:
     try:
         import uvloop
 
-        return uvloop.run(serve(options))
+        code = uvloop.run(serve(options))
     except ImportError:
-        return asyncio.run(serve(options))
+        code = asyncio.run(serve(options))
+    _exit_past_busy_threads(code)
+    return code
+
+
+def _exit_past_busy_threads(code: int, grace: float = 1.0) -> None:
+    """Leave now if a model call outlived the drain: its worker thread would hold the exit
+    (Python joins executor threads at exit) for as long as the call runs."""
+    deadline = time.monotonic() + grace
+    busy = []
+    for thread in threading.enumerate():
+        if thread is threading.main_thread() or thread.daemon:
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            busy.append(thread.name)
+    if busy:
+        log.warning("exiting past %d busy thread(s): %s", len(busy), ", ".join(busy))
+        logging.shutdown()
+        os._exit(code)

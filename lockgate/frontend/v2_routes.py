@@ -33,7 +33,9 @@ def parse_version(text: str | None) -> int | None:
     return int(text)
 
 
-def deadline_of(request: HttpRequest, parameters: dict[str, object], served: ServedVersion) -> float | None:
+def deadline_of(
+    request: HttpRequest, parameters: dict[str, object], served: ServedVersion
+) -> float | None:
     """Deadline from the `timeout` parameter (µs), a Request-Timeout header (s), or the model."""
     now = time.monotonic()
     timeout_us = parameters.get("timeout")
@@ -104,7 +106,9 @@ async def model_metadata(models: ModelManager, name: str, version_text: str | No
     return v2.model_metadata(served.config, sorted(versions) or [served.version])
 
 
-def model_ready(models: ModelManager, name: str, version_text: str | None) -> tuple[int, dict[str, object]]:
+def model_ready(
+    models: ModelManager, name: str, version_text: str | None
+) -> tuple[int, dict[str, object]]:
     """200 when ready; otherwise 503 with the reason (404 for an unknown model)."""
     model = models.models.get(name)
     if model is None:
@@ -145,9 +149,7 @@ def _stats_of(models: ModelManager, served: ServedVersion) -> ModelStats:
     queue = m.queue_latency.labels(labels)
     compute = m.compute_latency.labels(labels)
     batch = m.batch_size.labels(labels)
-    failures = sum(
-        v for k, v in m.requests.values.items() if k[:2] == labels and k[2] != "success"
-    )
+    failures = sum(v for k, v in m.requests.values.items() if k[:2] == labels and k[2] != "success")
     return ModelStats(
         name=served.config.name,
         version=str(served.version),

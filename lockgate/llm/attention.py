@@ -109,6 +109,10 @@ def _check_metadata(meta: AttentionMetadata) -> None:
         raise BadRequest("attention metadata: query_lens_list and seq_lens_list differ in length")
     if meta.block_size <= 0:
         raise BadRequest(f"attention metadata: block_size must be > 0, got {meta.block_size}")
+    if meta.slot_mapping.shape[0] != meta.num_tokens:
+        raise BadRequest(
+            f"attention metadata: {meta.slot_mapping.shape[0]} slots for {meta.num_tokens} tokens"
+        )
     max_context = meta.block_tables.shape[1] * meta.block_size if meta.num_seqs else 0
     for q, s in zip(meta.query_lens_list, meta.seq_lens_list, strict=True):
         if q <= 0 or s < q:

@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from lockgate.errors import BackendError, ServingError, Unavailable
+from lockgate.errors import BackendError, ConfigError, ServingError, Unavailable
 from lockgate.llm.attention import KVCache
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.kv_cache import BlockManager
@@ -72,8 +73,14 @@ class LLMEngine:
     ) -> None:
         num_blocks, block_size = kv_caches[0][0].shape[:2]
         if block_size != config.block_size:
-            raise ValueError(
-                f"KV cache blocks hold {block_size} tokens, config says {config.block_size}"
+            raise ConfigError(
+                "EngineConfig", "block_size", f"the KV cache's blocks hold {block_size} tokens"
+            )
+        if num_blocks * block_size < config.max_model_len:
+            raise ConfigError(
+                "EngineConfig",
+                "max_model_len",
+                f"{config.max_model_len} tokens do not fit in {num_blocks} KV blocks",
             )
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -155,6 +162,8 @@ class LLMEngine:
                 num_steps=c.num_steps,
                 step_time=c.step_time,
                 forward_time=c.forward_time,
+                prepare_time=c.prepare_time,
+                sample_time=c.sample_time,
             )
 
     def check_invariants(self) -> None:
@@ -242,10 +251,16 @@ class LLMEngine:
             max(0, min(s.start + s.num_tokens, s.seq.num_prompt_tokens) - s.start)
             for s in out.scheduled
         )
-        generated = len(result.sampled.token_ids) if result else 0
-        forward = result.forward_time if result else 0.0
         with self._lock:
-            self.counters.record_step(total, forward, prompt, generated)
+            c = self.counters
+            c.num_steps += 1
+            c.step_time += total
+            c.prompt_tokens += prompt
+            if result is not None:
+                c.generation_tokens += len(result.sampled.token_ids)
+                c.forward_time += result.forward_time
+                c.prepare_time += result.prepare_time
+                c.sample_time += result.sample_time
 
 
 @dataclass(slots=True)
@@ -309,7 +324,8 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._streams: dict[str, RequestStream] = {}
+        # weak: a stream dropped by its consumer is collected, and its finalizer aborts
+        self._streams: dict[str, weakref.ref[RequestStream]] = {}
         self._pending_aborts: list[str] = []
         self._wakeup = threading.Condition()
         self._closing = False
@@ -330,7 +346,7 @@ class AsyncLLMEngine:
         with self._wakeup:
             request_id = self.engine.add_request(prompt_token_ids, params, request_id, deadline)
             stream = RequestStream(self, request_id, loop)
-            self._streams[request_id] = stream
+            self._streams[request_id] = weakref.ref(stream)
             self._wakeup.notify()
         return stream
 
@@ -369,29 +385,38 @@ class AsyncLLMEngine:
             return not self._closing
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: defaultdict[asyncio.AbstractEventLoop, list[_Delivery]] = defaultdict(list)
+        deliveries, orphans = [], []
         with self._wakeup:
             for o in outputs:
-                stream = (
-                    self._streams.pop(o.request_id)
+                ref = (
+                    self._streams.pop(o.request_id, None)
                     if o.finished
                     else self._streams.get(o.request_id)
                 )
+                stream = ref() if ref is not None else None
                 if stream is not None:
-                    by_loop[stream.loop].append(_Delivery(stream, o))
-        for loop, batch in by_loop.items():
-            _call_soon(loop, batch)
+                    deliveries.append(_Delivery(stream, o))
+                elif ref is not None:  # the consumer dropped its stream
+                    orphans.append(o.request_id)
+        for request_id in orphans:
+            self.abort(request_id)
+        _send(deliveries)
 
     def _fail_all(self, error: ServingError) -> None:
         with self._wakeup:
-            streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            self.engine.abort(stream.request_id)
-        by_loop: defaultdict[asyncio.AbstractEventLoop, list[_Delivery]] = defaultdict(list)
-        for stream in streams:
-            by_loop[stream.loop].append(_Delivery(stream, error))
-        for loop, batch in by_loop.items():
-            _call_soon(loop, batch)
+            refs, self._streams = list(self._streams.items()), {}
+        for request_id, _ in refs:
+            self.engine.abort(request_id)
+        _send([_Delivery(stream, error) for _, ref in refs if (stream := ref()) is not None])
+
+
+def _send(deliveries: list[_Delivery]) -> None:
+    """Hand items to their streams: one call into each consumer loop."""
+    by_loop: defaultdict[asyncio.AbstractEventLoop, list[_Delivery]] = defaultdict(list)
+    for d in deliveries:
+        by_loop[d.stream.loop].append(d)
+    for loop, batch in by_loop.items():
+        _call_soon(loop, batch)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, batch: list[_Delivery]) -> None:

@@ -111,9 +111,15 @@ def load_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True)
     start = time.perf_counter()
     entry = (cache_dir or default_cache_dir()) / _cache_key(path)
     if use_cache and (entry / _META_FILE).is_file():
-        checkpoint = _read_cache(entry, str(path))
-        logger.info("loaded %s from cache %s in %.2f s", path, entry, time.perf_counter() - start)
-        return checkpoint
+        try:
+            checkpoint = _read_cache(entry, str(path))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignoring unreadable cache %s: %s", entry, exc)
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            elapsed = time.perf_counter() - start
+            logger.info("loaded %s from cache %s in %.2f s", path, entry, elapsed)
+            return checkpoint
     checkpoint = parse_gguf(path)
     logger.info("parsed and dequantized %s in %.2f s", path, time.perf_counter() - start)
     if use_cache:

@@ -76,7 +76,9 @@ class EngineStats:
     generation_tokens: int
     num_steps: int
     step_time: float  # total seconds inside step()
-    forward_time: float  # of which seconds in model forward + logits + sampling
+    forward_time: float  # of which seconds in model forward + logits
+    prepare_time: float  # of which seconds building the step's tensors
+    sample_time: float  # of which seconds sampling
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -97,16 +99,11 @@ class StepCounters:
     num_steps: int = 0
     step_time: float = 0.0
     forward_time: float = 0.0
+    prepare_time: float = 0.0
+    sample_time: float = 0.0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished_by_reason: Counter[str] = field(default_factory=Counter)
-
-    def record_step(self, total: float, forward: float, prompt: int, generated: int) -> None:
-        self.num_steps += 1
-        self.step_time += total
-        self.forward_time += forward
-        self.prompt_tokens += prompt
-        self.generation_tokens += generated
 
 
 class FinishedLog:

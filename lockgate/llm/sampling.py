@@ -4,10 +4,15 @@ Order of processing, per row: presence/frequency penalties (from the counts of t
 output tokens), then temperature, top-k, top-p and min-p. Greedy rows (temperature 0) take
 the argmax of the penalized logits and skip temperature and the filters.
 
-Random rows sample with the exponential race: argmax(probs / q), q ~ Exp(1), which draws
-exactly from `probs`. Unseeded rows share the sampler's generator. A seeded row draws its q
-from a generator seeded by (seed, index of the token being generated), so its output does
-not depend on which other requests share the batch, nor on preemption and recompute.
+Random rows sample by inverting the CDF: one uniform number per row, located in the row's
+cumulative probabilities (one cumsum and a binary search; an exponential race or
+`torch.multinomial` would draw V random numbers per row). Unseeded rows share the sampler's
+generator. A seeded row draws its number from a generator seeded by (seed, index of the
+token being generated), so its output does not depend on which other requests share the
+batch, nor on preemption and recompute.
+
+Top-p looks for the nucleus among each row's `TOP_P_WINDOW` largest logits and sorts the
+whole row only when the nucleus is larger than that.
 
 Logprobs are the log_softmax of the processed logits, the distribution the token was drawn
 from (after penalties, temperature and filters; filtered tokens have -inf).
@@ -23,7 +28,8 @@ import torch
 from lockgate.llm.sequence import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
-_TINY = 1e-20
+_U_MAX = 1.0 - 2.0**-24  # uniforms stay below 1 so the search never runs off the end
+TOP_P_WINDOW = 128
 
 
 @dataclass(slots=True)
@@ -130,9 +136,9 @@ class Sampler:
             processed, tokens = logits, logits.argmax(dim=-1)
         else:
             processed = self._filter(logits / batch.temperature.unsqueeze(1), batch)
-            tokens = torch.where(
-                batch.is_greedy, processed.argmax(dim=-1), self._draw(processed, batch)
-            )
+            tokens = self._draw(processed, batch)
+            if bool(batch.is_greedy.any()):
+                tokens = torch.where(batch.is_greedy, processed.argmax(dim=-1), tokens)
         token_list: list[int] = tokens.tolist()
         return SamplerOutput(token_list, _logprobs(processed, tokens, batch.num_logprobs))
 
@@ -146,11 +152,13 @@ class Sampler:
         return logits
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        probs = logits.softmax(dim=-1)  # [N, V]
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)  # [N, V]
+        u = torch.rand(logits.shape[0], generator=self.generator)  # [N]
         for row, seed in batch.seeds.items():
-            q[row].exponential_(generator=torch.Generator().manual_seed(seed))
-        return (probs / q.clamp_(min=_TINY)).argmax(dim=-1)
+            u[row] = torch.rand(1, generator=torch.Generator().manual_seed(seed))
+        target = u.clamp_(max=_U_MAX).mul_(cdf[:, -1])  # [N]
+        tokens = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)  # [N]
+        return tokens.clamp_(max=logits.shape[1] - 1)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -182,11 +190,35 @@ def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
 ) -> torch.Tensor:
     """Top-k, then the smallest set of tokens whose probability reaches top_p."""
-    sorted_logits, order = logits.sort(dim=-1, descending=False)  # [N, V] ascending
-    if top_k is not None:
-        cut = (logits.shape[1] - top_k).unsqueeze(1)  # index of each row's k-th largest
-        sorted_logits.masked_fill_(sorted_logits < sorted_logits.gather(1, cut), float("-inf"))
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
+    n, v = logits.shape
+    k = top_k if top_k is not None else torch.full((n,), v, dtype=torch.int64)
+    window = min(v, max(TOP_P_WINDOW, int(k.masked_fill(k >= v, 0).max())))
+    values, indices = logits.topk(window, dim=-1)  # [N, W] descending
+    rank = torch.arange(window).unsqueeze(0)  # [1, W]
+    values = values.masked_fill(rank >= k.unsqueeze(1), float("-inf"))  # top-k
+    # normalizer of the top-k distribution: in the window when k fits, else the whole row
+    k_fits = (k <= window).unsqueeze(1)  # [N, 1]
+    lse = torch.where(
+        k_fits, values.logsumexp(-1, keepdim=True), logits.logsumexp(-1, keepdim=True)
+    )
+    cumulative = (values - lse).exp().cumsum(dim=-1)  # [N, W]
+    mass_before = cumulative - (values - lse).exp()  # exclusive cumsum
+    keep = mass_before < top_p.unsqueeze(1)  # [N, W], the nucleus
+    resolved = k_fits.squeeze(1) | (cumulative[:, -1] >= top_p)  # [N]
+    out = torch.full_like(logits, float("-inf")).scatter_(
+        1, indices, values.masked_fill(~keep, float("-inf"))
+    )
+    if not bool(resolved.all()):  # a nucleus wider than the window: sort those rows
+        rows = (~resolved).nonzero().squeeze(1)
+        out[rows] = _top_k_top_p_sorted(logits[rows], k[rows], top_p[rows])
+    return out
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # [R, V] ascending
+    cut = (logits.shape[1] - k.clamp(max=logits.shape[1])).unsqueeze(1)  # k-th largest
+    sorted_logits.masked_fill_(sorted_logits < sorted_logits.gather(1, cut), float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [R, V]
     drop = cumulative <= (1.0 - top_p).unsqueeze(1)
     drop[:, -1] = False  # always keep the most likely token
     sorted_logits.masked_fill_(drop, float("-inf"))

@@ -52,7 +52,9 @@ def engine_config_from(config: ModelConfig) -> EngineConfig:
         try:
             return kind(p[key])
         except ValueError:
-            raise ConfigError(source, f"parameters.{key}", f"not a {kind.__name__}: {p[key]!r}") from None
+            raise ConfigError(
+                source, f"parameters.{key}", f"not a {kind.__name__}: {p[key]!r}"
+            ) from None
 
     def flag(key: str, default: bool) -> bool:
         if key not in p:
@@ -84,7 +86,9 @@ def _weights_path(config: ModelConfig, version_dir: Path) -> Path:
     if name:
         path = (version_dir / name).resolve()
         if not path.is_relative_to(version_dir.resolve()):
-            raise ConfigError(config.source, "parameters.model_file", "must stay inside the version folder")
+            raise ConfigError(
+                config.source, "parameters.model_file", "must stay inside the version folder"
+            )
         return path
     ggufs = sorted(version_dir.glob("*.gguf"))
     if len(ggufs) == 1:
@@ -92,7 +96,9 @@ def _weights_path(config: ModelConfig, version_dir: Path) -> Path:
     if (version_dir / "config.json").is_file():
         return version_dir
     raise ConfigError(
-        config.source, "parameters.model_file", f"no single .gguf file or config.json in {version_dir}"
+        config.source,
+        "parameters.model_file",
+        f"no single .gguf file or config.json in {version_dir}",
     )
 
 
@@ -113,9 +119,13 @@ class LLMService:
         engine_config = engine_config_from(config)
         checkpoint = load_checkpoint(_weights_path(config, version_dir))
         model = build_llama(checkpoint.config, checkpoint.weights, engine_config.dtype)
-        per_block = kv_bytes_per_block(checkpoint.config, engine_config.block_size, engine_config.dtype)
+        per_block = kv_bytes_per_block(
+            checkpoint.config, engine_config.block_size, engine_config.dtype
+        )
         blocks = engine_config.num_kv_blocks(per_block)
-        kv = allocate_kv_cache(checkpoint.config, blocks, engine_config.block_size, engine_config.dtype)
+        kv = allocate_kv_cache(
+            checkpoint.config, blocks, engine_config.block_size, engine_config.dtype
+        )
         tokenizer = ChatTokenizer(checkpoint.tokenizer)
         engine = LLMEngine(
             model,
@@ -157,7 +167,9 @@ def _warmup(engine: LLMEngine) -> None:
     from lockgate.llm.sequence import SamplingParams
 
     with torch.inference_mode():
-        engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        engine.generate(
+            [[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        )
 
 
 class LLMMetrics:
@@ -166,22 +178,72 @@ class LLMMetrics:
     def __init__(self, registry: Registry) -> None:
         m = ("model_name",)
         self.services: list[LLMService] = []
-        self.ttft = registry.histogram("lockgate_llm_time_to_first_token_seconds", "Time to first token.", m, LATENCY_BUCKETS)
-        self.itl = registry.histogram("lockgate_llm_inter_token_latency_seconds", "Time between consecutive output tokens.", m, LATENCY_BUCKETS)
-        self.e2e = registry.histogram("lockgate_llm_e2e_request_latency_seconds", "End-to-end request latency.", m, LATENCY_BUCKETS)
-        self.queue = registry.histogram("lockgate_llm_request_queue_time_seconds", "Time a request waited before it was first scheduled.", m, LATENCY_BUCKETS)
-        self.prompt = registry.histogram("lockgate_llm_request_prompt_tokens", "Prompt tokens per request.", m, TOKEN_BUCKETS)
-        self.generation = registry.histogram("lockgate_llm_request_generation_tokens", "Generated tokens per request.", m, TOKEN_BUCKETS)
-        self.running = registry.gauge("lockgate_llm_num_requests_running", "Requests in the running batch.", m)
-        self.waiting = registry.gauge("lockgate_llm_num_requests_waiting", "Requests waiting to be scheduled.", m)
-        self.kv_usage = registry.gauge("lockgate_llm_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", m)
-        self.prefix_queries = registry.counter("lockgate_llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", m)
-        self.prefix_hits = registry.counter("lockgate_llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", m)
-        self.preemptions = registry.counter("lockgate_llm_num_preemptions_total", "Sequences preempted (recomputed later).", m)
-        self.finished = registry.counter("lockgate_llm_request_success_total", "Finished requests by finish reason.", (*m, "finished_reason"))
-        self.prompt_total = registry.counter("lockgate_llm_prompt_tokens_total", "Prompt tokens computed.", m)
-        self.generation_total = registry.counter("lockgate_llm_generation_tokens_total", "Tokens generated.", m)
-        self.step_overhead = registry.gauge("lockgate_llm_step_overhead_ratio", "Share of engine step time spent outside the model forward.", m)
+        self.ttft = registry.histogram(
+            "lockgate_llm_time_to_first_token_seconds", "Time to first token.", m, LATENCY_BUCKETS
+        )
+        self.itl = registry.histogram(
+            "lockgate_llm_inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            m,
+            LATENCY_BUCKETS,
+        )
+        self.e2e = registry.histogram(
+            "lockgate_llm_e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            m,
+            LATENCY_BUCKETS,
+        )
+        self.queue = registry.histogram(
+            "lockgate_llm_request_queue_time_seconds",
+            "Time a request waited before it was first scheduled.",
+            m,
+            LATENCY_BUCKETS,
+        )
+        self.prompt = registry.histogram(
+            "lockgate_llm_request_prompt_tokens", "Prompt tokens per request.", m, TOKEN_BUCKETS
+        )
+        self.generation = registry.histogram(
+            "lockgate_llm_request_generation_tokens",
+            "Generated tokens per request.",
+            m,
+            TOKEN_BUCKETS,
+        )
+        self.running = registry.gauge(
+            "lockgate_llm_num_requests_running", "Requests in the running batch.", m
+        )
+        self.waiting = registry.gauge(
+            "lockgate_llm_num_requests_waiting", "Requests waiting to be scheduled.", m
+        )
+        self.kv_usage = registry.gauge(
+            "lockgate_llm_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", m
+        )
+        self.prefix_queries = registry.counter(
+            "lockgate_llm_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache.",
+            m,
+        )
+        self.prefix_hits = registry.counter(
+            "lockgate_llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", m
+        )
+        self.preemptions = registry.counter(
+            "lockgate_llm_num_preemptions_total", "Sequences preempted (recomputed later).", m
+        )
+        self.finished = registry.counter(
+            "lockgate_llm_request_success_total",
+            "Finished requests by finish reason.",
+            (*m, "finished_reason"),
+        )
+        self.prompt_total = registry.counter(
+            "lockgate_llm_prompt_tokens_total", "Prompt tokens computed.", m
+        )
+        self.generation_total = registry.counter(
+            "lockgate_llm_generation_tokens_total", "Tokens generated.", m
+        )
+        self.step_overhead = registry.gauge(
+            "lockgate_llm_step_overhead_ratio",
+            "Share of engine step time spent outside the model forward.",
+            m,
+        )
         registry.add_collector(self.collect)
 
     def collect(self) -> None:

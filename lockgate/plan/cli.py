@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headroom", type=float, default=0.3, help="extra fraction (0.3 = 30%%)")
     parser.add_argument("--redundancy", type=int, default=1, help="k spare replicas (N+k)")
     parser.add_argument("--cost-per-hour", type=float, help="cost of one replica per hour")
+    parser.add_argument(
+        "--overhead-ms", type=float, help="latency outside the model (default: the profile's)"
+    )
     parser.add_argument("--queue-model", choices=QUEUE_MODELS, default="mm1")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -40,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
             redundancy=args.redundancy,
             cost_per_hour=args.cost_per_hour,
             queue_model=args.queue_model,
+            overhead_s=args.overhead_ms / 1e3 if args.overhead_ms is not None else None,
         )
         result = plan(inputs)
     except ServingError as exc:
@@ -59,7 +63,8 @@ def render(result: Plan) -> str:
         f"load {result.rate:g} req/s, p99 SLO {_ms(result.slo_p99_s)}, "
         f"queue model {result.queue_model}",
         f"operating point: batch {result.batch_size}, service time {_ms(result.service_time_s)}, "
-        f"capacity {result.capacity_per_replica:.1f} req/s per replica",
+        f"capacity {result.capacity_per_replica:.1f} req/s per replica, "
+        f"fixed overhead {_ms(result.overhead_s)}",
         f"batching: window {_ms(result.batch_window_s)}, L(B) {_ms(result.batch_latency_s)}, "
         f"largest batch cap within SLO {result.max_batch_within_slo}",
         "max safe utilization: "

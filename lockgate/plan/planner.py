@@ -10,6 +10,11 @@ Worked example: 5,000 req/s, S = 5 ms, p99 SLO 50 ms, 1,143 req/s per replica.
 4.6 * 5 ms / (1 - rho) <= 50 ms  =>  rho <= 0.54;  5000 / (1143 * 0.54) = 8.1  =>  9 replicas;
 30% headroom on those: ceil(9 * 1.3) = 12.
 
+Fixed overhead. Part of a request's latency occupies no replica: the HTTP round trip, parsing,
+the network, the client. `lockgate profile` through a server measures it as the round trip
+minus the model's compute time. It is added to every predicted p99 (p99 = overhead + the
+queue's p99), and the queue must meet what the SLO leaves: SLO - overhead.
+
 The recommendation is the largest of: the SLO count with headroom, the SLO count plus k spare
 replicas (N + k), and the throughput count (utilization < 1). `binding` says which one won.
 """
@@ -39,6 +44,7 @@ class PlanInputs:
     redundancy: int = 1  # N + k: k spare replicas
     cost_per_hour: float | None = None  # per replica
     queue_model: str = "mm1"
+    overhead_s: float | None = None  # latency outside the replica; default the profile's
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -51,6 +57,8 @@ class PlanInputs:
             raise BadRequest(f"capacity per replica must be > 0, got {self.capacity_per_replica}")
         if self.headroom < 0 or self.redundancy < 0:
             raise BadRequest("headroom and redundancy must be >= 0")
+        if self.overhead_s is not None and not 0 <= self.overhead_s < math.inf:
+            raise BadRequest(f"overhead must be a finite time >= 0, got {self.overhead_s}")
         if self.queue_model not in QUEUE_MODELS:
             raise BadRequest(f"queue model must be one of {QUEUE_MODELS}, got {self.queue_model}")
 
@@ -79,6 +87,7 @@ class Plan:
     batch_latency_s: float  # L(B) at the per-replica rate
     batch_window_s: float
     max_batch_within_slo: int
+    overhead_s: float = 0.0  # added to every p99; the queue gets slo_p99_s - overhead_s
     cost_per_million: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -132,12 +141,13 @@ def replicas_for(model: str, load: float, service_time: float, slo: float) -> tu
 
 def plan(inputs: PlanInputs) -> Plan:
     """Choose the batch size (with a profile), then the replica count."""
-    batch, service_time, capacity = _operating_point(inputs)
+    overhead, queue_budget = _split_slo(inputs)
+    batch, service_time, capacity = _operating_point(inputs, queue_budget)
     load = inputs.rate / capacity  # replicas' worth of work at utilization 1
     by_model: dict[str, int] = {}
     rho_max: dict[str, float] = {}
     for model in QUEUE_MODELS:
-        by_model[model], rho_max[model] = replicas_for(model, load, service_time, inputs.slo_p99_s)
+        by_model[model], rho_max[model] = replicas_for(model, load, service_time, queue_budget)
     n_slo = by_model[inputs.queue_model]
     n_throughput = math.floor(load) + 1
     with_headroom = math.ceil(n_slo * (1 + inputs.headroom) - 1e-9)
@@ -146,7 +156,7 @@ def plan(inputs: PlanInputs) -> Plan:
     binding = _binding(n_slo, n_throughput, with_headroom, with_redundancy)
     survivors = max(replicas - 1, 0)
     rho_fail = load / survivors if survivors else math.inf
-    p99_fail = p99_at(inputs.queue_model, rho_fail, service_time, survivors)
+    p99_fail = overhead + p99_at(inputs.queue_model, rho_fail, service_time, survivors)
     per_replica_rate = inputs.rate / replicas
     t_of_b = inputs.profile.service_time if inputs.profile else (lambda _b: service_time)
     result = Plan(
@@ -165,15 +175,16 @@ def plan(inputs: PlanInputs) -> Plan:
         replicas=replicas,
         binding=binding,
         utilization=load / replicas,
-        p99_s=p99_at(inputs.queue_model, load / replicas, service_time, replicas),
+        p99_s=overhead + p99_at(inputs.queue_model, load / replicas, service_time, replicas),
         utilization_after_failure=rho_fail,
         p99_after_failure_s=p99_fail,
         slo_met_after_failure=p99_fail <= inputs.slo_p99_s,
         batch_latency_s=batch_latency(batch, per_replica_rate, t_of_b),
-        batch_window_s=batch_window(service_time, per_replica_rate, inputs.slo_p99_s),
+        batch_window_s=batch_window(service_time, per_replica_rate, queue_budget),
         max_batch_within_slo=max_batch_within_slo(
-            t_of_b, per_replica_rate, inputs.slo_p99_s, inputs.max_batch_size or batch
+            t_of_b, per_replica_rate, queue_budget, inputs.max_batch_size or batch
         ),
+        overhead_s=overhead,
     )
     if inputs.cost_per_hour is not None:
         result.cost_per_million = replicas * inputs.cost_per_hour / (inputs.rate * 3600) * 1e6
@@ -188,17 +199,36 @@ def _binding(n_slo: int, n_throughput: int, with_headroom: int, with_redundancy:
     return "slo" if n_slo > n_throughput else "throughput"
 
 
-def _operating_point(inputs: PlanInputs) -> tuple[int, float, float]:
+def _split_slo(inputs: PlanInputs) -> tuple[float, float]:
+    """(fixed overhead, what the SLO leaves for the queue and the service)."""
+    overhead = inputs.overhead_s
+    if overhead is None:
+        overhead = inputs.profile.overhead_s if inputs.profile else 0.0
+    budget = inputs.slo_p99_s - overhead
+    if budget <= 0:
+        raise BadRequest(
+            f"the p99 SLO {inputs.slo_p99_s * 1e3:g} ms is not above the fixed overhead "
+            f"{overhead * 1e3:.3g} ms that every request pays outside the model"
+        )
+    return overhead, budget
+
+
+def _operating_point(inputs: PlanInputs, budget: float) -> tuple[int, float, float]:
     """(batch size, service time, capacity per replica)."""
     if inputs.profile is None:
         assert inputs.service_time_s is not None
         capacity = inputs.capacity_per_replica or 1.0 / inputs.service_time_s
         return 1, inputs.service_time_s, capacity
-    return choose_batch(inputs.profile, inputs)
+    return choose_batch(inputs.profile, inputs, budget)
 
 
-def choose_batch(profile: ServiceProfile, inputs: PlanInputs) -> tuple[int, float, float]:
-    """The batch cap needing the fewest replicas whose L(B) fits the SLO; ties go to smaller B."""
+def choose_batch(
+    profile: ServiceProfile, inputs: PlanInputs, budget: float | None = None
+) -> tuple[int, float, float]:
+    """The batch cap needing the fewest replicas whose L(B) fits the SLO; ties go to smaller B.
+
+    `budget` is the part of the SLO left after the fixed overhead (default: all of it)."""
+    budget = inputs.slo_p99_s if budget is None else budget
     best: tuple[int, int, float, float] | None = None  # (replicas, B, T(B), capacity)
     for batch in range(1, (inputs.max_batch_size or profile.max_batch_size) + 1):
         service_time = profile.service_time(batch)
@@ -206,13 +236,11 @@ def choose_batch(profile: ServiceProfile, inputs: PlanInputs) -> tuple[int, floa
             continue
         capacity = batch / service_time
         try:
-            n, _ = replicas_for(
-                inputs.queue_model, inputs.rate / capacity, service_time, inputs.slo_p99_s
-            )
+            n, _ = replicas_for(inputs.queue_model, inputs.rate / capacity, service_time, budget)
         except BadRequest:
             continue
         fill = batch_latency(batch, inputs.rate / n, profile.service_time)
-        if fill <= inputs.slo_p99_s and (best is None or n < best[0]):
+        if fill <= budget and (best is None or n < best[0]):
             best = (n, batch, service_time, capacity)
     if best is None:
         raise BadRequest(

@@ -2,7 +2,15 @@
 
 Two ways to measure: in-process through a callable `infer(batch_size)`, or through a running
 server by sending one KServe v2 request of B rows at a time, sequentially. Each batch size is
-timed `repeats` times after `warmup` untimed calls, and the median is kept.
+timed `repeats` times after `warmup` untimed calls, and the median is kept. The sizes are
+visited in rounds (1, 2, 4, ..., then again), so a machine whose load drifts during the
+profile slows every batch size alike instead of bending the line.
+
+Through a server that keeps Triton-style statistics (`GET /v2/models/{m}/stats`), each
+request's compute time is read from the server too. The model instance is the queue's server,
+so T(B) is fitted to the compute times, and the rest of the round trip (HTTP, parsing, the
+network, the client) becomes `overhead_s`: latency every request pays that occupies no
+instance. Without statistics, T(B) is the round trip and the overhead is 0.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from lockgate.errors import BadRequest
 
 @dataclass(frozen=True, slots=True)
 class ServiceProfile:
-    """Median service time per batch size and the least-squares line T(B) = a + b B."""
+    """Median service time per batch size, the least-squares line T(B) = a + b B, and the
+    fixed overhead outside the model instance."""
 
     model: str
     batch_sizes: tuple[int, ...]
@@ -30,6 +39,7 @@ class ServiceProfile:
     a_s: float
     b_s: float
     r2: float
+    overhead_s: float = 0.0  # round trip minus compute: paid by every request, queues nowhere
 
     def service_time(self, batch: int) -> float:
         return self.a_s + self.b_s * batch
@@ -48,7 +58,11 @@ class ServiceProfile:
             medians = tuple(float(t) for t in data["median_s"])  # type: ignore[attr-defined]
         except (KeyError, TypeError, ValueError) as exc:
             raise BadRequest(f"{source}: needs 'batch_sizes' and 'median_s' lists: {exc}") from exc
-        return fit_profile(str(data.get("model", "")), sizes, medians)
+        try:
+            overhead = float(data.get("overhead_s", 0.0))  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise BadRequest(f"{source}: 'overhead_s' must be a number: {exc}") from exc
+        return fit_profile(str(data.get("model", "")), sizes, medians, overhead)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -65,24 +79,41 @@ class ServiceProfile:
 
 
 def fit_profile(
-    model: str, batch_sizes: tuple[int, ...], median_s: tuple[float, ...]
+    model: str, batch_sizes: tuple[int, ...], median_s: tuple[float, ...], overhead_s: float = 0.0
 ) -> ServiceProfile:
-    """Least-squares fit of T(B) = a + b B, with R^2 (1.0 when the line is exact)."""
+    """Least-squares fit of T(B) = a + b B with a, b >= 0, and R^2 (1.0 when the line is exact).
+
+    A service time neither starts below zero nor falls as the batch grows; a noisy profile
+    whose unconstrained line does either gets the best line on the boundary instead.
+    """
     if len(batch_sizes) != len(median_s) or not batch_sizes:
         raise BadRequest("a profile needs one median time per batch size, and at least one")
     if min(batch_sizes) < 1 or min(median_s) <= 0:
         raise BadRequest("batch sizes must be >= 1 and times > 0")
+    if not 0 <= overhead_s < float("inf"):
+        raise BadRequest(f"overhead must be a finite time >= 0, got {overhead_s}")
     x = np.asarray(batch_sizes, dtype=np.float64)  # [n]
     y = np.asarray(median_s, dtype=np.float64)  # [n]
-    if len(set(batch_sizes)) == 1:
-        a, b = float(y.mean()), 0.0
-    else:
-        design = np.stack([np.ones_like(x), x], axis=1)  # [n, 2]
-        (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
+    a, b = _nonnegative_line(x, y)
     residual = float(np.sum((y - (a + b * x)) ** 2))
     spread = float(np.sum((y - y.mean()) ** 2))
     r2 = 1.0 - residual / spread if spread > 0 else 1.0
-    return ServiceProfile(model, tuple(batch_sizes), tuple(median_s), float(a), float(b), r2)
+    return ServiceProfile(
+        model, tuple(batch_sizes), tuple(median_s), float(a), float(b), r2, overhead_s
+    )
+
+
+def _nonnegative_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(a, b) minimizing sum (y - a - b x)^2 subject to a, b >= 0; x, y: [n], x >= 1."""
+    flat = (float(y.mean()), 0.0)  # the best line with b = 0
+    if len(np.unique(x)) == 1:
+        return flat
+    design = np.stack([np.ones_like(x), x], axis=1)  # [n, 2]
+    (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
+    if a >= 0 and b >= 0:
+        return float(a), float(b)
+    through_origin = (0.0, float(x @ y / (x @ x)))  # the best line with a = 0
+    return min(flat, through_origin, key=lambda ab: float(np.sum((y - ab[0] - ab[1] * x) ** 2)))
 
 
 def batch_sizes_up_to(max_batch_size: int) -> tuple[int, ...]:
@@ -106,17 +137,19 @@ def profile_callable(
     model: str = "",
 ) -> ServiceProfile:
     """Time `infer(B)` in-process for each batch size; median of `repeats` runs."""
-    medians = []
-    for batch in batch_sizes_up_to(max_batch_size):
-        for _ in range(warmup):
-            infer(batch)
-        samples = []
-        for _ in range(max(1, repeats)):
+    sizes = batch_sizes_up_to(max_batch_size)
+    samples: dict[int, list[float]] = {batch: [] for batch in sizes}
+    for round_index in range(warmup + max(1, repeats)):
+        for batch in sizes:
             start = time.perf_counter()
             infer(batch)
-            samples.append(time.perf_counter() - start)
-        medians.append(statistics.median(samples))
-    return fit_profile(model, batch_sizes_up_to(max_batch_size), tuple(medians))
+            if round_index >= warmup:
+                samples[batch].append(time.perf_counter() - start)
+    return fit_profile(model, sizes, _medians(samples))
+
+
+def _medians(samples: dict[int, list[float]]) -> tuple[float, ...]:
+    return tuple(statistics.median(times) for times in samples.values())
 
 
 def profile_server(
@@ -153,20 +186,57 @@ async def _profile_server(
     target = V2Target(url, model, version)
     rng = np.random.default_rng(seed)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    medians = []
+    sizes = batch_sizes_up_to(max_batch_size)
+    round_trip: dict[int, list[float]] = {batch: [] for batch in sizes}
+    compute: dict[int, list[float]] = {batch: [] for batch in sizes}
     async with aiohttp.ClientSession(timeout=timeout) as session:
         metadata = await fetch_v2_metadata(session, target)
-        for batch in batch_sizes_up_to(max_batch_size):
-            body = synthesize_v2_body(metadata, batch, rng)
-            for _ in range(warmup):
-                await _post_once(session, target.infer_url, body)
-            samples = []
-            for _ in range(max(1, repeats)):
+        bodies = {batch: synthesize_v2_body(metadata, batch, rng) for batch in sizes}
+        for round_index in range(warmup + max(1, repeats)):
+            for batch in sizes:
+                before = await _compute_ns(session, target.model_url)
                 start = time.perf_counter()
-                await _post_once(session, target.infer_url, body)
-                samples.append(time.perf_counter() - start)
-            medians.append(statistics.median(samples))
-    return fit_profile(model, batch_sizes_up_to(max_batch_size), tuple(medians))
+                await _post_once(session, target.infer_url, bodies[batch])
+                elapsed = time.perf_counter() - start
+                after = await _compute_ns(session, target.model_url)
+                if round_index < warmup:
+                    continue
+                round_trip[batch].append(elapsed)
+                if before is not None and after is not None and after > before:
+                    compute[batch].append((after - before) / 1e9)
+    return _server_profile(model, sizes, round_trip, compute)
+
+
+def _server_profile(
+    model: str,
+    sizes: tuple[int, ...],
+    round_trip: dict[int, list[float]],
+    compute: dict[int, list[float]],
+) -> ServiceProfile:
+    """Fit T(B) to compute times when every batch size has them, else to round trips."""
+    trips = _medians(round_trip)
+    if not all(compute.values()):
+        return fit_profile(model, sizes, trips)
+    service = _medians(compute)
+    overhead = statistics.median(max(0.0, t - s) for t, s in zip(trips, service, strict=True))
+    return fit_profile(model, sizes, service, overhead)
+
+
+async def _compute_ns(session: object, model_url: str) -> int | None:
+    """The model's total compute time (ns) from the server's statistics; None without them."""
+    import aiohttp
+
+    assert isinstance(session, aiohttp.ClientSession)
+    try:
+        async with session.get(f"{model_url}/stats") as response:
+            if response.status != 200:
+                return None
+            data = await response.json(content_type=None)
+        entries = data["model_stats"]
+        parts = ("compute_input", "compute_infer", "compute_output")
+        return sum(int(e["inference_stats"][k]["ns"]) for e in entries for k in parts)
+    except (aiohttp.ClientError, ValueError, KeyError, TypeError):
+        return None
 
 
 async def _post_once(session: object, url: str, body: bytes) -> None:

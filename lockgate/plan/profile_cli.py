@@ -48,4 +48,6 @@ def render(profile: ServiceProfile) -> str:
         f"T(B) = {profile.a_s * 1e3:.3f} ms + {profile.b_s * 1e3:.4f} ms * B"
         f"   (R^2 {profile.r2:.4f})"
     )
+    if profile.overhead_s:
+        rows.append(f"fixed overhead outside the model: {profile.overhead_s * 1e3:.3f} ms")
     return "\n".join(rows)

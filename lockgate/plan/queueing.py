@@ -26,6 +26,7 @@ from decimal import Decimal, localcontext
 from lockgate.errors import BadRequest
 
 P99 = 0.99
+EXACT_SPAN = 50  # M/D/1: service times over which the exact waiting-time sum is used
 
 
 def _check_rates(arrival_rate: float, service_rate: float, servers: int = 1) -> None:
@@ -131,46 +132,57 @@ class MD1:
         return self.mean_wait + self.service_time
 
     def wait_cdf(self, t: float) -> float:
-        """P(W <= t), exact (Erlang's formula, evaluated in decimal arithmetic)."""
+        """P(W <= t): Erlang's exact sum up to 50 service times, the exponential tail beyond.
+
+        The tail 1 - C e^{-theta t} has met the exact distribution to about six digits by
+        5 service times, and the exact sum would need ever more digits past 50.
+        """
         if t < 0:
             return 0.0
+        if self.arrival_rate == 0:
+            return 1.0
+        if t > EXACT_SPAN * self.service_time:
+            theta, c = self.tail_decay_rate(), self._tail_constant()
+            return 1.0 - c * math.exp(-theta * t)
+        return self._exact_wait_cdf(t)
+
+    def _exact_wait_cdf(self, t: float) -> float:
         lam, s = self.arrival_rate, self.service_time
         n = math.floor(t / s)
         with localcontext() as ctx:
-            ctx.prec = 30 + math.ceil(lam * t / math.log(10)) + len(str(n))
-            total = Decimal(0)
+            ctx.prec = 30 + math.ceil(lam * t / math.log(10))
             lam_d, s_d, t_d = Decimal(lam), Decimal(s), Decimal(t)
-            factorial = Decimal(1)
-            for k in range(n + 1):
-                if k:
-                    factorial *= k
-                x = lam_d * (k * s_d - t_d)  # <= 0
-                power = x**k if k else Decimal(1)  # Decimal refuses 0 ** 0
-                total += power / factorial * (-x).exp()
+            growth = (lam_d * t_d).exp()  # e^{lambda t}
+            shrink = (-lam_d * s_d).exp()  # e^{-lambda S}
+            total, factorial, scale = Decimal(1) * growth, Decimal(1), growth  # k = 0 term
+            for k in range(1, n + 1):
+                factorial *= k
+                scale *= shrink  # e^{lambda (t - k S)}
+                total += (lam_d * (k * s_d - t_d)) ** k / factorial * scale
             value = float(total * Decimal(1 - self.utilization))
         return min(1.0, max(0.0, value))
 
+    def _tail_constant(self) -> float:
+        rho = self.utilization
+        return (1 - rho) / (rho * math.exp(self.tail_decay_rate() * self.service_time) - 1)
+
     def wait_quantile(self, p: float = P99) -> float:
-        """Exact below 50 service times. Beyond that the exponential tail, which the exact
-        distribution has already met to about six digits by 5 service times."""
         _check_quantile(p)
         if self.wait_cdf(0.0) >= p:
             return 0.0
         tail = self.tail_quantile(p)
-        if tail > 50 * self.service_time:
+        if tail > EXACT_SPAN * self.service_time:
             return tail
         return bisect_increasing(self.wait_cdf, p, 0.0, max(2 * tail, self.service_time))
+
+    def response_quantile(self, p: float = P99) -> float:
+        return self.wait_quantile(p) + self.service_time
 
     def tail_quantile(self, p: float = P99) -> float:
         """The quantile of the asymptotic tail P(W > t) ~ C e^{-theta t},
         C = (1 - rho) / (rho e^{theta S} - 1) (Cramer-Lundberg for M/G/1)."""
         theta = self.tail_decay_rate()
-        rho = self.utilization
-        c = (1 - rho) / (rho * math.exp(theta * self.service_time) - 1)
-        return max(0.0, math.log(c / (1 - p)) / theta)
-
-    def response_quantile(self, p: float = P99) -> float:
-        return self.wait_quantile(p) + self.service_time
+        return max(0.0, math.log(self._tail_constant() / (1 - p)) / theta)
 
     def tail_decay_rate(self) -> float:
         """theta with lambda (e^{theta S} - 1) = theta: P(W > t) ~ C e^{-theta t} for large t."""

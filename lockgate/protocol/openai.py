@@ -107,7 +107,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def completion_response(
-    rid: str, model: str, text: str, finish_reason: str | None, logprobs: Any, usage_: dict[str, Any]
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    logprobs: Any,
+    usage_: dict[str, Any],
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -136,7 +141,12 @@ def completion_chunk(
 
 
 def chat_response(
-    rid: str, model: str, text: str, finish_reason: str | None, logprobs: Any, usage_: dict[str, Any]
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    logprobs: Any,
+    usage_: dict[str, Any],
 ) -> dict[str, Any]:
     return {
         "id": rid,

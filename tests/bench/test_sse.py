@@ -1,14 +1,16 @@
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
 from lockgate.bench.sse import SSEDecoder
 
 STREAM = (
-    b': keep-alive\r\n\r\n'
+    b": keep-alive\r\n\r\n"
     b'data: {"a": 1}\r\n\r\n'
-    b'event: message\ndata: line one\ndata: line two\n\n'
+    b"event: message\ndata: line one\ndata: line two\n\n"
     b'data:{"b": "\xc3\xa9"}\r\r'
-    b'data: [DONE]\n\n'
+    b"data: [DONE]\n\n"
 )
 EVENTS = ['{"a": 1}', "line one\nline two", '{"b": "\u00e9"}', "[DONE]"]
 
@@ -22,7 +24,7 @@ def test_any_chunking_gives_the_same_events(cuts: list[int]) -> None:
     decoder = SSEDecoder()
     bounds = [0, *sorted(cuts), len(STREAM)]
     events = []
-    for start, end in zip(bounds, bounds[1:], strict=False):
+    for start, end in itertools.pairwise(bounds):
         events += decoder.feed(STREAM[start:end])
     events += decoder.flush()
     assert events == EVENTS

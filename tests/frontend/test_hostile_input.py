@@ -65,7 +65,13 @@ def request_bytes(method: str, path: str, body: bytes = b"", *extra: str) -> byt
 
 
 def post(server: RunningServer, path: str, content: bytes, **headers: str) -> httpx.Response:
-    return httpx.post(server.url + path, content=content, headers=headers, timeout=30)
+    """POST, retried while the server sheds load (503: minilm has a latency SLO)."""
+    for _ in range(20):
+        r = httpx.post(server.url + path, content=content, headers=headers, timeout=60)
+        if r.status_code != 503:
+            return r
+        time.sleep(0.25)
+    return r
 
 
 def assert_client_error(response: httpx.Response, *statuses: int) -> str:
@@ -76,9 +82,15 @@ def assert_client_error(response: httpx.Response, *statuses: int) -> str:
     return message
 
 
-def binary_body(model_input: str, datatype: str, shape: list[int], data: bytes, **params: object) -> bytes:
+def binary_body(
+    model_input: str, datatype: str, shape: list[int], data: bytes, **params: object
+) -> bytes:
     parameters = {"binary_data_size": len(data), **params}
-    header = {"inputs": [{"name": model_input, "shape": shape, "datatype": datatype, "parameters": parameters}]}
+    header = {
+        "inputs": [
+            {"name": model_input, "shape": shape, "datatype": datatype, "parameters": parameters}
+        ]
+    }
     return json.dumps(header).encode()
 
 
@@ -92,7 +104,11 @@ def rss_mib(pid: int) -> float:
 def digits_ok(server: RunningServer) -> None:
     """The server still answers a normal request correctly."""
     x = digits_rows(4)
-    body = {"inputs": [{"name": "input", "shape": [4, 64], "datatype": "FP32", "data": x.ravel().tolist()}]}
+    body = {
+        "inputs": [
+            {"name": "input", "shape": [4, 64], "datatype": "FP32", "data": x.ravel().tolist()}
+        ]
+    }
     r = httpx.post(server.url + INFER, json=body, timeout=30)
     assert r.status_code == 200, r.text
     assert len(r.json()["outputs"][0]["data"]) == 4
@@ -121,7 +137,9 @@ def test_truncated_body_held_open_does_not_block_other_requests(server: RunningS
 
 def test_content_length_smaller_than_body(server: RunningServer) -> None:
     body = json.dumps({"inputs": []}).encode()
-    response = exchange(server, request_bytes("POST", INFER, body + b" GARBAGE", "Content-Length: 5"))
+    response = exchange(
+        server, request_bytes("POST", INFER, body + b" GARBAGE", "Content-Length: 5")
+    )
     assert response.status == 400
     response.error()
 
@@ -155,18 +173,34 @@ def test_declared_body_over_limit_is_refused_before_it_is_sent(server: RunningSe
     ],
     ids=["larger", "negative", "not-a-number", "empty", "inside-json"],
 )
-def test_wrong_inference_header_content_length(server: RunningServer, header_length, expected: str) -> None:
+def test_wrong_inference_header_content_length(
+    server: RunningServer, header_length, expected: str
+) -> None:
     data = np.zeros((1, 64), np.float32).tobytes()
     header = binary_body("input", "FP32", [1, 64], data)
-    r = post(server, INFER, header + data, **{"Inference-Header-Content-Length": header_length(len(header))})
+    r = post(
+        server,
+        INFER,
+        header + data,
+        **{"Inference-Header-Content-Length": header_length(len(header))},
+    )
     assert expected in assert_client_error(r)
 
 
 def test_header_length_pointing_inside_a_utf8_sequence(server: RunningServer) -> None:
     data = np.zeros((1, 64), np.float32).tobytes()
     header = json.dumps(
-        {"id": "ééé", "inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
-                                  "parameters": {"binary_data_size": 256}}]},
+        {
+            "id": "ééé",
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": [1, 64],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": 256},
+                }
+            ],
+        },
         ensure_ascii=False,
     ).encode()
     cut = header.index("é".encode()) + 1  # between the two bytes of é
@@ -177,8 +211,18 @@ def test_header_length_pointing_inside_a_utf8_sequence(server: RunningServer) ->
 @pytest.mark.parametrize("size", [10**6, 8, -1, "256", 2.5, True, 2**70])
 def test_binary_data_size_lying(server: RunningServer, size: object) -> None:
     data = np.zeros((1, 64), np.float32).tobytes()
-    header = json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
-                                     "parameters": {"binary_data_size": size}}]}).encode()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": [1, 64],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": size},
+                }
+            ]
+        }
+    ).encode()
     r = post(server, INFER, header + data, **{"Inference-Header-Content-Length": str(len(header))})
     assert_client_error(r)
 
@@ -186,7 +230,12 @@ def test_binary_data_size_lying(server: RunningServer, size: object) -> None:
 def test_binary_data_after_the_last_input(server: RunningServer) -> None:
     data = np.zeros((1, 64), np.float32).tobytes()
     header = binary_body("input", "FP32", [1, 64], data)
-    r = post(server, INFER, header + data + b"tail", **{"Inference-Header-Content-Length": str(len(header))})
+    r = post(
+        server,
+        INFER,
+        header + data + b"tail",
+        **{"Inference-Header-Content-Length": str(len(header))},
+    )
     assert "belong to no input" in assert_client_error(r)
 
 
@@ -211,7 +260,9 @@ def test_billion_elements_claimed_with_little_data_allocates_nothing(server: Run
     data = b"\0" * 64
     for datatype, shape in (("FP32", [10**9]), ("BYTES", [10**9]), ("FP64", [10**5, 10**4])):
         header = binary_body("input", datatype, shape, data)
-        r = post(server, INFER, header + data, **{"Inference-Header-Content-Length": str(len(header))})
+        r = post(
+            server, INFER, header + data, **{"Inference-Header-Content-Length": str(len(header))}
+        )
         assert_client_error(r)
     assert rss_mib(server.process.pid) - before < 50
 
@@ -219,8 +270,12 @@ def test_billion_elements_claimed_with_little_data_allocates_nothing(server: Run
 def test_bytes_element_claiming_more_than_sent(server: RunningServer) -> None:
     data = struct.pack("<I", 2**31) + b"abc"
     header = binary_body("text", "BYTES", [1, 1], data)
-    r = post(server, "/v2/models/minilm/infer", header + data,
-             **{"Inference-Header-Content-Length": str(len(header))})
+    r = post(
+        server,
+        "/v2/models/minilm/infer",
+        header + data,
+        **{"Inference-Header-Content-Length": str(len(header))},
+    )
     assert "claims" in assert_client_error(r)
 
 
@@ -230,13 +285,36 @@ def test_bytes_element_claiming_more_than_sent(server: RunningServer) -> None:
 @pytest.mark.parametrize(
     ("datatype", "data"),
     [
-        ("INT8", [300]), ("INT8", [-129]), ("UINT8", [-1]), ("UINT8", [256]),
-        ("INT16", [2**15]), ("UINT16", [-1]), ("INT32", [2**31]), ("UINT32", [2**32]),
-        ("INT64", [2**63]), ("INT64", [2**70]), ("UINT64", [-1]), ("UINT64", [2**64]),
-        ("INT32", ["7"]), ("INT64", [1.5]), ("UINT8", [True]), ("INT16", [None]),
-        ("FP32", [True]), ("FP32", ["1.0"]), ("FP64", [[1.0, "x"]]), ("FP16", [{}]),
-        ("BF16", ["x"]), ("BOOL", [1]), ("BOOL", ["true"]), ("BYTES", [1]), ("BYTES", [None]),
-        ("FP32", "1.0"), ("FP32", {"a": 1}), ("FP32", []), ("COMPLEX64", [1.0]), ("fp32", [1.0]),
+        ("INT8", [300]),
+        ("INT8", [-129]),
+        ("UINT8", [-1]),
+        ("UINT8", [256]),
+        ("INT16", [2**15]),
+        ("UINT16", [-1]),
+        ("INT32", [2**31]),
+        ("UINT32", [2**32]),
+        ("INT64", [2**63]),
+        ("INT64", [2**70]),
+        ("UINT64", [-1]),
+        ("UINT64", [2**64]),
+        ("INT32", ["7"]),
+        ("INT64", [1.5]),
+        ("UINT8", [True]),
+        ("INT16", [None]),
+        ("FP32", [True]),
+        ("FP32", ["1.0"]),
+        ("FP64", [[1.0, "x"]]),
+        ("FP16", [{}]),
+        ("BF16", ["x"]),
+        ("BOOL", [1]),
+        ("BOOL", ["true"]),
+        ("BYTES", [1]),
+        ("BYTES", [None]),
+        ("FP32", "1.0"),
+        ("FP32", {"a": 1}),
+        ("FP32", []),
+        ("COMPLEX64", [1.0]),
+        ("fp32", [1.0]),
     ],
 )
 def test_wrong_data_for_every_datatype(server: RunningServer, datatype: str, data: object) -> None:
@@ -246,7 +324,9 @@ def test_wrong_data_for_every_datatype(server: RunningServer, datatype: str, dat
 
 
 @pytest.mark.parametrize("datatype", ["FP16", "FP64", "INT32", "BYTES", "BOOL"])
-def test_valid_data_of_the_wrong_datatype_for_the_model(server: RunningServer, datatype: str) -> None:
+def test_valid_data_of_the_wrong_datatype_for_the_model(
+    server: RunningServer, datatype: str
+) -> None:
     value = {"BYTES": "a", "BOOL": True, "INT32": 1}.get(datatype, 1.0)
     body = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": datatype, "data": [value] * 4}]}
     r = httpx.post(server.url + "/v2/models/echo/infer", json=body, timeout=30)
@@ -258,7 +338,9 @@ def test_nan_and_inf_in_binary_fp32(server: RunningServer, value: float) -> None
     x = digits_rows(2)
     x[0, :32] = value
     header = binary_body("input", "FP32", [2, 64], x.tobytes())
-    r = post(server, INFER, header + x.tobytes(), **{"Inference-Header-Content-Length": str(len(header))})
+    r = post(
+        server, INFER, header + x.tobytes(), **{"Inference-Header-Content-Length": str(len(header))}
+    )
     assert r.status_code in (200, 400), r.text
     if r.status_code == 200:
         outputs = {o["name"]: o for o in r.json()["outputs"]}
@@ -275,8 +357,12 @@ def test_nan_to_sklearn_is_a_client_error(server: RunningServer) -> None:
     x = digits_rows(1)
     x[0, 0] = np.nan
     header = binary_body("input", "FP32", [1, 64], x.tobytes())
-    r = post(server, "/v2/models/digits_sklearn/infer", header + x.tobytes(),
-             **{"Inference-Header-Content-Length": str(len(header))})
+    r = post(
+        server,
+        "/v2/models/digits_sklearn/infer",
+        header + x.tobytes(),
+        **{"Inference-Header-Content-Length": str(len(header))},
+    )
     assert r.status_code in (200, 400), r.text
 
 
@@ -289,9 +375,13 @@ def test_nan_to_sklearn_is_a_client_error(server: RunningServer) -> None:
         b"[" * 100_000,
         b"{" * 100_000,
         b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": '
-        + b"[" * 100_000 + b"1.0" + b"]" * 100_000 + b"}]}",
+        + b"[" * 100_000
+        + b"1.0"
+        + b"]" * 100_000
+        + b"}]}",
         b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": '
-        + b"[" * 100_000 + b"}]}",
+        + b"[" * 100_000
+        + b"}]}",
         b'{"inputs": [], "parameters": ' + b'{"a":' * 50_000 + b"1" + b"}" * 50_000 + b"}",
     ],
     ids=["arrays", "objects", "nested-data", "unclosed-data", "nested-parameters"],
@@ -304,21 +394,34 @@ def test_deeply_nested_json(server: RunningServer, body: bytes) -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [b"", b"null", b"42", b'"inputs"', b"{}", b'{"inputs": {}}', b'{"inputs": [null]}',
-     b'{"inputs": [{"name": 1, "shape": [1], "datatype": "FP32", "data": [1]}]}',
-     b'{"inputs": [{"name": "input", "shape": "1", "datatype": "FP32", "data": [1]}]}',
-     b'{"inputs": [{"name": "input", "shape": [1.5], "datatype": "FP32", "data": [1]}]}',
-     b'{"inputs": [], "parameters": {"priority": -1}}', b'{"inputs": [], "parameters": []}',
-     b'{"inputs": [], "outputs": [{"name": "label", "parameters": {"binary_data": "yes"}}]}',
-     b'{"inputs": [], "outputs": [{"name": "label"}, {"name": "label"}]}',
-     b'{"inputs": [], "id": 5}', b'{"inputs": []', b'{"inputs": []}}'],
+    [
+        b"",
+        b"null",
+        b"42",
+        b'"inputs"',
+        b"{}",
+        b'{"inputs": {}}',
+        b'{"inputs": [null]}',
+        b'{"inputs": [{"name": 1, "shape": [1], "datatype": "FP32", "data": [1]}]}',
+        b'{"inputs": [{"name": "input", "shape": "1", "datatype": "FP32", "data": [1]}]}',
+        b'{"inputs": [{"name": "input", "shape": [1.5], "datatype": "FP32", "data": [1]}]}',
+        b'{"inputs": [], "parameters": {"priority": -1}}',
+        b'{"inputs": [], "parameters": []}',
+        b'{"inputs": [], "outputs": [{"name": "label", "parameters": {"binary_data": "yes"}}]}',
+        b'{"inputs": [], "outputs": [{"name": "label"}, {"name": "label"}]}',
+        b'{"inputs": [], "id": 5}',
+        b'{"inputs": []',
+        b'{"inputs": []}}',
+    ],
 )
 def test_malformed_request_json(server: RunningServer, body: bytes) -> None:
     assert_client_error(post(server, INFER, body))
 
 
 def test_huge_number_of_inputs(server: RunningServer) -> None:
-    inputs = [{"name": f"in{i}", "shape": [1], "datatype": "FP32", "data": [1.0]} for i in range(100_000)]
+    inputs = [
+        {"name": f"in{i}", "shape": [1], "datatype": "FP32", "data": [1.0]} for i in range(20_000)
+    ]
     started = time.monotonic()
     r = httpx.post(server.url + INFER, json={"inputs": inputs}, timeout=30)
     assert "unexpected inference input" in assert_client_error(r)
@@ -334,17 +437,27 @@ def test_same_input_twice(server: RunningServer) -> None:
 def test_unknown_fields_are_ignored_as_triton_does(server: RunningServer) -> None:
     """Triton looks up the members it knows and ignores the rest; so does lockgate."""
     x = digits_rows(1)
-    tensor = {"name": "input", "shape": [1, 64], "datatype": "FP32", "data": x.ravel().tolist(),
-              "unknown": {"deep": [1, 2]}, "parameters": {"custom": "x"}}
-    body = {"inputs": [tensor], "outputs": [{"name": "label", "extra": True}],
-            "unknown_top_level": [None], "parameters": {"custom_param": 1}}
+    tensor = {
+        "name": "input",
+        "shape": [1, 64],
+        "datatype": "FP32",
+        "data": x.ravel().tolist(),
+        "unknown": {"deep": [1, 2]},
+        "parameters": {"custom": "x"},
+    }
+    body = {
+        "inputs": [tensor],
+        "outputs": [{"name": "label", "extra": True}],
+        "unknown_top_level": [None],
+        "parameters": {"custom_param": 1},
+    }
     r = httpx.post(server.url + INFER, json=body, timeout=30)
     assert r.status_code == 200, r.text
     assert [o["name"] for o in r.json()["outputs"]] == ["label"]
 
 
 def test_non_utf8_bytes_in_the_json_body(server: RunningServer) -> None:
-    body = b'{"inputs": [{"name": "input\xff\xfe", "shape": [1, 64], "datatype": "FP32", "data": [1]}]}'
+    body = b'{"inputs": [{"name": "in\xff\xfe", "shape": [1], "datatype": "FP32", "data": [1]}]}'
     assert "JSON" in assert_client_error(post(server, INFER, body))
     body = b'{"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["\xc3"]}]}'
     assert_client_error(post(server, "/v2/models/minilm/infer", body))
@@ -356,7 +469,7 @@ def bytes_tensor(items: list[bytes]) -> bytes:
 
 def minilm_embedding(server: RunningServer, text: str) -> np.ndarray:
     body = {"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}
-    r = httpx.post(server.url + "/v2/models/minilm/infer", json=body, timeout=60)
+    r = post(server, "/v2/models/minilm/infer", json.dumps(body).encode())
     assert r.status_code == 200, r.text
     return np.asarray(r.json()["outputs"][0]["data"], np.float32)
 
@@ -368,8 +481,12 @@ def minilm_embedding(server: RunningServer, text: str) -> np.ndarray:
 def test_non_utf8_bytes_to_minilm_decode_with_replacement(server: RunningServer) -> None:
     data = bytes_tensor([b"caf\xe9 \xff\xfe ok"])
     header = binary_body("text", "BYTES", [1, 1], data)
-    r = post(server, "/v2/models/minilm/infer", header + data,
-             **{"Inference-Header-Content-Length": str(len(header))})
+    r = post(
+        server,
+        "/v2/models/minilm/infer",
+        header + data,
+        **{"Inference-Header-Content-Length": str(len(header))},
+    )
     assert r.status_code == 200, r.text
     got = np.asarray(r.json()["outputs"][0]["data"], np.float32)
     expected = minilm_embedding(server, "caf\ufffd \ufffd\ufffd ok")
@@ -379,8 +496,12 @@ def test_non_utf8_bytes_to_minilm_decode_with_replacement(server: RunningServer)
 def test_non_utf8_bytes_to_minilm_never_a_server_error(server: RunningServer) -> None:
     data = bytes_tensor([b"\xff\xfe\x80abc", b"hello \xc3"])
     header = binary_body("text", "BYTES", [2, 1], data)
-    r = post(server, "/v2/models/minilm/infer", header + data,
-             **{"Inference-Header-Content-Length": str(len(header))})
+    r = post(
+        server,
+        "/v2/models/minilm/infer",
+        header + data,
+        **{"Inference-Header-Content-Length": str(len(header))},
+    )
     assert r.status_code in (200, 400), r.text
     if r.status_code == 400:
         assert "UTF-8" in assert_client_error(r)
@@ -442,7 +563,15 @@ def test_very_long_url_is_refused(server: RunningServer) -> None:
         b"POST /v2/models/echo/infer HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
         b"GET /v2 HTTP/1.1\r\nBad Header\r\n\r\n",
     ],
-    ids=["binary", "unknown-method", "bad-version", "no-path", "bad-chunk", "two-lengths", "bad-header"],
+    ids=[
+        "binary",
+        "unknown-method",
+        "bad-version",
+        "no-path",
+        "bad-chunk",
+        "two-lengths",
+        "bad-header",
+    ],
 )
 def test_garbage_requests(server: RunningServer, data: bytes) -> None:
     response = exchange(server, data, half_close=True)

@@ -22,7 +22,9 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def llm_server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def llm_server(
+    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
     from lockgate.demo.build import DEMO_MODELS, build_demo_repository
 
     llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
@@ -62,7 +64,10 @@ def test_models_list(client: openai.OpenAI) -> None:
 def test_chat_completion_and_stream_agree(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     full = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=12, temperature=0  # type: ignore[arg-type]
+        model=MODEL,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
     )
     text = full.choices[0].message.content
     assert text and "Paris" in text
@@ -135,7 +140,9 @@ def test_errors_use_openai_format(client: openai.OpenAI) -> None:
 
 
 def test_embeddings(client: openai.OpenAI) -> None:
-    result = client.embeddings.create(model="minilm", input=["a dog runs", "a puppy sprints", "tax law"])
+    result = client.embeddings.create(
+        model="minilm", input=["a dog runs", "a puppy sprints", "tax law"]
+    )
     vectors = np.array([d.embedding for d in result.data])
     assert vectors.shape == (3, 384)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-3)

@@ -53,7 +53,9 @@ def test_digits_models(client: httpclient.InferenceServerClient, model: str, bin
 
 @pytest.mark.parametrize("binary", [False, True])
 def test_minilm_bytes(client: httpclient.InferenceServerClient, binary: bool) -> None:
-    text = np.array([[b"the weather is lovely today"], ["caf\u00e9 cr\u00e8me".encode()]], dtype=object)
+    text = np.array(
+        [[b"the weather is lovely today"], ["caf\u00e9 cr\u00e8me".encode()]], dtype=object
+    )
     inp = httpclient.InferInput("text", [2, 1], "BYTES")
     inp.set_data_from_numpy(text, binary_data=binary)
     out = httpclient.InferRequestedOutput("embedding", binary_data=binary)

@@ -15,7 +15,12 @@ from tests.conftest import RunningServer, digits_rows
 def infer_body(name: str, array: np.ndarray, datatype: str = "FP32", **extra: object) -> dict:
     return {
         "inputs": [
-            {"name": name, "shape": list(array.shape), "datatype": datatype, "data": array.ravel().tolist()}
+            {
+                "name": name,
+                "shape": list(array.shape),
+                "datatype": datatype,
+                "data": array.ravel().tolist(),
+            }
         ],
         **extra,
     }
@@ -109,15 +114,45 @@ def test_embeddings_from_text(server: RunningServer) -> None:
     ("payload", "fragment"),
     [
         (b"{not json", "JSON"),
-        ({"inputs": [{"name": "nope", "shape": [1, 64], "datatype": "FP32", "data": [0] * 64}]}, "nope"),
-        ({"inputs": [{"name": "input", "shape": [1, 63], "datatype": "FP32", "data": [0] * 63}]}, "shape"),
-        ({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "INT32", "data": [0] * 64}]}, "datatype"),
-        ({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [0] * 3}]}, "64"),
-        ({"inputs": [{"name": "input", "shape": [100000, 100000, 100000], "datatype": "FP32", "data": [0]}]}, "input"),
+        (
+            {"inputs": [{"name": "nope", "shape": [1, 64], "datatype": "FP32", "data": [0] * 64}]},
+            "nope",
+        ),
+        (
+            {"inputs": [{"name": "input", "shape": [1, 63], "datatype": "FP32", "data": [0] * 63}]},
+            "shape",
+        ),
+        (
+            {
+                "inputs": [
+                    {"name": "input", "shape": [1, 64], "datatype": "INT32", "data": [0] * 64}
+                ]
+            },
+            "datatype",
+        ),
+        (
+            {"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [0] * 3}]},
+            "64",
+        ),
+        (
+            {
+                "inputs": [
+                    {
+                        "name": "input",
+                        "shape": [100000, 100000, 100000],
+                        "datatype": "FP32",
+                        "data": [0],
+                    }
+                ]
+            },
+            "input",
+        ),
         ({"inputs": []}, "input"),
     ],
 )
-def test_bad_input_is_400_with_message(server: RunningServer, payload: object, fragment: str) -> None:
+def test_bad_input_is_400_with_message(
+    server: RunningServer, payload: object, fragment: str
+) -> None:
     r = post(server, "/v2/models/digits_onnx/infer", payload)
     assert r.status_code == 400, r.text
     assert fragment.lower() in r.json()["error"].lower()
@@ -140,7 +175,9 @@ def test_body_over_limit_is_refused(server: RunningServer) -> None:
 
 def test_failing_backend_fails_only_its_batch(server: RunningServer) -> None:
     x = np.full((1, 4), 1000.0, np.float32)
-    statuses = [post(server, "/v2/models/faulty/infer", infer_body("x", x)).status_code for _ in range(30)]
+    statuses = [
+        post(server, "/v2/models/faulty/infer", infer_body("x", x)).status_code for _ in range(30)
+    ]
     assert statuses.count(500) == 3  # every tenth batch raises
     assert statuses.count(200) == 27
     r = post(server, "/v2/models/faulty/infer", infer_body("x", x))
@@ -155,7 +192,12 @@ def test_broken_model_reports_why_and_others_serve(server: RunningServer) -> Non
     index = httpx.post(server.url + "/v2/repository/index").json()
     broken = [m for m in index if m["name"] == "broken"]
     assert broken and broken[0]["state"] == "UNAVAILABLE" and broken[0]["reason"]
-    assert post(server, "/v2/models/digits_onnx/infer", infer_body("input", digits_rows(1))).status_code == 200
+    assert (
+        post(
+            server, "/v2/models/digits_onnx/infer", infer_body("input", digits_rows(1))
+        ).status_code
+        == 200
+    )
 
 
 def test_deadline_in_queue_gives_504(server: RunningServer) -> None:

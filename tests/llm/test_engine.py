@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import time
 from collections.abc import Iterator
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from lockgate.errors import BackendError, BadRequest
+from lockgate.errors import BackendError, BadRequest, ConfigError
 from lockgate.llm.attention import AttentionMetadata, KVCache
 from lockgate.llm.engine import AsyncLLMEngine, LLMEngine, RequestOutput
 from lockgate.llm.engine_config import EngineConfig
@@ -88,7 +89,7 @@ def test_concurrent_requests_equal_each_run_alone(blocks: int) -> None:
         SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 20), ignore_eos=True)
         for _ in prompts
     ]
-    engine = make_engine(blocks=blocks)
+    engine = make_engine(blocks=blocks, max_model_len=80)
     outputs = run_all(engine, prompts, params)
     for prompt, sp, out in zip(prompts, params, outputs, strict=True):
         assert out == reference(prompt, sp.max_tokens)
@@ -107,7 +108,7 @@ def test_seeded_sampling_is_independent_of_batching_and_preemption() -> None:
         SamplingParams(temperature=1.0, top_k=20, seed=100 + i, max_tokens=10, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    together = run_all(make_engine(blocks=20), prompts, params)
+    together = run_all(make_engine(blocks=20, max_model_len=80), prompts, params)
     alone = [run_all(make_engine(), [p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
     assert together == alone
     assert together != [reference(p, 10) for p in prompts]  # really sampled
@@ -264,6 +265,28 @@ def test_async_disconnect_aborts_and_frees_blocks() -> None:
     asyncio.run(main())
 
 
+def test_async_dropped_stream_is_aborted() -> None:
+    async def main() -> None:
+        inner = make_engine()
+        engine = AsyncLLMEngine(inner)
+        long = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+        try:
+            stream = engine.generate(list(range(10)), long)
+            await stream.__anext__()
+            del stream  # dropped without aclose: the finalizer hands the abort to the engine
+            gc.collect()
+            for _ in range(200):
+                if not inner.has_unfinished:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            engine.close()
+        assert inner.stats().finished_by_reason == {"abort": 1}
+        inner.check_invariants()
+
+    asyncio.run(main())
+
+
 def test_async_submit_raises_when_the_queue_is_full() -> None:
     async def main() -> None:
         engine = AsyncLLMEngine(make_engine(max_waiting=1, max_num_seqs=1))
@@ -380,3 +403,33 @@ def test_real_model_streams_text(
     tokens = [t for o in outputs for t in o.new_token_ids]
     assert "".join(o.text for o in outputs) == tokenizer.decode(tokens)
     assert "Paris" in "".join(o.text for o in outputs)
+
+
+# configuration
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens"),
+        ({"enable_chunked_prefill": False, "max_model_len": 4096}, "max_num_batched_tokens"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"kv_cache_gib": None}, "kv_cache_gib"),
+        ({"max_waiting": 0}, "max_waiting"),
+    ],
+)
+def test_engine_config_names_the_bad_field(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(**kwargs)  # type: ignore[arg-type]
+    assert err.value.field == field
+
+
+def test_kv_cache_size_from_memory_and_capacity_checks() -> None:
+    config = EngineConfig(kv_cache_gib=0.5, block_size=16, max_model_len=1024)
+    assert config.num_kv_blocks(bytes_per_block=2**20) == 512
+    with pytest.raises(ConfigError, match="cannot hold one sequence"):
+        config.num_kv_blocks(bytes_per_block=2**26)
+    with pytest.raises(ConfigError, match="do not fit"):
+        make_engine(blocks=8, max_model_len=64)

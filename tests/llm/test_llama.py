@@ -131,6 +131,16 @@ def _all_position_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tenso
     return model.compute_logits(model(torch.tensor(ids), torch.arange(n), meta, loop.cache))
 
 
+def test_chat_answer_is_sensible(model: LlamaForCausalLM, tokenizer: ChatTokenizer) -> None:
+    # the oracle above shares our dequantized weights; this catches a wrong GGUF conversion
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    loop = PagedLoop(model)
+    tokens = greedy(loop.step([(0, tokenizer.encode(tokenizer.apply_chat_template(messages)))]))
+    while len(tokens) < 8 and tokens[-1] not in tokenizer.eos_token_ids:
+        tokens += greedy(loop.step([(0, tokens[-1:])]))
+    assert "Paris" in tokenizer.decode(tokens)
+
+
 def test_bad_metadata_is_a_clear_error(model: LlamaForCausalLM) -> None:
     cache = allocate_kv_cache(model.config, 4, 16, "float32")
     meta = AttentionMetadata(

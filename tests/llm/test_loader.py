@@ -162,6 +162,19 @@ def test_conversion_cache_roundtrip(
         assert torch.equal(warm.weights[name], tensor)
 
 
+def test_corrupt_cache_is_rebuilt(
+    tiny_gguf: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    path, _ = tiny_gguf
+    cache = tmp_path / "cache"
+    cold = load_gguf(path, cache_dir=cache)
+    (entry,) = cache.iterdir()
+    (entry / "lockgate.json").write_text("{not json", encoding="utf-8")
+    again = load_gguf(path, cache_dir=cache)
+    assert again.config == cold.config
+    assert json.loads((entry / "lockgate.json").read_text(encoding="utf-8"))["format"] >= 1
+
+
 def test_cache_dir_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(tmp_path))
     assert default_cache_dir() == tmp_path

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lockgate.errors import BadRequest
+from lockgate.llm import sampling
 from lockgate.llm.sampling import (
     Sampler,
     SamplingBatch,
@@ -160,3 +161,17 @@ def test_invalid_params_raise_a_clear_400(kwargs: dict[str, object]) -> None:
         SamplingParams(**kwargs)  # type: ignore[arg-type]
     assert err.value.status == 400
     assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("window", [4, 128])
+def test_windowed_top_p_equals_the_full_sort(window: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sampling, "TOP_P_WINDOW", window)
+    logits = random_logits(16, seed=11) * 0.3  # flat rows: wide nuclei
+    top_p = torch.linspace(0.05, 1.0, 16)
+    top_k = torch.tensor([V, 3, V, 10] * 4)
+    for k in (None, top_k):
+        fast = apply_top_k_top_p(logits, k, top_p)
+        full_k = k if k is not None else torch.full((16,), V)
+        slow = sampling._top_k_top_p_sorted(logits, full_k, top_p)
+        assert torch.equal(torch.isfinite(fast), torch.isfinite(slow))
+        assert torch.equal(fast[torch.isfinite(fast)], logits[torch.isfinite(fast)])

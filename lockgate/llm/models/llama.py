@@ -193,8 +193,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         if len(kv_caches) != len(self.layers):
             raise BadRequest(f"got {len(kv_caches)} KV cache layers, model has {len(self.layers)}")
-        if input_ids.shape[0] != meta.num_tokens:
-            raise BadRequest(f"{input_ids.shape[0]} input ids for {meta.num_tokens} query tokens")
+        if input_ids.shape[0] != meta.num_tokens or positions.shape != input_ids.shape:
+            raise BadRequest(
+                f"{input_ids.shape[0]} input ids and {positions.shape[0]} positions"
+                f" for {meta.num_tokens} query tokens"
+            )
         plan = plan_attention(meta)
         cos, sin = self.rope.lookup(positions)
         h = self.embed_tokens(input_ids)  # [T, H]

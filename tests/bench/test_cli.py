@@ -1,0 +1,58 @@
+import argparse
+import importlib.util
+import json
+
+from lockgate.bench import cli
+from tests.bench.fake_server import Behaviour, serve
+
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None  # the optional plot extra
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_sweep_writes_json_csv_and_plot(tmp_path, capsys) -> None:
+    out = tmp_path / "r.json"
+    with serve(Behaviour(sleep=lambda n: 0.003)) as (url, _):
+        argv = [
+            "--url",
+            url,
+            "--model",
+            "toy",
+            "--rate",
+            "20,40",
+            "--duration",
+            "0.5",
+            "--slo-ms",
+            "50",
+            "--quiet",
+            "--output-json",
+            str(out),
+            "--output-csv",
+            str(tmp_path / "r.csv"),
+            "--output-requests-csv",
+            str(tmp_path / "req.csv"),
+        ]
+        if HAVE_MATPLOTLIB:
+            argv += ["--plot", str(tmp_path / "p.png")]
+        assert cli.run(_args(argv)) == 0
+    data = json.loads(out.read_text())
+    assert [lv["offered_rate"] for lv in data["levels"]] == [20.0, 40.0]
+    assert data["levels"][0]["latency_ms"]["p50"] >= 3.0
+    assert len((tmp_path / "r.csv").read_text().splitlines()) == 3
+    assert len((tmp_path / "req.csv").read_text().splitlines()) > 20
+    if HAVE_MATPLOTLIB:
+        assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "rate 20/s" in capsys.readouterr().out
+
+
+def test_bad_arguments_exit_2(capsys) -> None:
+    assert (
+        cli.run(_args(["--model", "toy", "--rate", "10", "--concurrency", "2", "--duration", "1"]))
+        == 2
+    )
+    assert "exactly one of --rate and --concurrency" in capsys.readouterr().err
+    assert cli.run(_args(["--model", "toy", "--rate", "ten", "--duration", "1"])) == 2

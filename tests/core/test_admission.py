@@ -1,0 +1,83 @@
+"""Deadline-aware admission: the finish-time prediction and the refusal it leads to."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lockgate.core.admission import Admission, AdmissionSettings, QueueState
+from lockgate.core.request import InferRequest
+from lockgate.core.slo import ServiceProfile
+from lockgate.errors import Unavailable
+
+T = 0.020  # every batch takes 20 ms
+NOW = 100.0
+
+
+def constant_profile(max_batch_size: int = 4) -> ServiceProfile:
+    profile = ServiceProfile(max_batch_size)
+    profile.observe(1, T)
+    profile.observe(max_batch_size, T)
+    return profile
+
+
+def request(rows: int = 1, budget: float | None = None) -> InferRequest:
+    x = np.zeros((rows, 2), dtype=np.float32)
+    deadline = None if budget is None else NOW + budget
+    return InferRequest(model="m", inputs={"x": x}, rows=rows, deadline=deadline)
+
+
+def state(ahead: int, free_at: tuple[float, ...] = (NOW,), cap: int = 4) -> QueueState:
+    return QueueState(ahead, cap, free_at, capacity=len(free_at) * cap / T)
+
+
+def test_prediction_counts_batches_ahead_on_one_instance() -> None:
+    admission = Admission(AdmissionSettings(), constant_profile())
+    finish = admission.predicted_finish
+    assert finish(request(), NOW, state(0)) == pytest.approx(NOW + T)
+    assert finish(request(), NOW, state(3)) == pytest.approx(NOW + T)  # rides in batch 1
+    assert finish(request(), NOW, state(4)) == pytest.approx(NOW + 2 * T)  # batch 2
+    assert finish(request(), NOW, state(9, (NOW + 0.005,))) == pytest.approx(NOW + 0.005 + 3 * T)
+
+
+def test_prediction_spreads_batches_over_instances() -> None:
+    admission = Admission(AdmissionSettings(), constant_profile())
+    two = (NOW, NOW + 0.010)
+    finish = admission.predicted_finish
+    assert finish(request(), NOW, state(0, two)) == pytest.approx(NOW + T)
+    assert finish(request(), NOW, state(4, two)) == pytest.approx(NOW + 0.010 + T)
+    assert finish(request(), NOW, state(8, two)) == pytest.approx(NOW + 2 * T)
+    assert finish(request(rows=3), NOW, state(13, two)) == pytest.approx(NOW + 0.010 + 2 * T)
+
+
+def test_refuses_what_would_miss_and_admits_what_fits() -> None:
+    admission = Admission(AdmissionSettings(), constant_profile())
+    assert admission.check(request(budget=0.05), NOW, state(4)) is None  # 40 ms ≤ 0.9·50 ms
+    refusal = admission.check(request(budget=0.05), NOW, state(8))  # 60 ms > 50 ms
+    assert isinstance(refusal, Unavailable) and refusal.status == 503
+    assert "predicted 60.0 ms" in refusal.message and "budget 50.0 ms" in refusal.message
+    assert refusal.retry_after is not None and refusal.retry_after >= 1
+    assert admission.check(request(budget=None), NOW, state(1000)) is None  # no deadline
+
+
+def test_slack_widens_the_budget() -> None:
+    lenient = Admission(AdmissionSettings(slack=1.5), constant_profile())
+    strict = Admission(AdmissionSettings(slack=0.5), constant_profile())
+    assert strict.check(request(budget=0.05), NOW, state(4)) is not None  # 40 ms > 0.5·50 ms
+    assert lenient.check(request(budget=0.05), NOW, state(8)) is None  # 60 ms ≤ 75 ms
+
+
+def test_off_unknown_profile_or_no_instance_admits() -> None:
+    off = Admission(AdmissionSettings(deadline_aware=False), constant_profile())
+    assert off.check(request(budget=0.001), NOW, state(100)) is None
+    unknown = Admission(AdmissionSettings(), ServiceProfile(4))
+    assert unknown.check(request(budget=0.001), NOW, state(100)) is None
+    restarting = Admission(AdmissionSettings(), constant_profile())
+    assert restarting.check(request(budget=0.001), NOW, state(100, free_at=())) is None
+
+
+def test_retry_after_is_the_time_to_drain_the_queue() -> None:
+    assert Admission.retry_after(400, 100.0) == pytest.approx(4.0)
+    assert Admission.retry_after(10, 100.0) == 1.0  # at least a second
+    assert Admission.retry_after(10, 0.0) == 1.0
+    assert Admission.retry_after(10, float("inf")) == 1.0

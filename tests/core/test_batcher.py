@@ -1,0 +1,424 @@
+"""The dynamic batcher in-process, with a backend whose service time is T(B) = a + b·B."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from lockgate.backends.base import Arrays
+from lockgate.core.admission import AdmissionSettings
+from lockgate.core.batcher import Batcher
+from lockgate.core.config import DynamicBatching, ModelConfig, TensorSpec
+from lockgate.core.metrics import Registry
+from lockgate.core.request import InferRequest
+from lockgate.core.runner import Instance
+from lockgate.core.serving_metrics import ServingMetrics
+from lockgate.core.slo import ServiceProfile
+from lockgate.errors import BackendError, DeadlineExceeded, Unavailable
+
+
+@dataclass
+class TimedBackend:
+    """Doubles `x`; sleeps a + b·rows per batch; records every batch's `x`; can be held shut."""
+
+    a: float = 0.002
+    b: float = 0.0005
+    fail_on: float | None = None  # raise when a batch holds this value
+    batches: list[np.ndarray] = field(default_factory=list)
+    gate: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        self.gate.wait(10)
+        x = inputs["x"]  # [rows, width]
+        self.batches.append(x.copy())
+        time.sleep(self.a + self.b * len(x))
+        if self.fail_on is not None and np.any(x == self.fail_on):
+            raise RuntimeError(f"cannot take {self.fail_on}")
+        return {"y": x * 2}
+
+    def close(self) -> None:
+        self.gate.set()
+
+    def seen(self) -> set[float]:
+        return {float(v) for batch in self.batches for v in batch[:, 0]}
+
+
+def make_config(
+    max_batch_size: int = 4,
+    width: int = 2,
+    queue: int = 64,
+    levels: int = 1,
+    slo_ms: float | None = None,
+) -> ModelConfig:
+    return ModelConfig(
+        name="m",
+        backend="python",
+        max_batch_size=max_batch_size,
+        inputs=(TensorSpec("x", "FP32", (width,)),),
+        outputs=(TensorSpec("y", "FP32", (width,)),),
+        dynamic_batching=DynamicBatching(max_queue_size=queue, priority_levels=levels),
+        latency_slo_ms=slo_ms,
+    )
+
+
+def make_batcher(
+    backend: TimedBackend,
+    config: ModelConfig,
+    profile: ServiceProfile | None = None,
+    admission: bool = True,
+) -> Batcher:
+    instance = Instance("m-1-0", backend)
+    return Batcher(
+        config,
+        1,
+        [instance],
+        ServingMetrics.create(Registry()),
+        profile or ServiceProfile(max(1, config.max_batch_size)),
+        AdmissionSettings(deadline_aware=admission),
+    )
+
+
+def request(value: float, rows: int = 1, width: int = 2, **kwargs: object) -> InferRequest:
+    x = np.full((rows, width), value, dtype=np.float32)  # [rows, width]
+    return InferRequest(model="m", inputs={"x": x}, rows=rows, **kwargs)  # type: ignore[arg-type]
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(test(), 20))
+
+
+async def settle(batcher: Batcher) -> None:
+    """Let the batcher hand its queue to the (blocked) instance."""
+    for _ in range(5):
+        await asyncio.sleep(0.01)
+
+
+async def closing(batcher: Batcher, body: Callable[[], Awaitable[None]]) -> None:
+    batcher.start()
+    try:
+        await body()
+    finally:
+        for instance in batcher.instances:
+            instance.backend.close()
+        await batcher.close()
+
+
+def test_batches_respect_the_cap_and_outputs_go_back_to_their_requests() -> None:
+    backend = TimedBackend()
+    batcher = make_batcher(backend, make_config(max_batch_size=4))
+
+    async def body() -> None:
+        rows = [1 + i % 3 for i in range(30)]  # requests of 1, 2 and 3 rows
+        results = await asyncio.gather(
+            *(batcher.submit(request(float(i), rows=r)) for i, r in enumerate(rows))
+        )
+        for i, (r, result) in enumerate(zip(rows, results, strict=True)):
+            assert result["y"].shape == (r, 2)
+            assert np.all(result["y"] == 2.0 * i), f"request {i} got another request's rows"
+        sizes = [len(b) for b in backend.batches]
+        assert max(sizes) <= 4
+        assert sum(sizes) == sum(rows)  # a request of k rows counts as k
+        assert max(sizes) == 4  # batches grew while the instance was busy
+        assert batcher.queued_rows == 0 and batcher._inflight == 0
+
+    run(lambda: closing(batcher, body))
+
+
+def test_slo_is_the_default_deadline() -> None:
+    """Without a deadline of its own, a request that waits past the SLO gets 504, not a late
+    answer, and never reaches the model."""
+    backend = TimedBackend(a=0.001, b=0.0005)
+    profile = ServiceProfile(8)
+    profile.observe(1, 0.0015)
+    batcher = make_batcher(backend, make_config(max_batch_size=8, slo_ms=50.0), profile)
+
+    async def body() -> None:
+        backend.gate.clear()
+        first = asyncio.ensure_future(batcher.submit(request(1.0)))
+        await settle(batcher)
+        second = asyncio.ensure_future(batcher.submit(request(2.0)))
+        await asyncio.sleep(0.1)  # past the SLO while the instance is stuck
+        assert second.done()
+        with pytest.raises(DeadlineExceeded):
+            second.result()
+        backend.gate.set()
+        await first
+        assert 2.0 not in backend.seen()
+
+    run(lambda: closing(batcher, body))
+
+
+def test_request_larger_than_free_space_waits_for_the_next_batch() -> None:
+    backend = TimedBackend()
+    backend.gate.clear()
+    batcher = make_batcher(backend, make_config(max_batch_size=4))
+
+    async def body() -> None:
+        first = asyncio.ensure_future(batcher.submit(request(0.0)))
+        await settle(batcher)  # the instance holds request 0
+        rest = [asyncio.ensure_future(batcher.submit(request(v, rows=3))) for v in (1.0, 2.0)]
+        await settle(batcher)
+        backend.gate.set()
+        await asyncio.gather(first, *rest)
+        assert [len(b) for b in backend.batches] == [1, 3, 3]
+
+    run(lambda: closing(batcher, body))
+
+
+def test_only_same_shape_requests_share_a_batch() -> None:
+    backend = TimedBackend()
+    backend.gate.clear()
+    config = make_config(max_batch_size=8, width=-1)
+    batcher = make_batcher(backend, config)
+
+    async def body() -> None:
+        hold = asyncio.ensure_future(batcher.submit(request(0.0)))
+        await settle(batcher)
+        widths = [2, 3, 2, 3, 2, 5]
+        pending = [
+            asyncio.ensure_future(batcher.submit(request(float(i + 1), width=w)))
+            for i, w in enumerate(widths)
+        ]
+        await settle(batcher)
+        backend.gate.set()
+        results = await asyncio.gather(hold, *pending)
+        for i, w in enumerate(widths):
+            assert results[i + 1]["y"].shape == (1, w)
+        shapes = sorted(b.shape for b in backend.batches[1:])
+        assert shapes == [(1, 5), (2, 3), (3, 2)]
+
+    run(lambda: closing(batcher, body))
+
+
+def test_higher_priority_runs_first() -> None:
+    backend = TimedBackend()
+    backend.gate.clear()
+    batcher = make_batcher(backend, make_config(max_batch_size=1, levels=3))
+
+    async def body() -> None:
+        hold = asyncio.ensure_future(batcher.submit(request(0.0, priority=1)))
+        await settle(batcher)
+        order = [(1.0, 3), (2.0, 2), (3.0, 1), (4.0, 3), (5.0, 1)]
+        pending = [asyncio.ensure_future(batcher.submit(request(v, priority=p))) for v, p in order]
+        await asyncio.sleep(0)
+        backend.gate.set()
+        await asyncio.gather(hold, *pending)
+        served = [float(b[0, 0]) for b in backend.batches[1:]]
+        assert served == [3.0, 5.0, 2.0, 1.0, 4.0]
+
+    run(lambda: closing(batcher, body))
+
+
+def test_full_queue_sheds_lower_priority_then_refuses_with_retry_after() -> None:
+    backend = TimedBackend()
+    backend.gate.clear()
+    batcher = make_batcher(backend, make_config(max_batch_size=1, queue=2, levels=2))
+
+    async def body() -> None:
+        hold = asyncio.ensure_future(batcher.submit(request(0.0)))
+        await settle(batcher)
+        low = [asyncio.ensure_future(batcher.submit(request(v, priority=2))) for v in (1.0, 2.0)]
+        await asyncio.sleep(0)
+        high = asyncio.ensure_future(batcher.submit(request(3.0, priority=1)))
+        await asyncio.wait([low[1]], timeout=1)
+        assert low[1].done()  # the newest low-priority request made room
+        with pytest.raises(Unavailable, match="shed"):
+            low[1].result()
+        with pytest.raises(Unavailable, match="full") as full:
+            await batcher.submit(request(4.0, priority=2))  # nothing lower to shed
+        assert full.value.retry_after is not None and full.value.retry_after >= 1
+        assert full.value.status == 503 and "retry-after" in full.value.headers()
+        backend.gate.set()
+        await asyncio.gather(hold, low[0], high)
+        assert backend.seen() == {0.0, 1.0, 3.0}
+        assert [float(b[0, 0]) for b in backend.batches] == [0.0, 3.0, 1.0]
+
+    run(lambda: closing(batcher, body))
+
+
+def test_deadline_answers_504_at_the_deadline_and_never_runs() -> None:
+    backend = TimedBackend()
+    backend.gate.clear()
+    batcher = make_batcher(backend, make_config(max_batch_size=1))
+
+    async def body() -> None:
+        hold = asyncio.ensure_future(batcher.submit(request(0.0)))
+        await settle(batcher)
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceeded) as expired:
+            await batcher.submit(request(7.0, deadline=start + 0.05))
+        late = time.monotonic() - start - 0.05
+        assert 0 <= late < 0.03, f"answered {late * 1000:.1f} ms after the deadline"
+        assert expired.value.status == 504
+        assert batcher.queued_rows == 0
+        backend.gate.set()
+        await hold
+        await batcher.submit(request(8.0))
+        assert 7.0 not in backend.seen()
+
+    run(lambda: closing(batcher, body))
+
+
+def test_cancelled_request_leaves_the_queue_and_frees_its_slot() -> None:
+    backend = TimedBackend()
+    backend.gate.clear()
+    batcher = make_batcher(backend, make_config(max_batch_size=1, queue=1))
+
+    async def body() -> None:
+        hold = asyncio.ensure_future(batcher.submit(request(0.0)))
+        await settle(batcher)
+        queued = asyncio.ensure_future(batcher.submit(request(5.0)))
+        await asyncio.sleep(0)
+        assert batcher.queued_rows == 1
+        with pytest.raises(Unavailable):
+            await batcher.submit(request(6.0))  # the one slot is taken
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert batcher.queued_rows == 0 and batcher._inflight == 1
+        replacement = asyncio.ensure_future(batcher.submit(request(6.0)))
+        await asyncio.sleep(0)
+        backend.gate.set()
+        await asyncio.gather(hold, replacement)
+        assert backend.seen() == {0.0, 6.0}
+        assert batcher._inflight == 0
+
+    run(lambda: closing(batcher, body))
+
+
+def test_backend_exception_fails_only_its_batch() -> None:
+    backend = TimedBackend(fail_on=13.0)
+    batcher = make_batcher(backend, make_config(max_batch_size=1))
+
+    async def body() -> None:
+        values = [float(v) for v in range(10, 17)]
+        results = await asyncio.gather(
+            *(batcher.submit(request(v)) for v in values), return_exceptions=True
+        )
+        for value, result in zip(values, results, strict=True):
+            if value == 13.0:
+                assert isinstance(result, BackendError) and result.status == 500
+                assert "cannot take 13" in result.message
+            else:
+                assert isinstance(result, dict) and float(result["y"][0, 0]) == 2 * value
+        assert await batcher.submit(request(20.0))  # the model serves on
+
+    run(lambda: closing(batcher, body))
+
+
+def test_wrong_output_rows_is_a_clear_backend_error() -> None:
+    class Truncating(TimedBackend):
+        def infer(self, inputs: Arrays) -> Arrays:
+            return {"y": super().infer(inputs)["y"][:1]}
+
+    backend = Truncating()
+    backend.gate.clear()
+    batcher = make_batcher(backend, make_config(max_batch_size=4))
+
+    async def body() -> None:
+        hold = asyncio.ensure_future(batcher.submit(request(0.0)))
+        await settle(batcher)
+        pair = [asyncio.ensure_future(batcher.submit(request(v))) for v in (1.0, 2.0)]
+        await asyncio.sleep(0)
+        backend.gate.set()
+        await hold
+        for future in pair:
+            with pytest.raises(BackendError, match="batch dimension first"):
+                await future
+
+    run(lambda: closing(batcher, body))
+
+
+def test_unmeetable_deadline_is_refused_at_admission() -> None:
+    backend = TimedBackend(a=0.02, b=0.0)
+    backend.gate.clear()
+    profile = ServiceProfile(1)
+    profile.observe(1, 0.02)
+    batcher = make_batcher(backend, make_config(max_batch_size=1), profile)
+
+    async def body() -> None:
+        hold = asyncio.ensure_future(batcher.submit(request(0.0)))
+        await settle(batcher)
+        queued = [asyncio.ensure_future(batcher.submit(request(float(v)))) for v in (1, 2, 3)]
+        await asyncio.sleep(0)
+        start = time.monotonic()
+        with pytest.raises(Unavailable, match="would miss its deadline") as refused:
+            # three 20 ms batches wait ahead of it: 50 ms cannot be met
+            await batcher.submit(request(9.0, deadline=start + 0.05))
+        assert time.monotonic() - start < 0.005  # refused at once, not at the deadline
+        assert refused.value.retry_after is not None
+        ok = asyncio.ensure_future(batcher.submit(request(8.0, deadline=start + 5.0)))
+        backend.gate.set()
+        await asyncio.gather(hold, ok, *queued)
+        assert 9.0 not in backend.seen()
+
+    run(lambda: closing(batcher, body))
+
+
+def test_request_that_would_end_past_its_deadline_is_not_run() -> None:
+    backend = TimedBackend(a=0.05, b=0.0)
+    backend.gate.clear()
+    profile = ServiceProfile(1)
+    profile.observe(1, 0.05)
+    batcher = make_batcher(backend, make_config(max_batch_size=1), profile)
+
+    async def body() -> None:
+        hold = asyncio.ensure_future(batcher.submit(request(0.0)))
+        await settle(batcher)
+        start = time.monotonic()
+        late = asyncio.ensure_future(batcher.submit(request(1.0, deadline=start + 0.25)))
+        await asyncio.sleep(0.17)  # admitted; the held batch ends at ~0.22 s, 30 ms before
+        backend.gate.set()  # the deadline: too little for a 50 ms batch
+        with pytest.raises(DeadlineExceeded, match="would end after its deadline"):
+            await late
+        assert time.monotonic() - start < 0.25  # told before the deadline, not after
+        await hold
+        assert 1.0 not in backend.seen()
+
+    run(lambda: closing(batcher, body))
+
+
+def test_without_admission_a_late_request_still_runs() -> None:
+    backend = TimedBackend(a=0.02, b=0.0)
+    profile = ServiceProfile(1)
+    profile.observe(1, 0.02)
+    batcher = make_batcher(backend, make_config(max_batch_size=1), profile, admission=False)
+
+    async def body() -> None:
+        result = await batcher.submit(request(1.0, deadline=time.monotonic() + 0.015))
+        assert float(result["y"][0, 0]) == 2.0  # ran: the deadline passed during compute
+
+    run(lambda: closing(batcher, body))
+
+
+def test_slo_mode_caps_batches_at_the_profile_cap() -> None:
+    backend = TimedBackend(a=0.001, b=0.0005)
+    profile = ServiceProfile(32)
+    for size in (1, 2, 4, 8, 16, 32):
+        profile.observe(size, 0.001 + 0.0005 * size)
+    batcher = make_batcher(backend, make_config(max_batch_size=32, slo_ms=20.0), profile)
+    cap, _ = batcher.cap_and_window(time.monotonic())
+    assert cap == profile.batch_cap(0.020) < 32
+
+    async def body() -> None:
+        backend.gate.clear()
+        late = time.monotonic() + 60  # a deadline of their own: the SLO default would expire them
+        pending = [
+            asyncio.ensure_future(batcher.submit(request(float(i), deadline=late)))
+            for i in range(60)
+        ]
+        await settle(batcher)
+        backend.gate.set()
+        await asyncio.gather(*pending)
+        assert max(len(b) for b in backend.batches) == cap
+
+    run(lambda: closing(batcher, body))

@@ -1,0 +1,102 @@
+"""The service-time profile, the SLO batch cap and window, and the arrival-rate meter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lockgate.core.slo import RateMeter, ServiceProfile
+
+A, B = 0.001, 0.0005  # T(B) = 1 ms + 0.5 ms·B
+
+
+def linear_profile(
+    max_batch_size: int, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+) -> ServiceProfile:
+    profile = ServiceProfile(max_batch_size)
+    for size in sizes:
+        if size <= max_batch_size:
+            profile.observe(size, A + B * size)
+    return profile
+
+
+def test_fit_recovers_a_and_b() -> None:
+    profile = linear_profile(32, sizes=(1, 4, 16, 32))
+    assert profile.fit_a == pytest.approx(A, rel=1e-6)
+    assert profile.fit_b == pytest.approx(B, rel=1e-6)
+    assert profile.service_time(10) == pytest.approx(A + 10 * B)  # between measured sizes
+    assert profile.throughput(10) == pytest.approx(10 / (A + 10 * B))
+
+
+def test_fit_with_one_size_is_a_constant_and_never_negative() -> None:
+    profile = ServiceProfile(8)
+    profile.observe(4, 0.01)
+    assert (profile.fit_a, profile.fit_b) == (0.01, 0.0)
+    falling = ServiceProfile(8)
+    falling.observe(1, 0.01)
+    falling.observe(8, 0.002)  # noise can make larger batches look faster
+    assert falling.fit_b == 0.0 and falling.fit_a >= 0.0
+
+
+def test_observations_are_an_exponential_average() -> None:
+    profile = ServiceProfile(4, alpha=0.5)
+    profile.observe(2, 0.010)
+    profile.observe(2, 0.020)
+    assert profile.service_time(2) == pytest.approx(0.015)
+
+
+def test_cap_is_the_largest_batch_with_two_service_times_within_the_slo() -> None:
+    profile = linear_profile(32)
+    slo = 0.020
+    cap = profile.batch_cap(slo)
+    assert 2 * profile.service_time(cap) <= slo
+    assert 2 * profile.service_time(cap + 1) > slo
+    assert cap in (17, 18)  # 2·(1 + 0.5·B) ms ≤ 20 ms ⇔ B ≤ 18, less float rounding
+    assert linear_profile(8).batch_cap(slo) == 8  # bounded by max_batch_size
+    assert linear_profile(32).batch_cap(0.001) == 1  # at least 1, even when nothing fits
+
+
+def test_window_is_zero_when_batch_one_keeps_up() -> None:
+    profile = linear_profile(8)  # T(1) = 1.5 ms
+    slo = 0.020
+    assert profile.window(slo, 0.0) == 0.0
+    assert profile.window(slo, 100.0) == 0.0  # λ·T(1) = 0.15
+    assert profile.window(slo, 1 / profile.service_time(1) * 0.99) == 0.0
+
+
+@pytest.mark.parametrize("rate", [700.0, 1000.0, 2000.0, 10000.0])
+@pytest.mark.parametrize("slo", [0.012, 0.020, 0.050])
+def test_window_above_the_knee_is_bounded_by_slo_budget_and_rate(rate: float, slo: float) -> None:
+    profile = linear_profile(8)
+    t1 = profile.service_time(1)
+    assert rate * t1 >= 1
+    budget = slo - 2 * profile.service_time(profile.batch_cap(slo))
+    window = profile.window(slo, rate)
+    assert 0 < window <= min(budget, math.sqrt(t1 / rate)) + 1e-12
+    assert window == pytest.approx(min(budget, math.sqrt(t1 / rate)))
+
+
+def test_window_is_zero_when_the_slo_leaves_no_budget() -> None:
+    profile = ServiceProfile(1)
+    profile.observe(1, 0.010)
+    assert profile.window(0.020, 1000.0) == 0.0  # 2·T(1) uses the whole SLO
+
+
+def test_rate_meter_converges_to_a_constant_rate() -> None:
+    meter = RateMeter(tau=1.0, last=0.0)
+    now = 0.0
+    for _ in range(500):  # 100 arrivals per second for 5 s
+        now += 0.01
+        meter.add(1, now)
+    assert meter.current(now) == pytest.approx(100.0, rel=0.03)
+    assert meter.current(now + 5.0) < 1.0  # decays once arrivals stop
+
+
+def test_rate_meter_counts_rows() -> None:
+    meter = RateMeter(tau=0.5, last=0.0)
+    now = 0.0
+    for _ in range(400):  # 8 rows every 20 ms: 400 rows per second
+        now += 0.02
+        meter.add(8, now)
+    assert meter.current(now) == pytest.approx(400.0, rel=0.05)

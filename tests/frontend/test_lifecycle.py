@@ -1,0 +1,164 @@
+"""Server lifecycle through a real process: hot unload and load, and the drain on SIGTERM."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import RunningServer, start_server
+
+DRAIN = 20.0
+ECHO = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+
+
+def slow_body(delay: float) -> dict[str, object]:
+    return {
+        "inputs": [
+            {"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+            {"name": "delay", "shape": [1, 1], "datatype": "FP32", "data": [delay]},
+        ]
+    }
+
+
+@pytest.fixture(scope="module")
+def small_repo(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Only the python test models: the server starts in a few seconds."""
+    repo = tmp_path_factory.mktemp("lifecycle-repo")
+    for name in ("echo", "slow"):
+        shutil.copytree(test_repo / name, repo / name)
+    return repo
+
+
+def start(repo: Path, tmp_path_factory: pytest.TempPathFactory, drain: float) -> RunningServer:
+    tmp = tmp_path_factory.mktemp("lifecycle-server")
+    return start_server(repo, tmp, "--no-llm", "--drain-timeout", str(drain))
+
+
+def post_slow(url: str, delay: float) -> int:
+    try:
+        return httpx.post(
+            url + "/v2/models/slow/infer", json=slow_body(delay), timeout=60
+        ).status_code
+    except httpx.TransportError:
+        return -1
+
+
+def wait_in_flight(server: RunningServer, model: str, count: int, timeout: float = 10.0) -> None:
+    """Wait until `count` requests to `model` are admitted, as /metrics reports."""
+    pattern = re.compile(rf'lockgate_inflight_requests\{{[^}}]*model="{model}"[^}}]*\}} (\S+)')
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = pattern.search(httpx.get(server.url + "/metrics").text)
+        if match is not None and float(match.group(1)) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{count} requests to {model} were not in flight within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def server(small_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """Serves the hot-reload test, then the SIGTERM test stops it."""
+    running = start(small_repo, tmp_path_factory, drain=DRAIN)
+    yield running
+    running.stop()
+
+
+def test_unload_then_load(server: RunningServer) -> None:
+    infer = server.url + "/v2/models/echo/infer"
+    assert httpx.post(infer, json=ECHO).status_code == 200
+    r = httpx.post(server.url + "/v2/repository/models/echo/unload")
+    assert r.status_code == 200, r.text
+    assert httpx.post(infer, json=ECHO).status_code in (404, 503)
+    assert httpx.get(server.url + "/v2/models/echo/ready").status_code in (404, 503)
+    assert httpx.post(server.url + "/v2/models/slow/infer", json=slow_body(0)).status_code == 200
+    assert httpx.post(server.url + "/v2/repository/models/echo/unload").status_code == 404
+    r = httpx.post(server.url + "/v2/repository/models/echo/load", timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.get(server.url + "/v2/models/echo/ready").status_code == 200
+    r = httpx.post(infer, json=ECHO)
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["data"] == [2, 4, 6, 8]
+    r = httpx.post(server.url + "/v2/repository/models/slow/load", timeout=60)  # reload
+    assert r.status_code == 200, r.text
+    assert httpx.post(server.url + "/v2/models/slow/infer", json=slow_body(0)).status_code == 200
+
+
+def test_sigterm_drains_in_flight_requests(server: RunningServer) -> None:
+    """In-flight requests finish with 200; meanwhile readiness and new requests get 503."""
+    drain = DRAIN
+    pool = concurrent.futures.ThreadPoolExecutor(3)
+    try:
+        client = httpx.Client(base_url=server.url, timeout=10)
+        assert client.get("/v2/health/ready").status_code == 200  # a kept-alive connection
+        in_flight = [pool.submit(post_slow, server.url, 1.5) for _ in range(3)]
+        wait_in_flight(server, "slow", 3)
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(0.3)
+        ready = client.get("/v2/health/ready")
+        assert ready.status_code == 503
+        assert ready.json()["error"] == "draining"
+        assert client.get("/v2/health/live").status_code == 200
+        new = client.post("/v2/models/echo/infer", json=ECHO)
+        assert new.status_code == 503
+        assert new.json()["error"]
+        assert [f.result(timeout=30) for f in in_flight] == [200, 200, 200]
+        code = server.process.wait(timeout=drain + 5)
+        assert code == 0
+        assert time.monotonic() - signalled < drain
+        with pytest.raises(httpx.TransportError):
+            httpx.get(server.url + "/v2/health/live", timeout=2)
+        assert "lockgate stopped" in server.log()
+    finally:
+        pool.shutdown(wait=False)
+        server.stop()
+
+
+def test_drain_is_bounded_when_a_request_hangs(
+    small_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    drain = 2.0
+    server = start(small_repo, tmp_path_factory, drain=drain)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        stuck = pool.submit(post_slow, server.url, 30.0)
+        wait_in_flight(server, "slow", 1)
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code = server.process.wait(timeout=drain + 10)
+        assert time.monotonic() - signalled < drain + 5
+        assert code == 0
+        assert stuck.result(timeout=10) != 200
+        assert "drain timed out" in server.log()
+    finally:
+        pool.shutdown(wait=False)
+        server.stop()
+
+
+def test_second_signal_stops_the_drain(
+    small_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    server = start(small_repo, tmp_path_factory, drain=30)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        stuck = pool.submit(post_slow, server.url, 20.0)
+        wait_in_flight(server, "slow", 1)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert server.process.poll() is None  # draining
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert server.process.wait(timeout=15) == 0
+        assert time.monotonic() - signalled < 5
+        assert stuck.result(timeout=10) != 200
+    finally:
+        pool.shutdown(wait=False)
+        server.stop()

@@ -1,0 +1,309 @@
+"""Overload and faults through a real server: admitted work keeps its SLO, the rest is refused fast.
+
+The overload model sleeps a fixed time per batch, so its capacity is known and stable. The test
+measures that capacity closed-loop, then offers about three times it open-loop (Poisson
+arrivals, latency from the scheduled send time) with a per-request timeout equal to the SLO.
+
+A control stream of health checks rides along at a tenth of the rate: on a busy machine the
+client's and the server's own scheduling delays show up there too, and a refusal is fast when it
+is as fast as a health check under the same load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import RunningServer, start_server
+
+SLO_S = 0.200  # the latency objective, sent as each request's timeout
+SERVICE_S = 0.020  # the model sleeps this long per batch, whatever its size
+MAX_BATCH = 4
+OVERLOAD = 3.0  # offered load as a multiple of the measured capacity
+DURATION_S = float(os.environ.get("LOCKGATE_OVERLOAD_SECONDS", "10"))
+
+STEADY_MODEL = f'''
+import time
+
+
+class Model:
+    """Doubles its input; every batch takes {SERVICE_S} s, whatever its size."""
+
+    def infer(self, inputs):
+        time.sleep({SERVICE_S})
+        return {{"y": inputs["x"] * 2}}
+'''
+
+
+def write_steady_model(repo: Path) -> None:
+    folder = repo / "steady"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(STEADY_MODEL)
+    (folder / "config.yaml").write_text(
+        textwrap.dedent(
+            f"""\
+            backend: python
+            max_batch_size: {MAX_BATCH}
+            inputs:
+              - {{name: x, datatype: FP32, dims: [4]}}
+            outputs:
+              - {{name: y, datatype: FP32, dims: [4]}}
+            dynamic_batching: {{max_queue_size: 256}}
+            """
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def steady_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("steady-repo")
+    write_steady_model(repo)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def steady_server(
+    steady_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    server = start_server(steady_repo, tmp_path_factory.mktemp("steady"), "--no-llm")
+    yield server
+    server.stop()
+
+
+def infer_body(value: float, timeout_us: int | None) -> bytes:
+    payload: dict[str, object] = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [value] * 4}]
+    }
+    if timeout_us is not None:
+        payload["parameters"] = {"timeout": timeout_us}
+    return json.dumps(payload).encode()
+
+
+# -- load generation ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    status: int  # HTTP status; 0 when the request failed at the transport
+    latency: float  # seconds from the scheduled send time to the whole response
+    error: str = ""  # the JSON error message of a non-200 answer
+    control: bool = False  # a health check of the control stream
+
+
+@dataclass(slots=True)
+class LoadResult:
+    sent: int
+    duration: float
+    outcomes: list[Outcome] = field(default_factory=list)
+    control: list[Outcome] = field(default_factory=list)
+
+    def latencies(self, status: int) -> np.ndarray:
+        return np.array([o.latency for o in self.outcomes if o.status == status])
+
+    def control_p99(self) -> float:
+        values = [o.latency for o in self.control]
+        return float(np.percentile(values, 99)) if values else 0.0
+
+    def count(self, status: int) -> int:
+        return sum(1 for o in self.outcomes if o.status == status)
+
+    def p50(self, status: int) -> float:
+        values = self.latencies(status)
+        return float(np.percentile(values, 50)) if len(values) else 0.0
+
+    def p99(self, status: int) -> float:
+        values = self.latencies(status)
+        return float(np.percentile(values, 99)) if len(values) else 0.0
+
+    def goodput(self, slo: float) -> float:
+        """200s within the SLO per second of offered load."""
+        good = sum(1 for o in self.outcomes if o.status == 200 and o.latency <= slo)
+        return good / self.duration
+
+    def summary(self, slo: float) -> str:
+        statuses = sorted({o.status for o in self.outcomes})
+        counts = ", ".join(f"{s}: {self.count(s)}" for s in statuses)
+        return (
+            f"sent {self.sent} in {self.duration:.1f} s ({self.sent / self.duration:.0f}/s); "
+            f"{counts}; goodput {self.goodput(slo):.0f}/s; "
+            f"p50/p99 200 {self.p50(200) * 1000:.1f}/{self.p99(200) * 1000:.1f} ms; "
+            f"p99 503 {self.p99(503) * 1000:.1f} ms; "
+            f"p99 health check {self.control_p99() * 1000:.1f} ms"
+        )
+
+
+async def _send(session: aiohttp.ClientSession, url: str, body: bytes, scheduled: float) -> Outcome:
+    try:
+        async with session.post(url, data=body, headers={"content-type": "application/json"}) as r:
+            raw = await r.read()
+            status = r.status
+    except aiohttp.ClientError as exc:
+        return Outcome(0, time.perf_counter() - scheduled, repr(exc))
+    latency = time.perf_counter() - scheduled
+    return Outcome(status, latency, "" if status == 200 else _error_of(raw))
+
+
+def _error_of(raw: bytes) -> str:
+    """The message of a JSON error body; empty when the body is not one."""
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        return ""
+    return str(payload.get("error", "")) if isinstance(payload, dict) else ""
+
+
+async def closed_loop(url: str, body: bytes, concurrency: int, seconds: float) -> float:
+    """Requests per second answered with 200 by `concurrency` clients sending back to back."""
+    done = 0
+    async with aiohttp.ClientSession() as session:
+        stop = time.perf_counter() + seconds
+
+        async def client() -> None:
+            nonlocal done
+            while time.perf_counter() < stop:
+                outcome = await _send(session, url, body, time.perf_counter())
+                done += outcome.status == 200
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return done / (time.perf_counter() - start)
+
+
+async def _check(session: aiohttp.ClientSession, url: str, scheduled: float) -> Outcome:
+    async with session.get(url) as r:
+        await r.read()
+        return Outcome(r.status, time.perf_counter() - scheduled, control=True)
+
+
+async def open_loop(
+    base: str, body: bytes, rate: float, seconds: float, seed: int = 0
+) -> LoadResult:
+    """Poisson arrivals at `rate` plus health checks at `rate / 10`; latency from schedule."""
+    rng = np.random.default_rng(seed)
+    offsets = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * seconds * 1.2) + 10))
+    offsets = offsets[offsets < seconds]  # [n] seconds from the start
+    checks = np.cumsum(rng.exponential(10.0 / rate, size=int(rate * seconds * 0.12) + 10))
+    checks = checks[checks < seconds]  # [m]
+    plan = sorted([(float(t), False) for t in offsets] + [(float(t), True) for t in checks])
+    url, health = base + "/v2/models/steady/infer", base + "/v2/health/live"
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        tasks: list[asyncio.Task[Outcome]] = []
+        start = time.perf_counter()
+        for offset, control in plan:
+            scheduled = start + offset
+            wait = scheduled - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            send = (
+                _check(session, health, scheduled)
+                if control
+                else _send(session, url, body, scheduled)
+            )
+            tasks.append(asyncio.create_task(send))
+        outcomes = await asyncio.gather(*tasks)
+    result = LoadResult(len(offsets), seconds)
+    for outcome in outcomes:
+        (result.control if outcome.control else result.outcomes).append(outcome)
+    return result
+
+
+def run_overload(server: RunningServer) -> tuple[float, LoadResult, dict[str, float]]:
+    """Capacity (req/s), the overload run, and the server's own refusal timings."""
+    url = server.url + "/v2/models/steady/infer"
+    asyncio.run(closed_loop(url, infer_body(1.0, None), 4 * MAX_BATCH, 0.5))  # warm
+    capacity = asyncio.run(closed_loop(url, infer_body(1.0, None), 4 * MAX_BATCH, 2.0))
+    body = infer_body(1.0, int(SLO_S * 1e6))
+    result = asyncio.run(open_loop(server.url, body, OVERLOAD * capacity, DURATION_S))
+    return capacity, result, server_timings(server)
+
+
+def server_timings(server: RunningServer) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("lockgate_requests_rejected_total") or line.startswith(
+            "lockgate_requests_total"
+        ):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_overload_keeps_slo_and_refuses_fast(steady_server: RunningServer) -> None:
+    capacity, result, timings = run_overload(steady_server)
+    report = f"capacity {capacity:.0f}/s; " + result.summary(SLO_S)
+    print(report, timings)
+    expected = MAX_BATCH / SERVICE_S
+    assert 0.25 * expected < capacity < 1.1 * expected, report  # a noisy machine is slower
+    # nothing is lost: every request has an answer, 200 or a refusal with a JSON error
+    assert len(result.outcomes) == result.sent, report
+    assert all(o.status in (200, 429, 503, 504) for o in result.outcomes), report
+    assert all(o.error for o in result.outcomes if o.status != 200), report
+    assert result.count(503) > result.sent / 3, report  # the overload was real
+    assert result.p99(200) <= SLO_S, report
+    # fast: under 10 ms, or (on a machine too busy for that) no slower than a health check
+    assert result.p99(503) < max(0.010, result.control_p99() + 0.005), report
+    assert result.goodput(SLO_S) >= 0.8 * capacity, report
+
+
+@pytest.mark.skipif(
+    not os.environ.get("LOCKGATE_OVERLOAD_COMPARE"),
+    reason="set LOCKGATE_OVERLOAD_COMPARE=1 to record the same overload without admission",
+)
+def test_overload_without_admission_is_recorded(
+    steady_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    server = start_server(
+        steady_repo, tmp_path_factory.mktemp("open"), "--no-llm", "--no-admission"
+    )
+    try:
+        capacity, result, timings = run_overload(server)
+    finally:
+        server.stop()
+    print(f"without admission: capacity {capacity:.0f}/s; " + result.summary(SLO_S), timings)
+    assert len(result.outcomes) == result.sent
+
+
+def test_faulty_model_fails_only_its_batches(server: RunningServer) -> None:
+    """`faulty` raises on every 10th batch of values >= 1000: those 500, the rest 200."""
+
+    async def load() -> list[tuple[int, float, dict[str, object]]]:
+        url = server.url + "/v2/models/faulty/infer"
+        limit = asyncio.Semaphore(16)
+
+        async def one(
+            session: aiohttp.ClientSession, value: float
+        ) -> tuple[int, float, dict[str, object]]:
+            async with limit, session.post(url, data=infer_body(value, None)) as r:
+                return r.status, value, await r.json(content_type=None)
+
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(one(session, 1000.0 + i) for i in range(300)))
+
+    answers = asyncio.run(load())
+    failed = [(v, body) for status, v, body in answers if status == 500]
+    served = [(v, body) for status, v, body in answers if status == 200]
+    assert len(failed) + len(served) == len(answers), {s for s, _, _ in answers}
+    assert failed and len(served) > len(failed)
+    for _, body in failed:
+        assert "injected failure" in str(body["error"])
+    for value, body in served:
+        outputs = body["outputs"]
+        assert isinstance(outputs, list) and outputs[0]["data"] == [2 * value] * 4
+    batches = httpx.get(server.url + "/metrics").text
+    assert 'lockgate_requests_total{model="faulty",version="1",outcome="backend_error"}' in batches
+    assert httpx.get(server.url + "/v2/health/live").status_code == 200
+    ok = httpx.post(server.url + "/v2/models/echo/infer", content=infer_body(1.0, None))
+    assert ok.status_code == 200

@@ -1,0 +1,80 @@
+import math
+
+import pytest
+
+from lockgate.errors import BadRequest
+from lockgate.plan.planner import PlanInputs, plan
+from lockgate.plan.profile import fit_profile
+
+
+def test_worked_example_9_replicas_12_with_headroom() -> None:
+    # 5,000 QPS, 5 ms service, 50 ms p99, 1,143/s per accelerator:
+    # 4.6 * 5 / (1 - rho) <= 50 => rho <= 0.54; 5000 / (1143 * 0.54) = 8.1 -> 9; * 1.3 -> 12
+    result = plan(
+        PlanInputs(
+            rate=5000,
+            slo_p99_s=0.050,
+            service_time_s=0.005,
+            capacity_per_replica=1143,
+            headroom=0.3,
+            cost_per_hour=3.6,
+        )
+    )
+    assert round(result.max_utilization["mm1"], 2) == 0.54
+    assert result.replicas_slo == 9
+    assert result.replicas_with_headroom == 12
+    assert result.replicas == 12 and result.binding == "slo"
+    assert result.replicas_throughput == 5
+    assert result.utilization == pytest.approx(5000 / (12 * 1143))
+    assert result.utilization_after_failure == pytest.approx(5000 / (11 * 1143))
+    assert result.slo_met_after_failure
+    assert result.cost_per_million == pytest.approx(12 * 3.6 / (5000 * 3600) * 1e6)
+    # less pessimistic models need fewer replicas
+    assert result.replicas_by_model["md1"] <= 9 and result.replicas_by_model["mmc"] <= 9
+
+
+def test_loose_slo_is_throughput_bound() -> None:
+    result = plan(
+        PlanInputs(rate=1000, slo_p99_s=10.0, service_time_s=0.01, headroom=0.0, redundancy=0)
+    )
+    assert result.replicas_throughput == 11  # 1000 / 100 = 10 is utilization 1: one more
+    assert result.replicas == 11 and result.binding == "throughput"
+
+
+def test_spares_beyond_headroom_are_redundancy_bound() -> None:
+    result = plan(
+        PlanInputs(rate=100, slo_p99_s=0.5, service_time_s=0.01, headroom=0.0, redundancy=2)
+    )
+    assert result.binding == "redundancy"
+    assert result.replicas == result.replicas_slo + 2
+
+
+def test_failure_that_breaks_the_slo_is_reported() -> None:
+    result = plan(
+        PlanInputs(rate=95, slo_p99_s=0.1, service_time_s=0.01, headroom=0.0, redundancy=0)
+    )
+    assert result.replicas == 2
+    assert result.utilization_after_failure == pytest.approx(0.95)
+    assert not result.slo_met_after_failure and result.notes
+    assert result.to_json()["p99_after_failure_s"] is not None
+
+
+def test_profile_chooses_a_batch_that_saves_replicas() -> None:
+    profile = fit_profile("m", (1, 2, 4, 8, 16), tuple(0.004 + 0.001 * b for b in (1, 2, 4, 8, 16)))
+    result = plan(PlanInputs(rate=2000, slo_p99_s=0.1, profile=profile))
+    single = plan(PlanInputs(rate=2000, slo_p99_s=0.1, service_time_s=0.005))
+    assert result.batch_size > 1
+    assert result.replicas < single.replicas
+    assert result.capacity_per_replica == pytest.approx(
+        result.batch_size / (0.004 + 0.001 * result.batch_size)
+    )
+    assert result.batch_latency_s <= 0.1
+    assert result.max_batch_within_slo >= 1
+
+
+def test_impossible_slo_is_a_clear_error() -> None:
+    with pytest.raises(BadRequest, match="cannot be met"):
+        plan(PlanInputs(rate=10, slo_p99_s=0.004, service_time_s=0.005))
+    with pytest.raises(BadRequest, match="service time"):
+        PlanInputs(rate=10, slo_p99_s=0.1)
+    assert math.isfinite(plan(PlanInputs(rate=10, slo_p99_s=0.1, service_time_s=0.005)).p99_s)

@@ -1,0 +1,113 @@
+import math
+
+import numpy as np
+import pytest
+
+from lockgate.errors import BadRequest
+from lockgate.plan.queueing import (
+    MD1,
+    MM1,
+    MMc,
+    erlang_c,
+    littles_law,
+    max_utilization,
+    mm1_max_utilization,
+)
+
+
+@pytest.mark.parametrize("rho", [0.1, 0.5, 0.54, 0.9])
+def test_mm1_p99_is_4_6_service_times_over_idle_fraction(rho: float) -> None:
+    service = 0.005
+    queue = MM1(rho / service, 1 / service)
+    assert queue.response_quantile(0.99) == pytest.approx(math.log(100) * service / (1 - rho))
+    assert queue.response_quantile(0.99) == pytest.approx(4.6 * service / (1 - rho), rel=2e-3)
+    assert queue.mean_response == pytest.approx(service / (1 - rho))
+    assert queue.mean_wait == pytest.approx(rho * service / (1 - rho))
+
+
+def test_littles_law_holds_for_mm1() -> None:
+    queue = MM1(8.0, 10.0)
+    rho = queue.utilization
+    assert littles_law(8.0, queue.mean_response) == pytest.approx(rho / (1 - rho))
+    assert littles_law(8.0, queue.mean_wait) == pytest.approx(rho**2 / (1 - rho))
+
+
+def test_erlang_c_textbook_values() -> None:
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)  # c = 2, lambda = mu = 1
+    assert erlang_c(1, 0.7) == pytest.approx(0.7)  # one server: P(wait) = rho
+    assert erlang_c(10, 8.0) == pytest.approx(0.409, abs=1e-3)  # tables: C(10, 8) = 0.4092
+    queue = MMc(1.0, 1.0, 2)
+    assert queue.mean_wait == pytest.approx((1 / 3) / (2 - 1))
+
+
+def test_mmc_with_one_server_is_mm1() -> None:
+    one, mm1 = MMc(7.0, 10.0, 1), MM1(7.0, 10.0)
+    assert one.response_quantile(0.99) == pytest.approx(mm1.response_quantile(0.99), rel=1e-6)
+    assert one.wait_quantile(0.99) == pytest.approx(mm1.wait_quantile(0.99))
+    assert one.mean_response == pytest.approx(mm1.mean_response)
+
+
+def test_mmc_response_tail_matches_simulation() -> None:
+    rng = np.random.default_rng(0)
+    queue = MMc(3.2, 1.0, 4)
+    # W: 0 with probability 1 - C, else Exp(c mu - lambda); plus Exp(mu) service
+    n = 400_000
+    waits = np.where(rng.random(n) < queue.prob_wait, rng.exponential(1 / 0.8, n), 0.0)
+    response = waits + rng.exponential(1.0, n)
+    assert queue.response_quantile(0.99) == pytest.approx(np.quantile(response, 0.99), rel=0.03)
+    assert queue.response_quantile(0.9) == pytest.approx(np.quantile(response, 0.9), rel=0.03)
+
+
+def test_md1_mean_wait_is_pollaczek_khinchine() -> None:
+    queue = MD1(0.8, 1.0)  # rho = 0.8, mu = 1
+    assert queue.mean_wait == pytest.approx(0.8 / (2 * 1 * (1 - 0.8)))
+    # the exact distribution integrates to the same mean wait
+    ts = np.linspace(0, 80, 1601)
+    tail = [1 - queue.wait_cdf(t) for t in ts]
+    assert float(np.trapezoid(tail, ts)) == pytest.approx(queue.mean_wait, rel=1e-3)
+    assert queue.wait_cdf(0.0) == pytest.approx(0.2)  # P(no wait) = 1 - rho
+
+
+def test_md1_quantile_matches_a_lindley_simulation() -> None:
+    rng = np.random.default_rng(1)
+    lam, service = 0.7, 1.0
+    gaps = rng.exponential(1 / lam, 300_000)
+    waits = np.empty_like(gaps)
+    w = 0.0
+    for i, gap in enumerate(gaps.tolist()):
+        waits[i] = w
+        w = max(0.0, w + service - gap)  # Lindley's recursion
+    queue = MD1(lam, service)
+    assert queue.response_quantile(0.99) == pytest.approx(
+        np.quantile(waits, 0.99) + service, rel=0.04
+    )
+    # M/D/1 waits less than M/M/1 at the same load
+    assert queue.response_quantile(0.99) < MM1(lam, 1 / service).response_quantile(0.99)
+
+
+def test_md1_tail_approximation_agrees_with_exact_far_out() -> None:
+    queue = MD1(0.9, 1.0)
+    theta = queue.tail_decay_rate()
+    assert 0.9 * math.expm1(theta) == pytest.approx(theta)
+    assert queue.tail_quantile(0.99) == pytest.approx(queue.wait_quantile(0.99), rel=1e-6)
+    heavy = MD1(0.995, 1.0)  # beyond 50 service times the tail formula is used
+    assert heavy.response_quantile(0.99) > 400
+
+
+def test_max_utilization_for_a_p99_slo() -> None:
+    assert mm1_max_utilization(0.005, 0.050) == pytest.approx(1 - math.log(100) / 10)
+    assert round(mm1_max_utilization(0.005, 0.050), 2) == 0.54
+    bisected = max_utilization(lambda rho: math.log(100) * 0.005 / (1 - rho) <= 0.05)
+    assert bisected == pytest.approx(mm1_max_utilization(0.005, 0.05), abs=1e-6)
+    assert mm1_max_utilization(0.05, 0.05) == 0.0
+
+
+def test_unstable_or_bad_inputs_are_refused() -> None:
+    with pytest.raises(BadRequest, match="unstable"):
+        MM1(10.0, 10.0)
+    with pytest.raises(BadRequest, match="unstable"):
+        MMc(5.0, 1.0, 5)
+    with pytest.raises(BadRequest):
+        MD1(1.0, 0.0)
+    with pytest.raises(BadRequest):
+        MM1(1.0, 2.0).response_quantile(1.0)
