@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -114,13 +115,27 @@ def workload_file(ctx: Context) -> tuple[Path, str]:
 # -- server ----------------------------------------------------------------------------
 
 
+def repository_path() -> Path:
+    """A fixed folder next to the demo repository. The loader caches a dequantized GGUF by
+    its path, so a fixed path makes every run after the first skip the slow parse."""
+    from lockgate.demo.build import default_demo_path
+
+    return default_demo_path().parent / "bench-llm-engine"
+
+
 def write_repository(source: Path, dest: Path) -> dict[str, Any]:
-    """Two copies of the demo smollm2 folder: continuous batching on and off."""
+    """Two copies of the demo smollm2 folder: continuous batching on and off. Model files
+    are linked once; the configs are rewritten on every run."""
     base = yaml.safe_load((source / "config.yaml").read_text())
     for system, name in MODELS.items():
-        (dest / name / "1").mkdir(parents=True)
+        (dest / name / "1").mkdir(parents=True, exist_ok=True)
         for item in (source / "1").iterdir():
-            os.link(item, dest / name / "1" / item.name)
+            target = dest / name / "1" / item.name
+            if not target.exists():
+                try:
+                    os.link(item, target)
+                except OSError:
+                    shutil.copyfile(item, target)
         config = {**base, "parameters": dict(base["parameters"])}
         config["parameters"].update(
             served_model_name=name,
@@ -313,12 +328,13 @@ def run(ctx: Context) -> SuiteResult:
     levels = QUICK_LEVELS if ctx.quick else LEVELS
     workload, workload_note = workload_file(ctx)
     source = demo_model(ctx, "smollm2")
-    params = write_repository(source, ctx.work / "llm-repo")
+    repository = repository_path()
+    params = write_repository(source, repository)
     dtype = str(params.get("dtype", "bfloat16"))
     ctx.say(SUITE, f"loading HF ({dtype}) and starting lockgate (both models) side by side")
     hf = HFBaseline.start(workload, levels, dtype)
     try:
-        server = start_llm_server(ctx.work / "llm-repo", ctx.work)
+        server = start_llm_server(repository, ctx.work)
         with running(server):
             hf.wait_loaded()
             measured = measure_lockgate(ctx, server, workload, levels)

@@ -175,6 +175,32 @@ def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     running.stop()
 
 
+@pytest.fixture(scope="session")
+def llm_server(
+    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """One server for the whole session: SmolLM2 (small KV cache, 512-token context) and the
+    minilm embedding model."""
+    import yaml
+
+    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
+
+    llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
+    built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
+    repo = tmp_path_factory.mktemp("llm-repo")
+    shutil.copytree(demo_repo / "minilm", repo / "minilm")
+    target = repo / "smollm2"
+    shutil.copytree(built / "smollm2", target, copy_function=os.link)
+    config = yaml.safe_load((target / "config.yaml").read_text())
+    config["parameters"].update(
+        {"kv_cache_gib": "0.05", "max_model_len": "512", "max_waiting": "256", "dtype": "float32"}
+    )
+    (target / "config.yaml").write_text(yaml.safe_dump(config))
+    server = start_server(repo, tmp_path_factory.mktemp("llm-server"), ready_timeout=600)
+    yield server
+    assert server.stop() == 0, server.log()[-2000:]
+
+
 def digits_rows(n: int) -> np.ndarray:
     from sklearn.datasets import load_digits
 

@@ -5,18 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
-import shutil
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer
 
 CLIENTS = 200
 LLM_MODEL = "SmolLM2-135M-Instruct"
@@ -103,27 +98,6 @@ def test_classic_disconnect_storm_leaves_no_queued_work(server: RunningServer) -
     )
     assert answer.status_code == 200
     assert answer.json()["outputs"][0]["data"] == [2.0, 4.0, 6.0, 8.0]
-
-
-@pytest.fixture(scope="module")
-def llm_server(
-    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
-
-    llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
-    built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
-    repo = tmp_path_factory.mktemp("storm-llm-repo")
-    target = repo / "smollm2"
-    shutil.copytree(built / "smollm2", target, copy_function=os.link)
-    config = yaml.safe_load((target / "config.yaml").read_text())
-    config["parameters"].update(
-        {"kv_cache_gib": "0.02", "max_model_len": "256", "max_waiting": "256", "dtype": "float32"}
-    )
-    (target / "config.yaml").write_text(yaml.safe_dump(config))
-    server = start_server(repo, tmp_path_factory.mktemp("storm-llm"), ready_timeout=300)
-    yield server
-    assert server.stop() == 0
 
 
 def test_llm_disconnect_storm_frees_every_sequence(llm_server: RunningServer) -> None:

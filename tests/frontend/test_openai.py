@@ -2,45 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import socket
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
-import yaml
 
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def llm_server(
-    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
-
-    llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
-    built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
-    repo = tmp_path_factory.mktemp("llm-repo")
-    shutil.copytree(demo_repo / "minilm", repo / "minilm")
-    target = repo / "smollm2"
-    shutil.copytree(built / "smollm2", target, copy_function=os.link)
-    config = yaml.safe_load((target / "config.yaml").read_text())
-    config["parameters"].update(
-        {"kv_cache_gib": "0.05", "max_model_len": "512", "max_waiting": "64", "dtype": "float32"}
-    )
-    (target / "config.yaml").write_text(yaml.safe_dump(config))
-    server = start_server(repo, tmp_path_factory.mktemp("llm-server"), ready_timeout=300)
-    yield server
-    assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")
