@@ -76,6 +76,15 @@ LLAMA_CPP = {  # concurrency: (output tok/s, TTFT p50 ms, TTFT p99 ms, TPOT p50 
 HF_FP32_ANCHOR = {1: 17.1, 8: 38.9, 32: 53.6}  # ANCHORS.md, HF fp32 output tok/s, quoted
 
 
+METRICS = (  # (LevelStats field, label, unit)
+    ("output_tokens_per_s", "output tokens/s", "tok/s"),
+    ("ttft_p50", "TTFT p50", "ms"),
+    ("ttft_p99", "TTFT p99", "ms"),
+    ("tpot_p50", "TPOT p50", "ms"),
+    ("tpot_p99", "TPOT p99", "ms"),
+)
+
+
 @dataclass(slots=True)
 class LevelStats:
     """One system at one concurrency: output tokens/s and TTFT/TPOT percentiles (ms)."""
@@ -429,40 +438,25 @@ def stats_json(s: LevelStats) -> dict[str, Any]:
 
 
 def add_level_rows(result: SuiteResult, m: Measured) -> None:
-    systems = ("lockgate", "lockgate static", "HF static")
+    """Each system's own figures; a baseline's row shows baseline / lockgate at the same c."""
     for concurrency in sorted({s.concurrency for s in m.stats}):
         ours = m.get("lockgate", concurrency)
-        for system in systems:
+        for system in ("lockgate", "lockgate static", "HF static"):
             s = m.get(system, concurrency)
-            tag = f"{system} c={concurrency} ({s.requests} req)"
-            base = {} if system == "lockgate" else {"baseline_label": system}
-            tps = s.output_tokens_per_s
-            result.add(
-                f"{tag}: output tokens/s",
-                ours.output_tokens_per_s if base else tps,
-                "tok/s",
-                **({**base, "baseline": tps} if base else {}),
-                note="lockgate / baseline" if base else "",
-            )
-            if system == "lockgate":
-                for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
-                    result.add(f"{tag}: {name.replace('_', ' ').upper()}", getattr(s, name), "ms")
-            else:
-                for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
-                    result.add(
-                        f"{tag}: {name.replace('_', ' ').upper()}",
-                        getattr(s, name),
-                        "ms",
-                        baseline_label="lockgate, same c",
-                        baseline=getattr(ours, name),
-                        note="baseline / lockgate",
-                    )
+            base = {} if system == "lockgate" else {"baseline_label": "lockgate, same c"}
+            for name, label, unit in METRICS:
+                extra = {**base, "baseline": getattr(ours, name)} if base else {}
+                result.add(
+                    f"{system} c={concurrency} ({s.requests} req): {label}",
+                    getattr(s, name),
+                    unit,
+                    **extra,
+                )
     if m.poisson is not None:
         p = m.poisson
         tag = f"lockgate Poisson {m.poisson_rate:.2f} req/s ({p.requests} req)"
-        result.add(f"{tag}: output tokens/s", p.output_tokens_per_s, "tok/s")
-        for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
-            result.add(f"{tag}: {name.replace('_', ' ').upper()}", getattr(p, name), "ms")
+        for name, label, unit in METRICS:
+            result.add(f"{tag}: {label}", getattr(p, name), unit)
 
 
 def add_target_rows(

@@ -63,7 +63,6 @@ LEVELS = (0.5, 1.0, 1.5, 2.0, 3.0, 5.0)  # offered rate / capacity
 LEVEL_S, QUICK_LEVEL_S = 8.0, 3.0
 PAUSE_S = 2.0
 GOODPUT_TARGET = 0.8  # share of capacity, at every level >= 1x, admission on
-MODES = ("admission", "no-admission")
 VARIANTS = ("steady", "steady_slo")  # deadline per request; SLO as the default deadline
 REFUSALS = (503, 429)
 
@@ -130,6 +129,7 @@ class Level:
     statuses: list[int] = field(default_factory=list)  # 0: the transport failed
     latencies: list[float] = field(default_factory=list)  # s from the scheduled send
     send_lag: list[float] = field(default_factory=list)  # s from schedule to the send
+    health: list[float] = field(default_factory=list)  # s per health check, 10 per second
     rejected: dict[str, float] = field(default_factory=dict)  # server's reasons, this level
 
     @property
@@ -174,6 +174,7 @@ async def offer(load: Target, level: Level, seed: int) -> None:
             await response.read()  # one connection open before the clock starts
         pending: set[asyncio.Task[None]] = set()
         start = time.perf_counter()
+        control = asyncio.create_task(check_health(session, load, level, start))
         offset = rng.expovariate(level.rate)
         while offset < level.seconds:
             delay = start + offset - time.perf_counter()
@@ -185,7 +186,24 @@ async def offer(load: Target, level: Level, seed: int) -> None:
             task.add_done_callback(pending.discard)
             level.sent += 1
             offset += rng.expovariate(level.rate)
-        await asyncio.gather(*pending)
+        await asyncio.gather(*pending, control)
+
+
+async def check_health(
+    session: aiohttp.ClientSession, load: Target, level: Level, start: float
+) -> None:
+    """A control stream: /v2/health/live every 100 ms, timed from its scheduled time. When the
+    server's event loop (or the machine) stalls, these slow down as much as anything."""
+    url = load.url.split("/v2/")[0] + "/v2/health/live"
+    for tick in np.arange(0.05, level.seconds, 0.1):
+        scheduled = start + float(tick)
+        await asyncio.sleep(max(0.0, scheduled - time.perf_counter()))
+        try:
+            async with session.get(url) as response:
+                await response.read()
+        except (aiohttp.ClientError, TimeoutError):
+            continue
+        level.health.append(time.perf_counter() - scheduled)
 
 
 async def send(
@@ -256,24 +274,21 @@ def measure_capacity(ctx: Context, server: Server) -> float:
     return probe.throughput
 
 
-def measure_mode(ctx: Context, mode: str, repo: Path) -> list[Curve]:
-    flags = ("--no-admission",) if mode == "no-admission" else ()
-    server = start_lockgate(repo, ctx.work, *flags)
-    curves = []
-    with running(server):
-        capacity = measure_capacity(ctx, server)
-        ctx.say(
-            SUITE, f"{mode}: capacity {capacity:.0f} req/s (expected {MAX_BATCH / SERVICE_S:.0f})"
-        )
-        for variant in VARIANTS:
-            curve = Curve(mode, variant, capacity)
-            for i, factor in enumerate(LEVELS):
-                time.sleep(PAUSE_S)
-                seconds = QUICK_LEVEL_S if ctx.quick else LEVEL_S
-                level = run_level(server, variant, Level(factor, factor * capacity, seconds), i)
-                curve.levels.append(level)
-                ctx.say(SUITE, f"{curve.name}: {describe(curve, level)}")
-            curves.append(curve)
+def measure(ctx: Context, servers: dict[str, Server]) -> list[Curve]:
+    """Capacity of each server, then every level, alternating the servers inside a level."""
+    capacity = {mode: measure_capacity(ctx, server) for mode, server in servers.items()}
+    expected = MAX_BATCH / SERVICE_S
+    for mode, value in capacity.items():
+        ctx.say(SUITE, f"{mode}: capacity {value:.0f} req/s (the model alone: {expected:.0f})")
+    curves = [Curve(m, v, capacity[m]) for v in VARIANTS for m in servers]
+    seconds = QUICK_LEVEL_S if ctx.quick else LEVEL_S
+    for i, factor in enumerate(LEVELS):
+        for curve in curves:
+            time.sleep(PAUSE_S)
+            level = Level(factor, factor * curve.capacity, seconds)
+            curve.levels.append(run_level(servers[curve.mode], curve.variant, level, i))
+            ctx.say(SUITE, f"{curve.name}: {describe(curve, level)}")
+    for server in servers.values():
         if server.process.poll() is not None:
             raise RuntimeError(f"lockgate exited:\n{server.log_tail()}")
     return curves
@@ -288,7 +303,8 @@ def describe(curve: Curve, level: Level) -> str:
         f"{percentile(level.of(200), 99) * 1e3:.0f} ms, refused {len(refusals)} "
         f"(p99 {percentile(refusals, 99) * 1e3:.1f} ms), 504 {level.count(504)}, "
         f"other {level.others}, lost {level.lost}, server {level.rejected}, "
-        f"send lag p99 {percentile(level.send_lag, 99) * 1e3:.1f} ms"
+        f"send lag p99 {percentile(level.send_lag, 99) * 1e3:.1f} ms, "
+        f"health check p99 {percentile(level.health, 99) * 1e3:.1f} ms"
     )
 
 
@@ -296,11 +312,13 @@ def run(ctx: Context) -> SuiteResult:
     started = time.perf_counter()
     repo = write_repository(ctx.work / "overload-repo")
     load = [os.getloadavg()[0]]
-    curves: list[Curve] = []
-    for mode in MODES:
-        ctx.say(SUITE, f"starting lockgate ({mode}) on the server core")
-        curves += measure_mode(ctx, mode, repo)
-        load.append(os.getloadavg()[0])
+    ctx.say(SUITE, "starting two lockgates on the server core: with and without admission")
+    servers = {"admission": start_lockgate(repo, ctx.work)}
+    with running(*servers.values()):
+        servers["no-admission"] = start_lockgate(repo, ctx.work, "--no-admission")
+        with running(servers["no-admission"]):
+            curves = measure(ctx, servers)
+    load.append(os.getloadavg()[0])
     result = report(curves, load)
     plot = plot_curves(curves, ctx.results / f"{SUITE}.png")
     if plot is not None:
@@ -343,10 +361,14 @@ def report(curves: list[Curve], load: list[float]) -> SuiteResult:
             add_level(result, curve, level)
     result.notes += [
         "Goodput: 200s answered within the SLO, measured from the scheduled send time, per "
-        "second of arrivals. Refused: 503 (and 429). Lost: sent - answered.",
+        "second of arrivals. Refused: 503 (and 429). Lost: sent - answered. Health p99: a "
+        "control stream of /v2/health/live every 100 ms during the level (server or machine "
+        "stalls show there too).",
         f"Each level {curves[0].levels[0].seconds:g} s, one run per level (no repetitions: "
         "the suite stays near 5 minutes).",
-        "1-minute load average at start / after admission / after no-admission: "
+        "Both servers run side by side on the server core (one loaded at a time); each level "
+        "alternates them, so drift in the machine's load hits both curves alike.",
+        "1-minute load average at the start / at the end: "
         + " / ".join(f"{v:.1f}" for v in load)
         + f" on {os.cpu_count()} CPUs (a shared machine).",
     ]
@@ -361,7 +383,8 @@ def add_level(result: SuiteResult, curve: Curve, level: Level) -> None:
         f"offered {level.offered:.0f}/s, served {level.throughput:.0f}/s; "
         f"200 p50/p99 {percentile(ok, 50) * 1e3:.0f}/{percentile(ok, 99) * 1e3:.0f} ms; "
         f"refused {len(refusals)} (p99 {percentile(refusals, 99) * 1e3:.1f} ms); "
-        f"504 {level.count(504)}; other {level.others}; lost {level.lost}"
+        f"504 {level.count(504)}; other {level.others}; lost {level.lost}; "
+        f"health p99 {percentile(level.health, 99) * 1e3:.0f} ms"
     )
     result.add(
         f"{curve.name} @ {level.factor:g}x: goodput",
@@ -398,6 +421,7 @@ def level_json(level: Level) -> dict[str, Any]:
         "p99_ok_s": percentile(ok, 99),
         "p99_refused_s": percentile(refusals, 99),
         "p99_send_lag_s": percentile(level.send_lag, 99),
+        "p99_health_s": percentile(level.health, 99),
         "server_rejected": level.rejected,
     }
 

@@ -373,11 +373,11 @@ def reference(model: str) -> np.ndarray:
 
     if model == "digits":
         onnx = HERE / ".build" / "demo" / "digits_onnx" / "1" / "model.onnx"
-        label, _ = peer_models.Digits(str(onnx))(np.asarray([digits_rows(1)[0]]))
+        label, _ = peer_models.Digits(str(onnx))(np.asarray([digits_rows()[0]]))
         return label
     files = model_files()
     minilm = peer_models.MiniLM(files["PEER_MINILM_ONNX"], files["PEER_MINILM_TOKENIZER"])
-    return minilm([sentences(1)[0]])[0]
+    return minilm([sentences()[0]])[0]  # the first payload of the 64
 
 
 # -- load ---------------------------------------------------------------------------------

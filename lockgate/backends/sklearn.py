@@ -49,6 +49,7 @@ class SklearnBackend:
     """A fitted estimator; each declared output is one method called on the input rows."""
 
     inline_safe = True  # native code: tiny batches may run on the event loop
+    finite_inputs = True  # estimators refuse NaN and Inf: the server answers 400 before queueing
     __slots__ = ("_datatypes", "_estimator", "_input", "_methods", "_model")
 
     def __init__(self, estimator: Any, config: ModelConfig) -> None:

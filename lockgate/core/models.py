@@ -48,6 +48,7 @@ class ServedVersion:
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
     last_inference_ms: int = 0
+    finite_inputs: bool = False  # the backend refuses NaN and Inf in float inputs
 
 
 @dataclass(slots=True)
@@ -137,6 +138,8 @@ class ModelManager:
                 f"model '{request.model}' is a language model: use /v1/completions "
                 "or /v1/chat/completions"
             )
+        if served.finite_inputs:
+            _check_finite(request)
         result = await served.batcher.submit(request)
         served.last_inference_ms = int(time.time() * 1000)
         return result
@@ -218,6 +221,7 @@ class ModelManager:
             *(loop.run_in_executor(None, build) for _ in range(config.instance_count))
         )
         served.load_seconds = time.monotonic() - start
+        served.finite_inputs = bool(getattr(backends[0], "finite_inputs", False))
         self.metrics.load_seconds.set(labels, served.load_seconds)
         instances = [
             Instance(
@@ -306,6 +310,14 @@ class ModelManager:
         return all(
             m.latest_ready() is not None for m in self.models.values() if m.config is not None
         )
+
+
+def _check_finite(request: InferRequest) -> None:
+    for name, array in request.inputs.items():
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise BadRequest(
+                f"input '{name}' holds NaN or Inf, which model '{request.model}' does not accept"
+            )
 
 
 def _profile_sizes(max_batch_size: int) -> list[int]:

@@ -83,10 +83,7 @@ def mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 def _text(item: object) -> str:
     if isinstance(item, bytes):
-        try:
-            return item.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise BadRequest(f"input 'text' is not UTF-8: {exc}") from exc
+        return item.decode("utf-8", errors="replace")  # invalid bytes become U+FFFD
     if isinstance(item, str):
         return item
     raise BadRequest(f"input 'text' holds {type(item).__name__}, not text")

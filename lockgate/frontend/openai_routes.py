@@ -84,23 +84,7 @@ class OpenAIRoutes:
             raise BadRequest("echo is not supported")
         prompt_ids = self._prompt_ids(service, body.prompt)
         params = self._sampling(service, body, len(prompt_ids), body.max_tokens, 16, body.logprobs)
-        rid = oa.new_id("cmpl")
-        stream = self._submit(request, service, prompt_ids, params, rid)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            await self._stream(
-                request,
-                stream,
-                rid,
-                service,
-                "text_completion",
-                include_usage,
-                _completion_piece(service),
-            )
-            return
-        text, reason, logprobs, last = await self._collect(request, stream, service, legacy=True)
-        payload = oa.completion_response(rid, service.name, text, reason, logprobs, _usage(last))
-        await respond_json(request.send, 200, payload)
+        await self._generate(request, service, body, prompt_ids, params, COMPLETION)
 
     async def _chat(self, request: HttpRequest) -> None:
         body = oa.decode(await request.body(), oa.ChatRequest)
@@ -118,22 +102,28 @@ class OpenAIRoutes:
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = self._sampling(service, body, len(prompt_ids), max_tokens, None, top)
-        rid = oa.new_id("chatcmpl")
+        await self._generate(request, service, body, prompt_ids, params, CHAT)
+
+    async def _generate(
+        self,
+        request: HttpRequest,
+        service: LLMService,
+        body: oa.CompletionRequest | oa.ChatRequest,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        kind: _Kind,
+    ) -> None:
+        rid = oa.new_id(kind.id_prefix)
         stream = self._submit(request, service, prompt_ids, params, rid)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            piece = kind.piece(service)
             await self._stream(
-                request,
-                stream,
-                rid,
-                service,
-                "chat.completion.chunk",
-                include_usage,
-                _chat_piece(service),
+                request, stream, rid, service, kind.chunk_object, include_usage, piece
             )
             return
-        text, reason, logprobs, last = await self._collect(request, stream, service, legacy=False)
-        payload = oa.chat_response(rid, service.name, text, reason, logprobs, _usage(last))
+        text, reason, logprobs, last = await self._collect(request, stream, service, kind.legacy)
+        payload = kind.response(rid, service.name, text, reason, logprobs, _usage(last))
         await respond_json(request.send, 200, payload)
 
     def _prompt_ids(self, service: LLMService, prompt: object) -> list[int]:
@@ -419,6 +409,21 @@ def _chat_piece(service: LLMService) -> Callable[[str, str, RequestOutput, bool]
         return oa.chat_chunk(rid, model, delta, reason, logprobs)
 
     return piece
+
+
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    """What differs between /v1/completions and /v1/chat/completions."""
+
+    id_prefix: str
+    chunk_object: str
+    legacy: bool  # logprobs in the completions format, else the chat format
+    piece: Callable[[LLMService], Callable[[str, str, RequestOutput, bool], dict[str, Any]]]
+    response: Callable[..., dict[str, Any]]
+
+
+COMPLETION = _Kind("cmpl", "text_completion", True, _completion_piece, oa.completion_response)
+CHAT = _Kind("chatcmpl", "chat.completion.chunk", False, _chat_piece, oa.chat_response)
 
 
 def llm_extension(repository: Path) -> Callable[[App], Awaitable[None]]:

@@ -106,6 +106,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
+def _envelope(rid: str, model: str, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+
+
 def completion_response(
     rid: str,
     model: str,
@@ -114,30 +124,14 @@ def completion_response(
     logprobs: Any,
     usage_: dict[str, Any],
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
-        "usage": usage_,
-    }
+    return {**completion_chunk(rid, model, text, finish_reason, logprobs), "usage": usage_}
 
 
 def completion_chunk(
     rid: str, model: str, text: str, finish_reason: str | None, logprobs: Any = None
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
-    }
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _envelope(rid, model, "text_completion", [choice])
 
 
 def chat_response(
@@ -148,46 +142,20 @@ def chat_response(
     logprobs: Any,
     usage_: dict[str, Any],
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage_,
-    }
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {**_envelope(rid, model, "chat.completion", [choice]), "usage": usage_}
 
 
 def chat_chunk(
     rid: str, model: str, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
-    }
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _envelope(rid, model, "chat.completion.chunk", [choice])
 
 
 def usage_chunk(rid: str, model: str, obj: str, usage_: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [],
-        "usage": usage_,
-    }
+    return {**_envelope(rid, model, obj, []), "usage": usage_}
 
 
 def error_body(message: str, kind: str, code: int) -> dict[str, Any]:

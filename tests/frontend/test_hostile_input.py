@@ -349,10 +349,6 @@ def test_nan_and_inf_in_binary_fp32(server: RunningServer, value: float) -> None
         assert_client_error(r)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the sklearn backend reports estimator input errors (NaN, inf) as 500, not 400",
-)
 def test_nan_to_sklearn_is_a_client_error(server: RunningServer) -> None:
     x = digits_rows(1)
     x[0, 0] = np.nan
@@ -474,10 +470,6 @@ def minilm_embedding(server: RunningServer, text: str) -> np.ndarray:
     return np.asarray(r.json()["outputs"][0]["data"], np.float32)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the minilm model refuses non-UTF-8 text (400) instead of decoding with replacement",
-)
 def test_non_utf8_bytes_to_minilm_decode_with_replacement(server: RunningServer) -> None:
     data = bytes_tensor([b"caf\xe9 \xff\xfe ok"])
     header = binary_body("text", "BYTES", [1, 1], data)
