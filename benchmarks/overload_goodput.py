@@ -131,6 +131,8 @@ class Level:
     send_lag: list[float] = field(default_factory=list)  # s from schedule to the send
     health: list[float] = field(default_factory=list)  # s per health check, 10 per second
     rejected: dict[str, float] = field(default_factory=dict)  # server's reasons, this level
+    cpu_seconds: float = 0.0  # user + system CPU time of the server process during the level
+    wall_seconds: float = 0.0  # wall time of the level, first send to last answer
 
     @property
     def answered(self) -> int:
@@ -158,6 +160,15 @@ class Level:
     def goodput(self) -> float:
         """200s answered within the SLO, per second of arrivals."""
         return sum(1 for lat in self.of(200) if lat <= SLO_S) / self.seconds
+
+    @property
+    def cpu_share(self) -> float:
+        """The server's CPU use during the level, in cores (1.0: one core busy throughout)."""
+        return self.cpu_seconds / self.wall_seconds if self.wall_seconds else float("nan")
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return self.cpu_seconds * 1e3 / self.answered if self.answered else float("nan")
 
     @property
     def others(self) -> int:
@@ -223,14 +234,25 @@ async def send(
 
 def run_level(server: Server, variant: str, level: Level, seed: int) -> Level:
     before = scrape_metrics(server.url)
+    cpu, wall = cpu_seconds(server.process.pid), time.perf_counter()
     try:
         import uvloop
     except ImportError:
         asyncio.run(offer(target(server, variant), level, seed))
     else:
         uvloop.run(offer(target(server, variant), level, seed))
+    level.cpu_seconds = cpu_seconds(server.process.pid) - cpu
+    level.wall_seconds = time.perf_counter() - wall
     level.rejected = rejected(before, scrape_metrics(server.url), variant)
     return level
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` (all its threads), from /proc/<pid>/stat."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text.rsplit(")", 1)[1].split()  # after "pid (comm)": fields 3.. of proc(5)
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def rejected(before: dict[str, float], after: dict[str, float], model: str) -> dict[str, float]:
@@ -304,7 +326,8 @@ def describe(curve: Curve, level: Level) -> str:
         f"(p99 {percentile(refusals, 99) * 1e3:.1f} ms), 504 {level.count(504)}, "
         f"other {level.others}, lost {level.lost}, server {level.rejected}, "
         f"send lag p99 {percentile(level.send_lag, 99) * 1e3:.1f} ms, "
-        f"health check p99 {percentile(level.health, 99) * 1e3:.1f} ms"
+        f"health check p99 {percentile(level.health, 99) * 1e3:.1f} ms, server CPU "
+        f"{level.cpu_share:.0%} of a core ({level.cpu_ms_per_request:.2f} ms per request)"
     )
 
 
@@ -384,7 +407,8 @@ def add_level(result: SuiteResult, curve: Curve, level: Level) -> None:
         f"200 p50/p99 {percentile(ok, 50) * 1e3:.0f}/{percentile(ok, 99) * 1e3:.0f} ms; "
         f"refused {len(refusals)} (p99 {percentile(refusals, 99) * 1e3:.1f} ms); "
         f"504 {level.count(504)}; other {level.others}; lost {level.lost}; "
-        f"health p99 {percentile(level.health, 99) * 1e3:.0f} ms"
+        f"health p99 {percentile(level.health, 99) * 1e3:.0f} ms; server CPU "
+        f"{level.cpu_share:.0%} of a core, {level.cpu_ms_per_request:.2f} ms/request"
     )
     result.add(
         f"{curve.name} @ {level.factor:g}x: goodput",
@@ -422,6 +446,8 @@ def level_json(level: Level) -> dict[str, Any]:
         "p99_refused_s": percentile(refusals, 99),
         "p99_send_lag_s": percentile(level.send_lag, 99),
         "p99_health_s": percentile(level.health, 99),
+        "server_cpu_s": level.cpu_seconds,
+        "wall_s": level.wall_seconds,
         "server_rejected": level.rejected,
     }
 
@@ -443,9 +469,12 @@ def plot_curves(curves: list[Curve], path: Path) -> Path | None:
     for curve in curves:
         x = [level.offered / curve.capacity for level in curve.levels]
         y = [curve.share(level) for level in curve.levels]
-        style = "-" if curve.mode == "admission" else "--"
-        marker = "o" if curve.variant == "steady" else "s"
-        axes.plot(x, y, linestyle=style, marker=marker, label=curve.name)
+        admission = curve.mode == "admission"
+        deadline = curve.variant == "steady"
+        color = ("tab:blue" if deadline else "tab:cyan") if admission else "tab:red"
+        color = color if admission or deadline else "tab:orange"
+        style, marker = ("-" if admission else "--"), ("o" if deadline else "s")
+        axes.plot(x, y, color=color, linestyle=style, marker=marker, label=curve.name)
     axes.set_xlabel("offered load / capacity")
     axes.set_ylabel("goodput (200 within SLO) / capacity")
     axes.set_title(f"lockgate goodput, SLO {SLO_S * 1e3:g} ms")

@@ -74,6 +74,7 @@ class Soak:
     duration: float = 0.0  # seconds of arrivals
     sent: int = 0
     seconds: float = 0.0  # wall time from the start to the last answer
+    failures: Counter[str] = field(default_factory=Counter)  # transport errors by kind
 
     @property
     def answered(self) -> int:
@@ -89,6 +90,12 @@ class Soak:
             for t, lat, s in zip(self.offsets, self.latencies, self.statuses, strict=True)
             if s == 200 and start <= t < end
         ]
+
+    def statuses_in(self, start: float, end: float) -> Counter[int]:
+        """Statuses of the requests scheduled in [start, end) seconds."""
+        return Counter(
+            s for t, s in zip(self.offsets, self.statuses, strict=True) if start <= t < end
+        )
 
     def rss_at(self, second: float) -> int:
         """The first RSS sample taken at or after `second` (the last one if none is)."""
@@ -146,8 +153,9 @@ async def send(
         async with session.post(target.url, data=body, headers=headers) as response:
             await response.read()
             status = response.status
-    except (aiohttp.ClientError, TimeoutError):
+    except (aiohttp.ClientError, TimeoutError) as exc:
         status = 0
+        result.failures[type(exc).__name__] += 1
     result.offsets.append(offset)
     result.latencies.append(time.perf_counter() - start - offset)
     result.statuses.append(status)
@@ -294,6 +302,8 @@ def add_totals(
     result.add("requests sent", data.sent, "req")
     result.add("requests answered", data.answered, "req", note=f"lost {lost}")
     breakdown = ", ".join(f"{s}: {n}" for s, n in sorted(counts.items()) if s != 200)
+    if data.failures:
+        breakdown += f" (status 0: {dict(data.failures)})"
     result.add("errors (any status but 200)", errors, "req", note=breakdown or "none")
     ok = data.ok_latencies(0.0, float("inf"))
     result.add("p50, whole run", percentile(ok, 50) * 1e3, "ms")
@@ -321,7 +331,12 @@ def add_buckets(result: SuiteResult, data: Soak, seconds: float, bucket: float) 
         ok = data.ok_latencies(float(start), end)
         load = [v for t, v in data.load if start <= t < end]
         label = f"{start:.0f}-{end:.0f} s"
-        note = f"{len(ok)} ok; load average {max(load) if load else float('nan'):.1f}"
+        bad = data.statuses_in(float(start), end)
+        bad.pop(200, None)
+        failed = ", ".join(f"{code}: {n}" for code, n in sorted(bad.items())) or "none"
+        note = (
+            f"{len(ok)} ok; not ok {failed}; load average {max(load) if load else float('nan'):.1f}"
+        )
         result.add(f"{label}: p50", percentile(ok, 50) * 1e3, "ms")
         result.add(f"{label}: p99", percentile(ok, 99) * 1e3, "ms", note=note)
 
@@ -329,7 +344,9 @@ def add_buckets(result: SuiteResult, data: Soak, seconds: float, bucket: float) 
 def notes(data: Soak, server: dict[str, float]) -> list[str]:
     loads = [v for _, v in data.load]
     return [
-        "Latency from the scheduled send time, 200s only; errors count every other answer.",
+        "Latency from the scheduled send time, 200s only; errors count every other answer "
+        "(status 0: the connection failed). digits_onnx ships with latency_slo_ms 20, the "
+        "default deadline of these requests: a 504 is a request that waited past it.",
         f"1-minute load average during the soak: min {min(loads):.1f}, max {max(loads):.1f} "
         f"on {os.cpu_count()} CPUs (a shared machine: other jobs run alongside).",
         f"Server outcomes during the soak (lockgate_requests_total): {server}.",
@@ -346,5 +363,6 @@ def raw(capacity: float, data: Soak, server: dict[str, float], bucket: float) ->
         "rss_kb": data.rss,
         "load_average": data.load,
         "server_outcomes": server,
+        "transport_failures": dict(data.failures),
         "bucket_s": bucket,
     }
