@@ -230,9 +230,16 @@ def _unpermute(name: str, array: np.ndarray, config: LlamaConfig) -> torch.Tenso
 
 
 def _cache_key(path: Path) -> str:
-    stat = path.stat()
-    ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CACHE_FORMAT}"
-    return f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+    """Keyed on content, not location: the size plus a hash of the first and last MiB (the
+    GGUF header, metadata and tensor index live at the front), so a copy or a hard link of the
+    same file reuses one converted cache."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}|{CACHE_FORMAT}".encode())
+    with path.open("rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    return f"gguf-{digest.hexdigest()[:16]}"
 
 
 def _write_cache(entry: Path, checkpoint: Checkpoint) -> None:
