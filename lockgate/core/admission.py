@@ -26,7 +26,7 @@ class AdmissionSettings:
     deadline_aware: bool = True
     # Admit when the predicted time to answer is within this share of the request's budget; the
     # rest pays for the network, the HTTP layer and the noise in T(B).
-    slack: float = 0.9
+    slack: float = 0.8
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,7 +87,10 @@ class Batcher:
         self.version = version
         self.instances = instances
         self.metrics = metrics
-        self.profile = profile
+        self.profile = profile  # occupancy: dispatch to release, as the queue sees it
+        # compute alone, timed on the instance's thread: decides what may run inline
+        self.compute = ServiceProfile(profile.max_batch_size, times=dict(profile.times))
+        self.compute.refit()
         self.labels = (config.name, str(version))
         settings = config.batcher
         self.levels = max(1, settings.priority_levels)
@@ -98,6 +101,7 @@ class Batcher:
         self.max_queue_rows = settings.max_queue_size
         self.free: deque[Instance] = deque(instances)
         self.busy_until: dict[Instance, float] = {}  # expected end of each running batch
+        self._back_to_back: dict[Instance, tuple[float, int]] = {}  # start, rows of last batch
         self.rate = RateMeter()
         self.admission = Admission(admission or AdmissionSettings(), profile)
         self.accepting = True
@@ -382,11 +386,11 @@ class Batcher:
             gathered = time.monotonic()
             outputs = await instance.infer(inputs)
         except BaseException as exc:
-            self._end(instance, batch, exc)
+            self._end(instance, batch, start, exc)
             if isinstance(exc, Exception):
                 return
             raise
-        self._end(instance, batch, outputs, gathered - start)
+        self._end(instance, batch, start, outputs, gathered - start)
 
     def _run_inline(self, instance: Instance, batch: Batch) -> None:
         """Run a cheap batch on the event loop: no thread handoff, no task."""
@@ -396,19 +400,28 @@ class Batcher:
             gathered = time.monotonic()
             outputs = instance.infer_sync(inputs)
         except Exception as exc:
-            self._end(instance, batch, exc)
+            self._end(instance, batch, start, exc)
             return
-        self._end(instance, batch, outputs, gathered - start)
+        self._end(instance, batch, start, outputs, gathered - start)
 
     def _begin(self, instance: Instance, batch: Batch) -> float:
         start = time.monotonic()
+        previous = self._back_to_back.pop(instance, None)
+        if previous is not None:  # the instance went straight from that batch to this one
+            previous_start, previous_rows = previous
+            self.profile.observe(previous_rows, start - previous_start)
         self.busy_until[instance] = start + self.profile.service_time(batch.rows)
         for request in batch.requests:
             self.metrics.queue_latency.observe(self.labels, start - request.arrival)
         return start
 
     def _end(
-        self, instance: Instance, batch: Batch, result: Arrays | BaseException, gather: float = 0.0
+        self,
+        instance: Instance,
+        batch: Batch,
+        start: float,
+        result: Arrays | BaseException,
+        gather: float = 0.0,
     ) -> None:
         """Release the instance, record the batch, split its outputs or fail its requests."""
         self._release(instance)
@@ -423,9 +436,15 @@ class Batcher:
             return
         self.input_seconds += gather
         self.output_seconds += time.monotonic() - split_start
-        elapsed = instance.last_seconds
-        self.profile.observe(batch.rows, elapsed)
-        self.metrics.compute_latency.observe(self.labels, elapsed)
+        compute = instance.last_seconds
+        self.compute.observe(batch.rows, compute)
+        if self.queued_rows:
+            # Work is waiting: time this batch from its start to the next one's on this
+            # instance, so the profile holds the real cycle, event-loop gaps included.
+            self._back_to_back[instance] = (start, batch.rows)
+        else:
+            self.profile.observe(batch.rows, time.monotonic() - start)
+        self.metrics.compute_latency.observe(self.labels, compute)
         self.metrics.batch_size.observe(self.labels, batch.rows)
         self.metrics.batches.inc(self.labels)
         for request, part in zip(batch.requests, parts, strict=True):
@@ -445,8 +464,8 @@ class Batcher:
         """Run on the event loop when the batch is cheaper than a thread handoff (~100 µs)."""
         return (
             instance.inline_safe
-            and self.profile.known
-            and self.profile.service_time(rows) <= self.inline_seconds
+            and self.compute.known
+            and self.compute.service_time(rows) <= self.inline_seconds
         )
 
     def instance_ready(self, instance: Instance) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from lockgate.frontend import v2_routes
 from lockgate.frontend.http import (
     ClientDisconnected,
     HttpRequest,
+    Message,
     Receive,
     Scope,
     Send,
@@ -67,6 +69,11 @@ class App:
         self.started = False  # set once the repository has been loaded
         self.draining = False
         self.closers: list[Callable[[], Awaitable[None]]] = []  # run at shutdown
+        self.http_latency = models.registry.histogram(
+            "lockgate_http_request_duration_seconds",
+            "Time from the request's arrival to its response headers, by route kind and status.",
+            ("route", "status"),
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -74,8 +81,17 @@ class App:
             return
         if scope["type"] != "http":
             return
+        start = time.perf_counter()
+        route = _route_kind(scope["path"])
+
+        async def timed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+                self.http_latency.observe((route, status), time.perf_counter() - start)
+            await send(message)
+
         request = HttpRequest(
-            scope, receive, send, scope["method"], scope["path"], self.settings.max_body_bytes
+            scope, receive, timed_send, scope["method"], scope["path"], self.settings.max_body_bytes
         )
         openai = request.path.startswith("/v1/")
         try:
@@ -237,6 +253,19 @@ def _is_model_control(method: str, parts: list[str]) -> bool:
         and parts[:3] == ["v2", "repository", "models"]
         and parts[4] in ("load", "unload")
     )
+
+
+def _route_kind(path: str) -> str:
+    """A bounded label for the metrics: never the raw path, which clients choose."""
+    if path.startswith("/v2/models/") and path.endswith("/infer"):
+        return "infer"
+    if path.startswith("/v1/"):
+        return "openai"
+    if path.startswith("/v2/health") or path == "/health":
+        return "health"
+    if path.startswith("/v2"):
+        return "v2"
+    return "other"
 
 
 def _bearer(request: HttpRequest) -> bytes | None:

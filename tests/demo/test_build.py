@@ -19,7 +19,6 @@ from lockgate.demo.build import (
     package_folder,
     train_digits,
 )
-from lockgate.errors import BadRequest
 
 SENTENCES = [
     "The cat sits on the mat.",
@@ -135,9 +134,10 @@ def test_minilm_truncates_long_text(minilm: Backend) -> None:
     assert np.isfinite(out).all()
 
 
-def test_minilm_rejects_invalid_utf8(minilm: Backend) -> None:
-    with pytest.raises(BadRequest, match="UTF-8"):
-        minilm.infer({"text": np.array([[b"\xff\xfe"]], dtype=object)})
+def test_minilm_decodes_invalid_utf8_with_replacement(minilm: Backend) -> None:
+    broken = minilm.infer({"text": np.array([[b"caf\xe9 ok"]], dtype=object)})["embedding"]
+    replaced = minilm.infer({"text": np.array([["caf\ufffd ok".encode()]], dtype=object)})
+    np.testing.assert_allclose(broken, replaced["embedding"], rtol=1e-5, atol=1e-6)
 
 
 def test_default_demo_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

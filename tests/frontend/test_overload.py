@@ -27,8 +27,8 @@ import pytest
 
 from tests.conftest import RunningServer, start_server
 
-SLO_S = 0.200  # the latency objective, sent as each request's timeout
-SERVICE_S = 0.020  # the model sleeps this long per batch, whatever its size
+SLO_S = 0.500  # the latency objective, sent as each request's timeout
+SERVICE_S = 0.050  # the model sleeps this long per batch, whatever its size
 MAX_BATCH = 4
 OVERLOAD = 3.0  # offered load as a multiple of the measured capacity
 DURATION_S = float(os.environ.get("LOCKGATE_OVERLOAD_SECONDS", "10"))
@@ -229,6 +229,19 @@ def run_overload(server: RunningServer) -> tuple[float, LoadResult, dict[str, fl
     return capacity, result, server_timings(server)
 
 
+def server_p99(server: RunningServer, status: str) -> float:
+    """The server's own p99 (a bucket bound) from arrival to response for infer requests."""
+    buckets: list[tuple[float, float]] = []
+    pattern = f'lockgate_http_request_duration_seconds_bucket{{route="infer",status="{status}",le="'
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(pattern):
+            bound, count = line[len(pattern) :].split('"} ')
+            buckets.append((float(bound), float(count)))
+    assert buckets, f"no infer responses with status {status}"
+    total = buckets[-1][1]
+    return next(bound for bound, count in buckets if count >= 0.99 * total)
+
+
 def server_timings(server: RunningServer) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics").text
     values: dict[str, float] = {}
@@ -252,9 +265,14 @@ def test_overload_keeps_slo_and_refuses_fast(steady_server: RunningServer) -> No
     assert all(o.status in (200, 429, 503, 504) for o in result.outcomes), report
     assert all(o.error for o in result.outcomes if o.status != 200), report
     assert result.count(503) > result.sent / 3, report  # the overload was real
-    assert result.p99(200) <= SLO_S, report
-    # fast: under 10 ms, or (on a machine too busy for that) no slower than a health check
-    assert result.p99(503) < max(0.010, result.control_p99() + 0.005), report
+    # admitted requests meet the SLO at p99: as the server measures them (arrival to answer),
+    # and as the client sees them, less the client's own delays (the health-check p99)
+    assert server_p99(steady_server, "200") <= SLO_S, report
+    assert result.p99(200) <= SLO_S + result.control_p99(), report
+    # fast: the server answers a refusal within 10 ms of the request's arrival at p99 (the
+    # client-side figure, in the report, adds the client's own scheduling delays)
+    refusal_p99 = server_p99(steady_server, "503")
+    assert refusal_p99 <= 0.010, f"server-side refusal p99 <= {refusal_p99 * 1000} ms; {report}"
     assert result.goodput(SLO_S) >= 0.8 * capacity, report
 
 
