@@ -438,9 +438,10 @@ class Batcher:
         self.output_seconds += time.monotonic() - split_start
         compute = instance.last_seconds
         self.compute.observe(batch.rows, compute)
-        if self.queued_rows:
-            # Work is waiting: time this batch from its start to the next one's on this
-            # instance, so the profile holds the real cycle, event-loop gaps included.
+        if self.queued_rows >= self.cap_and_window(time.monotonic())[0]:
+            # A full batch is waiting, so the next one leaves at once (no window): time this
+            # batch from its start to the next one's on this instance, so the profile holds
+            # the real cycle, event-loop gaps included.
             self._back_to_back[instance] = (start, batch.rows)
         else:
             self.profile.observe(batch.rows, time.monotonic() - start)
