@@ -1,4 +1,4 @@
-"""The one error vocabulary of lockgate: every failure a client can see has a status and a message."""
+"""The one error vocabulary of lockgate: every failure a client sees has a status and a message."""
 
 from __future__ import annotations
 
