@@ -6,6 +6,7 @@ from functools import cache
 from typing import Any
 
 from lockgate import __version__
+from lockgate.core.config import DATATYPES
 
 _ERROR = {
     "type": "object",
@@ -20,22 +21,7 @@ _TENSOR = {
         "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "datatype": {
             "type": "string",
-            "enum": [
-                "BOOL",
-                "UINT8",
-                "UINT16",
-                "UINT32",
-                "UINT64",
-                "INT8",
-                "INT16",
-                "INT32",
-                "INT64",
-                "FP16",
-                "FP32",
-                "FP64",
-                "BF16",
-                "BYTES",
-            ],
+            "enum": list(DATATYPES),
         },
         "parameters": {"type": "object"},
         "data": {"type": "array", "items": {}},

@@ -152,3 +152,20 @@ class PagedLoop:
 @pytest.fixture()
 def paged_loop(model: LlamaForCausalLM) -> Iterator[PagedLoop]:
     yield PagedLoop(model)
+
+
+def hf_greedy(hf_model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy continuations from transformers' generate: the oracle."""
+    outputs = []
+    for ids in prompts:
+        prompt = torch.tensor([ids])
+        with torch.inference_mode():
+            out = hf_model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=2,
+            )
+        outputs.append(out[0, len(ids) :].tolist())
+    return outputs

@@ -16,6 +16,7 @@ from lockgate.llm.loader import Checkpoint
 from lockgate.llm.models.llama import LlamaForCausalLM, allocate_kv_cache
 from lockgate.llm.sequence import SamplingParams
 from lockgate.llm.tokenizer import ChatTokenizer
+from tests.llm.conftest import hf_greedy
 
 NEW_TOKENS = 12
 SHARED = (
@@ -47,19 +48,7 @@ def prompts(tokenizer: ChatTokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def oracle(hf_model: Any, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = []
-    for ids in prompts:
-        prompt = torch.tensor([ids])
-        with torch.inference_mode():
-            out = hf_model.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=2,
-            )
-        outputs.append(out[0, len(ids) :].tolist())
-    return outputs
+    return hf_greedy(hf_model, prompts, NEW_TOKENS)
 
 
 def engine(

@@ -18,7 +18,7 @@ from lockgate.llm.models import (
 )
 from lockgate.llm.models.llama import rope_inverse_frequencies
 from lockgate.llm.tokenizer import ChatTokenizer
-from tests.llm.conftest import PagedLoop
+from tests.llm.conftest import PagedLoop, hf_greedy
 
 NEW_TOKENS = 16
 PROMPTS = [
@@ -37,19 +37,7 @@ def prompt_ids(tokenizer: ChatTokenizer) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(hf_model: Any, prompt_ids: list[list[int]]) -> list[list[int]]:
     """Greedy continuations from transformers' generate, the oracle."""
-    outputs = []
-    for ids in prompt_ids:
-        prompt = torch.tensor([ids])
-        with torch.inference_mode():
-            out = hf_model.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=2,
-            )
-        outputs.append(out[0, len(ids) :].tolist())
-    return outputs
+    return hf_greedy(hf_model, prompt_ids, NEW_TOKENS)
 
 
 def greedy(logits: torch.Tensor) -> list[int]:
