@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import socket
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -426,6 +428,73 @@ def run_async(coroutine: Awaitable[LoadResult]) -> LoadResult:
     except ImportError:
         return asyncio.run(coroutine)  # type: ignore[arg-type]
     return uvloop.run(coroutine)  # type: ignore[arg-type]
+
+
+class RawClient:
+    """A blocking HTTP/1.1 keep-alive client over one socket, for latency at concurrency 1.
+
+    Requests are pre-encoded bytes and the response is read by its Content-Length, so the
+    client costs tens of microseconds per request where aiohttp costs most of a millisecond:
+    what remains of a round trip is the server and the loopback.
+    """
+
+    def __init__(self, url: str, content_type: str = "application/json") -> None:
+        parts = urllib.parse.urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.path, self.content_type = parts.path, content_type
+        self.sock = socket.create_connection((self.host, self.port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = b""
+
+    def request(self, body: bytes) -> bytes:
+        """POST `body`; the prepared request for it. Use with `send`."""
+        head = (
+            f"POST {self.path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: {self.content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        return head.encode() + body
+
+    def send(self, request: bytes) -> int:
+        """Send a prepared request, read its whole response; the HTTP status."""
+        self.sock.sendall(request)
+        while b"\r\n\r\n" not in self.buffer:
+            self._fill()
+        head, _, rest = self.buffer.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])  # type: ignore[index]
+        while len(rest) < length:
+            self.buffer = rest
+            self._fill()
+            rest = self.buffer
+        self.buffer = rest[length:]
+        return int(head[9:12])
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("server closed the connection")
+        self.buffer += chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def raw_latencies(target: Target, count: int, warmup: int = 20) -> list[float]:
+    """Seconds per request of `count` sequential requests with `RawClient`; non-200 raises."""
+    client = RawClient(target.url, target.content_type)
+    requests = [client.request(body) for body in target.bodies]
+    try:
+        times: list[float] = []
+        for i in range(warmup + count):
+            t0 = time.perf_counter()
+            status = client.send(requests[i % len(requests)])
+            elapsed = time.perf_counter() - t0
+            if status != 200:
+                raise RuntimeError(f"{target.url}: HTTP {status}")
+            if i >= warmup:
+                times.append(elapsed)
+        return times
+    finally:
+        client.close()
 
 
 def time_calls(call: Callable[[], object], count: int, warmup: int = 20) -> list[float]:

@@ -62,16 +62,16 @@ def test_hung_instance_is_restarted_and_serves_again() -> None:
     stuck, fresh = Hanging(), Hanging()
     replaced: list[Instance] = []
     instance = Instance(
-        "m-1-0", stuck, hang_timeout=0.2, reload=lambda: fresh, on_replaced=replaced.append
+        "m-1-0", stuck, hang_timeout=0.5, reload=lambda: fresh, on_replaced=replaced.append
     )
 
     async def body() -> None:
         start = time.monotonic()
-        with pytest.raises(Unavailable, match=r"did not answer within 0\.2 s") as hung:
+        with pytest.raises(Unavailable, match=r"did not answer within 0\.5 s") as hung:
             await instance.infer(one(99.0))
-        assert 0.2 <= time.monotonic() - start < 1.0
+        assert 0.5 <= time.monotonic() - start < 5.0  # the upper bound only catches a hang
         assert hung.value.status == 503 and not instance.healthy
-        for _ in range(100):
+        for _ in range(500):
             if replaced:
                 break
             await asyncio.sleep(0.01)
@@ -110,7 +110,7 @@ def test_batcher_answers_the_hung_batch_and_serves_later_requests() -> None:
         inputs=(TensorSpec("x", "FP32", (2,)),),
         outputs=(TensorSpec("y", "FP32", (2,)),),
     )
-    instance = Instance("m-1-0", stuck, hang_timeout=0.2, reload=lambda: fresh)
+    instance = Instance("m-1-0", stuck, hang_timeout=0.5, reload=lambda: fresh)
     batcher = Batcher(
         config,
         1,
