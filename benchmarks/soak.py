@@ -8,8 +8,12 @@ served by one lockgate process on the server core:
    `--quick`). Latency counts from the *scheduled* send time. Every request must be answered
    (sent == answered); anything but a 200 counts as an error.
 3. Memory: the server's resident set (VmRSS in /proc/<pid>/status) every 10 s. Growth is
-   measured from the end of the first minute (allocators, caches and the connection pool
-   have warmed up by then) to the end of the run.
+   measured from the end of the first minute (allocators and caches have warmed up by then)
+   to the end of the run. The client keeps a fixed pool of `CONNECTIONS` keep-alive
+   connections, all opened before the soak, as a proxy in front of a server would: each
+   open connection holds server memory, so a client that opened new connections whenever
+   the machine stalled would show the high-water mark of its own concurrency as growth.
+   The server's open sockets are sampled with its RSS to show the pool stayed fixed.
 4. Cross-check: `lockgate_requests_total{outcome}` scraped before and after the soak; the
    server's success count must equal the client's 200s.
 
@@ -20,6 +24,7 @@ p50/p99 are reported per minute (per 10 s in quick mode) so that drift shows up,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -56,6 +61,7 @@ BUCKET_S, QUICK_BUCKET_S = 60.0, 10.0  # the latency table's time step
 RSS_EVERY_S = 10.0
 RSS_GROWTH_TARGET = 0.05
 CAPACITY_WORKERS = 32
+CONNECTIONS = 64  # the client's keep-alive pool; requests beyond it wait (and count) client-side
 
 
 # -- measurements ------------------------------------------------------------------------
@@ -69,12 +75,14 @@ class Soak:
     latencies: list[float] = field(default_factory=list)  # s from the scheduled send
     statuses: list[int] = field(default_factory=list)  # HTTP status, 0: transport failure
     rss: list[tuple[float, int]] = field(default_factory=list)  # (s after start, kB)
+    sockets: list[tuple[float, int]] = field(default_factory=list)  # (s after start, open)
     load: list[tuple[float, float]] = field(default_factory=list)  # (s after start, loadavg 1m)
     rate: float = 0.0  # offered Poisson rate, req/s
     duration: float = 0.0  # seconds of arrivals
     sent: int = 0
     seconds: float = 0.0  # wall time from the start to the last answer
     failures: Counter[str] = field(default_factory=Counter)  # transport errors by kind
+    before: dict[str, float] = field(default_factory=dict)  # /metrics once the pool is open
 
     @property
     def answered(self) -> int:
@@ -113,13 +121,36 @@ def rss_kb(pid: int) -> int:
     raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
+def open_sockets(pid: int) -> int:
+    """How many sockets process `pid` holds open (listening ones included)."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            count += os.readlink(fd).startswith("socket:")
+    return count
+
+
+async def open_pool(session: aiohttp.ClientSession, target: Target) -> None:
+    """Open every connection of the pool at once, with real requests (their answers unused)."""
+    headers = {"Content-Type": target.content_type}
+
+    async def one(body: bytes) -> None:
+        async with session.post(target.url, data=body, headers=headers) as response:
+            await response.read()
+
+    bodies = [target.bodies[i % len(target.bodies)] for i in range(CONNECTIONS)]
+    await asyncio.gather(*(one(body) for body in bodies))
+
+
 async def soak(target: Target, pid: int, rate: float, seconds: float, seed: int = 0) -> Soak:
     """Poisson arrivals at `rate` for `seconds`, sampling the server's RSS every 10 s."""
     result = Soak(rate=rate, duration=seconds)
     rng = random.Random(seed)
-    connector = aiohttp.TCPConnector(limit=1024)
+    connector = aiohttp.TCPConnector(limit=CONNECTIONS)
     timeout = aiohttp.ClientTimeout(total=120.0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await open_pool(session, target)
+        result.before = scrape_metrics(target.url.split("/v2/")[0])
         start = time.perf_counter()
         sampler = asyncio.create_task(sample_server(result, pid, start, seconds))
         pending: set[asyncio.Task[None]] = set()
@@ -169,11 +200,13 @@ async def sample_server(result: Soak, pid: int, start: float, seconds: float) ->
         if delay > 0:
             await asyncio.sleep(delay)
         result.rss.append((tick, rss_kb(pid)))
+        result.sockets.append((tick, open_sockets(pid)))
         result.load.append((tick, os.getloadavg()[0]))
         tick += RSS_EVERY_S
     if result.rss[-1][0] < seconds:
         await asyncio.sleep(max(0.0, start + seconds - time.perf_counter()))
         result.rss.append((seconds, rss_kb(pid)))
+        result.sockets.append((seconds, open_sockets(pid)))
         result.load.append((seconds, os.getloadavg()[0]))
 
 
@@ -230,11 +263,10 @@ def measure(
         f"{dict(probe.statuses)}); soaking at {rate:.0f}/s for {seconds:.0f} s, "
         f"load average {os.getloadavg()[0]:.1f}",
     )
-    before = scrape_metrics(server.url)
     data = run_soak(target, server.process.pid, rate, seconds)
     after = scrape_metrics(server.url)
     ctx.say(SUITE, f"done: sent {data.sent}, answered {data.answered}, {dict(data.counts())}")
-    return capacity, data, before, after
+    return capacity, data, data.before, after
 
 
 def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -323,6 +355,14 @@ def add_memory(
         baseline=base_kb / 1024,
         note=f"growth {growth:+.2%}; peak {max(kb for _, kb in data.rss) / 1024:.1f} MiB",
     )
+    if data.sockets:
+        counts = [n for _, n in data.sockets]
+        result.add(
+            "server open sockets, min / max over the run",
+            min(counts),
+            "sockets",
+            note=f"max {max(counts)}; client pool {CONNECTIONS} connections",
+        )
 
 
 def add_buckets(result: SuiteResult, data: Soak, seconds: float, bucket: float) -> None:
@@ -361,6 +401,7 @@ def raw(capacity: float, data: Soak, server: dict[str, float], bucket: float) ->
         "statuses": dict(data.counts()),
         "seconds": data.seconds,
         "rss_kb": data.rss,
+        "open_sockets": data.sockets,
         "load_average": data.load,
         "server_outcomes": server,
         "transport_failures": dict(data.failures),

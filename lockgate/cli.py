@@ -21,7 +21,27 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("repository", nargs="?", type=Path, help="model repository folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-body-mb", type=float, default=64.0, help="request body limit")
+    p.add_argument(
+        "--grpc-port",
+        type=_grpc_port,
+        default=None,
+        help="KServe v2 gRPC port; 0 or 'off' disables it (default: 8001 when free)",
+    )
+    p.add_argument(
+        "--grpc-max-concurrent-rpcs",
+        type=int,
+        default=1024,
+        help="gRPC calls beyond this get RESOURCE_EXHAUSTED at once",
+    )
+    p.add_argument(
+        "--max-body-mb", type=float, default=64.0, help="request body limit (HTTP, gRPC)"
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to receive a request body in full; past it, 408 and the connection closes",
+    )
     p.add_argument(
         "--limit-concurrency",
         type=int,
@@ -36,6 +56,19 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--strict-readiness", action="store_true", help="ready only when all models are")
     p.add_argument("--no-llm", action="store_true", help="do not start language models")
     p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _grpc_port(text: str) -> int:
+    """A port number; 0 stands for 'off'."""
+    if text.strip().lower() == "off":
+        return 0
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number or 'off': {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0-65535")
+    return port
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -54,6 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     http = ServerSettings(
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        body_timeout_s=args.body_timeout,
         api_keys=_env_keys("LOCKGATE_API_KEYS"),
         admin_keys=_env_keys("LOCKGATE_ADMIN_KEYS"),
         strict_readiness=args.strict_readiness,
@@ -70,6 +104,9 @@ def _serve(args: argparse.Namespace) -> int:
         limit_concurrency=args.limit_concurrency,
         http=http,
         serving=serving,
+        grpc_port=8001 if args.grpc_port is None else (args.grpc_port or None),
+        grpc_port_required=args.grpc_port is not None,
+        grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs,
     )
     if not args.no_llm:
         try:

@@ -35,6 +35,16 @@ class Forbidden(ServingError):
     kind = "forbidden"
 
 
+class RequestTimeout(ServingError):
+    """The client did not send its whole request in time (a stalled or trickled body)."""
+
+    status = 408
+    kind = "request_timeout"
+
+    def headers(self) -> dict[str, str]:
+        return {"connection": "close"}  # the rest of the body may still be on its way
+
+
 class NotFound(ServingError):
     status = 404
     kind = "not_found"

@@ -33,6 +33,7 @@ class RunningServer:
     process: subprocess.Popen[bytes]
     port: int
     log_path: Path
+    grpc_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -41,6 +42,11 @@ class RunningServer:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def grpc_address(self) -> str:
+        assert self.grpc_port is not None, "server started without gRPC"
+        return f"127.0.0.1:{self.grpc_port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -63,16 +69,19 @@ def start_server(
     env: dict[str, str] | None = None,
     ready_timeout: float = 180.0,
     wait_ready: bool = True,
+    grpc_port: int | None = None,
 ) -> RunningServer:
+    """A server on a free port; gRPC only on `grpc_port` (off by default: no clash on 8001)."""
     port = free_port()
     log_path = tmp / f"server-{port}.log"
     cmd = [sys.executable, "-m", "lockgate.cli", "serve", str(repository), "--port", str(port)]
+    cmd += ["--grpc-port", str(grpc_port) if grpc_port is not None else "off"]
     full_env = {**os.environ, **(env or {})}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT
         )
-    server = RunningServer(process, port, log_path)
+    server = RunningServer(process, port, log_path, grpc_port)
     deadline = time.monotonic() + ready_timeout
     path = "/v2/health/ready" if wait_ready else "/v2/health/live"
     while time.monotonic() < deadline:

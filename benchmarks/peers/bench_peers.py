@@ -632,9 +632,11 @@ def markdown(result: dict[str, Any]) -> str:
         "of each server's own capacity. Max rate: highest swept rate with p99 < 50 ms. "
         "RSS: peak over the run, whole process tree.\n",
     ]
+    runs = result.get("runs", {})
     for model, servers in result["models"].items():
         lines += [
             f"## {model}\n",
+            *([f"Measured {runs[model]}.\n"] if model in runs else []),
             "| server | batching | capacity req/s | max rate p99<50ms | p50 @50% | p99 @50% "
             "| p50 @90% | p99 @90% | RSS MiB | procs | check |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -678,6 +680,8 @@ def markdown(result: dict[str, Any]) -> str:
                     f"{lv['errors'] or ''} |"
                 )
         lines.append("")
+        dates = [f"{n} {runs[f'llm:{n}']}" for n in result["llm"] if f"llm:{n}" in runs]
+        lines += [f"Measured: {', '.join(dates)}.\n"] if dates else []
     lines += [f"- {note}" for note in result["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -707,6 +711,11 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=18500)
     parser.add_argument("--output", default=str(RESULTS / "peers"))
     parser.add_argument("--render", help="only rewrite the .md of an existing .json")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the earlier results in --output for the models and LLM servers not run now",
+    )
     args = parser.parse_args()
     if args.render:
         saved = json.loads(Path(args.render).read_text())
@@ -733,6 +742,14 @@ def main() -> int:
     for name in filter(None, args.llm.split(",")):
         levels = tuple(int(c) for c in args.llm_concurrency.split(","))
         llm[name] = run_llm(name, args.port, levels)
+    runs = {part: environment()["date"] for part in [*models, *(f"llm:{n}" for n in llm)]}
+    output = Path(args.output)
+    if args.merge and output.with_suffix(".json").exists():
+        earlier = json.loads(output.with_suffix(".json").read_text())
+        first = earlier["environment"]["date"]
+        runs = {**{part: first for part in earlier["models"]}, **earlier.get("runs", {}), **runs}
+        models = {**earlier["models"], **models}
+        llm = {**earlier.get("llm", {}), **llm}
     result = {
         "suite": "peers",
         "title": "lockgate against peer model servers (make bench-peers)",
@@ -745,8 +762,8 @@ def main() -> int:
         "notes": NOTES,
         "models": models,
         "llm": llm,
+        "runs": runs,
     }
-    output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.with_suffix(".json").write_text(json.dumps(result, indent=2))
     table = markdown(result)

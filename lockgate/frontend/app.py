@@ -45,6 +45,7 @@ OpenAIHandler = Callable[[HttpRequest, list[str]], Awaitable[None]]
 @dataclass(slots=True)
 class ServerSettings:
     max_body_bytes: int = 64 * 1024 * 1024
+    body_timeout_s: float = 30.0  # a body not received in full by then gets 408
     api_keys: frozenset[str] = frozenset()  # empty: no authentication
     admin_keys: frozenset[str] = frozenset()  # guard model load and unload; empty: api keys
     strict_readiness: bool = False  # True: ready only when every model is ready
@@ -91,7 +92,13 @@ class App:
             await send(message)
 
         request = HttpRequest(
-            scope, receive, timed_send, scope["method"], scope["path"], self.settings.max_body_bytes
+            scope,
+            receive,
+            timed_send,
+            scope["method"],
+            scope["path"],
+            self.settings.max_body_bytes,
+            self.settings.body_timeout_s,
         )
         openai = request.path.startswith("/v1/")
         try:

@@ -1,4 +1,4 @@
-"""ASGI primitives: the request view, body reading with a limit, and responses.
+"""ASGI primitives: the request view, body reading with a size and a time limit, and responses.
 
 lockgate speaks raw ASGI rather than through a framework: the per-request cost of the HTTP
 layer sets the latency floor for small models.
@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from lockgate.errors import BadRequest, PayloadTooLarge, ServingError
+from lockgate.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServingError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -37,6 +37,7 @@ class HttpRequest:
     method: str
     path: str
     max_body: int
+    body_timeout: float = 30.0  # seconds to receive the whole body, from the first read
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.scope["headers"]:
@@ -64,6 +65,18 @@ class HttpRequest:
                 raise BadRequest("Content-Length is not an integer") from None
             if size > self.max_body:
                 raise PayloadTooLarge(f"body of {size} bytes is over the limit of {self.max_body}")
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                chunks = await self._read_chunks()
+        except TimeoutError:
+            raise RequestTimeout(
+                f"request body not received within {self.body_timeout:g} s"
+            ) from None
+        if len(chunks) == 1:
+            return chunks[0]
+        return b"".join(chunks)
+
+    async def _read_chunks(self) -> list[bytes]:
         chunks: list[bytes] = []
         total = 0
         while True:
@@ -77,10 +90,7 @@ class HttpRequest:
                     raise PayloadTooLarge(f"body is over the limit of {self.max_body} bytes")
                 chunks.append(chunk)
             if not message.get("more_body", False):
-                break
-        if len(chunks) == 1:
-            return chunks[0]
-        return b"".join(chunks)
+                return chunks
 
     async def json(self, decoder: msgspec.json.Decoder[Any] | None = None) -> Any:
         body = await self.body()

@@ -6,6 +6,10 @@ stays open, readiness answers 503 and new inference requests get 503, while admi
 requests finish within `drain_timeout`; then the port closes and the process exits with 0.
 A second signal ends the drain at once.
 
+The gRPC server (KServe v2 / Triton's GRPCInferenceService, `grpc_port`, 8001 by default)
+runs on the same loop and shares the app; on the drain it refuses new RPCs at once and
+lets those in flight finish within `drain_timeout`.
+
 The request head (request line and headers) is bounded by `max_head_bytes`: past it the
 client gets 431 and the connection closes, so a header flood cannot grow memory. Requests
 the HTTP parser rejects get a JSON 400 like every other error.
@@ -52,6 +56,9 @@ class ServeOptions:
     http: ServerSettings = field(default_factory=ServerSettings)
     serving: ServingSettings = field(default_factory=ServingSettings)
     extensions: list[Extension] = field(default_factory=list)  # e.g. the LLM engine
+    grpc_port: int | None = 8001  # None: no gRPC server
+    grpc_port_required: bool = False  # True: a port that cannot be bound stops start-up
+    grpc_max_concurrent_rpcs: int | None = 1024
 
 
 class HeadTooLarge(httptools.HttpParserCallbackError):
@@ -109,10 +116,13 @@ def _protocol_class(max_head_bytes: int) -> type[_Protocol]:
 class _Server(uvicorn.Server):
     """uvicorn's server, draining the models before it closes the port on a signal."""
 
-    def __init__(self, config: uvicorn.Config, app: App, drain_timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, app: App, drain_timeout: float, grpc_server: Any = None
+    ) -> None:
         super().__init__(config)
         self.lockgate_app = app
         self.drain_timeout = drain_timeout
+        self.grpc_server = grpc_server  # grpc.aio.Server, or None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.drainer: asyncio.Task[None] | None = None
 
@@ -158,7 +168,10 @@ class _Server(uvicorn.Server):
 
     async def _drain(self) -> None:
         start = time.monotonic()
-        drained = await self.lockgate_app.models.drain(self.drain_timeout)
+        drains = [self.lockgate_app.models.drain(self.drain_timeout)]
+        if self.grpc_server is not None:  # refuses new RPCs at once, waits for the others
+            drains.append(self.grpc_server.stop(self.drain_timeout))
+        drained, *_ = await asyncio.gather(*drains)
         if not drained:
             log.warning(
                 "drain timed out after %.1f s; closing with requests unanswered", self.drain_timeout
@@ -204,17 +217,39 @@ async def serve(options: ServeOptions) -> int:
         timeout_graceful_shutdown=int(options.drain_timeout),
         timeout_keep_alive=5,
     )
-    server = _Server(config, app, options.drain_timeout)
+    try:
+        grpc_server = await _start_grpc(app, options)
+    except OSError as exc:
+        log.error("%s", exc)
+        return 1
+    server = _Server(config, app, options.drain_timeout, grpc_server)
     loader = asyncio.get_running_loop().create_task(load(app, options))
     log.info("lockgate listening on http://%s:%d", options.host, options.port)
     await server.serve()
     loader.cancel()
+    if grpc_server is not None:
+        await grpc_server.stop(0)  # cancels RPCs still running after a second signal
     await _cancel_requests(server)
     await app.models.close()
     for closer in app.closers:
         await closer()
     log.info("lockgate stopped")
     return 0
+
+
+async def _start_grpc(app: App, options: ServeOptions) -> Any:
+    if options.grpc_port is None:
+        return None
+    from lockgate.frontend.grpc_server import GrpcSettings, start_grpc
+
+    settings = GrpcSettings(
+        host=options.host,
+        port=options.grpc_port,
+        max_receive_bytes=options.http.max_body_bytes,
+        max_concurrent_rpcs=options.grpc_max_concurrent_rpcs,
+        required=options.grpc_port_required,
+    )
+    return await start_grpc(app, settings)
 
 
 async def _cancel_requests(server: uvicorn.Server) -> None:

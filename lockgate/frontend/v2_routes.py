@@ -61,6 +61,25 @@ def priority_of(parameters: dict[str, object]) -> int:
     return priority
 
 
+def core_request(
+    name: str, served: ServedVersion, decoded: v2.V2InferRequest, deadline: float | None
+) -> InferRequest:
+    """A decoded v2 request (REST or gRPC), checked against the model's config."""
+    rows = validate_inputs(served.config, decoded.inputs, decoded.input_datatypes)
+    if decoded.outputs:
+        validate_outputs(served.config, [o.name for o in decoded.outputs])
+    return InferRequest(
+        model=name,
+        inputs=decoded.inputs,
+        version=served.version,
+        outputs=tuple(o.name for o in decoded.outputs) or None,
+        deadline=deadline,
+        priority=priority_of(decoded.parameters),
+        id=decoded.id,
+        rows=rows,
+    )
+
+
 async def infer(
     request: HttpRequest, models: ModelManager, name: str, version_text: str | None
 ) -> None:
@@ -68,19 +87,7 @@ async def infer(
     body = await request.body()
     decoded = v2.decode_infer_request(body, request.header_str(b"inference-header-content-length"))
     config = served.config
-    rows = validate_inputs(config, decoded.inputs, decoded.input_datatypes)
-    if decoded.outputs:
-        validate_outputs(config, [o.name for o in decoded.outputs])
-    core = InferRequest(
-        model=name,
-        inputs=decoded.inputs,
-        version=served.version,
-        outputs=tuple(o.name for o in decoded.outputs) or None,
-        deadline=deadline_of(request, decoded.parameters, served),
-        priority=priority_of(decoded.parameters),
-        id=decoded.id,
-        rows=rows,
-    )
+    core = core_request(name, served, decoded, deadline_of(request, decoded.parameters, served))
     async with cancel_on_disconnect(request.receive):
         outputs = await models.infer(core)
     payload, header_length = v2.encode_infer_response(

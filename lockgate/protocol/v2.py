@@ -203,7 +203,7 @@ def _decode_tensor(
     name = tensor.name
     if not is_datatype(tensor.datatype):
         raise BadRequest(f"input '{name}': unknown datatype '{tensor.datatype}'")
-    count = _element_count(name, tensor.shape, max_elements)
+    count = element_count(name, tensor.shape, max_elements)
     if "shared_memory_region" in tensor.parameters:
         raise BadRequest(f"input '{name}': shared memory is not supported")
     size = tensor.parameters.get("binary_data_size")
@@ -223,18 +223,18 @@ def _decode_tensor(
     return _from_binary(tensor, binary[offset : offset + size], count), offset + size
 
 
-def _element_count(name: str, shape: list[int], max_elements: int) -> int:
+def element_count(name: str, shape: Sequence[int], max_elements: int) -> int:
     """The number of elements `shape` claims, checked before anything is allocated."""
     if len(shape) > MAX_RANK:
         raise BadRequest(f"input '{name}': shape has {len(shape)} dims, at most {MAX_RANK}")
     count = 1
     for dim in shape:
         if dim < 0 or dim > max_elements:
-            raise BadRequest(f"input '{name}': invalid dim {dim} in shape {_dims(shape)}")
+            raise BadRequest(f"input '{name}': invalid dim {dim} in shape {dims_text(shape)}")
         count *= dim
     if count > max_elements:
         raise BadRequest(
-            f"input '{name}': shape {_dims(shape)} has {count} elements, "
+            f"input '{name}': shape {dims_text(shape)} has {count} elements, "
             f"more than the limit of {max_elements}"
         )
     return count
@@ -248,7 +248,7 @@ def _from_binary(tensor: _TensorIn, chunk: memoryview, count: int) -> np.ndarray
     if len(chunk) != count * dtype.itemsize:
         raise BadRequest(
             f"input '{tensor.name}': binary_data_size {len(chunk)} does not match shape "
-            f"{_dims(tensor.shape)} of {tensor.datatype} ({count * dtype.itemsize} bytes)"
+            f"{dims_text(tensor.shape)} of {tensor.datatype} ({count * dtype.itemsize} bytes)"
         )
     if tensor.datatype == "BOOL":  # any non-zero byte is true
         return np.frombuffer(chunk, dtype=np.uint8).reshape(shape) != 0
@@ -260,7 +260,7 @@ def _from_json(tensor: _TensorIn, count: int) -> np.ndarray:
     values = _json_values(tensor.name, tensor.datatype, tensor.data)
     if len(values) != count:
         raise BadRequest(
-            f"input '{tensor.name}': shape {_dims(tensor.shape)} has {count} elements "
+            f"input '{tensor.name}': shape {dims_text(tensor.shape)} has {count} elements "
             f"but data has {len(values)}"
         )
     return _to_array(tensor.name, tensor.datatype, values).reshape(tuple(tensor.shape))
@@ -368,7 +368,7 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _dims(shape: Sequence[int]) -> str:
+def dims_text(shape: Sequence[int]) -> str:
     return "[" + ",".join(str(dim) for dim in shape) + "]"
 
 

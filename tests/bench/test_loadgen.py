@@ -51,9 +51,7 @@ def test_errors_are_counted_by_kind() -> None:
         fail=lambda n: 503 if n % 5 == 0 else None,
     )
     with serve(behaviour) as (url, _):
-        config = BenchConfig(
-            url=url, model="toy", concurrencies=(4,), num_requests=70, timeout=1.0
-        )
+        config = BenchConfig(url=url, model="toy", concurrencies=(4,), num_requests=70, timeout=1.0)
         report, _ = run_bench_sync(config, progress=None)
     level = report.levels[0]
     assert level.errors == {"http_503": 14, "timeout": 8}

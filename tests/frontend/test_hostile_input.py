@@ -3,18 +3,21 @@ message, never a 500, a hang or unbounded memory, and the server keeps serving."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import RunningServer, digits_rows
+from tests.conftest import RunningServer, digits_rows, start_server
 
 INFER = "/v2/models/digits_onnx/infer"
 
@@ -133,6 +136,49 @@ def test_truncated_body_held_open_does_not_block_other_requests(server: RunningS
         response = read_response(sock)
     assert response.status == 400
     assert "JSON" in response.error()
+
+
+@pytest.fixture(scope="module")
+def impatient_server(
+    test_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    running = start_server(
+        test_repo, tmp_path_factory.mktemp("impatient"), "--no-llm", "--body-timeout", "1"
+    )
+    yield running
+    running.stop()
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["stalled", "trickled"])
+def test_slow_body_gets_408_and_the_connection_closes(
+    impatient_server: RunningServer, trickle: bool
+) -> None:
+    """A body that stalls, or trickles in a byte at a time, holds a connection for at most
+    --body-timeout seconds: then 408 with a message, and the server closes the connection."""
+    head = f"POST {INFER} HTTP/1.1\r\nHost: test\r\nContent-Length: 1000\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", impatient_server.port), timeout=15) as sock:
+        sock.sendall(head.encode() + b'{"inputs": [')
+        started = time.monotonic()
+        if trickle:
+            sock.settimeout(0.2)
+            response = None
+            while response is None and time.monotonic() - started < 10:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b" ")
+                try:
+                    response = read_response(sock)
+                except TimeoutError:
+                    continue
+            sock.settimeout(15)
+        else:
+            response = read_response(sock)
+        elapsed = time.monotonic() - started
+        assert response is not None and response.status == 408, response
+        assert "not received within 1 s" in response.error()
+        assert response.headers.get("connection") == "close"
+        assert 0.9 <= elapsed < 10
+        assert sock.recv(1024) == b""  # closed by the server
+    digits_ok(impatient_server)
 
 
 def test_content_length_smaller_than_body(server: RunningServer) -> None:

@@ -1,0 +1,355 @@
+"""KServe v2 / Open Inference Protocol over gRPC, Triton's port 8001, beside the HTTP server.
+
+The gRPC server (grpc.aio) runs on the event loop of the HTTP server (uvicorn on uvloop)
+and shares its `App`: the same model manager, batchers, admission, metrics, API keys and
+drain. A request reaches the batcher exactly as a REST one does; only the codec differs.
+
+- Deadlines: the client's gRPC deadline and the `timeout` parameter (µs), whichever is
+  sooner, become the request's deadline; the model's default timeout applies otherwise.
+- Errors leave as gRPC status codes with the ServingError's message (see `STATUS_CODES`).
+- A cancelled RPC (the client went away, or its deadline passed) cancels the handler,
+  which removes the request from its queue, as a disconnect does on the REST path.
+- ModelStreamInfer answers the requests of a stream concurrently, in completion order;
+  the error of one request is a message on the stream, not the end of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from grpc.aio import ServicerContext as Context
+
+from lockgate.core.models import ModelManager, ModelState, ServedVersion
+from lockgate.errors import Forbidden, ServingError, Unauthorized
+from lockgate.frontend import v2_routes
+from lockgate.frontend.app import App
+from lockgate.protocol import v2
+from lockgate.protocol.grpc import codec
+from lockgate.protocol.grpc import inference_pb2 as pb
+from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger("lockgate.grpc")
+
+T = TypeVar("T")
+
+STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+PUBLIC_METHODS = frozenset({"ServerLive", "ServerReady"})  # as the REST health routes
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcSettings:
+    host: str = "127.0.0.1"
+    port: int = 8001
+    max_receive_bytes: int = 64 * 1024 * 1024  # a larger request gets RESOURCE_EXHAUSTED
+    max_concurrent_rpcs: int | None = 1024  # RPCs beyond this get RESOURCE_EXHAUSTED at once
+    required: bool = False  # True: a port that cannot be bound stops start-up
+
+
+def status_code(error: ServingError) -> grpc.StatusCode:
+    return STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+async def _abort(
+    context: Context, code: grpc.StatusCode, message: str, retry: str = ""
+) -> NoReturn:
+    trailing = (("retry-after", retry),) if retry else ()
+    await context.abort(code, message, trailing)
+    raise AssertionError("grpc.aio's abort always raises")
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    """The GRPCInferenceService methods, answered from the App's model manager."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.models: ModelManager = app.models
+        self.latency = app.models.registry.histogram(
+            "lockgate_grpc_request_duration_seconds",
+            "Time from a gRPC request's arrival to its answer, by method and status code.",
+            ("method", "code"),
+        )
+
+    # -- health and metadata -----------------------------------------------------------
+    async def ServerLive(self, request: Any, context: Context) -> pb.ServerLiveResponse:
+        return await self._run("ServerLive", context, self._live)
+
+    async def ServerReady(self, request: Any, context: Context) -> pb.ServerReadyResponse:
+        return await self._run("ServerReady", context, self._ready)
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: Context
+    ) -> pb.ModelReadyResponse:
+        return await self._run("ModelReady", context, lambda: self._model_ready(request))
+
+    async def ServerMetadata(self, request: Any, context: Context) -> pb.ServerMetadataResponse:
+        return await self._run("ServerMetadata", context, self._server_metadata)
+
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: Context
+    ) -> pb.ModelMetadataResponse:
+        return await self._run("ModelMetadata", context, lambda: self._model_metadata(request))
+
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: Context
+    ) -> pb.ModelConfigResponse:
+        return await self._run("ModelConfig", context, lambda: self._model_config(request))
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: Context
+    ) -> pb.ModelStatisticsResponse:
+        return await self._run("ModelStatistics", context, lambda: self._statistics(request))
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: Context
+    ) -> pb.RepositoryIndexResponse:
+        return await self._run("RepositoryIndex", context, lambda: self._index(request))
+
+    async def _live(self) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def _ready(self) -> pb.ServerReadyResponse:
+        app = self.app
+        ready = app.started and not app.draining
+        if ready and app.settings.strict_readiness:
+            ready = self.models.ready()
+        return pb.ServerReadyResponse(ready=ready)
+
+    async def _model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
+        status, _ = v2_routes.model_ready(self.models, request.name, request.version or None)
+        return pb.ModelReadyResponse(ready=status == 200)
+
+    async def _server_metadata(self) -> pb.ServerMetadataResponse:
+        return codec.from_json(v2_routes.SERVER_METADATA, pb.ServerMetadataResponse())
+
+    async def _model_metadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
+        document = await v2_routes.model_metadata(self.models, request.name, request.version)
+        return codec.from_json(document, pb.ModelMetadataResponse())
+
+    async def _model_config(self, request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
+        served = self.models.get(request.name, v2_routes.parse_version(request.version))
+        config = codec.from_json(v2.model_config_json(served.config), pb.ModelConfig())
+        return pb.ModelConfigResponse(config=config)
+
+    async def _statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
+        document = v2_routes.statistics(self.models, request.name or None, request.version)
+        return codec.from_json(document, pb.ModelStatisticsResponse())
+
+    async def _index(self, request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
+        response = pb.RepositoryIndexResponse()
+        for model in self.models.models.values():
+            if not model.versions and not request.ready:
+                response.models.add(name=model.name, state="UNAVAILABLE", reason=model.error)
+            for version, served in sorted(model.versions.items()):
+                if request.ready and served.state is not ModelState.READY:
+                    continue
+                response.models.add(
+                    name=model.name,
+                    version=str(version),
+                    state=served.state.value,
+                    reason=served.error,
+                )
+        return response
+
+    # -- inference ---------------------------------------------------------------------
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: Context
+    ) -> pb.ModelInferResponse:
+        return await self._run("ModelInfer", context, lambda: self._infer(request, context))
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        try:
+            self._authenticate("ModelStreamInfer", context)
+        except ServingError as exc:
+            await _abort(context, status_code(exc), exc.message)
+        stream = _Stream(self, context)
+        reader = asyncio.get_running_loop().create_task(stream.read(requests))
+        try:
+            while (answer := await stream.answers.get()) is not None:
+                yield answer
+        finally:
+            reader.cancel()
+            stream.cancel()
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, context: Context
+    ) -> pb.ModelInferResponse:
+        name = request.model_name
+        served = self.models.get(name, v2_routes.parse_version(request.model_version))
+        decoded = codec.decode_infer_request(request)
+        config = served.config
+        deadline = deadline_of(context, decoded.parameters, served)
+        core = v2_routes.core_request(name, served, decoded, deadline)
+        outputs = await self.models.infer(core)
+        return codec.encode_infer_response(
+            model_name=name,
+            model_version=str(served.version),
+            request_id=decoded.id,
+            outputs=outputs,
+            requested=decoded.outputs,
+            datatypes={s.name: s.datatype for s in config.outputs},
+        )
+
+    # -- the frame around every method -------------------------------------------------
+    async def _run(self, method: str, context: Context, handler: Callable[[], Awaitable[T]]) -> T:
+        """Authenticate, run, time; a ServingError leaves as its gRPC status code."""
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            self._authenticate(method, context)
+            return await handler()
+        except ServingError as exc:
+            code = status_code(exc)
+            retry = exc.headers().get("retry-after", "")
+            await _abort(context, code, exc.message, retry)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            log.exception("unhandled error in gRPC %s", method)
+            code = grpc.StatusCode.INTERNAL
+            await _abort(context, code, f"internal error: {type(exc).__name__}")
+        finally:
+            self.latency.observe((method, code.name), time.perf_counter() - start)
+
+    def _authenticate(self, method: str, context: Context) -> None:
+        keys = self.app.settings.api_keys
+        if not keys or method in PUBLIC_METHODS:
+            return
+        presented = _bearer(context)
+        if presented is None:
+            raise Unauthorized("missing API key: send metadata 'authorization: Bearer <key>'")
+        if not any(hmac.compare_digest(presented, k.encode()) for k in keys):
+            raise Forbidden("API key not accepted")
+
+
+class _Stream:
+    """The requests of one ModelStreamInfer call, answered concurrently as they finish.
+
+    `answers` carries the responses, then None once the client has closed its side and
+    every request has been answered.
+    """
+
+    def __init__(self, servicer: InferenceServicer, context: Context) -> None:
+        self.servicer = servicer
+        self.context = context
+        self.answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        self.pending: set[asyncio.Task[None]] = set()
+
+    async def read(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for request in requests:
+                task = loop.create_task(self.answer(request))
+                self.pending.add(task)
+                task.add_done_callback(self.pending.discard)
+            if self.pending:
+                await asyncio.wait(set(self.pending))
+        finally:  # the client closed its side, or reading failed: end the stream either way
+            self.answers.put_nowait(None)
+
+    async def answer(self, request: pb.ModelInferRequest) -> None:
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            response = await self.servicer._infer(request, self.context)
+            self.answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+        except ServingError as exc:
+            code = status_code(exc)
+            self.answers.put_nowait(_stream_error(request, exc.message))
+        except Exception as exc:
+            log.exception("unhandled error in gRPC ModelStreamInfer")
+            code = grpc.StatusCode.INTERNAL
+            self.answers.put_nowait(_stream_error(request, f"internal error: {type(exc).__name__}"))
+        finally:
+            self.servicer.latency.observe(
+                ("ModelStreamInfer", code.name), time.perf_counter() - start
+            )
+
+    def cancel(self) -> None:
+        for task in list(self.pending):
+            task.cancel("stream closed")
+
+
+def _stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+    response = pb.ModelInferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id
+    )
+    return pb.ModelStreamInferResponse(error_message=message, infer_response=response)
+
+
+def deadline_of(
+    context: Context, parameters: dict[str, Any], served: ServedVersion
+) -> float | None:
+    """The sooner of the gRPC deadline and the `timeout` parameter (µs); else the model's."""
+    now = time.monotonic()
+    bounds = []
+    timeout_us = parameters.get("timeout")
+    if isinstance(timeout_us, int) and timeout_us > 0:
+        bounds.append(now + timeout_us / 1e6)
+    remaining = context.time_remaining()
+    if remaining is not None:
+        bounds.append(now + max(0.0, remaining))
+    if bounds:
+        return min(bounds)
+    default_us = served.config.batcher.default_timeout_us
+    return now + default_us / 1e6 if default_us > 0 else None
+
+
+def _bearer(context: Context) -> bytes | None:
+    for key, value in context.invocation_metadata() or ():
+        if key != "authorization":
+            continue
+        text = value.encode() if isinstance(value, str) else bytes(value)
+        scheme, _, token = text.partition(b" ")
+        if scheme.lower() == b"bearer" and token.strip():
+            return token.strip()
+        return None
+    return None
+
+
+# -- the server --------------------------------------------------------------------------
+
+
+async def start_grpc(app: App, settings: GrpcSettings) -> grpc.aio.Server | None:
+    """Start serving on the running loop. A port that cannot be bound raises OSError when
+    `settings.required`, else logs and returns None (the HTTP server serves on)."""
+    server = grpc.aio.server(
+        maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+        options=[
+            ("grpc.max_receive_message_length", settings.max_receive_bytes),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.so_reuseport", 0),  # a second server on the port must fail, not share it
+        ],
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(app), server)
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    address = f"{host}:{settings.port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        if settings.required:
+            raise OSError(f"cannot serve gRPC on {address}: {exc}") from None
+        log.error("gRPC not served: cannot bind %s (%s); see --grpc-port", address, exc)
+        return None
+    await server.start()
+    log.info("lockgate gRPC listening on %s", address)
+    return server

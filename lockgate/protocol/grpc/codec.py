@@ -1,0 +1,250 @@
+"""KServe v2 / Open Inference Protocol over gRPC: protobuf messages to typed objects and back.
+
+Pure functions, no I/O; the gRPC twin of `lockgate.protocol.v2`. An input's data travels
+either in `raw_input_contents` (one entry per input, in order: little-endian row-major
+bytes, BYTES elements each a 4-byte little-endian length and then the bytes, as Triton
+sends them) or in the typed fields of its `contents`. Outputs always travel raw, in
+`raw_output_contents`, which is what Triton's clients read by default.
+
+Decoded raw tensors of numeric datatypes are read-only zero-copy views of the message's
+bytes (copied only when unaligned). BOOL and BYTES tensors are always fresh arrays.
+
+The metadata, configuration and statistics messages are parsed from the JSON that the REST
+routes send: both protocols answer from one source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from lockgate.errors import BadRequest, ServingError
+from lockgate.protocol.datatypes import (
+    datatype_of,
+    deserialize_bytes_tensor,
+    float32_from_bf16_bits,
+    is_datatype,
+    numpy_dtype,
+)
+from lockgate.protocol.grpc import inference_pb2 as pb
+from lockgate.protocol.v2 import (
+    MAX_ELEMENTS,
+    RequestedOutput,
+    V2InferRequest,
+    classify,
+    dims_text,
+    element_count,
+    tensor_bytes,
+)
+
+# datatype -> the InferTensorContents field that holds it. FP16 and BF16 have none: raw only.
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+_NARROW = frozenset({"INT8", "INT16", "UINT8", "UINT16"})  # carried in 32-bit fields
+
+InputTensor = pb.ModelInferRequest.InferInputTensor
+M = TypeVar("M", bound=Message)
+
+
+# --- request decoding ---------------------------------------------------------------------
+
+
+def decode_infer_request(
+    request: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENTS
+) -> V2InferRequest:
+    """The typed form of a ModelInferRequest. Any malformed part raises BadRequest."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise BadRequest(
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs: "
+            "send the data of every input raw, or of none"
+        )
+    inputs: dict[str, np.ndarray] = {}
+    datatypes: dict[str, str] = {}
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name in inputs:
+            raise BadRequest(f"input '{tensor.name}' appears more than once")
+        chunk = raw[index] if raw else None
+        inputs[tensor.name] = decode_tensor(tensor, chunk, max_elements)
+        datatypes[tensor.name] = tensor.datatype
+    parameters = parameters_of(request.parameters)
+    _check_request_parameters(parameters)
+    return V2InferRequest(
+        id=request.id,
+        inputs=inputs,
+        input_datatypes=datatypes,
+        parameters=parameters,
+        outputs=_requested_outputs(request.outputs),
+        binary_default=True,
+    )
+
+
+def decode_tensor(tensor: InputTensor, raw: bytes | None, max_elements: int) -> np.ndarray:
+    """One input's array, from its raw bytes when given, else from its typed contents."""
+    name, datatype = tensor.name, tensor.datatype
+    if not is_datatype(datatype):
+        raise BadRequest(f"input '{name}': unknown datatype '{datatype}'")
+    if "shared_memory_region" in tensor.parameters:
+        raise BadRequest(f"input '{name}': shared memory is not supported")
+    shape = tuple(tensor.shape)
+    count = element_count(name, shape, max_elements)
+    if raw is not None:
+        if tensor.HasField("contents"):
+            raise BadRequest(f"input '{name}': has both contents and raw_input_contents")
+        return _from_raw(name, datatype, shape, count, raw)
+    return _from_contents(tensor, shape, count)
+
+
+def _from_raw(
+    name: str, datatype: str, shape: tuple[int, ...], count: int, raw: bytes
+) -> np.ndarray:
+    if datatype == "BYTES":
+        return deserialize_bytes_tensor(raw, count, name=name).reshape(shape)
+    dtype = numpy_dtype(datatype)
+    if len(raw) != count * dtype.itemsize:
+        raise BadRequest(
+            f"input '{name}': raw_input_contents holds {len(raw)} bytes, but shape "
+            f"{dims_text(shape)} of {datatype} needs {count * dtype.itemsize}"
+        )
+    if datatype == "BOOL":  # any non-zero byte is true
+        return np.frombuffer(raw, dtype=np.uint8).reshape(shape) != 0
+    array = np.frombuffer(raw, dtype=dtype).reshape(shape)
+    return array if array.flags.aligned else array.copy()
+
+
+def _from_contents(tensor: InputTensor, shape: tuple[int, ...], count: int) -> np.ndarray:
+    name, datatype = tensor.name, tensor.datatype
+    field = CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise BadRequest(f"input '{name}': {datatype} data must be sent in raw_input_contents")
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise BadRequest(
+            f"input '{name}': shape {dims_text(shape)} has {count} elements "
+            f"but {field} has {len(values)}"
+        )
+    if datatype == "BYTES":
+        array = np.empty(count, dtype=np.object_)
+        array[:] = list(values)
+        return array.reshape(shape)
+    return _numeric(name, datatype, values).reshape(shape)
+
+
+def _numeric(name: str, datatype: str, values: Sequence[Any]) -> np.ndarray:
+    dtype = numpy_dtype(datatype)
+    if datatype not in _NARROW:
+        return np.asarray(values, dtype=dtype)
+    wide = np.asarray(values, dtype=np.int64)  # int32 or uint32 values, checked before narrowing
+    info = np.iinfo(dtype)
+    if wide.size and (wide.min() < info.min or wide.max() > info.max):
+        raise BadRequest(f"input '{name}': a value is out of range for {datatype}")
+    return wide.astype(dtype)
+
+
+def parameters_of(parameters: Any) -> dict[str, Any]:
+    """A map<string, InferParameter> as a plain dict of bool, int, str or float."""
+    out: dict[str, Any] = {}
+    for key, parameter in parameters.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        out[key] = getattr(parameter, choice) if choice is not None else None
+    return out
+
+
+def _check_request_parameters(parameters: dict[str, Any]) -> None:
+    for key in ("priority", "timeout"):
+        value = parameters.get(key)
+        if key in parameters and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 0
+        ):
+            raise BadRequest(f"request parameter '{key}' must be a non-negative integer")
+
+
+def _requested_outputs(entries: Sequence[Any]) -> list[RequestedOutput]:
+    outputs: list[RequestedOutput] = []
+    seen: set[str] = set()
+    for entry in entries:
+        if entry.name in seen:
+            raise BadRequest(f"output '{entry.name}' is requested more than once")
+        seen.add(entry.name)
+        params = parameters_of(entry.parameters)
+        if "shared_memory_region" in params:
+            raise BadRequest(f"output '{entry.name}': shared memory is not supported")
+        classes = params.get("classification", 0)
+        if not isinstance(classes, int) or isinstance(classes, bool) or classes < 0:
+            raise BadRequest(
+                f"output '{entry.name}': classification must be a non-negative integer"
+            )
+        outputs.append(RequestedOutput(entry.name, True, classes))
+    return outputs
+
+
+# --- response encoding --------------------------------------------------------------------
+
+
+def encode_infer_response(
+    *,
+    model_name: str,
+    model_version: str,
+    request_id: str,
+    outputs: dict[str, np.ndarray],
+    requested: Sequence[RequestedOutput],
+    datatypes: dict[str, str],
+) -> pb.ModelInferResponse:
+    """A ModelInferResponse with every output (or the requested ones) in raw_output_contents.
+
+    `datatypes` names an output's datatype when its array does not say it (BF16 bits, or a
+    cast to the configured type).
+    """
+    response = pb.ModelInferResponse(
+        model_name=model_name, model_version=model_version, id=request_id
+    )
+    for want in requested or [RequestedOutput(name) for name in outputs]:
+        if want.name not in outputs:
+            raise BadRequest(f"unexpected inference output '{want.name}'")
+        array, datatype = _output_array(want, outputs[want.name], datatypes)
+        response.outputs.add(name=want.name, datatype=datatype, shape=array.shape)
+        response.raw_output_contents.append(tensor_bytes(array, datatype))
+    return response
+
+
+def _output_array(
+    want: RequestedOutput, array: np.ndarray, datatypes: dict[str, str]
+) -> tuple[np.ndarray, str]:
+    array = np.asarray(array)
+    datatype = datatypes.get(want.name) or datatype_of(array)
+    if want.class_count > 0:
+        if datatype == "BF16":
+            array = float32_from_bf16_bits(array)
+        return classify(array, want.class_count), "BYTES"
+    return array, datatype
+
+
+# --- metadata, configuration, statistics --------------------------------------------------
+
+
+def from_json(document: bytes, message: M) -> M:
+    """Fill `message` from the REST form of the same document (Triton's JSON mapping).
+
+    Fields the gRPC subset does not carry are skipped.
+    """
+    try:
+        json_format.Parse(document, message, ignore_unknown_fields=True)
+    except json_format.ParseError as error:
+        raise ServingError(f"cannot encode {type(message).__name__}: {error}") from None
+    return message
