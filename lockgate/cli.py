@@ -52,6 +52,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--hang-timeout", type=float, default=30.0, help="seconds before a stuck instance restarts"
     )
+    p.add_argument(
+        "--model-control-mode",
+        choices=("none", "explicit"),
+        default="none",
+        help="explicit: serve POST /v2/repository/models/{m}/load and /unload (as Triton)",
+    )
     p.add_argument("--no-admission", action="store_true", help="turn off deadline-aware admission")
     p.add_argument("--strict-readiness", action="store_true", help="ready only when all models are")
     p.add_argument("--no-llm", action="store_true", help="do not start language models")
@@ -91,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_keys=_env_keys("LOCKGATE_API_KEYS"),
         admin_keys=_env_keys("LOCKGATE_ADMIN_KEYS"),
         strict_readiness=args.strict_readiness,
+        model_control=args.model_control_mode,
     )
     serving = ServingSettings(
         hang_timeout=args.hang_timeout,

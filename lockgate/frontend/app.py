@@ -49,6 +49,7 @@ class ServerSettings:
     api_keys: frozenset[str] = frozenset()  # empty: no authentication
     admin_keys: frozenset[str] = frozenset()  # guard model load and unload; empty: api keys
     strict_readiness: bool = False  # True: ready only when every model is ready
+    model_control: str = "none"  # "explicit": POST .../load and .../unload are served
     repository: Path | None = None
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
@@ -222,6 +223,8 @@ class App:
             return
         if len(rest) == 3 and rest[0] == "models" and request.method == "POST":
             name, action = rest[1], rest[2]
+            if action in ("load", "unload"):
+                self._check_model_control(name)
             if action == "load":
                 await self._load(name)
                 await respond_json(request.send, 200, {})
@@ -232,14 +235,23 @@ class App:
                 return
         raise NotFound(f"no route for {request.method} {request.path[:200]}")
 
+    def _check_model_control(self, name: str) -> None:
+        """Load and unload are served only in explicit model control mode, as in Triton."""
+        from lockgate.core.repository import is_safe_name
+
+        if not is_safe_name(name):
+            raise BadRequest(f"invalid model name {name[:200]!r}")
+        if self.settings.model_control != "explicit":
+            raise Forbidden(
+                "model load and unload are off: start lockgate with --model-control-mode explicit"
+            )
+
     async def _load(self, name: str) -> None:
-        from lockgate.core.repository import is_safe_name, scan_repository
+        from lockgate.core.repository import scan_repository
 
         root = self.settings.repository
         if root is None:
             raise BadRequest("the server was started without a model repository")
-        if not is_safe_name(name):
-            raise BadRequest(f"invalid model name {name[:200]!r}")
         entries = {e.name: e for e in scan_repository(root)}
         entry = entries.get(name)
         if entry is None:

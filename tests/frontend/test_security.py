@@ -65,6 +65,8 @@ def secured(
         "1",
         "--limit-concurrency",
         str(LIMIT),
+        "--model-control-mode",
+        "explicit",
         env=env,
     )
     yield running
@@ -314,3 +316,11 @@ def test_keys_never_reach_the_log(secured: RunningServer) -> None:
     for key in (*API_KEYS, ADMIN_KEY, WRONG_KEY):
         assert key not in log
     assert "Traceback" not in log
+
+
+def test_model_control_is_off_by_default(server: RunningServer) -> None:
+    """Without --model-control-mode explicit, nobody loads or unloads models over HTTP."""
+    for action in ("load", "unload"):
+        r = httpx.post(server.url + f"/v2/repository/models/digits_onnx/{action}", timeout=30)
+        assert "--model-control-mode explicit" in error_of(r, 403)
+    assert httpx.get(server.url + "/v2/models/digits_onnx/ready", timeout=10).status_code == 200
