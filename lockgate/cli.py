@@ -101,6 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     serving = ServingSettings(
         hang_timeout=args.hang_timeout,
+        unload_drain_timeout=args.drain_timeout,
         admission=AdmissionSettings(deadline_aware=not args.no_admission),
     )
     options = ServeOptions(

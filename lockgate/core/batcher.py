@@ -114,8 +114,10 @@ class Batcher:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        metrics.queue_depth.set_function(self.labels, lambda: float(self.queued_rows))
-        metrics.inflight.set_function(self.labels, lambda: float(self._inflight))
+        self._depth_fn = lambda: float(self.queued_rows)
+        self._inflight_fn = lambda: float(self._inflight)
+        metrics.queue_depth.set_function(self.labels, self._depth_fn)
+        metrics.inflight.set_function(self.labels, self._inflight_fn)
 
     # -- policy ------------------------------------------------------------------------
     @property
@@ -510,5 +512,5 @@ class Batcher:
         self.queued_rows = 0
         for instance in self.instances:
             instance.close()
-        self.metrics.queue_depth.remove(self.labels)
-        self.metrics.inflight.remove(self.labels)
+        self.metrics.queue_depth.remove_function(self.labels, self._depth_fn)
+        self.metrics.inflight.remove_function(self.labels, self._inflight_fn)

@@ -103,6 +103,11 @@ class Gauge(Metric):
         self.values.pop(labels, None)
         self.callbacks.pop(labels, None)
 
+    def remove_function(self, labels: LabelValues, fn: Callable[[], float]) -> None:
+        """Drop `fn` if it still reports these labels (a successor may have taken them over)."""
+        if self.callbacks.get(labels) is fn:
+            del self.callbacks[labels]
+
     def samples(self) -> Iterable[str]:
         merged = dict(self.values)
         merged.update({k: fn() for k, fn in self.callbacks.items()})

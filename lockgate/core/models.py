@@ -70,6 +70,7 @@ class ServedModel:
 class ServingSettings:
     hang_timeout: float | None = 30.0  # seconds a batch may run before its instance restarts
     profile_repeats: int = 5  # runs per batch size when profiling T(B) at warmup
+    unload_drain_timeout: float = 30.0  # seconds an unloaded or replaced version may drain
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
 
 
@@ -173,17 +174,35 @@ class ModelManager:
         versions: list[int],
         error: str | None = None,
     ) -> ServedModel:
-        if name in self.models:
-            await self.unload(name)
+        """Load a model, or reload one already served without a gap: the old versions keep
+        serving until the new ones are warm, then drain. A reload that yields no ready version
+        leaves the old model serving and returns the failed one, with its error."""
+        old = self.models.get(name)
         model = ServedModel(name, path, config, error=error or "")
-        self.models[name] = model
+        if old is None:
+            self.models[name] = model  # listed at once, with readiness "loading"
         if config is None or error:
             log.error("model %s not loaded: %s", name, error)
-            return model
-        if not versions:
-            model.error = f"no version folder under {path} matches the version policy"
-        await asyncio.gather(*(self._load_version(model, config, v) for v in versions))
+        else:
+            if not versions:
+                model.error = f"no version folder under {path} matches the version policy"
+            await asyncio.gather(*(self._load_version(model, config, v) for v in versions))
+        if old is not None:
+            await self._replace(old, model)
         return model
+
+    async def _replace(self, old: ServedModel, new: ServedModel) -> None:
+        if new.latest_ready() is None and old.latest_ready() is not None:
+            log.error("model %s reload failed, the loaded versions serve on", old.name)
+            for served in old.versions.values():
+                if served.state is ModelState.READY:
+                    self.metrics.model_ready.set((old.name, str(served.version)), 1)
+            await self._retire(new, keep=set())
+            return
+        self.models[new.name] = new
+        ready = {v for v, s in new.versions.items() if s.state is ModelState.READY}
+        await self._retire(old, keep=ready)
+        log.info("model %s reloaded: versions %s", new.name, sorted(ready))
 
     async def _load_version(self, model: ServedModel, config: ModelConfig, version: int) -> None:
         served = ServedVersion(config, version, model.path / str(version))
@@ -286,11 +305,17 @@ class ModelManager:
         model = self.models.pop(name, None)
         if model is None:
             raise NotFound(f"unknown model '{name}'")
+        await self._retire(model, keep=set())
+
+    async def _retire(self, model: ServedModel, keep: set[int]) -> None:
+        """Drain and close every version of `model`; versions in `keep` live on elsewhere, so
+        their readiness gauge stays."""
         for served in model.versions.values():
             served.state = ModelState.UNLOADING
-            self.metrics.model_ready.set((name, str(served.version)), 0)
+            if served.version not in keep:
+                self.metrics.model_ready.set((model.name, str(served.version)), 0)
             if served.batcher is not None:
-                await served.batcher.drain(timeout=10.0)
+                await served.batcher.drain(timeout=self.settings.unload_drain_timeout)
                 await served.batcher.close()
 
     async def drain(self, timeout: float) -> bool:

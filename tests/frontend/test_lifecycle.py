@@ -93,6 +93,45 @@ def test_unload_then_load(server: RunningServer) -> None:
     assert httpx.post(server.url + "/v2/models/slow/infer", json=slow_body(0)).status_code == 200
 
 
+def test_reload_under_traffic_loses_nothing(server: RunningServer) -> None:
+    """While echo reloads, the loaded version serves: every request of a steady stream gets 200."""
+    infer = server.url + "/v2/models/echo/infer"
+    stop = time.monotonic() + 60
+
+    def stream() -> list[int]:
+        statuses = []
+        with httpx.Client(timeout=30) as client:
+            while time.monotonic() < stop and len(statuses) < 400:
+                statuses.append(client.post(infer, json=ECHO).status_code)
+        return statuses
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(stream) for _ in range(2)]
+        time.sleep(0.2)
+        for _ in range(3):
+            r = httpx.post(server.url + "/v2/repository/models/echo/load", timeout=60)
+            assert r.status_code == 200, r.text
+        statuses = [s for f in streams for s in f.result()]
+    assert statuses and set(statuses) == {200}, sorted(set(statuses))
+
+
+def test_failed_reload_keeps_the_loaded_version_serving(
+    server: RunningServer, small_repo: Path
+) -> None:
+    config = small_repo / "echo" / "config.yaml"
+    good = config.read_text()
+    config.write_text(good.replace("max_batch_size:", "max_batch_size: -7\nx_max_batch_size:"))
+    try:
+        r = httpx.post(server.url + "/v2/repository/models/echo/load", timeout=60)
+    finally:
+        config.write_text(good)
+    assert r.status_code == 400, r.text
+    assert "failed to load" in r.json()["error"]
+    assert httpx.get(server.url + "/v2/models/echo/ready").status_code == 200
+    r = httpx.post(server.url + "/v2/models/echo/infer", json=ECHO)
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [2, 4, 6, 8]
+
+
 def test_sigterm_drains_in_flight_requests(server: RunningServer) -> None:
     """In-flight requests finish with 200; meanwhile readiness and new requests get 503."""
     drain = DRAIN
