@@ -34,8 +34,11 @@ def test_open_loop_cli_on_digits(server: RunningServer, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "rate 60/s" in done.stdout and "goodput" in done.stdout
     level = json.loads(out.read_text())["levels"][0]
-    assert level["mode"] == "open" and level["errors"] == {}
-    assert level["completed"] == level["requests"] > 100  # about 180 expected
+    assert level["mode"] == "open" and level["requests"] > 100  # about 180 expected
+    # digits_onnx's 50 ms SLO is its default deadline: a stall of the machine may cost a 504
+    errors = level["errors"]
+    assert set(errors) <= {"http_504"} and sum(errors.values()) <= 0.05 * level["requests"]
+    assert level["completed"] + sum(errors.values()) == level["requests"]
     latency = Summary(**level["latency_ms"])
     assert_ordered(latency)
     assert latency.p50 < 1000
@@ -43,7 +46,7 @@ def test_open_loop_cli_on_digits(server: RunningServer, tmp_path: Path) -> None:
     assert level["throughput"] == pytest.approx(60, rel=0.3)
     assert level["throughput"] == pytest.approx(level["sent_rate"], rel=0.15)
     assert level["goodput"] == pytest.approx(level["throughput"])
-    assert level["goodput_fraction"] == 1.0
+    assert level["goodput_fraction"] == pytest.approx(level["completed"] / level["requests"])
 
 
 @pytest.fixture(scope="module")
