@@ -519,8 +519,13 @@ def llm_server(name: str, port: int) -> tuple[Server, str, dict[str, Any]]:
     """(server, model name in requests, extra body fields)."""
 
     repo = HERE / ".build" / "demo_llm"
-    if not (repo / "smollm2" / "config.yaml").exists():
-        build_demo(repo, "smollm2")
+    shutil.rmtree(repo, ignore_errors=True)  # follow the current demo config
+    build_demo(repo, "smollm2")
+    config_path = repo / "smollm2" / "config.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    # the same prompts come back at every level: no prefix cache on either side
+    config.setdefault("parameters", {})["enable_prefix_caching"] = "false"
+    config_path.write_text(yaml.safe_dump(config))
     if name == "lockgate":
         command = [
             str(ROOT / ".venv" / "bin" / "lockgate"),
@@ -704,7 +709,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", default="lockgate,lockgate-slo,mlserver,kserve,litserve,"
                         "bentoml,ray")  # fmt: skip
-    parser.add_argument("--models", default="digits,minilm")
+    parser.add_argument("--models", default="digits,minilm", help="'' to skip")
     parser.add_argument("--llm", default="lockgate,llama.cpp", help="'' to skip")
     parser.add_argument("--llm-concurrency", default="1,8,32")
     parser.add_argument("--quick", action="store_true", help="short levels, for a smoke test")
@@ -728,7 +733,7 @@ def main() -> int:
     wanted = args.servers.split(",")
     started = time.monotonic()
     models: dict[str, dict[str, Any]] = {}
-    for model in args.models.split(","):
+    for model in filter(None, args.models.split(",")):
         lockgate_repo(model, "same")  # builds the demo models once
         ref = reference(model)
         servers = [lockgate_server(model, args.port, "same"), lockgate_server(model, args.port,
