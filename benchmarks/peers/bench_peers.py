@@ -641,7 +641,7 @@ def markdown(result: dict[str, Any]) -> str:
     for model, servers in result["models"].items():
         lines += [
             f"## {model}\n",
-            *([f"Measured {runs[model]}.\n"] if model in runs else []),
+            f"Measured {', '.join(sorted({r.get('measured', '?') for r in servers.values()}))}.\n",
             "| server | batching | capacity req/s | max rate p99<50ms | p50 @50% | p99 @50% "
             "| p50 @90% | p99 @90% | RSS MiB | procs | check |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -719,7 +719,7 @@ def main() -> int:
     parser.add_argument(
         "--merge",
         action="store_true",
-        help="keep the earlier results in --output for the models and LLM servers not run now",
+        help="keep the earlier results in --output for the servers and models not run now",
     )
     args = parser.parse_args()
     if args.render:
@@ -742,18 +742,28 @@ def main() -> int:
         for server in servers:
             if server.name in wanted:
                 result = run_server(server, args.quick, ref)
-                models[model][server.name] = {"batching": server.batching, **result}
+                models[model][server.name] = {
+                    "batching": server.batching,
+                    "measured": environment()["date"],
+                    **result,
+                }
     llm = {}
     for name in filter(None, args.llm.split(",")):
         levels = tuple(int(c) for c in args.llm_concurrency.split(","))
         llm[name] = run_llm(name, args.port, levels)
-    runs = {part: environment()["date"] for part in [*models, *(f"llm:{n}" for n in llm)]}
+    runs = {f"llm:{n}": environment()["date"] for n in llm}
     output = Path(args.output)
     if args.merge and output.with_suffix(".json").exists():
         earlier = json.loads(output.with_suffix(".json").read_text())
         first = earlier["environment"]["date"]
-        runs = {**{part: first for part in earlier["models"]}, **earlier.get("runs", {}), **runs}
-        models = {**earlier["models"], **models}
+        for servers in earlier["models"].values():
+            for entry in servers.values():
+                entry.setdefault("measured", first)
+        runs = {**earlier.get("runs", {}), **runs}
+        models = {
+            name: {**earlier["models"].get(name, {}), **models.get(name, {})}
+            for name in {**earlier["models"], **models}
+        }
         llm = {**earlier.get("llm", {}), **llm}
     result = {
         "suite": "peers",
