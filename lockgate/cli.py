@@ -43,6 +43,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="seconds to receive a request body in full; past it, 408 and the connection closes",
     )
     p.add_argument(
+        "--keep-alive-timeout",
+        type=int,
+        default=75.0,
+        help="idle seconds before a kept-alive HTTP connection closes",
+    )
+    p.add_argument(
         "--limit-concurrency",
         type=int,
         default=1024,
@@ -110,6 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         drain_timeout=args.drain_timeout,
         limit_concurrency=args.limit_concurrency,
+        keep_alive_timeout=args.keep_alive_timeout,
         http=http,
         serving=serving,
         grpc_port=8001 if args.grpc_port is None else (args.grpc_port or None),

@@ -53,6 +53,10 @@ class ServeOptions:
     limit_concurrency: int | None = 1024  # connections beyond this get 503 at once
     backlog: int = 2048
     max_head_bytes: int = 64 * 1024  # request line and headers, as nginx's 4 x 8 KiB and more
+    # idle seconds before a kept-alive connection closes: longer than the idle timeout of the
+    # proxies in front (60 s on AWS ALB and nginx), so they never reuse a connection this end
+    # is closing, which the client would see as a reset
+    keep_alive_timeout: int = 75
     http: ServerSettings = field(default_factory=ServerSettings)
     serving: ServingSettings = field(default_factory=ServingSettings)
     extensions: list[Extension] = field(default_factory=list)  # e.g. the LLM engine
@@ -215,7 +219,7 @@ async def serve(options: ServeOptions) -> int:
         limit_concurrency=options.limit_concurrency,
         backlog=options.backlog,
         timeout_graceful_shutdown=int(options.drain_timeout),
-        timeout_keep_alive=5,
+        timeout_keep_alive=options.keep_alive_timeout,
     )
     try:
         grpc_server = await _start_grpc(app, options)

@@ -558,6 +558,10 @@ def test_perf_analyzer_drives_grpc(server: RunningServer, tmp_path: Path) -> Non
         server.grpc_address,
         "-i",
         "grpc",
+        # digits_onnx's 50 ms SLO is its default deadline; a stalled machine must not turn
+        # into a 504, which ends perf_analyzer's run
+        "--request-parameter",
+        "timeout:10000000:int",
         "--concurrency-range",
         "1:4:3",
         "--measurement-interval",

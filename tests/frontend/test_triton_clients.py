@@ -103,6 +103,10 @@ def test_perf_analyzer_drives_the_server(server: RunningServer, tmp_path: Path) 
         server.address,
         "-i",
         "http",
+        # digits_onnx's 50 ms SLO is its default deadline; a stalled machine must not turn
+        # into a 504, which ends perf_analyzer's run
+        "-H",
+        "Request-Timeout:10",
         "--concurrency-range",
         "1:4:3",
         "--measurement-interval",
