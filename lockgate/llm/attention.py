@@ -17,16 +17,23 @@ The KV cache of one layer is a pair of tensors [num_blocks, block_size, n_kv_hea
 
 The second half of this module is the paged attention itself: `plan_attention` turns the
 metadata into per-step index tensors once, and `paged_attention` runs one layer with them.
+Decoding sequences are attended in batched SDPA calls over keys padded to the longest context
+of the batch; when contexts differ widely, the plan splits them (by length) into a few
+batches whenever that saves at least `MIN_PADDING_SAVED` padded key positions per split.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from lockgate.errors import BadRequest
+
+MIN_PADDING_SAVED = 512  # key positions a split of the decode batch must save (~ one call)
+MAX_DECODE_BATCHES = 4
 
 
 @dataclass(slots=True)
@@ -64,8 +71,11 @@ class DecodeBatch:
     """Sequences whose query is one token, attended in one batched SDPA call."""
 
     token_idx: torch.Tensor | None  # [Sd] rows of T; None when every token decodes, in order
-    block_tables: torch.Tensor  # [Sd, nb] trimmed to the longest context
-    mask: torch.Tensor  # [Sd, 1, 1, nb * block_size] True where a key position is < seq_len
+    block_ids: torch.Tensor  # [Sd * nb] each sequence's blocks, trimmed to the longest context
+    num_blocks: int  # nb
+    key_len: int  # keys attended per sequence: nb * block_size, or the common length
+    mask: torch.Tensor | None  # [Sd, 1, 1, key_len] True where a key position is < seq_len;
+    # None when every sequence has key_len keys
 
 
 @dataclass(slots=True)
@@ -86,12 +96,12 @@ class AttentionPlan:
 
     num_tokens: int
     block_size: int
-    decode: DecodeBatch | None
+    decodes: list[DecodeBatch]  # sequences with one query token, grouped by context length
     prefills: list[PrefillSegment]
 
 
 def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
-    """Check the metadata and split the step into one decode batch and prefill segments."""
+    """Check the metadata and split the step into decode batches and prefill segments."""
     _check_metadata(meta)
     starts = [0]
     for q in meta.query_lens_list:
@@ -100,8 +110,39 @@ def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
     prefills = [
         _prefill_segment(meta, i, starts[i]) for i, q in enumerate(meta.query_lens_list) if q > 1
     ]
-    decode = _decode_batch(meta, decode_rows, starts) if decode_rows else None
-    return AttentionPlan(starts[-1], meta.block_size, decode, prefills)
+    decodes = [_decode_batch(meta, rows, starts) for rows in _group_by_length(meta, decode_rows)]
+    return AttentionPlan(starts[-1], meta.block_size, decodes, prefills)
+
+
+def _group_by_length(meta: AttentionMetadata, rows: list[int]) -> list[list[int]]:
+    """Decode rows in groups of similar context length, keeping the original order when one
+    group is best (padding of a group = its size times its longest context)."""
+    if not rows:
+        return []
+    order = sorted(rows, key=lambda i: meta.seq_lens_list[i])
+    lens = [meta.seq_lens_list[i] for i in order]  # ascending
+    cuts = [len(order)]  # group boundaries, from the end
+    while len(cuts) < MAX_DECODE_BATCHES:
+        cut = _best_split(lens[: cuts[-1]])
+        if cut is None:
+            break
+        cuts.append(cut)
+    if len(cuts) == 1:
+        return [rows]
+    bounds = [0, *reversed(cuts)]
+    return [order[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _best_split(lens: list[int]) -> int | None:
+    """The cut i of ascending `lens` into [:i] and [i:] that saves the most padding, if it
+    saves at least MIN_PADDING_SAVED key positions."""
+    n, whole = len(lens), len(lens) * lens[-1]
+    best, best_cost = None, whole - MIN_PADDING_SAVED
+    for i in range(1, n):
+        cost = i * lens[i - 1] + (n - i) * lens[-1]
+        if cost <= best_cost:
+            best, best_cost = i, cost
+    return best
 
 
 def _check_metadata(meta: AttentionMetadata) -> None:
@@ -123,14 +164,20 @@ def _check_metadata(meta: AttentionMetadata) -> None:
 
 def _decode_batch(meta: AttentionMetadata, rows: list[int], starts: list[int]) -> DecodeBatch:
     seq_lens = [meta.seq_lens_list[i] for i in rows]
-    num_blocks = -(-max(seq_lens) // meta.block_size)
-    everything = len(rows) == meta.num_seqs
-    rows_t = torch.tensor(rows, dtype=torch.long)
-    tables = meta.block_tables if everything else meta.block_tables.index_select(0, rows_t)
+    longest = max(seq_lens)
+    num_blocks = -(-longest // meta.block_size)
+    everything = rows == list(range(meta.num_seqs))
+    tables = meta.block_tables[:, :num_blocks]
+    if not everything:
+        tables = tables.index_select(0, torch.tensor(rows, dtype=torch.long))
+    token_idx = None if everything else torch.tensor([starts[i] for i in rows], dtype=torch.long)
+    if min(seq_lens) == longest:  # all contexts equal: slice the keys, no mask
+        return DecodeBatch(token_idx, tables.reshape(-1), num_blocks, longest, None)
     key_pos = torch.arange(num_blocks * meta.block_size)
     mask = key_pos[None, :] < torch.tensor(seq_lens)[:, None]  # [Sd, L]
-    token_idx = None if everything else torch.tensor([starts[i] for i in rows], dtype=torch.long)
-    return DecodeBatch(token_idx, tables[:, :num_blocks].contiguous(), mask[:, None, None, :])
+    return DecodeBatch(
+        token_idx, tables.reshape(-1), num_blocks, num_blocks * meta.block_size, mask[:, None, None]
+    )
 
 
 def _prefill_segment(meta: AttentionMetadata, i: int, start: int) -> PrefillSegment:
@@ -169,19 +216,24 @@ def paged_attention(
 
     q: [T, nh, d]; k, v: [T, kvh, d], already written to the cache. Returns [T, nh * d].
     """
-    if plan.decode is not None and not plan.prefills and plan.decode.token_idx is None:
-        return _attend_decode(q, k_cache, v_cache, plan.decode, plan.block_size)
+    decodes = plan.decodes
+    if len(decodes) == 1 and not plan.prefills and decodes[0].token_idx is None:
+        return _attend_decode(q, k_cache, v_cache, decodes[0], plan.block_size)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    if plan.decode is not None:
-        rows = plan.decode.token_idx
+    for batch in decodes:
+        rows = batch.token_idx
         assert rows is not None
-        dec = _attend_decode(
-            q.index_select(0, rows), k_cache, v_cache, plan.decode, plan.block_size
-        )
+        dec = _attend_decode(q.index_select(0, rows), k_cache, v_cache, batch, plan.block_size)
         out.index_copy_(0, rows, dec)
     for seg in plan.prefills:
         out[seg.start : seg.end] = _attend_prefill(q, k, v, k_cache, v_cache, seg)
     return out
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, kvh, d], block_ids [n] -> [n * block_size, kvh, d]."""
+    nb, bs, kvh, d = cache.shape
+    return cache.view(nb, bs * kvh * d).index_select(0, block_ids).view(-1, kvh, d)
 
 
 def _attend_decode(
@@ -190,9 +242,11 @@ def _attend_decode(
     # q: [Sd, nh, d]; grouped-query heads become query rows of their KV head: [Sd, kvh, g, d]
     sd, nh, d = q.shape
     kvh = k_cache.shape[2]
-    length = batch.block_tables.shape[1] * bs
-    keys = k_cache[batch.block_tables].view(sd, length, kvh, d).transpose(1, 2)  # [Sd, kvh, L, d]
-    values = v_cache[batch.block_tables].view(sd, length, kvh, d).transpose(1, 2)
+    length = batch.num_blocks * bs
+    keys = gather_blocks(k_cache, batch.block_ids).view(sd, length, kvh, d)
+    values = gather_blocks(v_cache, batch.block_ids).view(sd, length, kvh, d)
+    keys = keys[:, : batch.key_len].transpose(1, 2)  # [Sd, kvh, L, d]
+    values = values[:, : batch.key_len].transpose(1, 2)
     out = F.scaled_dot_product_attention(q.view(sd, kvh, nh // kvh, d), keys, values, batch.mask)
     return out.reshape(sd, nh * d)
 
@@ -205,16 +259,16 @@ def _attend_prefill(
     v_cache: torch.Tensor,
     seg: PrefillSegment,
 ) -> torch.Tensor:
+    # 4-D inputs throughout: SDPA's fused CPU kernels take [B, heads, len, d] only
     nh, d = q.shape[1], q.shape[2]
-    query = q[seg.start : seg.end].transpose(0, 1)  # [nh, q, d]
+    query = q[seg.start : seg.end].transpose(0, 1)[None]  # [1, nh, q, d]
     if seg.mask is None:
         # a whole prompt: its keys are exactly this step's, causal from position 0
-        keys = k[seg.start : seg.end].transpose(0, 1)  # [kvh, q, d]
-        values = v[seg.start : seg.end].transpose(0, 1)
+        keys = k[seg.start : seg.end].transpose(0, 1)[None]  # [1, kvh, q, d]
+        values = v[seg.start : seg.end].transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
     else:
-        kvh = k_cache.shape[2]
-        keys = k_cache[seg.block_ids].view(-1, kvh, d)[: seg.seq_len].transpose(0, 1)  # [kvh, s, d]
-        values = v_cache[seg.block_ids].view(-1, kvh, d)[: seg.seq_len].transpose(0, 1)
+        keys = gather_blocks(k_cache, seg.block_ids)[: seg.seq_len].transpose(0, 1)[None]
+        values = gather_blocks(v_cache, seg.block_ids)[: seg.seq_len].transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(query, keys, values, seg.mask, enable_gqa=True)
-    return out.transpose(0, 1).reshape(-1, nh * d)
+    return out[0].transpose(0, 1).reshape(-1, nh * d)  # [q, nh * d]

@@ -31,6 +31,7 @@ class EngineConfig:
     continuous_batching: bool = True
     dtype: str = "float32"
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    pack_weights: bool = True  # bfloat16: reorder weights for oneDNN once, at load
 
     def __post_init__(self) -> None:
         for fld, ok, problem in self._checks():

@@ -17,6 +17,7 @@ A model folder whose config says `backend: llm` holds the weights in its version
 | enable_prefix_caching | share KV blocks of common prefixes | true |
 | enable_chunked_prefill | split long prompts across steps | true |
 | num_threads | torch intra-op threads | torch's default |
+| pack_weights | bfloat16: reorder the weights for oneDNN once, at load | true |
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from lockgate.llm.engine import AsyncLLMEngine, LLMEngine
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.loader import load_checkpoint
 from lockgate.llm.models.llama import allocate_kv_cache, build_llama, kv_bytes_per_block
+from lockgate.llm.models.packing import pack_linear_weights
 from lockgate.llm.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
 log = logging.getLogger("lockgate.llm")
@@ -78,6 +80,7 @@ def engine_config_from(config: ModelConfig) -> EngineConfig:
         continuous_batching=flag("continuous_batching", True),
         dtype=str(p.get("dtype", "bfloat16")),
         num_threads=number("num_threads", int, None),  # type: ignore[arg-type]
+        pack_weights=flag("pack_weights", True),
     )
 
 
@@ -119,6 +122,8 @@ class LLMService:
         engine_config = engine_config_from(config)
         checkpoint = load_checkpoint(_weights_path(config, version_dir))
         model = build_llama(checkpoint.config, checkpoint.weights, engine_config.dtype)
+        if engine_config.pack_weights:
+            pack_linear_weights(model)
         per_block = kv_bytes_per_block(
             checkpoint.config, engine_config.block_size, engine_config.dtype
         )

@@ -177,6 +177,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_head: nn.Module | None = None  # set by models/packing.py: [N, H] -> [N, V]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -208,6 +209,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> float32 logits [N, vocab]."""
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

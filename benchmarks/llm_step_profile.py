@@ -1,0 +1,222 @@
+"""Where an LLM engine step spends its time: `python -m benchmarks.llm_step_profile`.
+
+Loads the demo SmolLM2-135M the way the server does (`build_smollm2` writes the model folder,
+`LLMService.load` reads it), then drives the synchronous `LLMEngine` directly and prints
+medians of:
+
+- a fresh prefill of 250 tokens (one sequence), step time and model forward;
+- decode steps at batch 1, 8 and 32 with contexts of about 300 tokens;
+- a torch.profiler breakdown of a prefill and of decode steps into linears, the KV write,
+  the attention gather, SDPA, RoPE, norms, the MLP activation, sampling, input preparation
+  and the rest (Python glue), in milliseconds per step.
+
+Not a suite of `benchmarks.run` (it defines no `run`); options: `--batches 1,8,32`,
+`--steps N`, `--threads N`, `--no-breakdown`, `--dtype float32|bfloat16`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from lockgate.core.config_files import load_model_config
+from lockgate.demo.smollm2 import build_smollm2
+from lockgate.llm import runner
+from lockgate.llm.engine import LLMEngine
+from lockgate.llm.models import llama, packing
+from lockgate.llm.sequence import SamplingParams
+from lockgate.llm.service import LLMService
+
+PREFILL_LEN = 250
+CONTEXT_LEN = 300
+VOCAB_LOW, VOCAB_HIGH = 100, 40_000  # ordinary token ids, no special tokens
+
+
+@dataclass(slots=True)
+class StepTimes:
+    step_ms: float  # median wall time of LLMEngine.step
+    forward_ms: float  # median model forward + logits (RunnerOutput.forward_time)
+
+
+def load_engine(dtype: str | None, threads: int | None) -> tuple[LLMEngine, float]:
+    """The demo model folder, loaded by `LLMService.load`; its async stepping thread stopped."""
+    with tempfile.TemporaryDirectory(prefix="lockgate-profile-") as tmp:
+        folder = Path(tmp) / "smollm2"
+        folder.mkdir()
+        build_smollm2(folder, lambda message: print(f"  build: {message}"))
+        config_file = folder / "config.yaml"
+        raw = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+        raw["parameters"]["enable_prefix_caching"] = "false"  # every prompt computes in full
+        if dtype is not None:
+            raw["parameters"]["dtype"] = dtype
+        if threads is not None:
+            raw["parameters"]["num_threads"] = str(threads)
+        config_file.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+        start = time.perf_counter()
+        service = LLMService.load(load_model_config(folder), folder / "1")
+        load_seconds = time.perf_counter() - start
+    service.close()
+    return service.engine.engine, load_seconds
+
+
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)]
+
+
+def timed_step(engine: LLMEngine) -> tuple[float, float]:
+    """(step seconds, forward seconds) of one engine step."""
+    before = engine.counters.forward_time
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start, engine.counters.forward_time - before
+
+
+def measure_prefill(engine: LLMEngine, rng: random.Random, repeats: int) -> StepTimes:
+    steps, forwards = [], []
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for _ in range(repeats):
+        engine.add_request(random_prompt(rng, PREFILL_LEN), params)
+        step, forward = timed_step(engine)
+        steps.append(step)
+        forwards.append(forward)
+        drain(engine)
+    return StepTimes(1e3 * statistics.median(steps), 1e3 * statistics.median(forwards))
+
+
+def drain(engine: LLMEngine) -> None:
+    for seq_id in list(engine.scheduler.sequences):
+        engine.abort(seq_id)
+    while engine.has_unfinished:
+        engine.step()
+
+
+def start_decodes(engine: LLMEngine, rng: random.Random, batch: int) -> None:
+    """`batch` sequences with CONTEXT_LEN-token prompts, prefilled, now decoding."""
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(random_prompt(rng, CONTEXT_LEN), params)
+    while any(seq.is_prefill for seq in engine.scheduler.sequences.values()):
+        engine.step()
+
+
+def measure_decode(engine: LLMEngine, rng: random.Random, batch: int, steps: int) -> StepTimes:
+    start_decodes(engine, rng, batch)
+    times = [timed_step(engine) for _ in range(steps)]
+    drain(engine)
+    return StepTimes(
+        1e3 * statistics.median(t[0] for t in times), 1e3 * statistics.median(t[1] for t in times)
+    )
+
+
+# breakdown ------------------------------------------------------------------------------------
+
+# (range label, module or class, attribute): each callable runs inside a profiler range
+PATCHES: list[tuple[str, Any, str]] = [
+    ("linear (incl. logits head)", nn.Linear, "forward"),
+    ("linear (incl. logits head)", packing.PackedLinear, "forward"),
+    ("rmsnorm", llama.RMSNorm, "forward"),
+    ("rope", llama, "apply_rope"),
+    ("kv write", llama, "write_kv"),
+    ("attention plan", llama, "plan_attention"),
+    ("attention", llama, "paged_attention"),
+    ("mlp activation", llama.F, "silu"),
+    ("sampling", runner.Sampler, "__call__"),
+    ("prepare inputs", runner.ModelRunner, "prepare"),
+]
+SDPA_OPS = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product")
+
+
+def _ranged(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with record_function(f"lg::{label}"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@contextmanager
+def labelled_ranges() -> Iterator[None]:
+    saved = [(owner, name, getattr(owner, name)) for _, owner, name in PATCHES]
+    try:
+        for label, owner, name in PATCHES:
+            setattr(owner, name, _ranged(label, getattr(owner, name)))
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def breakdown(engine: LLMEngine, rng: random.Random, batch: int, steps: int) -> dict[str, float]:
+    """Milliseconds per decode step (batch > 0) or per fresh prefill of PREFILL_LEN tokens
+    (batch 0) in each labelled range, plus attention's SDPA share."""
+    if batch:
+        start_decodes(engine, rng, batch)
+    else:
+        steps = 1
+        engine.add_request(random_prompt(rng, PREFILL_LEN), SamplingParams(max_tokens=1))
+    with labelled_ranges(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    drain(engine)
+    per_step: dict[str, float] = {}
+    sdpa = 0.0
+    for event in prof.key_averages():
+        if event.key.startswith("lg::"):
+            per_step[event.key[4:]] = event.cpu_time_total / 1e3 / steps
+        elif event.key.startswith(SDPA_OPS) and event.key.endswith("attention"):
+            sdpa = max(sdpa, event.cpu_time_total / 1e3 / steps)
+    if "attention" in per_step:
+        per_step["attention: SDPA"] = sdpa
+        per_step["attention: gather, masks, copies"] = per_step.pop("attention") - sdpa
+    per_step["other (python glue)"] = 1e3 * wall / steps - sum(per_step.values())
+    per_step["step (profiled)"] = 1e3 * wall / steps
+    return per_step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.llm_step_profile")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed per batch")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"))
+    parser.add_argument("--no-breakdown", action="store_true")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    rng = random.Random(0)
+    engine, load_seconds = load_engine(args.dtype, args.threads)
+    print(f"loaded in {load_seconds:.2f} s; dtype {engine.config.dtype}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+    prefill = measure_prefill(engine, rng, repeats=5)
+    print(f"prefill {PREFILL_LEN} tokens: step {prefill.step_ms:.1f} ms, "
+          f"forward {prefill.forward_ms:.1f} ms")  # fmt: skip
+    for batch in batches:
+        t = measure_decode(engine, rng, batch, args.steps)
+        print(f"decode batch {batch:>2} (ctx ~{CONTEXT_LEN}): step {t.step_ms:.1f} ms, "
+              f"forward {t.forward_ms:.1f} ms, {1e3 * batch / t.step_ms:.0f} tok/s, "
+              f"overhead {1 - t.forward_ms / t.step_ms:.0%}")  # fmt: skip
+    if not args.no_breakdown:
+        for batch in [0, *batches]:
+            what = f"decode batch {batch}" if batch else f"prefill {PREFILL_LEN}"
+            print(f"breakdown, {what} (ms per step, profiler on):")
+            for label, ms in breakdown(engine, rng, batch, max(3, args.steps // 4)).items():
+                print(f"  {label:<34} {ms:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""Pre-packed bfloat16 weights: the same results as the plain model, or no change at all."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lockgate.llm.loader import Checkpoint
+from lockgate.llm.models.llama import LlamaForCausalLM, build_llama
+from lockgate.llm.models.packing import PackedLinear, can_pack, pack_linear_weights
+from tests.llm.conftest import PagedLoop
+
+needs_onednn_bf16 = pytest.mark.skipif(
+    not can_pack(torch.bfloat16), reason="no oneDNN bfloat16 kernels on this CPU"
+)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_packed_linear_equals_linear(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 80, generator=gen).to(torch.bfloat16)
+    torch.testing.assert_close(PackedLinear(weight)(x), nn.functional.linear(x, weight))
+
+
+def test_float32_models_are_not_packed(model: LlamaForCausalLM) -> None:
+    assert not can_pack(torch.float32)
+    assert model.logits_head is None
+
+
+@needs_onednn_bf16
+def test_packed_model_gives_the_plain_models_logits(checkpoint: Checkpoint) -> None:
+    config = checkpoint.config
+    plain = build_llama(config, checkpoint.weights, "bfloat16")
+    packed = build_llama(config, checkpoint.weights, "bfloat16")
+    assert pack_linear_weights(packed) == 4 * config.num_hidden_layers + 1
+    assert not any(isinstance(m, nn.Linear) for m in packed.layers.modules())
+    prompt = list(range(100, 140))
+    logits = []
+    for m in (plain, packed):
+        loop = PagedLoop(m, num_blocks=16)
+        first = loop.step([(0, prompt)])  # prefill: [1, V]
+        logits.append(torch.cat([first, loop.step([(0, [int(first.argmax())])])]))  # + decode
+    torch.testing.assert_close(logits[1], logits[0], atol=0.05, rtol=0.02)
+    assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
