@@ -535,7 +535,7 @@ def llm_server(name: str, port: int) -> tuple[Server, str, dict[str, Any]]:
             str(port),
         ]
         server = Server(name, "smollm2", command, port, "/v1/completions", "openai")
-        return server, "smollm2", {}
+        return server, str(config["parameters"].get("served_model_name", "smollm2")), {}
     binary = HERE / ".build" / "llama" / "llama.cpp" / "build" / "bin" / "llama-server"
     gguf = next((repo / "smollm2").glob("*/model.gguf"))
     command = [str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1",
