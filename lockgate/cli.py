@@ -52,7 +52,30 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--limit-concurrency",
         type=int,
         default=1024,
-        help="open connections beyond this are answered 503 at once",
+        help="requests in progress (complete heads) beyond this are answered 503 at once; "
+        "health probes are never refused",
+    )
+    p.add_argument(
+        "--max-loop-lag-ms",
+        type=float,
+        default=20.0,
+        help="event-loop lag past which new requests get 503 before their body is read (0: off)",
+    )
+    p.add_argument(
+        "--head-timeout",
+        type=float,
+        default=10.0,
+        help="seconds for a request line and headers to arrive in full; past it, the "
+        "connection closes",
+    )
+    p.add_argument(
+        "--max-connections", type=int, default=16384, help="open HTTP connections in all"
+    )
+    p.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=1024,
+        help="open HTTP connections from one client address",
     )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
     p.add_argument(
@@ -87,6 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
     from lockgate.core.admission import AdmissionSettings
     from lockgate.core.models import ServingSettings
     from lockgate.frontend.app import ServerSettings
+    from lockgate.frontend.gate import GateSettings
     from lockgate.frontend.server import ServeOptions, run
 
     repository = args.repository
@@ -115,7 +139,13 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         drain_timeout=args.drain_timeout,
-        limit_concurrency=args.limit_concurrency,
+        gate=GateSettings(
+            max_lag=args.max_loop_lag_ms / 1000.0,
+            max_requests=args.limit_concurrency,
+            head_timeout=args.head_timeout,
+            max_connections=args.max_connections,
+            max_connections_per_client=args.max_connections_per_client,
+        ),
         keep_alive_timeout=args.keep_alive_timeout,
         http=http,
         serving=serving,

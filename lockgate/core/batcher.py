@@ -44,6 +44,7 @@ class Batch:
     requests: list[InferRequest]
     rows: int
     formed: float = field(default_factory=time.monotonic)
+    started: float = 0.0  # when an instance took it
 
     def inputs(self, batching: bool) -> Arrays:
         first = self.requests[0].inputs
@@ -100,7 +101,7 @@ class Batcher:
         self.queued_rows = 0
         self.max_queue_rows = settings.max_queue_size
         self.free: deque[Instance] = deque(instances)
-        self.busy_until: dict[Instance, float] = {}  # expected end of each running batch
+        self.running: dict[Instance, Batch] = {}  # the batch each busy instance runs
         self._back_to_back: dict[Instance, tuple[float, int]] = {}  # start, rows of last batch
         self.rate = RateMeter()
         self.admission = Admission(admission or AdmissionSettings(), profile)
@@ -143,10 +144,10 @@ class Batcher:
     async def submit(self, request: InferRequest) -> Arrays:
         """Admit, queue and wait for the answer. Raises a ServingError on refusal or failure."""
         now = time.monotonic()
-        request.arrival = now
+        request.arrival = min(request.arrival, now)  # the front end may have stamped it earlier
         slo = self.slo
         if request.deadline is None and slo is not None:
-            request.deadline = now + slo  # the SLO is the default deadline
+            request.deadline = request.arrival + slo  # the SLO is the default deadline
             request.soft_deadline = True
         self._admit(request, now)
         loop = asyncio.get_running_loop()
@@ -172,6 +173,8 @@ class Batcher:
             self._count("cancelled")
             raise
         except ServingError as exc:
+            if isinstance(exc, DeadlineExceeded):  # at least this late: a lower bound counts
+                self.admission.answered(request, time.monotonic())
             self._count(exc.kind)
             raise
         finally:
@@ -181,7 +184,9 @@ class Batcher:
             if self._inflight == 0:
                 self._idle.set()
         self._count("success")
-        self.metrics.request_latency.observe(self.labels, time.monotonic() - request.arrival)
+        done = time.monotonic()
+        self.admission.answered(request, done)
+        self.metrics.request_latency.observe(self.labels, done - request.arrival)
         return result
 
     def _dispatch_now(self, request: InferRequest, now: float) -> bool:
@@ -216,6 +221,7 @@ class Batcher:
                 )
                 break
             self._shed(victim)
+        request.admitted = now
         verdict = self.admission.check(request, now, self.queue_state(level, now))
         if verdict is not None:
             self._reject("deadline_unmeetable", verdict)
@@ -236,8 +242,15 @@ class Batcher:
     def queue_state(self, level: int, now: float) -> QueueState:
         """The queue as a request of priority `level` arriving now would find it."""
         cap, _ = self.cap_and_window(now)
-        free_at = sorted(max(now, self.busy_until.get(i, now)) for i in self.instances if i.healthy)
+        free_at = sorted(self._free_at(i, now) for i in self.instances if i.healthy)
         return QueueState(self._rows_ahead(level), cap, tuple(free_at), self._capacity())
+
+    def _free_at(self, instance: Instance, now: float) -> float:
+        """When the instance should take its next batch, from the profile as it is now."""
+        batch = self.running.get(instance)
+        if batch is None:
+            return now
+        return max(now, batch.started + self.profile.service_time(batch.rows))
 
     def _rows_ahead(self, level: int) -> int:
         return sum(sum(r.rows for r in q) for q in self.queues[:level])
@@ -412,7 +425,8 @@ class Batcher:
         if previous is not None:  # the instance went straight from that batch to this one
             previous_start, previous_rows = previous
             self.profile.observe(previous_rows, start - previous_start)
-        self.busy_until[instance] = start + self.profile.service_time(batch.rows)
+        batch.started = start
+        self.running[instance] = batch
         for request in batch.requests:
             self.metrics.queue_latency.observe(self.labels, start - request.arrival)
         return start
@@ -478,7 +492,7 @@ class Batcher:
         self._wake.set()
 
     def _release(self, instance: Instance) -> None:
-        self.busy_until.pop(instance, None)
+        self.running.pop(instance, None)
         if instance.healthy:
             self.free.append(instance)
         self._wake.set()

@@ -35,6 +35,8 @@ class InferRequest:
     arrival: float = field(default_factory=time.monotonic)
     rows: int = 1
     future: asyncio.Future[Arrays] | None = None
+    admitted: float = 0.0  # when admission let it in
+    predicted: float = 0.0  # seconds from admission to answer admission predicted; 0: none
     seq: int = field(default_factory=lambda: next(_ids))
 
     def expired(self, now: float | None = None) -> bool:

@@ -5,6 +5,15 @@ The rule, for a model with a latency SLO (all times in seconds):
 - T(B) is measured at warmup for B = 1, 2, 4, ... max_batch_size, then kept current with an
   exponentially weighted average of every batch the model runs. Between measured sizes,
   T(B) = a + b·B from a least-squares fit.
+- What the CPU does now: the average moves slowly (one stall must not move it), so a second,
+  fast term follows the current load. Every batch gives the ratio of its measured time to
+  the profile's prediction for it; the scale moves by the median of the last three ratios
+  (one stall does not count, two slow batches in a row do), averaged over time with a time
+  constant of `scale_tau` seconds (0.3 s: a lasting change is followed within about a
+  second). The profile answers scale · T(B), and the slow average learns the shape of T(B)
+  from samples divided by the scale, when they are within `band` of the prediction. Batches
+  are timed by the wall clock, so whatever slows them (the event loop's own CPU on a shared
+  core, another process, longer inputs) is in the scale.
 - The batch cap B* is the largest B ≤ max_batch_size with 2·T(B) ≤ SLO. A request that
   arrives just as a batch of B* starts waits at most T(B*) for it and then T(B*) for its
   own batch, so a full batch still meets the SLO.
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,26 +43,48 @@ class ServiceProfile:
     alpha: float = 0.1  # weight of a new observation in the running average
     outlier: float = 2.0  # samples are clamped to this multiple of the running average
     refit_every: int = 64  # observations between refits of a + b·B
+    scale_tau: float = 0.3  # time constant of the scale, seconds
+    band: float = 1.2  # samples this far off the prediction move the scale alone
     observations: int = 0
-    times: dict[int, float] = field(default_factory=dict)
+    times: dict[int, float] = field(default_factory=dict)  # the slow average, unscaled
     fit_a: float = 0.0
     fit_b: float = 0.0
+    scale: float = 1.0  # current service time / the slow average
+    scaled_at: float | None = None  # when the scale last moved
+    ratios: deque[float] = field(default_factory=lambda: deque([1.0, 1.0], maxlen=3))
 
-    def observe(self, batch_size: int, seconds: float) -> None:
-        """Fold one measured batch into the average. A sample more than `outlier` times the
-        average (a preempted thread, a page fault) counts as `outlier` times the average, so
-        one stall cannot move the profile far; a lasting change still moves it within a few
-        dozen batches."""
+    def observe(self, batch_size: int, seconds: float, now: float | None = None) -> None:
+        """Fold one measured batch into the profile (see the module docstring).
+
+        The slow average: a sample more than `outlier` times the average (a preempted thread,
+        a page fault) counts as `outlier` times the average, so one stall cannot move it far.
+        The scale follows a lasting change within about a second."""
+        now = time.monotonic() if now is None else now
         old = self.times.get(batch_size)
         if old is None:
-            self.times[batch_size] = seconds
+            self.times[batch_size] = seconds / self.scale
             self.refit()
             return
-        seconds = min(seconds, self.outlier * old)
+        ratio = seconds / (self.scale * old) if old > 0 else 1.0
+        self._rescale(ratio, now)
+        if not 1 / self.band <= ratio <= self.band:
+            return  # a stall or a change of load: the scale's to follow, not the shape's
+        seconds = min(seconds / self.scale, self.outlier * old)  # the shape, without the load
         self.times[batch_size] = old + self.alpha * (seconds - old)
         self.observations += 1
         if self.observations % self.refit_every == 0:
             self.refit()
+
+    def _rescale(self, ratio: float, now: float) -> None:
+        """`ratio`: a batch's measured time over what the profile predicted for it."""
+        self.ratios.append(ratio)
+        median = sorted(self.ratios)[len(self.ratios) // 2]
+        weight = 1.0
+        if self.scaled_at is not None:
+            weight = 1.0 - math.exp(-max(0.0, now - self.scaled_at) / self.scale_tau)
+        target = self.scale * median
+        self.scale = min(50.0, max(0.02, self.scale + weight * (target - self.scale)))
+        self.scaled_at = now
 
     def refit(self) -> None:
         if not self.times:
@@ -70,10 +102,11 @@ class ServiceProfile:
         return bool(self.times)
 
     def service_time(self, batch_size: int) -> float:
+        """T(B) under the current load: the scale times the average (or the fit)."""
         measured = self.times.get(batch_size)
         if measured is not None:
-            return measured
-        return self.fit_a + self.fit_b * batch_size
+            return self.scale * measured
+        return self.scale * (self.fit_a + self.fit_b * batch_size)
 
     def batch_cap(self, slo: float) -> int:
         """The largest B with 2·T(B) ≤ SLO (at least 1)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,13 @@ class HttpRequest:
     path: str
     max_body: int
     body_timeout: float = 30.0  # seconds to receive the whole body, from the first read
+
+    @property
+    def received(self) -> float:
+        """When the request's first bytes were parsed (`time.monotonic()`), as the protocol
+        layer stamped it; now, for a server that does not stamp it."""
+        stamped = self.scope.get("lockgate.received")
+        return stamped if isinstance(stamped, float) else time.monotonic()
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.scope["headers"]:

@@ -34,9 +34,10 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from lockgate.core.metrics import Registry
+from lockgate.core.metrics import Counter, Registry
 from lockgate.core.models import ModelManager, ServingSettings
 from lockgate.frontend.app import App, ServerSettings
+from lockgate.frontend.gate import Gate, GateSettings
 from lockgate.protocol.v2 import encode_error
 
 log = logging.getLogger("lockgate.server")
@@ -50,7 +51,6 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     drain_timeout: float = 30.0
-    limit_concurrency: int | None = 1024  # connections beyond this get 503 at once
     backlog: int = 2048
     max_head_bytes: int = 64 * 1024  # request line and headers, as nginx's 4 x 8 KiB and more
     # idle seconds before a kept-alive connection closes: longer than the idle timeout of the
@@ -58,6 +58,7 @@ class ServeOptions:
     # is closing, which the client would see as a reset
     keep_alive_timeout: int = 75
     http: ServerSettings = field(default_factory=ServerSettings)
+    gate: GateSettings = field(default_factory=GateSettings)  # connection and saturation limits
     serving: ServingSettings = field(default_factory=ServingSettings)
     extensions: list[Extension] = field(default_factory=list)  # e.g. the LLM engine
     grpc_port: int | None = 8001  # None: no gRPC server
@@ -70,18 +71,85 @@ class HeadTooLarge(httptools.HttpParserCallbackError):
 
 
 class _Protocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a bounded request head and JSON parser errors."""
+    """uvicorn's httptools protocol behind lockgate's connection gate (`frontend/gate.py`):
+    a bounded request head that must arrive within a time limit, connection caps, refusal
+    before the body is read when the loop is saturated, and JSON parser errors.
+
+    Each request's scope carries `lockgate.received`: the `time.monotonic()` at which its
+    first bytes were parsed, so deadlines count the time spent in front of the app."""
 
     max_head_bytes = 64 * 1024
+    gate: Gate
+    refusals: Counter
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.limit_concurrency = None  # the gate counts requests in progress, not connections
         self.head_bytes = 0
         self.head_too_large = False
+        self.address = ""
+        self.counted = False  # this connection is in the gate's table
+        self.head_timer: asyncio.TimerHandle | None = None
+        self.received = 0.0
+        self.refusing = False  # a refused request's body is being skipped
+        self.in_head = False  # part of a request head has arrived, not all of it
+
+    # -- connections -------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.address = self.client[0] if self.client else ""
+        why = self.gate.connect(self.address)
+        if why is not None:
+            self.refusals.inc((why,))
+            transport.abort()
+            return
+        self.counted = True
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.counted:
+            self.counted = False
+            self.gate.disconnect(self.address)
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self.head_timer is None:
+            timeout = self.gate.settings.head_timeout
+            self.head_timer = self.loop.call_later(timeout, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self.head_timer = None
+        if self.transport.is_closing():
+            return
+        self.refusals.inc(("head_timeout",))
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False  # a pipelined head stalled behind a running request
+            return
+        if self.in_head:
+            text = f"request head not received within {self.gate.settings.head_timeout:g} s"
+            self._write_error(408, text, close=True)
+        self.transport.close()
+
+    # -- request heads -------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.refusing:  # the refused request's body is not all here: do not read it
+            self.refusing = False
+            self._write_refusal(close=True)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.received = time.monotonic()
+        self.scope["lockgate.received"] = self.received  # type: ignore[typeddict-unknown-key]
         self.head_bytes = 0
+        self.in_head = True
+        self._arm_head_timer()
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -91,30 +159,99 @@ class _Protocol(HttpToolsProtocol):
         self._count(len(name) + len(value) + 4)
         super().on_header(name, value)
 
+    def on_headers_complete(self) -> None:
+        self._cancel_head_timer()
+        self.in_head = False
+        if self.cycle is None or self.cycle.response_complete:  # not behind a pipelined one
+            path = self.url.partition(b"?")[0].decode("latin-1")
+            why = self.gate.admit(path, len(self.tasks), time.monotonic())
+            if why is not None:
+                self.refusals.inc((why,))
+                self.refusing = True
+                return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self.refusing:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self.refusing:  # the whole refused request was read with its head: keep the connection
+            self.refusing = False
+            self._write_refusal(close=not self.parser.should_keep_alive())
+            return
+        super().on_message_complete()
+
     def _count(self, size: int) -> None:
         self.head_bytes += size
         if self.head_bytes > self.max_head_bytes:
             self.head_too_large = True
             raise HeadTooLarge(f"request head is over {self.max_head_bytes} bytes")
 
-    def send_400_response(self, msg: str) -> None:
-        status, text = 400, "invalid HTTP request"
-        if self.head_too_large:
-            status, text = 431, f"request line and headers are over {self.max_head_bytes} bytes"
+    # -- canned answers ------------------------------------------------------------------
+    def _write_refusal(self, close: bool) -> None:
+        retry = self.gate.retry_after(time.monotonic())
+        head = [b"HTTP/1.1 503 Service Unavailable"]
+        head += [name + b": " + value for name, value in self.server_state.default_headers]
+        head += [b"content-type: application/json", b"content-length: %d" % len(_SATURATED)]
+        head += [b"retry-after: %d" % retry]
+        if close:
+            head.append(b"connection: close")
+        self.transport.write(b"\r\n".join([*head, b"", _SATURATED]))
+        if close:
+            self.transport.close()
+
+    def _write_error(self, status: int, text: str, close: bool) -> None:
         body = encode_error(text)
         head = [b"HTTP/1.1 %d %s" % (status, _REASONS[status])]
         head += [name + b": " + value for name, value in self.server_state.default_headers]
         head += [b"content-type: application/json", b"content-length: %d" % len(body)]
-        head += [b"connection: close", b"", b""]
-        self.transport.write(b"\r\n".join(head) + body)
-        self.transport.close()
+        if close:
+            head.append(b"connection: close")
+        self.transport.write(b"\r\n".join([*head, b"", body]))
+        if close:
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        if self.head_too_large:
+            self._write_error(
+                431, f"request line and headers are over {self.max_head_bytes} bytes", True
+            )
+        else:
+            self._write_error(400, "invalid HTTP request", close=True)
 
 
-_REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+}
+_SATURATED = encode_error("server is saturated: retry later")
 
 
-def _protocol_class(max_head_bytes: int) -> type[_Protocol]:
-    return type("LockgateHttpProtocol", (_Protocol,), {"max_head_bytes": max_head_bytes})
+def _protocol_class(max_head_bytes: int, gate: Gate, refusals: Counter) -> type[_Protocol]:
+    attributes = {"max_head_bytes": max_head_bytes, "gate": gate, "refusals": refusals}
+    return type("LockgateHttpProtocol", (_Protocol,), attributes)
+
+
+class _Sentinel:
+    """Fires every `interval` on the loop and feeds the gate's lag."""
+
+    def __init__(self, gate: Gate, loop: asyncio.AbstractEventLoop) -> None:
+        self.lag = gate.lag
+        self.loop = loop
+        self.handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self._fire()
+
+    def _fire(self) -> None:
+        delay = self.lag.fired(time.monotonic())
+        self.handle = self.loop.call_later(delay, self._fire)
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
 
 
 class _Server(uvicorn.Server):
@@ -207,16 +344,26 @@ async def load(app: App, options: ServeOptions) -> None:
 
 async def serve(options: ServeOptions) -> int:
     app = build_app(options)
+    gate = Gate(options.gate)
+    refusals = app.models.registry.counter(
+        "lockgate_http_refused_total",
+        "HTTP connections closed or requests refused by the connection gate, before any "
+        "body was read, by reason (loop_lag, requests, connections, client_connections, "
+        "head_timeout).",
+        ("reason",),
+    )
+    sentinel = _Sentinel(gate, asyncio.get_running_loop())
+    sentinel.start()
     config = uvicorn.Config(
         app,
         host=options.host,
         port=options.port,
         loop="none",
         lifespan="off",
-        http=_protocol_class(options.max_head_bytes),
+        http=_protocol_class(options.max_head_bytes, gate, refusals),
         access_log=False,
         log_level="warning",
-        limit_concurrency=options.limit_concurrency,
+        limit_concurrency=None,  # the gate counts requests in progress (frontend/gate.py)
         backlog=options.backlog,
         timeout_graceful_shutdown=int(options.drain_timeout),
         timeout_keep_alive=options.keep_alive_timeout,
@@ -230,6 +377,7 @@ async def serve(options: ServeOptions) -> int:
     loader = asyncio.get_running_loop().create_task(load(app, options))
     log.info("lockgate listening on http://%s:%d", options.host, options.port)
     await server.serve()
+    sentinel.stop()
     loader.cancel()
     if grpc_server is not None:
         await grpc_server.stop(0)  # cancels RPCs still running after a second signal
@@ -267,6 +415,7 @@ async def _cancel_requests(server: uvicorn.Server) -> None:
 
 
 def run(options: ServeOptions) -> int:
+    _raise_open_file_limit()
     try:
         import uvloop
 
@@ -275,6 +424,18 @@ def run(options: ServeOptions) -> int:
         code = asyncio.run(serve(options))
     _exit_past_busy_threads(code)
     return code
+
+
+def _raise_open_file_limit() -> None:
+    """Connections are file descriptors: take the hard limit, so the gate's caps bind first."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError) as exc:
+        log.warning("could not raise the open file limit: %s", exc)
 
 
 def _exit_past_busy_threads(code: int, grace: float = 1.0) -> None:

@@ -36,8 +36,9 @@ def parse_version(text: str | None) -> int | None:
 def deadline_of(
     request: HttpRequest, parameters: dict[str, object], served: ServedVersion
 ) -> float | None:
-    """Deadline from the `timeout` parameter (µs), a Request-Timeout header (s), or the model."""
-    now = time.monotonic()
+    """Deadline from the `timeout` parameter (µs), a Request-Timeout header (s), or the model,
+    counted from the request's arrival: time spent reading and parsing it counts."""
+    now = request.received
     timeout_us = parameters.get("timeout")
     if isinstance(timeout_us, int) and not isinstance(timeout_us, bool) and timeout_us > 0:
         return now + timeout_us / 1e6
@@ -62,7 +63,11 @@ def priority_of(parameters: dict[str, object]) -> int:
 
 
 def core_request(
-    name: str, served: ServedVersion, decoded: v2.V2InferRequest, deadline: float | None
+    name: str,
+    served: ServedVersion,
+    decoded: v2.V2InferRequest,
+    deadline: float | None,
+    arrival: float | None = None,
 ) -> InferRequest:
     """A decoded v2 request (REST or gRPC), checked against the model's config."""
     rows = validate_inputs(served.config, decoded.inputs, decoded.input_datatypes)
@@ -77,6 +82,7 @@ def core_request(
         priority=priority_of(decoded.parameters),
         id=decoded.id,
         rows=rows,
+        arrival=time.monotonic() if arrival is None else arrival,
     )
 
 
@@ -87,7 +93,8 @@ async def infer(
     body = await request.body()
     decoded = v2.decode_infer_request(body, request.header_str(b"inference-header-content-length"))
     config = served.config
-    core = core_request(name, served, decoded, deadline_of(request, decoded.parameters, served))
+    deadline = deadline_of(request, decoded.parameters, served)
+    core = core_request(name, served, decoded, deadline, request.received)
     async with cancel_on_disconnect(request.receive):
         outputs = await models.infer(core)
     payload, header_length = v2.encode_infer_response(

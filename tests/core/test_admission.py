@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lockgate.core.admission import Admission, AdmissionSettings, QueueState
+from lockgate.core.admission import Admission, AdmissionSettings, Calibration, QueueState
 from lockgate.core.request import InferRequest
 from lockgate.core.slo import ServiceProfile
 from lockgate.errors import Unavailable
@@ -81,3 +81,31 @@ def test_retry_after_is_the_time_to_drain_the_queue() -> None:
     assert Admission.retry_after(10, 100.0) == 1.0  # at least a second
     assert Admission.retry_after(10, 0.0) == 1.0
     assert Admission.retry_after(10, float("inf")) == 1.0
+
+
+def test_calibration_is_a_bounded_high_quantile_of_observed_over_predicted() -> None:
+    calibration = Calibration(window=100, quantile=0.9, low=0.8, high=4.0)
+    assert calibration.factor == 1.0
+    for i in range(100):  # ratios 1.00 .. 1.99
+        calibration.observe(0.1, 0.1 * (1 + i / 100))
+    assert calibration.factor == pytest.approx(1.9, abs=0.1)
+    for _ in range(100):  # the window moves on: predictions far too low
+        calibration.observe(0.1, 1.0)
+    assert calibration.factor == 4.0  # bounded
+    for _ in range(100):
+        calibration.observe(0.1, 0.01)
+    assert calibration.factor == 0.8
+
+
+def test_admission_learns_from_requests_that_took_longer_than_predicted() -> None:
+    """Predictions that come true at twice their length make admission twice as strict."""
+    admission = Admission(AdmissionSettings(), constant_profile())
+    assert admission.check(request(budget=0.05), NOW, state(4)) is None  # 40 ms predicted
+    for _ in range(64):
+        r = request(budget=1.0)
+        r.admitted = NOW
+        assert admission.check(r, NOW, state(4)) is None
+        admission.answered(r, NOW + 0.080)  # the profile said 40 ms: it took 80
+    assert admission.calibration.factor == pytest.approx(2.0)
+    refusal = admission.check(request(budget=0.05), NOW, state(4))  # now 80 ms predicted
+    assert refusal is not None and "predicted 80.0 ms" in refusal.message

@@ -41,9 +41,35 @@ def test_fit_with_one_size_is_a_constant_and_never_negative() -> None:
 
 def test_observations_are_an_exponential_average() -> None:
     profile = ServiceProfile(4, alpha=0.5)
-    profile.observe(2, 0.010)
-    profile.observe(2, 0.020)
-    assert profile.service_time(2) == pytest.approx(0.015)
+    profile.observe(2, 0.010, now=0.0)
+    profile.observe(2, 0.011, now=0.1)  # within the band: the shape learns, the scale holds
+    assert profile.scale == 1.0
+    assert profile.times[2] == pytest.approx(0.0105)
+
+
+def test_one_stall_does_not_move_the_scale() -> None:
+    profile = linear_profile(8)
+    now = 0.0
+    for _ in range(20):
+        now += 0.05
+        profile.observe(4, A + 4 * B, now=now)
+    profile.observe(4, 10 * (A + 4 * B), now=now + 0.05)  # a preempted thread
+    assert profile.scale == pytest.approx(1.0)
+    assert profile.service_time(4) == pytest.approx(A + 4 * B, rel=0.15)  # the slow average
+
+
+@pytest.mark.parametrize("factor", [3.0, 0.5])
+def test_a_lasting_change_is_followed_within_a_second(factor: float) -> None:
+    """The core slows down threefold (a process beside it) or speeds up twofold: batches
+    every 50 ms of simulated time; within a second T(B) is within 10% of the new value at
+    every size, not only the one observed."""
+    profile = linear_profile(8)
+    now = 0.0
+    while now < 1.0:
+        now += 0.05
+        profile.observe(4, factor * (A + 4 * B), now=now)
+    for size in (1, 4, 8):
+        assert profile.service_time(size) == pytest.approx(factor * (A + B * size), rel=0.1)
 
 
 def test_cap_is_the_largest_batch_with_two_service_times_within_the_slo() -> None:

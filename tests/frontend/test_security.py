@@ -271,8 +271,11 @@ def test_body_limit_chunked(secured: RunningServer) -> None:
     assert "limit" in response.error()
 
 
-def test_connections_over_the_limit_get_503_at_once(secured: RunningServer) -> None:
-    """LIMIT - 1 requests hold their connections mid-body; further ones are refused."""
+def test_requests_over_the_limit_get_503_at_once_and_probes_still_answer(
+    secured: RunningServer,
+) -> None:
+    """LIMIT requests hold their places mid-body; a further request is refused at once, while
+    health probes, which the limit never counts against, still answer."""
     partial = request_bytes(
         "POST",
         "/v2/models/echo/infer",
@@ -281,7 +284,7 @@ def test_connections_over_the_limit_get_503_at_once(secured: RunningServer) -> N
         f"Authorization: Bearer {API_KEYS[0]}",
     )
     holders = [
-        socket.create_connection(("127.0.0.1", secured.port), timeout=10) for _ in range(LIMIT - 1)
+        socket.create_connection(("127.0.0.1", secured.port), timeout=10) for _ in range(LIMIT)
     ]
     try:
         for sock in holders:
@@ -289,9 +292,20 @@ def test_connections_over_the_limit_get_503_at_once(secured: RunningServer) -> N
         time.sleep(0.3)
         for _ in range(3):
             started = time.monotonic()
-            response = exchange(secured, request_bytes("GET", "/v2/health/live"))
-            assert response.status == 503
+            refused = exchange(
+                secured,
+                request_bytes(
+                    "POST",
+                    "/v2/models/echo/infer",
+                    b"{}",
+                    "Content-Length: 2",
+                    f"Authorization: Bearer {API_KEYS[0]}",
+                ),
+            )
+            assert refused.status == 503
             assert time.monotonic() - started < 2
+            assert exchange(secured, request_bytes("GET", "/v2/health/live")).status == 200
+            assert exchange(secured, request_bytes("GET", "/v2/health/ready")).status == 200
         for sock in holders:  # the held requests were admitted: they complete, malformed
             sock.sendall(b" " * 99)
             assert read_response(sock).status == 400

@@ -1,0 +1,138 @@
+"""The connection gate: what the HTTP protocol decides before a request reaches the app.
+
+Three decisions are made per connection or request head, each before any body is read:
+
+- **Saturation (refuse before the parse).** The signal is event-loop lag: a sentinel timer is
+  due every `interval` seconds, and the lag is how late it fires. While the loop keeps up, the
+  lag stays near zero whatever the model does on its own threads; when the loop itself falls
+  behind (more request bytes arrive than it can parse, route and answer), requests wait in
+  socket buffers where no queue can see them, and the lag grows with that wait. Past
+  `max_lag` a new request head is answered 503 with Retry-After at once, from a canned
+  response, with no ASGI task and no body read. The lag is read two ways: the average of the
+  sentinel's recent lags (each firing has weight `weight`, so one stall, say a large body
+  decoded on the loop, does not refuse the requests after it, and a lasting lag does within a
+  few firings), and how overdue the sentinel is right now (the loop may be inside a long
+  iteration that has not let it fire: requests read late in that iteration have waited).
+  Event-loop lag was chosen over an adaptive concurrency limit because it measures the one
+  resource the gate protects (the loop) directly, needs no latency baseline to learn, and
+  reacts within one loop iteration; the batcher's own admission already refuses what the
+  model's queue cannot finish in time.
+- **Requests in progress.** At most `max_requests` requests with a complete head run at once
+  (the rest: 503). Connections still sending a head do not count, so idle or slow
+  connections cannot take the places that probes and complete requests need.
+- **Connections.** At most `max_connections_per_client` open connections per client address
+  and `max_connections` in all; past either, a new connection is closed at once. A request
+  head must arrive in full within `head_timeout` of the connection opening or of the request's
+  first byte; past it, the connection is closed.
+
+Health probes (`/v2/health/live`, `/v2/health/ready`, `/health`) and `/metrics` are never
+refused by the gate, so an orchestrator never restarts a server because it is busy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+EXEMPT_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health", "/metrics"})
+
+
+@dataclass(frozen=True, slots=True)
+class GateSettings:
+    max_lag: float = 0.020  # seconds of event-loop lag past which new requests are refused; 0: off
+    interval: float = 0.005  # seconds between sentinel timers
+    weight: float = 0.25  # weight of the newest firing in the average lag
+    max_requests: int | None = 1024  # requests in progress (complete heads); None: no limit
+    max_connections: int = 16384  # open connections in all
+    max_connections_per_client: int = 1024  # open connections from one client address
+    head_timeout: float = 10.0  # seconds for a request head to arrive in full
+
+    def __post_init__(self) -> None:
+        if not 0 < self.weight <= 1:
+            raise ValueError(f"weight must be in (0, 1], not {self.weight!r}")
+        for name in ("max_lag", "interval", "head_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
+        if self.interval <= 0 or self.head_timeout <= 0:
+            raise ValueError("interval and head_timeout must be > 0")
+        if self.max_connections < 1 or self.max_connections_per_client < 1:
+            raise ValueError("max_connections and max_connections_per_client must be >= 1")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError("max_requests must be >= 1 or None")
+
+
+@dataclass(slots=True)
+class LoopLag:
+    """Event-loop lag from a sentinel timer. Pure bookkeeping: the caller gives the clock."""
+
+    interval: float
+    weight: float
+    due: float = 0.0  # when the sentinel should fire next; 0: not started
+    average: float = 0.0  # weighted average of the lags at recent firings
+
+    def fired(self, now: float) -> float:
+        """The sentinel fired at `now`; returns the delay before the next one."""
+        if self.due:
+            lag = max(0.0, now - self.due)
+            self.average += self.weight * (lag - self.average)
+        self.due = now + self.interval
+        return self.interval
+
+    def current(self, now: float) -> float:
+        """The lag now: the recent average, or how overdue the sentinel is, if more."""
+        overdue = now - self.due if self.due else 0.0
+        return max(overdue, self.average)
+
+
+@dataclass(slots=True)
+class Gate:
+    """Shared by every connection of one server: settings, the lag and the connection table."""
+
+    settings: GateSettings = field(default_factory=GateSettings)
+    lag: LoopLag = field(init=False)
+    connections: Counter[str] = field(default_factory=Counter)  # open connections per address
+    open_connections: int = 0
+    refused: Counter[str] = field(default_factory=Counter)  # refusals by reason
+
+    def __post_init__(self) -> None:
+        self.lag = LoopLag(self.settings.interval, self.settings.weight)
+
+    def connect(self, address: str) -> str | None:
+        """Count a new connection; returns why it must be closed, or None to keep it."""
+        s = self.settings
+        if self.open_connections >= s.max_connections:
+            self.refused["connections"] += 1
+            return "connections"
+        if self.connections[address] >= s.max_connections_per_client:
+            self.refused["client_connections"] += 1
+            return "client_connections"
+        self.connections[address] += 1
+        self.open_connections += 1
+        return None
+
+    def disconnect(self, address: str) -> None:
+        left = self.connections[address] - 1
+        if left > 0:
+            self.connections[address] = left
+        else:
+            del self.connections[address]
+        self.open_connections -= 1
+
+    def admit(self, path: str, in_progress: int, now: float) -> str | None:
+        """Whether a complete request head may go on to the app: None, or the refusal reason."""
+        if path in EXEMPT_PATHS:
+            return None
+        s = self.settings
+        if s.max_requests is not None and in_progress >= s.max_requests:
+            self.refused["requests"] += 1
+            return "requests"
+        if s.max_lag > 0 and self.lag.current(now) > s.max_lag:
+            self.refused["loop_lag"] += 1
+            return "loop_lag"
+        return None
+
+    def retry_after(self, now: float) -> int:
+        """Whole seconds to suggest: at least 1."""
+        return max(1, math.ceil(self.lag.current(now)))
