@@ -58,7 +58,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--max-loop-lag-ms",
         type=float,
-        default=20.0,
+        default=10.0,
         help="event-loop lag past which new requests get 503 before their body is read (0: off)",
     )
     p.add_argument(

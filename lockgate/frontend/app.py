@@ -73,7 +73,8 @@ class App:
         self.closers: list[Callable[[], Awaitable[None]]] = []  # run at shutdown
         self.http_latency = models.registry.histogram(
             "lockgate_http_request_duration_seconds",
-            "Time from the request's arrival to its response headers, by route kind and status.",
+            "Time from the request's first byte to its response headers, by route kind and "
+            "status.",
             ("route", "status"),
         )
 
@@ -83,13 +84,14 @@ class App:
             return
         if scope["type"] != "http":
             return
-        start = time.perf_counter()
+        received = scope.get("lockgate.received")  # the first byte, stamped by the protocol
+        start = received if isinstance(received, float) else time.monotonic()
         route = _route_kind(scope["path"])
 
         async def timed_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status = str(message["status"])
-                self.http_latency.observe((route, status), time.perf_counter() - start)
+                self.http_latency.observe((route, status), time.monotonic() - start)
             await send(message)
 
         request = HttpRequest(

@@ -40,9 +40,9 @@ EXEMPT_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health", "/me
 
 @dataclass(frozen=True, slots=True)
 class GateSettings:
-    max_lag: float = 0.020  # seconds of event-loop lag past which new requests are refused; 0: off
+    max_lag: float = 0.010  # seconds of event-loop lag past which new requests are refused; 0: off
     interval: float = 0.005  # seconds between sentinel timers
-    weight: float = 0.25  # weight of the newest firing in the average lag
+    weight: float = 0.1  # weight of the newest firing in the average lag
     max_requests: int | None = 1024  # requests in progress (complete heads); None: no limit
     max_connections: int = 16384  # open connections in all
     max_connections_per_client: int = 1024  # open connections from one client address

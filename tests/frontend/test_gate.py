@@ -1,0 +1,79 @@
+"""The connection gate's bookkeeping (frontend/gate.py): the loop lag and the tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockgate.frontend.gate import EXEMPT_PATHS, Gate, GateSettings, LoopLag
+
+
+def fire_every(lag: LoopLag, start: float, gap: float, count: int) -> float:
+    now = start
+    for _ in range(count):
+        now += gap
+        lag.fired(now)
+    return now
+
+
+def test_lag_is_zero_while_the_sentinel_fires_on_time() -> None:
+    lag = LoopLag(interval=0.005, weight=0.1)
+    now = fire_every(lag, 0.0, 0.005, 100)
+    assert lag.current(now) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_one_stall_is_not_saturation_but_a_lasting_lag_is() -> None:
+    settings = GateSettings(max_lag=0.010)
+    lag = LoopLag(settings.interval, settings.weight)
+    now = fire_every(lag, 0.0, 0.005, 10)
+    now += 0.005 + 0.080  # one 80 ms stall (a large body decoded on the loop)
+    lag.fired(now)
+    now = fire_every(lag, now, 0.005, 1)
+    assert lag.current(now) < settings.max_lag
+    now = fire_every(lag, now, 0.005 + 0.030, 30)  # the loop is 30 ms behind at every firing
+    assert lag.current(now) > settings.max_lag
+
+
+def test_an_overdue_sentinel_counts_before_it_fires() -> None:
+    lag = LoopLag(interval=0.005, weight=0.1)
+    now = fire_every(lag, 0.0, 0.005, 10)
+    assert lag.current(now + 0.005 + 0.050) == pytest.approx(0.050)  # in a 55 ms iteration
+
+
+def test_gate_refuses_on_lag_and_on_requests_in_progress_but_never_probes() -> None:
+    gate = Gate(GateSettings(max_lag=0.010, max_requests=4))
+    now = fire_every(gate.lag, 0.0, 0.005, 10)
+    assert gate.admit("/v2/models/m/infer", 3, now) is None
+    assert gate.admit("/v2/models/m/infer", 4, now) == "requests"
+    assert gate.admit("/v2/models/m/infer", 0, now + 0.1) == "loop_lag"  # sentinel overdue
+    for path in EXEMPT_PATHS:
+        assert gate.admit(path, 10_000, now + 0.1) is None
+    assert gate.retry_after(now) == 1
+
+
+def test_connection_caps_per_client_and_in_all() -> None:
+    gate = Gate(GateSettings(max_connections=5, max_connections_per_client=3))
+    assert [gate.connect("a") for _ in range(4)] == [None, None, None, "client_connections"]
+    assert gate.connect("b") is None and gate.connect("b") is None
+    assert gate.connect("c") == "connections"  # 5 open in all
+    gate.disconnect("a")
+    assert gate.connect("c") is None
+    for address in ("a", "a", "b", "b", "c"):
+        gate.disconnect(address)
+    assert gate.open_connections == 0 and not gate.connections
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_lag": -1.0},
+        {"max_lag": float("nan")},
+        {"weight": 0.0},
+        {"head_timeout": 0.0},
+        {"max_connections": 0},
+        {"max_connections_per_client": 0},
+        {"max_requests": 0},
+    ],
+)
+def test_settings_are_checked(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        GateSettings(**bad)  # type: ignore[arg-type]

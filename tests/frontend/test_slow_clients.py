@@ -1,0 +1,185 @@
+"""Slow and saturating clients through a real server: partial heads, connection caps, and
+refusal before the body is read when the event loop falls behind. Health probes answer
+throughout."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import RunningServer, digits_rows, start_server
+from tests.frontend.test_hostile_input import exchange, read_response, request_bytes
+
+HEAD_TIMEOUT = 1.5
+PARTIAL = b"POST /v2/models/digits_onnx/infer HTTP/1.1\r\nHost: t\r\nContent-Le"
+
+
+@pytest.fixture(scope="module")
+def gated(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(
+        demo_repo,
+        tmp_path_factory.mktemp("gated"),
+        "--no-llm",
+        "--head-timeout",
+        str(HEAD_TIMEOUT),
+        "--max-connections-per-client",
+        "1100",
+    )
+    yield running
+    running.stop()
+
+
+def probe_ms(server: RunningServer) -> float:
+    started = time.monotonic()
+    response = exchange(server, request_bytes("GET", "/v2/health/live"))
+    assert response.status == 200
+    return (time.monotonic() - started) * 1000
+
+
+def infer_digits(server: RunningServer) -> httpx.Response:
+    x = digits_rows(1)
+    body = {
+        "inputs": [
+            {"name": "input", "shape": [1, 64], "datatype": "FP32", "data": x.ravel().tolist()}
+        ]
+    }
+    return httpx.post(server.url + "/v2/models/digits_onnx/infer", json=body, timeout=30)
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bool:
+    """True when the server closes the connection (or answers and closes) within `within` s."""
+    sock.settimeout(within)
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_thousand_partial_heads_leave_probes_and_requests_served(gated: RunningServer) -> None:
+    holders = []
+    try:
+        for _ in range(1000):
+            sock = socket.create_connection(("127.0.0.1", gated.port), timeout=10)
+            sock.sendall(PARTIAL)
+            holders.append(sock)
+        latencies = [probe_ms(gated) for _ in range(30)]
+        assert statistics.quantiles(latencies, n=100)[98] < 100, latencies
+        assert infer_digits(gated).status_code == 200
+        # past the head timeout the server has closed every one of them
+        deadline = time.monotonic() + HEAD_TIMEOUT + 10
+        for sock in holders:
+            assert closed_by_server(sock, max(0.1, deadline - time.monotonic()))
+    finally:
+        for sock in holders:
+            sock.close()
+    assert infer_digits(gated).status_code == 200
+
+
+def test_a_stalled_head_gets_408_and_an_idle_connection_is_closed(gated: RunningServer) -> None:
+    with socket.create_connection(("127.0.0.1", gated.port), timeout=10) as sock:
+        sock.sendall(PARTIAL)
+        response = read_response(sock)
+        assert response.status == 408 and "head" in response.error()
+    with socket.create_connection(("127.0.0.1", gated.port), timeout=10) as idle:
+        started = time.monotonic()
+        assert closed_by_server(idle, HEAD_TIMEOUT + 10)  # never sent a byte
+        assert time.monotonic() - started >= HEAD_TIMEOUT * 0.9
+
+
+def test_connections_past_the_per_client_cap_are_closed(demo_repo: Path, tmp_path: Path) -> None:
+    server = start_server(demo_repo, tmp_path, "--no-llm", "--max-connections-per-client", "20")
+    holders = []
+    try:
+        holders = [
+            socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(20)
+        ]
+        extra = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        assert closed_by_server(extra, 5)
+        extra.close()
+        for sock in holders:
+            sock.close()
+        holders = []
+        time.sleep(0.3)
+        assert probe_ms(server) < 1000
+        assert "client_connections" in httpx.get(server.url + "/metrics").text
+    finally:
+        for sock in holders:
+            sock.close()
+        server.stop()
+
+
+def heavy_body() -> bytes:
+    """A body the loop spends tens of milliseconds decoding before it refuses it (400)."""
+    rows = np.zeros((20_000, 64), dtype=np.float32)
+    data = ",".join(["0.5"] * rows.size)
+    head = '{"inputs":[{"name":"input","shape":[20000,64],"datatype":"FP32","data":['
+    return (head + data + "]}]}").encode()
+
+
+def test_a_saturated_loop_refuses_before_the_body_and_keeps_answering_probes(
+    gated: RunningServer,
+) -> None:
+    """Threads keep the loop busy decoding large bodies; a request whose body has not all
+    arrived is answered 503 with Retry-After and its connection closed, its body unread."""
+    body = heavy_body()
+    stop = threading.Event()
+
+    def flood() -> None:
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                client.post(gated.url + "/v2/models/digits_onnx/infer", content=body)
+
+    threads = [threading.Thread(target=flood) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    refused = None
+    try:
+        time.sleep(1.0)
+        for _ in range(100):
+            with socket.create_connection(("127.0.0.1", gated.port), timeout=30) as sock:
+                sock.sendall(
+                    b"POST /v2/models/digits_onnx/infer HTTP/1.1\r\nHost: t\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{"
+                )
+                response = read_response(sock)
+                if response.status == 503:
+                    refused = response
+                    assert closed_by_server(sock, 5)  # the rest of the body is never awaited
+                    break
+                assert response.status in (400, 408), response.status
+            time.sleep(0.05)
+        assert refused is not None, "the loop never looked saturated"
+        assert int(refused.headers["retry-after"]) >= 1
+        assert "saturated" in refused.error()
+        assert probe_ms(gated) < 1000
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    metrics = httpx.get(gated.url + "/metrics").text
+    assert 'lockgate_http_refused_total{reason="loop_lag"}' in metrics
+
+
+def test_light_load_is_never_refused(gated: RunningServer) -> None:
+    time.sleep(0.5)  # after the flood above: the loop's average lag settles
+    body = {"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [0.1] * 64}]}
+    refusals = []
+    with httpx.Client(timeout=30) as client:
+        for _ in range(300):
+            r = client.post(gated.url + "/v2/models/digits_onnx/infer", json=body)
+            if r.status_code != 200:
+                refusals.append((r.status_code, r.text))
+    assert not refusals
