@@ -11,12 +11,13 @@ with n instances whose next free times are f_0 ≤ f_1 ≤ … ≤ f_{n-1}, batc
 about f_{(k-1) mod n} + ⌊(k-1)/n⌋·T(B*) and the request finishes T(its batch) later.
 
 The prediction is then checked against what happens: every admitted request that had to wait
-records how long it took over how long it was predicted to take. The calibration factor is a
-high quantile (`calibration_quantile`, the 90th) of the last `calibration_window` such ratios,
-bounded to [`min_factor`, `max_factor`], and multiplies every prediction. Whatever the profile
-misses (inputs whose cost varies, batches that vary around their mean, the event loop's
-work between batches) shows up in the ratios within a few hundred requests, so admitted
-requests keep to their deadlines in the tail, not only on average.
+records how much longer it took than predicted. The calibration margin is a high quantile
+(`calibration_quantile`, the 90th) of the last `calibration_window` such errors, never below
+zero, and is added to every prediction. Whatever the profile misses (inputs whose cost
+varies, batches that vary around their mean, the event loop's work between batches) shows
+up in the errors within a few hundred requests, so admitted requests keep to their
+deadlines in the tail, not only on average. (The profile's own scale follows a change of
+load as a whole; the margin covers the spread around it.)
 """
 
 from __future__ import annotations
@@ -38,8 +39,6 @@ class AdmissionSettings:
     slack: float = 0.8
     calibration_window: int = 256  # admitted requests whose predictions are compared
     calibration_quantile: float = 0.9
-    min_factor: float = 0.8
-    max_factor: float = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,40 +53,31 @@ class QueueState:
 
 @dataclass(slots=True)
 class Calibration:
-    """Observed over predicted time to answer, for recent admitted requests. Pure."""
+    """How much longer than predicted recent admitted requests took, in seconds. Pure."""
 
     window: int = 256
     quantile: float = 0.9
-    low: float = 0.8
-    high: float = 4.0
-    ratios: deque[float] = field(default_factory=deque)
-    factor: float = 1.0  # the bounded quantile, kept current as ratios arrive
+    errors: deque[float] = field(default_factory=deque)
+    margin: float = 0.0  # the quantile, never below zero, kept current as errors arrive
     _since: int = 0
 
     def observe(self, predicted: float, observed: float) -> None:
-        if predicted <= 0:
-            return
-        self.ratios.append(observed / predicted)
-        if len(self.ratios) > self.window:
-            self.ratios.popleft()
+        self.errors.append(observed - predicted)
+        if len(self.errors) > self.window:
+            self.errors.popleft()
         self._since += 1
-        if self._since >= 8 or len(self.ratios) < 32:  # refresh every few requests
+        if self._since >= 8 or len(self.errors) < 32:  # refresh every few requests
             self._since = 0
-            ordered = sorted(self.ratios)
+            ordered = sorted(self.errors)
             q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
-            self.factor = min(self.high, max(self.low, q))
+            self.margin = max(0.0, q)
 
 
 class Admission:
     def __init__(self, settings: AdmissionSettings, profile: ServiceProfile) -> None:
         self.settings = settings
         self.profile = profile
-        self.calibration = Calibration(
-            settings.calibration_window,
-            settings.calibration_quantile,
-            settings.min_factor,
-            settings.max_factor,
-        )
+        self.calibration = Calibration(settings.calibration_window, settings.calibration_quantile)
 
     def predicted_finish(self, request: InferRequest, now: float, queue: QueueState) -> float:
         """When the request would be answered if it joined the queue now."""
@@ -111,10 +101,11 @@ class Admission:
             return None
         if request.soft_deadline and queue.rows_ahead == 0 and queue.free_at[0] <= now:
             return None  # nothing to wait for: the SLO default bounds waiting, not the model
-        predicted = (self.predicted_finish(request, now, queue) - now) * self.calibration.factor
+        predicted = self.predicted_finish(request, now, queue) - now + self.calibration.margin
         budget = request.deadline - now
         if predicted <= budget * self.settings.slack:
             request.predicted = predicted
+            request.margin = self.calibration.margin
             return None
         return Unavailable(
             f"request would miss its deadline: predicted {predicted * 1000:.1f} ms "
@@ -125,7 +116,7 @@ class Admission:
     def answered(self, request: InferRequest, now: float) -> None:
         """An admitted request was answered: compare the time it took with its prediction."""
         if request.predicted > 0:
-            raw = request.predicted / self.calibration.factor
+            raw = request.predicted - request.margin
             self.calibration.observe(raw, now - request.admitted)
 
     @staticmethod

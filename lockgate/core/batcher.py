@@ -226,6 +226,31 @@ class Batcher:
         if verdict is not None:
             self._reject("deadline_unmeetable", verdict)
 
+    def early_refusal(
+        self, arrival: float, timeout: float | None, now: float
+    ) -> Unavailable | None:
+        """The refusal a one-row request of the highest priority would get now, asked before
+        its body is read: None when the model is idle, has no deadline to go by (no `timeout`
+        and no SLO) or would admit it. A refusal is counted as admission would count it."""
+        if (not self.queued_rows and self.free) or not self.accepting:
+            return None
+        budget = timeout if timeout is not None else self.slo
+        if budget is None:
+            return None
+        probe = InferRequest(
+            model=self.config.name,
+            inputs={},
+            deadline=arrival + budget,
+            soft_deadline=timeout is None,
+            priority=1,
+            arrival=arrival,
+        )
+        verdict = self.admission.check(probe, now, self.queue_state(1, now))
+        if verdict is not None:
+            self.metrics.rejected.inc((*self.labels, "deadline_unmeetable"))
+            self.metrics.requests.inc((*self.labels, verdict.kind))
+        return verdict
+
     def _reject(self, reason: str, error: ServingError) -> None:
         self.metrics.rejected.inc((*self.labels, reason))
         self.metrics.requests.inc((*self.labels, error.kind))

@@ -37,6 +37,7 @@ class InferRequest:
     future: asyncio.Future[Arrays] | None = None
     admitted: float = 0.0  # when admission let it in
     predicted: float = 0.0  # seconds from admission to answer admission predicted; 0: none
+    margin: float = 0.0  # the calibration margin included in `predicted`
     seq: int = field(default_factory=lambda: next(_ids))
 
     def expired(self, now: float | None = None) -> bool:

@@ -73,8 +73,7 @@ class App:
         self.closers: list[Callable[[], Awaitable[None]]] = []  # run at shutdown
         self.http_latency = models.registry.histogram(
             "lockgate_http_request_duration_seconds",
-            "Time from the request's first byte to its response headers, by route kind and "
-            "status.",
+            "Time from the request's first byte to its response headers, by route kind and status.",
             ("route", "status"),
         )
 
@@ -116,6 +115,38 @@ class App:
             await self._error(
                 request, ServingError(f"internal error: {type(exc).__name__}"), openai
             )
+
+    def early_refusal(
+        self, method: bytes, path: str, headers: list[tuple[bytes, bytes]], received: float
+    ) -> ServingError | None:
+        """Asked by the protocol once a request's head is in and before its body is read: the
+        refusal a v2 inference request would certainly get from its model's admission, so a
+        saturated model refuses at the cost of a head, not of a decoded body."""
+        if method != b"POST" or not path.endswith("/infer") or not path.startswith("/v2/models/"):
+            return None
+        parts = path.split("/")  # "", "v2", "models", name, ["versions", v,] "infer"
+        if len(parts) == 5:
+            version = None
+        elif len(parts) == 7 and parts[4] == "versions" and parts[5].isdigit():
+            version = int(parts[5]) if len(parts[5]) <= 18 else None
+        else:
+            return None
+        model = self.models.models.get(parts[3])
+        if model is None:
+            return None
+        served = model.latest_ready() if version is None else model.versions.get(version)
+        if served is None or served.batcher is None:
+            return None
+        timeout = None
+        for name, value in headers:
+            if name == b"request-timeout":
+                try:
+                    timeout = float(value)
+                except ValueError:
+                    return None  # the route answers 400 with its message
+                if not 0 < timeout < 1e7:
+                    return None
+        return served.batcher.early_refusal(received, timeout, time.monotonic())
 
     async def _error(self, request: HttpRequest, exc: ServingError, openai: bool) -> None:
         if openai:

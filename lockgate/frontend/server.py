@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import threading
@@ -81,6 +82,7 @@ class _Protocol(HttpToolsProtocol):
     max_head_bytes = 64 * 1024
     gate: Gate
     refusals: Counter
+    lockgate_app: App
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -92,6 +94,7 @@ class _Protocol(HttpToolsProtocol):
         self.head_timer: asyncio.TimerHandle | None = None
         self.received = 0.0
         self.refusing = False  # a refused request's body is being skipped
+        self.refusal: tuple[bytes, int] = (_SATURATED, 1)  # its body and Retry-After
         self.in_head = False  # part of a request head has arrived, not all of it
 
     # -- connections -------------------------------------------------------------------
@@ -167,6 +170,15 @@ class _Protocol(HttpToolsProtocol):
             why = self.gate.admit(path, len(self.tasks), time.monotonic())
             if why is not None:
                 self.refusals.inc((why,))
+                self.refusal = _SATURATED, self.gate.retry_after(time.monotonic())
+                self.refusing = True
+                return
+            method = self.parser.get_method()
+            error = self.lockgate_app.early_refusal(method, path, self.headers, self.received)
+            if error is not None:
+                self.refusals.inc(("model_admission",))
+                retry = max(1, math.ceil(error.retry_after or 1))
+                self.refusal = encode_error(error.message), retry
                 self.refusing = True
                 return
         super().on_headers_complete()
@@ -190,14 +202,14 @@ class _Protocol(HttpToolsProtocol):
 
     # -- canned answers ------------------------------------------------------------------
     def _write_refusal(self, close: bool) -> None:
-        retry = self.gate.retry_after(time.monotonic())
+        body, retry = self.refusal
         head = [b"HTTP/1.1 503 Service Unavailable"]
         head += [name + b": " + value for name, value in self.server_state.default_headers]
-        head += [b"content-type: application/json", b"content-length: %d" % len(_SATURATED)]
+        head += [b"content-type: application/json", b"content-length: %d" % len(body)]
         head += [b"retry-after: %d" % retry]
         if close:
             head.append(b"connection: close")
-        self.transport.write(b"\r\n".join([*head, b"", _SATURATED]))
+        self.transport.write(b"\r\n".join([*head, b"", body]))
         if close:
             self.transport.close()
 
@@ -229,8 +241,15 @@ _REASONS = {
 _SATURATED = encode_error("server is saturated: retry later")
 
 
-def _protocol_class(max_head_bytes: int, gate: Gate, refusals: Counter) -> type[_Protocol]:
-    attributes = {"max_head_bytes": max_head_bytes, "gate": gate, "refusals": refusals}
+def _protocol_class(
+    max_head_bytes: int, gate: Gate, refusals: Counter, app: App
+) -> type[_Protocol]:
+    attributes = {
+        "max_head_bytes": max_head_bytes,
+        "gate": gate,
+        "refusals": refusals,
+        "lockgate_app": app,
+    }
     return type("LockgateHttpProtocol", (_Protocol,), attributes)
 
 
@@ -360,7 +379,7 @@ async def serve(options: ServeOptions) -> int:
         port=options.port,
         loop="none",
         lifespan="off",
-        http=_protocol_class(options.max_head_bytes, gate, refusals),
+        http=_protocol_class(options.max_head_bytes, gate, refusals, app),
         access_log=False,
         log_level="warning",
         limit_concurrency=None,  # the gate counts requests in progress (frontend/gate.py)

@@ -83,22 +83,19 @@ def test_retry_after_is_the_time_to_drain_the_queue() -> None:
     assert Admission.retry_after(10, float("inf")) == 1.0
 
 
-def test_calibration_is_a_bounded_high_quantile_of_observed_over_predicted() -> None:
-    calibration = Calibration(window=100, quantile=0.9, low=0.8, high=4.0)
-    assert calibration.factor == 1.0
-    for i in range(100):  # ratios 1.00 .. 1.99
-        calibration.observe(0.1, 0.1 * (1 + i / 100))
-    assert calibration.factor == pytest.approx(1.9, abs=0.1)
-    for _ in range(100):  # the window moves on: predictions far too low
-        calibration.observe(0.1, 1.0)
-    assert calibration.factor == 4.0  # bounded
-    for _ in range(100):
-        calibration.observe(0.1, 0.01)
-    assert calibration.factor == 0.8
+def test_calibration_is_a_high_quantile_of_the_error_and_never_negative() -> None:
+    calibration = Calibration(window=100, quantile=0.9)
+    assert calibration.margin == 0.0
+    for i in range(100):  # 0 .. 99 ms later than predicted
+        calibration.observe(0.1, 0.1 + i / 1000)
+    assert calibration.margin == pytest.approx(0.090, abs=0.01)
+    for _ in range(100):  # the window moves on: predictions came true early
+        calibration.observe(0.1, 0.05)
+    assert calibration.margin == 0.0
 
 
 def test_admission_learns_from_requests_that_took_longer_than_predicted() -> None:
-    """Predictions that come true at twice their length make admission twice as strict."""
+    """Requests that take 40 ms longer than predicted make admission add 40 ms."""
     admission = Admission(AdmissionSettings(), constant_profile())
     assert admission.check(request(budget=0.05), NOW, state(4)) is None  # 40 ms predicted
     for _ in range(64):
@@ -106,6 +103,6 @@ def test_admission_learns_from_requests_that_took_longer_than_predicted() -> Non
         r.admitted = NOW
         assert admission.check(r, NOW, state(4)) is None
         admission.answered(r, NOW + 0.080)  # the profile said 40 ms: it took 80
-    assert admission.calibration.factor == pytest.approx(2.0)
+    assert admission.calibration.margin == pytest.approx(0.040)
     refusal = admission.check(request(budget=0.05), NOW, state(4))  # now 80 ms predicted
     assert refusal is not None and "predicted 80.0 ms" in refusal.message
