@@ -10,13 +10,13 @@ T(B*), handed to instances as they free up. The request rides in batch k = ⌈(a
 with n instances whose next free times are f_0 ≤ f_1 ≤ … ≤ f_{n-1}, batch k starts at
 about f_{(k-1) mod n} + ⌊(k-1)/n⌋·T(B*) and the request finishes T(its batch) later.
 
-The prediction is then checked against what happens: every admitted request that had to wait
-records how much longer it took than predicted. The calibration margin is a high quantile
-(`calibration_quantile`, the 90th) of the last `calibration_window` such errors, never below
-zero, and is added to every prediction. Whatever the profile misses (inputs whose cost
-varies, batches that vary around their mean, the event loop's work between batches) shows
-up in the errors within a few hundred requests, so admitted requests keep to their
-deadlines in the tail, not only on average. (The profile's own scale follows a change of
+The prediction is then checked against what happens: every admitted request records how much
+longer it took than predicted. The calibration margin is a high quantile
+(`calibration_quantile`, the 98th) of the last `calibration_window` such errors within the
+last `calibration_horizon` seconds, never below zero, and is added to every prediction.
+Whatever the profile misses (inputs whose cost varies, batches that vary around their mean,
+the event loop's work between batches) shows up in the errors within a few hundred
+requests, so admitted requests keep to their deadlines in the tail, not only on average. (The profile's own scale follows a change of
 load as a whole; the margin covers the spread around it.)
 """
 
@@ -38,7 +38,8 @@ class AdmissionSettings:
     # rest pays for the network, the HTTP layer and the noise in T(B).
     slack: float = 0.8
     calibration_window: int = 256  # admitted requests whose predictions are compared
-    calibration_quantile: float = 0.9
+    calibration_quantile: float = 0.98
+    calibration_horizon: float = 2.0  # seconds an observed error counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,31 +54,54 @@ class QueueState:
 
 @dataclass(slots=True)
 class Calibration:
-    """How much longer than predicted recent admitted requests took, in seconds. Pure."""
+    """How much longer than predicted recent admitted requests took, in seconds. Pure.
+
+    Errors older than `horizon` seconds are forgotten: a margin learned in a transient (a
+    process that started beside the server and stopped) must not outlive it, above all when
+    that margin itself keeps requests from being admitted and observed."""
 
     window: int = 256
-    quantile: float = 0.9
-    errors: deque[float] = field(default_factory=deque)
+    quantile: float = 0.98
+    horizon: float = 2.0
+    errors: deque[tuple[float, float]] = field(default_factory=deque)  # (when, error)
     margin: float = 0.0  # the quantile, never below zero, kept current as errors arrive
     _since: int = 0
 
-    def observe(self, predicted: float, observed: float) -> None:
-        self.errors.append(observed - predicted)
+    def observe(self, predicted: float, observed: float, now: float) -> None:
+        self.errors.append((now, observed - predicted))
         if len(self.errors) > self.window:
             self.errors.popleft()
         self._since += 1
         if self._since >= 8 or len(self.errors) < 32:  # refresh every few requests
-            self._since = 0
-            ordered = sorted(self.errors)
-            q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
-            self.margin = max(0.0, q)
+            self._refresh()
+
+    def current(self, now: float) -> float:
+        """The margin, once errors past the horizon are dropped."""
+        if self.errors and self.errors[0][0] < now - self.horizon:
+            while self.errors and self.errors[0][0] < now - self.horizon:
+                self.errors.popleft()
+            self._refresh()
+        return self.margin
+
+    def _refresh(self) -> None:
+        self._since = 0
+        if not self.errors:
+            self.margin = 0.0
+            return
+        ordered = sorted(error for _, error in self.errors)
+        q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        self.margin = max(0.0, q)
 
 
 class Admission:
     def __init__(self, settings: AdmissionSettings, profile: ServiceProfile) -> None:
         self.settings = settings
         self.profile = profile
-        self.calibration = Calibration(settings.calibration_window, settings.calibration_quantile)
+        self.calibration = Calibration(
+            settings.calibration_window,
+            settings.calibration_quantile,
+            settings.calibration_horizon,
+        )
 
     def predicted_finish(self, request: InferRequest, now: float, queue: QueueState) -> float:
         """When the request would be answered if it joined the queue now."""
@@ -99,17 +123,20 @@ class Admission:
             return None
         if not self.profile.known or not queue.free_at:
             return None
-        if request.soft_deadline and queue.rows_ahead == 0 and queue.free_at[0] <= now:
-            return None  # nothing to wait for: the SLO default bounds waiting, not the model
-        predicted = self.predicted_finish(request, now, queue) - now + self.calibration.margin
+        margin = self.calibration.current(now)
+        predicted = self.predicted_finish(request, now, queue) - now + margin
         budget = request.deadline - now
-        if predicted <= budget * self.settings.slack:
+        idle = queue.rows_ahead == 0 and queue.free_at[0] <= now
+        if predicted <= budget * self.settings.slack or (request.soft_deadline and idle):
+            # admitted; an idle model admits a request under its SLO default whatever the
+            # prediction (the default bounds waiting, not the model), and learns from it
             request.predicted = predicted
-            request.margin = self.calibration.margin
+            request.margin = margin
             return None
         return Unavailable(
             f"request would miss its deadline: predicted {predicted * 1000:.1f} ms "
-            f"with {queue.rows_ahead} rows queued ahead, budget {budget * 1000:.1f} ms",
+            f"(margin {margin * 1000:.1f} ms, scale {self.profile.scale:.2f}) with "
+            f"{queue.rows_ahead} rows queued ahead, budget {budget * 1000:.1f} ms",
             retry_after=self.retry_after(queue.rows_ahead, queue.capacity),
         )
 
@@ -117,7 +144,7 @@ class Admission:
         """An admitted request was answered: compare the time it took with its prediction."""
         if request.predicted > 0:
             raw = request.predicted - request.margin
-            self.calibration.observe(raw, now - request.admitted)
+            self.calibration.observe(raw, now - request.admitted, now)
 
     @staticmethod
     def retry_after(rows_queued: int, capacity: float) -> float:

@@ -84,14 +84,22 @@ def test_retry_after_is_the_time_to_drain_the_queue() -> None:
 
 
 def test_calibration_is_a_high_quantile_of_the_error_and_never_negative() -> None:
-    calibration = Calibration(window=100, quantile=0.9)
-    assert calibration.margin == 0.0
+    calibration = Calibration(window=100, quantile=0.9, horizon=2.0)
+    assert calibration.current(NOW) == 0.0
     for i in range(100):  # 0 .. 99 ms later than predicted
-        calibration.observe(0.1, 0.1 + i / 1000)
-    assert calibration.margin == pytest.approx(0.090, abs=0.01)
+        calibration.observe(0.1, 0.1 + i / 1000, NOW)
+    assert calibration.current(NOW) == pytest.approx(0.090, abs=0.01)
     for _ in range(100):  # the window moves on: predictions came true early
-        calibration.observe(0.1, 0.05)
-    assert calibration.margin == 0.0
+        calibration.observe(0.1, 0.05, NOW)
+    assert calibration.current(NOW) == 0.0
+
+
+def test_calibration_forgets_errors_past_its_horizon() -> None:
+    calibration = Calibration(window=100, quantile=0.9, horizon=2.0)
+    for _ in range(50):  # a transient: requests took 400 ms longer than predicted
+        calibration.observe(0.1, 0.5, NOW)
+    assert calibration.current(NOW + 1.0) == pytest.approx(0.4)
+    assert calibration.current(NOW + 2.5) == 0.0  # nothing observed since: forgotten
 
 
 def test_admission_learns_from_requests_that_took_longer_than_predicted() -> None:
@@ -103,6 +111,6 @@ def test_admission_learns_from_requests_that_took_longer_than_predicted() -> Non
         r.admitted = NOW
         assert admission.check(r, NOW, state(4)) is None
         admission.answered(r, NOW + 0.080)  # the profile said 40 ms: it took 80
-    assert admission.calibration.margin == pytest.approx(0.040)
+    assert admission.calibration.current(NOW + 0.080) == pytest.approx(0.040)
     refusal = admission.check(request(budget=0.05), NOW, state(4))  # now 80 ms predicted
     assert refusal is not None and "predicted 80.0 ms" in refusal.message
