@@ -16,8 +16,9 @@ longer it took than predicted. The calibration margin is a high quantile
 last `calibration_horizon` seconds, never below zero, and is added to every prediction.
 Whatever the profile misses (inputs whose cost varies, batches that vary around their mean,
 the event loop's work between batches) shows up in the errors within a few hundred
-requests, so admitted requests keep to their deadlines in the tail, not only on average. (The profile's own scale follows a change of
-load as a whole; the margin covers the spread around it.)
+requests, so admitted requests keep to their deadlines in the tail, not only on average.
+(The profile's own scale follows a change of load as a whole; the margin covers the spread
+around it.)
 """
 
 from __future__ import annotations

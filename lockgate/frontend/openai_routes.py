@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from lockgate.core.metrics import Counter
 from lockgate.core.request import InferRequest
 from lockgate.errors import BadRequest, NotFound, ServingError, Unavailable
 from lockgate.frontend.app import App
@@ -34,6 +34,16 @@ LLM_BACKEND = "llm"
 class OpenAIRoutes:
     app: App
     services: dict[str, LLMService] = field(default_factory=dict)
+    rejected: Counter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rejected = self.app.models.registry.counter(
+            "lockgate_llm_requests_rejected_total",
+            "Language-model requests refused before they queued, by reason (the error kind: "
+            "unavailable for a TTFT that would miss its budget, too_many_requests for a full "
+            "queue).",
+            ("model", "reason"),
+        )
 
     async def __call__(self, request: HttpRequest, parts: list[str]) -> None:
         route = "/".join(parts)
@@ -114,7 +124,12 @@ class OpenAIRoutes:
         kind: _Kind,
     ) -> None:
         rid = oa.new_id(kind.id_prefix)
-        stream = self._submit(request, service, prompt_ids, params, rid)
+        if body.priority < 0:
+            raise BadRequest("priority must be a non-negative integer (1 is the highest)")
+        levels = max(1, service.config.batcher.priority_levels)
+        default = service.config.batcher.default_priority_level or levels
+        priority = min(body.priority or default, levels)
+        stream = self._submit(request, service, prompt_ids, params, rid, priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             piece = kind.piece(service)
@@ -192,10 +207,15 @@ class OpenAIRoutes:
         ids: list[int],
         params: SamplingParams,
         rid: str,
+        priority: int,
     ) -> AsyncIterator[RequestOutput]:
         if self.app.draining:
             raise Unavailable("server is shutting down", retry_after=1)
-        return service.engine.generate(ids, params, rid, _deadline(request))
+        try:
+            return service.engine.generate(ids, params, rid, _deadline(request), priority)
+        except ServingError as exc:
+            self.rejected.inc((service.name, exc.kind))
+            raise
 
     async def _collect(
         self, request: HttpRequest, stream: Any, service: LLMService, legacy: bool
@@ -323,7 +343,7 @@ def _deadline(request: HttpRequest) -> float | None:
         raise BadRequest("Request-Timeout header must be a number of seconds") from None
     if not 0 < seconds < 1e7:
         raise BadRequest("Request-Timeout header must be a positive number of seconds")
-    return time.monotonic() + seconds
+    return request.received + seconds  # counted from the request's first byte
 
 
 def _openai_reason(reason: str | None) -> str | None:

@@ -106,12 +106,15 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         deadline: float | None = None,
+        priority: int = 1,
     ) -> str:
-        """Queue a request; raises QueueFull (429) or BadRequest (400). Returns its id."""
+        """Queue a request; raises Unavailable (503: its first token would come too late),
+        QueueFull (429) or BadRequest (400). Returns its id."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seq = Sequence.from_prompt(request_id, prompt_token_ids, params, time.monotonic(), deadline)
+        now = time.monotonic()
+        seq = Sequence.from_prompt(request_id, prompt_token_ids, params, now, deadline, priority)
         with self._lock:
-            self.scheduler.add(seq)
+            self.scheduler.add(seq, now)
             if self.decoder_factory is not None:
                 self._decoders[request_id] = self.decoder_factory(list(prompt_token_ids))
         return request_id
@@ -175,7 +178,7 @@ class LLMEngine:
         now = time.monotonic()
         self.scheduler.update(out)
         outputs = []
-        for seq in out.expired:
+        for seq in [*out.expired, *self.scheduler.take_shed()]:
             self._record_finished(seq, now)
             outputs.append(self._output(seq, [], "", None))
         rows = [s.seq for s in out.scheduled if s.needs_logits]
@@ -252,6 +255,7 @@ class LLMEngine:
             for s in out.scheduled
         )
         with self._lock:
+            self.scheduler.admission.prefill.observe(prompt, total, time.monotonic())  # type: ignore[union-attr]
             c = self.counters
             c.num_steps += 1
             c.step_time += total
@@ -338,13 +342,16 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         deadline: float | None = None,
+        priority: int = 1,
     ) -> RequestStream:
-        """Submit now (QueueFull or BadRequest raise here) and stream the outputs."""
+        """Submit now (refusals raise here) and stream the outputs."""
         if self._closing:
             raise Unavailable("the LLM engine is shutting down")
         loop = asyncio.get_running_loop()
         with self._wakeup:
-            request_id = self.engine.add_request(prompt_token_ids, params, request_id, deadline)
+            request_id = self.engine.add_request(
+                prompt_token_ids, params, request_id, deadline, priority
+            )
             stream = RequestStream(self, request_id, loop)
             self._streams[request_id] = weakref.ref(stream)
             self._wakeup.notify()
@@ -395,7 +402,10 @@ class AsyncLLMEngine:
                 )
                 stream = ref() if ref is not None else None
                 if stream is not None:
-                    deliveries.append(_Delivery(stream, o))
+                    item: RequestOutput | ServingError = o
+                    if o.finish_reason is FinishReason.SHED:
+                        item = Unavailable("shed for a request of higher priority", retry_after=1)
+                    deliveries.append(_Delivery(stream, item))
                 elif ref is not None:  # the consumer dropped its stream
                     orphans.append(o.request_id)
         for request_id in orphans:

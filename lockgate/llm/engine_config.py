@@ -32,6 +32,8 @@ class EngineConfig:
     dtype: str = "float32"
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
     pack_weights: bool = True  # bfloat16: reorder weights for oneDNN once, at load
+    ttft_slo_ms: float | None = None  # refuse what would wait longer for its first token
+    admission_slack: float = 0.8  # admit when the predicted TTFT is within this share
 
     def __post_init__(self) -> None:
         for fld, ok, problem in self._checks():
@@ -57,6 +59,8 @@ class EngineConfig:
             ("max_waiting", self.max_waiting >= 1, "must be >= 1"),
             ("dtype", self.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
             ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1"),
+            ("ttft_slo_ms", self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "must be > 0"),
+            ("admission_slack", 0 < self.admission_slack <= 10, "must be in (0, 10]"),
         ]  # fmt: skip
 
     def num_kv_blocks(self, bytes_per_block: int) -> int:

@@ -2,9 +2,14 @@
 
 Each step spends a token budget (`max_num_batched_tokens`) over at most `max_num_seqs`
 sequences: running decodes first (one token each), then prompts already being prefilled,
-then waiting sequences in arrival order. Long prompts are cut into chunks that fit the
-remaining budget (chunked prefill). When KV blocks run out, the newest running sequence is
-preempted: its blocks are freed and it is recomputed later from the front of the queue.
+then waiting sequences in priority order (1 first), in arrival order within a priority.
+Long prompts are cut into chunks that fit the remaining budget (chunked prefill). When KV
+blocks run out, the newest running sequence is preempted: its blocks are freed and it is
+recomputed later from the front of the queue.
+
+Admission (`llm/admission.py`) refuses a new sequence at once when its predicted time to first
+token misses its budget; a full waiting queue sheds its newest sequence of the lowest
+priority for a new one of higher priority, else refuses the new one (429).
 
 Pure bookkeeping: no tensors here.
 """
@@ -15,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lockgate.errors import BadRequest, TooManyRequests
+from lockgate.llm.admission import TTFTAdmission
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.kv_cache import BlockManager
 from lockgate.llm.sequence import FinishReason, Sequence, SequenceStatus
@@ -59,17 +65,18 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}  # unfinished, by id
         self.num_preemptions = 0
+        slo = config.ttft_slo_ms / 1000 if config.ttft_slo_ms else None
+        self.admission = TTFTAdmission(slo, config.admission_slack)
+        self.shed: list[Sequence] = []  # shed since the last step, to be answered 503
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.sequences)
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; QueueFull when `max_waiting` sequences already wait."""
-        if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFull(
-                f"{len(self.waiting)} requests are waiting (max_waiting)", retry_after=1.0
-            )
+    def add(self, seq: Sequence, now: float | None = None) -> None:
+        """Queue a new sequence in priority order. Raises BadRequest for a bad prompt,
+        Unavailable when it would miss its TTFT budget, and QueueFull when `max_waiting`
+        sequences of its priority or higher wait."""
         if seq.seq_id in self.sequences:
             raise BadRequest(f"request id {seq.seq_id!r} is already in use")
         if not 0 < seq.num_tokens < self.config.max_model_len:
@@ -77,8 +84,43 @@ class Scheduler:
                 f"prompt has {seq.num_tokens} tokens; it must have between 1 and "
                 f"{self.config.max_model_len - 1} (max_model_len {self.config.max_model_len})"
             )
-        self.waiting.append(seq)
+        now = seq.arrival if now is None else now
+        ahead = self.tokens_ahead(seq.priority)
+        verdict = self.admission.check(ahead, seq.num_tokens, seq.deadline, now)
+        if verdict is not None:
+            raise verdict
+        if len(self.waiting) >= self.config.max_waiting:
+            victim = self._lowest_below(seq.priority)
+            if victim is None:
+                raise QueueFull(
+                    f"{len(self.waiting)} requests are waiting (max_waiting)", retry_after=1.0
+                )
+            self.finish(victim, FinishReason.SHED)
+            self.shed.append(victim)
+        self._enqueue(seq)
         self.sequences[seq.seq_id] = seq
+
+    def tokens_ahead(self, priority: int) -> int:
+        """Prompt tokens to prefill before a new sequence of `priority` starts its own."""
+        waiting = sum(s.num_uncomputed_tokens for s in self.waiting if s.priority <= priority)
+        return waiting + sum(s.num_uncomputed_tokens for s in self.running if s.is_prefill)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """After the last waiting sequence of its priority or higher."""
+        index = len(self.waiting)
+        while index > 0 and self.waiting[index - 1].priority > seq.priority:
+            index -= 1
+        self.waiting.insert(index, seq)
+
+    def _lowest_below(self, priority: int) -> Sequence | None:
+        """The newest waiting sequence of the lowest priority below `priority`, if any."""
+        if self.waiting and self.waiting[-1].priority > priority:
+            return self.waiting[-1]
+        return None
+
+    def take_shed(self) -> list[Sequence]:
+        shed, self.shed = self.shed, []
+        return shed
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Finish a sequence at once and free its blocks; None if it is unknown or done."""

@@ -28,6 +28,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled or client disconnected
     DEADLINE = "deadline"  # deadline passed before the request finished
+    SHED = "shed"  # refused while waiting, for a request of higher priority
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,6 +90,7 @@ class Sequence:
     params: SamplingParams
     arrival: float
     deadline: float | None = None  # time.monotonic() seconds
+    priority: int = 1  # 1 is the highest; waiting sequences are taken in priority order
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -113,9 +115,10 @@ class Sequence:
         params: SamplingParams,
         arrival: float,
         deadline: float | None = None,
+        priority: int = 1,
     ) -> Sequence:
         prompt = list(prompt_token_ids)
-        return cls(seq_id, prompt, len(prompt), params, arrival, deadline)
+        return cls(seq_id, prompt, len(prompt), params, arrival, deadline, priority)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -18,6 +18,7 @@ A model folder whose config says `backend: llm` holds the weights in its version
 | enable_chunked_prefill | split long prompts across steps | true |
 | num_threads | torch intra-op threads | torch's default |
 | pack_weights | bfloat16: reorder the weights for oneDNN once, at load | true |
+| ttft_slo_ms | refuse (503) a request predicted to wait longer for its first token | none |
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def engine_config_from(config: ModelConfig) -> EngineConfig:
         dtype=str(p.get("dtype", "bfloat16")),
         num_threads=number("num_threads", int, None),  # type: ignore[arg-type]
         pack_weights=flag("pack_weights", True),
+        ttft_slo_ms=number("ttft_slo_ms", float, None),  # type: ignore[arg-type]
     )
 
 

@@ -31,6 +31,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     ignore_eos: bool = False
+    priority: int = 0  # 1 is the highest; 0: the model's default (as lockgate's v2 priority)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

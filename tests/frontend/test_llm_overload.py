@@ -1,0 +1,125 @@
+"""Language models under overload, through a real server and the `openai` client: with a TTFT
+SLO, a burst of three times the streams the SLO allows is split into requests that get their
+first token inside it and requests refused at once with 503."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from lockgate.demo.smollm2 import SERVED_NAME
+from tests.conftest import RunningServer, start_server
+
+TTFT_SLO_S = 2.0
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "while",
+    "the",
+    "server",
+    "keeps",
+    "its",
+    "promise",
+]
+
+
+@pytest.fixture(scope="module")
+def slo_llm_server(
+    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
+
+    llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
+    built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
+    repo = tmp_path_factory.mktemp("slo-llm-repo")
+    target = repo / "smollm2"
+    shutil.copytree(built / "smollm2", target, copy_function=os.link)
+    config = yaml.safe_load((target / "config.yaml").read_text())
+    config["parameters"].update(
+        {
+            "kv_cache_gib": "0.05",
+            "max_model_len": "512",
+            "max_num_batched_tokens": "128",
+            "ttft_slo_ms": str(int(TTFT_SLO_S * 1000)),
+        }
+    )
+    (target / "config.yaml").write_text(yaml.safe_dump(config))
+    server = start_server(repo, tmp_path_factory.mktemp("slo-llm"), ready_timeout=600)
+    yield server
+    server.stop()
+
+
+@dataclass(slots=True)
+class Stream:
+    status: int  # 200, or the refusal's status
+    ttft: float  # seconds to the first token, or to the refusal
+
+
+async def one_stream(client: openai.AsyncOpenAI, prompt: str) -> Stream:
+    started = time.monotonic()
+    try:
+        stream = await client.completions.create(
+            model=SERVED_NAME, prompt=prompt, max_tokens=4, stream=True, temperature=0.0
+        )
+        async for _ in stream:
+            return_ttft = time.monotonic() - started
+            async for _ in stream:  # drain the rest
+                pass
+            return Stream(200, return_ttft)
+    except openai.APIStatusError as exc:
+        return Stream(exc.status_code, time.monotonic() - started)
+    return Stream(200, time.monotonic() - started)
+
+
+def prompt_of(n_words: int, seed: int) -> str:
+    return " ".join(WORDS[(seed + i) % len(WORDS)] for i in range(n_words))
+
+
+def test_streams_past_the_ttft_slo_are_refused_at_once_and_the_rest_meet_it(
+    slo_llm_server: RunningServer,
+) -> None:
+    client = openai.AsyncOpenAI(
+        base_url=slo_llm_server.url + "/v1", api_key="none", max_retries=0, timeout=60
+    )
+
+    async def run() -> tuple[list[Stream], float]:
+        warm = [await one_stream(client, prompt_of(150, i)) for i in range(3)]  # measure prefill
+        assert all(s.status == 200 for s in warm), warm
+        start = time.monotonic()
+        prompts = [prompt_of(150, i) for i in range(30)]
+        burst = await asyncio.gather(*(one_stream(client, p) for p in prompts))
+        await client.close()
+        return list(burst), time.monotonic() - start
+
+    burst, elapsed = asyncio.run(run())
+    admitted = [s for s in burst if s.status == 200]
+    refused = [s for s in burst if s.status != 200]
+    report = (
+        f"{len(admitted)} admitted, TTFT {sorted(round(s.ttft, 2) for s in admitted)}; "
+        f"{len(refused)} refused {sorted({s.status for s in refused})} within "
+        f"{max((s.ttft for s in refused), default=0):.2f} s; burst took {elapsed:.1f} s"
+    )
+    print(report)
+    assert len(admitted) + len(refused) == 30, report  # nothing lost
+    assert admitted and len(refused) >= 10, report  # three times what the SLO allows
+    assert {s.status for s in refused} == {503}, report
+    assert max(s.ttft for s in refused) < 1.0, report  # refused at once
+    assert max(s.ttft for s in admitted) <= TTFT_SLO_S, report
+    metrics = slo_llm_server.log()
+    assert "Traceback" not in metrics
