@@ -1,0 +1,487 @@
+"""overload_real: does the overload promise hold on CPU-bound models, pinned and unpinned?
+
+`python -m benchmarks.run --suite overload_real [--quick]`
+
+The demo's classic models as shipped: minilm (int8 ONNX encoder with its tokenizer in a python
+model, `latency_slo_ms: 500`, sentences of 30 to 90 words) and digits_onnx (`latency_slo_ms:
+50`, one row per request). Requests carry no deadline: the SLO is the default one. For each
+model, on a lockgate pinned to the server core (client on the other core), then on one that
+is not pinned:
+
+1. Warm-up at a light load, so the profile has seen these inputs.
+2. Capacity: the 200s per second under an open-loop load far above what the model serves
+   (admission keeps it busy and refuses the rest), in the same run.
+3. Levels: open-loop Poisson arrivals at 0.5, 1, 1.5, 3 and 10 times that capacity, latency
+   from the *scheduled* send time, with a control stream of liveness probes (20 per second).
+4. A retry storm: 256 connections that each resend at once on every answer, 503 included.
+
+Per level: throughput, goodput (200s inside the SLO per second, and as a share of capacity),
+admitted p50/p99 by the client and p99 by the server (its HTTP histogram, counted from the
+request's first byte, between two scrapes), refusals and their p99, 504s, client timeouts
+(30 s), requests lost (sent - answered), the server's count of answers against the client's,
+and the liveness probes' p99.
+
+Targets (at every level >= 1x and in the storm): admitted p99 <= SLO by client and server,
+no client timeout, goodput >= 90% of capacity (80% in the storm), nothing lost, liveness p99
+<= 50 ms. One client core cannot offer 10x of digits_onnx (about 30,000 requests per second):
+the rows say what was really offered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from benchmarks.common import (
+    Context,
+    Server,
+    SuiteResult,
+    environment,
+    percentile,
+    pinning_available,
+    running,
+    scrape_metrics,
+    start_server,
+)
+from benchmarks.common import free_port as _free_port
+
+SUITE = "overload_real"
+LEVELS = (0.5, 1.0, 1.5, 3.0, 10.0)
+LEVEL_S, QUICK_LEVEL_S = 8.0, 3.0
+STORM_CONNECTIONS = 256
+PAUSE_S = 2.0
+GOODPUT_TARGET, STORM_TARGET, LIVENESS_TARGET_S = 0.9, 0.8, 0.050
+CLIENT_TIMEOUT_S = 30.0
+MAX_CLIENT_RATE = 6000.0  # one client core sends no more than this
+WORDS = [
+    "the",
+    "server",
+    "batches",
+    "requests",
+    "from",
+    "many",
+    "clients",
+    "and",
+    "answers",
+    "each",
+    "within",
+    "its",
+    "deadline",
+    "while",
+    "the",
+    "model",
+    "runs",
+    "on",
+    "one",
+    "core",
+    "of",
+    "a",
+    "small",
+    "machine",
+    "under",
+    "heavy",
+    "load",
+    "with",
+    "retries",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    name: str
+    slo: float  # seconds: the demo's latency_slo_ms
+    bodies: tuple[bytes, ...]
+    saturate: float  # req/s offered to measure capacity
+
+
+def minilm_bodies(count: int = 200, seed: int = 1) -> tuple[bytes, ...]:
+    rng = np.random.default_rng(seed)
+    bodies = []
+    for _ in range(count):
+        text = " ".join(rng.choice(WORDS, size=int(rng.integers(30, 91))))
+        tensor = {"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": [text]}
+        bodies.append(json.dumps({"inputs": [tensor]}).encode())
+    return tuple(bodies)
+
+
+def digits_bodies(count: int = 64) -> tuple[bytes, ...]:
+    from sklearn.datasets import load_digits
+
+    rows = (load_digits().data[:count] / 16.0).astype(np.float32)
+    return tuple(
+        json.dumps(
+            {
+                "inputs": [
+                    {"name": "input", "shape": [1, 64], "datatype": "FP32", "data": r.tolist()}
+                ]
+            }
+        ).encode()
+        for r in rows
+    )
+
+
+# -- one level -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Level:
+    name: str  # "1x", "storm", ...
+    factor: float  # offered / capacity; 0 for the storm
+    seconds: float
+    slo: float
+    sent: int = 0
+    statuses: list[int] = field(default_factory=list)  # 0: timeout or transport failure
+    latencies: list[float] = field(default_factory=list)  # s from the scheduled send
+    health: list[float] = field(default_factory=list)  # s per liveness probe
+    server_answers: float = 0.0  # answers and early refusals the server counted
+    server_p99: float = float("nan")  # of 200s, a histogram bucket bound
+    cpu_seconds: float = 0.0
+
+    def of(self, *statuses: int) -> list[float]:
+        return [lat for s, lat in zip(self.statuses, self.latencies, strict=True) if s in statuses]
+
+    def count(self, *statuses: int) -> int:
+        return sum(1 for s in self.statuses if s in statuses)
+
+    @property
+    def lost(self) -> int:
+        return self.sent - len(self.statuses)
+
+    @property
+    def goodput(self) -> float:
+        return sum(1 for lat in self.of(200) if lat <= self.slo) / self.seconds
+
+    @property
+    def throughput(self) -> float:
+        return self.count(200) / self.seconds
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, data: bytes, scheduled: float, level: Level
+) -> None:
+    try:
+        async with session.post(url, data=data, headers={"content-type": "application/json"}) as r:
+            await r.read()
+            status = r.status
+    except (aiohttp.ClientError, TimeoutError):
+        status = 0
+    level.latencies.append(time.perf_counter() - scheduled)
+    level.statuses.append(status)
+
+
+async def _probe(session: aiohttp.ClientSession, base: str, level: Level, stop: float) -> None:
+    tick = time.perf_counter()
+    while tick < stop:
+        await asyncio.sleep(max(0.0, tick - time.perf_counter()))
+        try:
+            async with session.get(base + "/v2/health/live") as r:
+                await r.read()
+            level.health.append(time.perf_counter() - tick)
+        except (aiohttp.ClientError, TimeoutError):
+            level.health.append(float("inf"))
+        tick += 0.05
+
+
+def _session(limit: int) -> aiohttp.ClientSession:
+    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit), timeout=timeout)
+
+
+async def open_loop(base: str, model: Model, rate: float, level: Level, seed: int) -> None:
+    url = f"{base}/v2/models/{model.name}/infer"
+    rng = random.Random(seed)
+    async with _session(0) as session, _session(4) as probes:
+        pending: set[asyncio.Task[None]] = set()
+        start = time.perf_counter()
+        prober = asyncio.create_task(_probe(probes, base, level, start + level.seconds))
+        offset = rng.expovariate(rate)
+        while offset < level.seconds:
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            data = model.bodies[level.sent % len(model.bodies)]
+            task = asyncio.create_task(_post(session, url, data, start + offset, level))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            level.sent += 1
+            offset += rng.expovariate(rate)
+        await asyncio.gather(*pending, prober)
+
+
+async def storm(base: str, model: Model, level: Level) -> None:
+    """STORM_CONNECTIONS clients, each sending again the moment it has an answer."""
+    url = f"{base}/v2/models/{model.name}/infer"
+    async with _session(STORM_CONNECTIONS) as session, _session(4) as probes:
+        stop = time.perf_counter() + level.seconds
+        prober = asyncio.create_task(_probe(probes, base, level, stop))
+
+        async def client(index: int) -> None:
+            while time.perf_counter() < stop:
+                level.sent += 1
+                body = model.bodies[(level.sent + index) % len(model.bodies)]
+                await _post(session, url, body, time.perf_counter(), level)
+
+        await asyncio.gather(*(client(i) for i in range(STORM_CONNECTIONS)), prober)
+
+
+def run_async(coroutine: Any) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coroutine)
+    else:
+        uvloop.run(coroutine)
+
+
+# -- server-side counts -------------------------------------------------------------------
+
+
+def _answers(values: dict[str, float]) -> float:
+    infer = sum(
+        v
+        for k, v in values.items()
+        if k.startswith("lockgate_http_request_duration_seconds_count{") and 'route="infer"' in k
+    )
+    early = sum(
+        v
+        for k, v in values.items()
+        if k.startswith("lockgate_http_refused_total{")
+        and any(f'reason="{r}"' in k for r in ("loop_lag", "requests", "model_admission"))
+    )
+    return infer + early
+
+
+def _p99_200(before: dict[str, float], after: dict[str, float]) -> float:
+    prefix = 'lockgate_http_request_duration_seconds_bucket{route="infer",status="200",le="'
+    buckets = sorted(
+        (float(k[len(prefix) :].split('"')[0]), v - before.get(k, 0.0))
+        for k, v in after.items()
+        if k.startswith(prefix)
+    )
+    if not buckets or buckets[-1][1] <= 0:
+        return float("nan")
+    total = buckets[-1][1]
+    return next(bound for bound, count in buckets if count >= 0.99 * total)
+
+
+def _cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(server: Server, level: Level, load: Any) -> Level:
+    before, cpu = scrape_metrics(server.url), _cpu(server.process.pid)
+    run_async(load)
+    after = scrape_metrics(server.url)
+    level.cpu_seconds = _cpu(server.process.pid) - cpu
+    level.server_answers = _answers(after) - _answers(before)
+    level.server_p99 = _p99_200(before, after)
+    return level
+
+
+# -- a model's curve ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Curve:
+    model: str
+    pinned: bool
+    slo: float
+    capacity: float = 0.0
+    levels: list[Level] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.model}, {'pinned to one core' if self.pinned else 'not pinned'}"
+
+    def share(self, level: Level) -> float:
+        return level.goodput / self.capacity if self.capacity else float("nan")
+
+    def failures(self) -> list[str]:
+        """What misses the targets, level by level."""
+        found = []
+        for level in self.levels:
+            if level.factor and level.factor < 1:
+                continue
+            target = STORM_TARGET if level.name == "storm" else GOODPUT_TARGET
+            ok = level.of(200)
+            checks = {
+                "client p99": percentile(ok, 99) <= self.slo,
+                "server p99": level.server_p99 <= self.slo,
+                "no timeouts": level.count(0) == 0,
+                "goodput": self.share(level) >= target,
+                "nothing lost": level.lost == 0 and level.server_answers == level.sent,
+                "liveness": percentile(level.health, 99) <= LIVENESS_TARGET_S,
+            }
+            found += [f"{level.name}: {name}" for name, ok_ in checks.items() if not ok_]
+        return found
+
+
+def run_curve(ctx: Context, server: Server, model: Model, pinned: bool) -> Curve:
+    curve = Curve(model.name, pinned, model.slo)
+    seconds = QUICK_LEVEL_S if ctx.quick else LEVEL_S
+    warm = Level("warm", 0, 3.0, model.slo)
+    run_async(open_loop(server.url, model, min(model.saturate, 20.0), warm, 0))
+    saturated = Level("capacity", 0, 4.0, model.slo)
+    measure(server, saturated, open_loop(server.url, model, model.saturate, saturated, 1))
+    curve.capacity = saturated.throughput
+    ctx.say(SUITE, f"{curve.label}: capacity {curve.capacity:.1f} req/s")
+    for i, factor in enumerate(LEVELS):
+        time.sleep(PAUSE_S)
+        rate = min(factor * curve.capacity, MAX_CLIENT_RATE)
+        level = Level(f"{factor:g}x", factor, seconds, model.slo)
+        curve.levels.append(measure(server, level, open_loop(server.url, model, rate, level, i)))
+        ctx.say(SUITE, f"{curve.label}: {describe(curve, level)}")
+    time.sleep(PAUSE_S)
+    level = Level("storm", 0, seconds, model.slo)
+    curve.levels.append(measure(server, level, storm(server.url, model, level)))
+    ctx.say(SUITE, f"{curve.label}: {describe(curve, level)}")
+    return curve
+
+
+def describe(curve: Curve, level: Level) -> str:
+    ok, refused = level.of(200), level.of(503, 429)
+    return (
+        f"{level.name}: offered {level.sent / level.seconds:.0f}/s, served "
+        f"{level.throughput:.0f}/s, goodput {level.goodput:.0f}/s ({curve.share(level):.0%}), "
+        f"p50/p99 {percentile(ok, 50) * 1e3:.0f}/{percentile(ok, 99) * 1e3:.0f} ms "
+        f"(server p99 <= {level.server_p99 * 1e3:.0f} ms), refused {len(refused)} (p99 "
+        f"{percentile(refused, 99) * 1e3:.1f} ms), 504 {level.count(504)}, timeouts "
+        f"{level.count(0)}, lost {level.lost}, server answers {level.server_answers:.0f} of "
+        f"{level.sent}, liveness p99 {percentile(level.health, 99) * 1e3:.1f} ms, server CPU "
+        f"{level.cpu_seconds / level.seconds:.0%}"
+    )
+
+
+def start(repo: Path, work: Path, pinned: bool) -> Server:
+    port = _free_port()
+    command = [sys.executable, "-m", "lockgate.cli", "serve", str(repo), "--port", str(port)]
+    command += ["--no-llm", "--grpc-port", "off"]
+    return start_server("lockgate", command, port, work, pinned=pinned)
+
+
+def run(ctx: Context) -> SuiteResult:
+    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
+
+    started = time.perf_counter()
+    load = [os.getloadavg()[0]]
+    classic = [m for m in DEMO_MODELS if m.name in ("digits_onnx", "minilm")]
+    repo = build_demo_repository(ctx.work / "demo", models=classic)
+    models = [
+        Model("minilm", 0.5, minilm_bodies(), 200.0),
+        Model("digits_onnx", 0.05, digits_bodies(), MAX_CLIENT_RATE),
+    ]
+    curves = []
+    for pinned in (True, False) if pinning_available() else (False,):
+        for model in models:
+            server = start(repo, ctx.work, pinned)
+            with running(server):
+                curves.append(run_curve(ctx, server, model, pinned))
+    load.append(os.getloadavg()[0])
+    return report(curves, load, time.perf_counter() - started, ctx)
+
+
+def report(curves: list[Curve], load: list[float], seconds: float, ctx: Context) -> SuiteResult:
+    failures = [f"{c.label}: {f}" for c in curves for f in c.failures()]
+    result = SuiteResult(
+        suite=SUITE,
+        title="Overload on CPU-bound models: minilm and digits_onnx, 0.5x to 10x and a retry storm",
+        target=(
+            "at every level >= 1x and in the storm: admitted p99 <= SLO (client and server), no "
+            f"client timeout, goodput >= {GOODPUT_TARGET:.0%} of capacity "
+            f"({STORM_TARGET:.0%} in the storm), nothing lost, liveness p99 <= "
+            f"{LIVENESS_TARGET_S * 1e3:g} ms"
+        ),
+        met=not failures,
+        environment=environment(),
+    )
+    for curve in curves:
+        result.add(f"{curve.label}: capacity", curve.capacity, "req/s")
+        for level in curve.levels:
+            result.add(
+                f"{curve.label} @ {level.name}: goodput",
+                level.goodput,
+                "req/s",
+                baseline_label="capacity",
+                baseline=curve.capacity,
+                note=describe(curve, level),
+            )
+    result.notes += [
+        "Goodput: 200s within the SLO, from the scheduled send time, per second. Server p99: "
+        "the bucket bound of lockgate_http_request_duration_seconds (from the request's first "
+        "byte) that holds 99% of the level's 200s. Server answers: infer responses plus "
+        "requests the connection gate refused before their body.",
+        "Missed: " + ("; ".join(failures) if failures else "nothing"),
+        "1-minute load average at the start / end: " + " / ".join(f"{v:.1f}" for v in load),
+    ]
+    result.raw = {
+        "curves": [
+            {
+                "model": c.model,
+                "pinned": c.pinned,
+                "capacity": c.capacity,
+                "levels": [
+                    {
+                        "name": lv.name,
+                        "sent": lv.sent,
+                        "statuses": dict(Counter(lv.statuses)),
+                        "goodput": lv.goodput,
+                        "p50_ok_s": percentile(lv.of(200), 50),
+                        "p99_ok_s": percentile(lv.of(200), 99),
+                        "server_p99_s": lv.server_p99,
+                        "server_answers": lv.server_answers,
+                        "liveness_p99_s": percentile(lv.health, 99),
+                        "cpu_s": lv.cpu_seconds,
+                    }
+                    for lv in c.levels
+                ],
+            }
+            for c in curves
+        ],
+        "load_average": load,
+    }
+    plot = plot_curves(curves, ctx.results / f"{SUITE}.png")
+    if plot is not None:
+        result.notes.append(f"Plot: [{plot.name}]({plot.name}).")
+    result.seconds = seconds
+    return result
+
+
+def plot_curves(curves: list[Curve], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    axes.plot([0, 1, max(LEVELS)], [0, 1, 1], color="0.7", linestyle=":", label="ideal")
+    axes.axhline(GOODPUT_TARGET, color="0.8", linestyle="--", label="90% target")
+    for curve in curves:
+        levels = [lv for lv in curve.levels if lv.factor]
+        x = [lv.sent / lv.seconds / curve.capacity for lv in levels]
+        y = [curve.share(lv) for lv in levels]
+        axes.plot(x, y, marker="o", linestyle="-" if curve.pinned else "--", label=curve.label)
+    axes.set_xscale("symlog", linthresh=1)
+    axes.set_xlabel("offered load / capacity")
+    axes.set_ylabel("goodput (200 within SLO) / capacity")
+    axes.set_title("lockgate goodput on CPU-bound models")
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
