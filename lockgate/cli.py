@@ -87,6 +87,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default="none",
         help="explicit: serve POST /v2/repository/models/{m}/load and /unload (as Triton)",
     )
+    p.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without an API key even when LOCKGATE_API_KEYS is set",
+    )
     p.add_argument("--no-admission", action="store_true", help="turn off deadline-aware admission")
     p.add_argument("--strict-readiness", action="store_true", help="ready only when all models are")
     p.add_argument("--no-llm", action="store_true", help="do not start language models")
@@ -128,6 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
         admin_keys=_env_keys("LOCKGATE_ADMIN_KEYS"),
         strict_readiness=args.strict_readiness,
         model_control=args.model_control_mode,
+        metrics_public=args.metrics_public,
     )
     serving = ServingSettings(
         hang_timeout=args.hang_timeout,

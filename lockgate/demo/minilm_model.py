@@ -41,13 +41,18 @@ class Model:
         self.session: ort.InferenceSession | None = None
         self.tokenizer: Tokenizer | None = None
         self.feeds: list[str] = []
+        self.max_chars = 0
 
     def load(self, config: Any, version_dir: Path) -> None:
         parameters: dict[str, str] = dict(config.parameters)
         tokenizer = Tokenizer.from_file(
             str(data_file(parameters, "tokenizer", "model/tokenizer.json"))
         )
-        tokenizer.enable_truncation(int(parameters.get("max_tokens", "256")))
+        max_tokens = int(parameters.get("max_tokens", "256"))
+        tokenizer.enable_truncation(max_tokens)
+        # text past what max_tokens tokens can cover is cut before tokenizing, not after
+        longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        self.max_chars = max_tokens * longest
         tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # pad each batch to its longest
         options = ort.SessionOptions()
         options.intra_op_num_threads = int(parameters.get("intra_op_threads", "1"))
@@ -61,7 +66,8 @@ class Model:
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.session is None or self.tokenizer is None:
             raise RuntimeError("the model is not loaded")
-        texts = [_text(item) for item in inputs["text"].reshape(-1).tolist()]  # [batch]
+        limit = self.max_chars
+        texts = [_text(item, limit) for item in inputs["text"].reshape(-1).tolist()]  # [batch]
         encodings = self.tokenizer.encode_batch(texts)
         tokens = {
             "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),  # [B, T]
@@ -81,9 +87,10 @@ def mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return (mean / np.maximum(norms, 1e-12)).astype(np.float32)
 
 
-def _text(item: object) -> str:
+def _text(item: object, limit: int) -> str:
+    """At most `limit` characters of an item's text (UTF-8 takes at most 4 bytes a character)."""
     if isinstance(item, bytes):
-        return item.decode("utf-8", errors="replace")  # invalid bytes become U+FFFD
+        return item[: 4 * limit].decode("utf-8", errors="replace")[:limit]  # bad bytes: U+FFFD
     if isinstance(item, str):
-        return item
+        return item[:limit]
     raise BadRequest(f"input 'text' holds {type(item).__name__}, not text")

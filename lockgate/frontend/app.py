@@ -50,6 +50,7 @@ class ServerSettings:
     admin_keys: frozenset[str] = frozenset()  # guard model load and unload; empty: api keys
     strict_readiness: bool = False  # True: ready only when every model is ready
     model_control: str = "none"  # "explicit": POST .../load and .../unload are served
+    metrics_public: bool = False  # True: /metrics needs no key even when keys are set
     repository: Path | None = None
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
@@ -175,7 +176,12 @@ class App:
             if admin and self.settings.admin_keys
             else self.settings.api_keys
         )
-        if not keys or (request.path in self.settings.public_paths and not admin):
+        if not keys:
+            return
+        public = request.path in self.settings.public_paths
+        if request.path == "/metrics":
+            public = self.settings.metrics_public
+        if public and not admin:
             return
         presented = _bearer(request)
         if presented is None:

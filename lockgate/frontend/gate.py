@@ -11,8 +11,8 @@ Three decisions are made per connection or request head, each before any body is
   response, with no ASGI task and no body read. The lag is read two ways: the average of the
   sentinel's recent lags (each firing has weight `weight`, so one stall, say a large body
   decoded on the loop, does not refuse the requests after it, and a lasting lag does within a
-  few firings), and how overdue the sentinel is right now (the loop may be inside a long
-  iteration that has not let it fire: requests read late in that iteration have waited).
+  few firings), and how overdue the sentinel is right now, over four (the loop may be inside a
+  long iteration that has not let it fire: requests read late in that iteration have waited).
   Event-loop lag was chosen over an adaptive concurrency limit because it measures the one
   resource the gate protects (the loop) directly, needs no latency baseline to learn, and
   reacts within one loop iteration; the batcher's own admission already refuses what the
@@ -35,6 +35,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+OVERDUE_FACTOR = 4.0  # an overdue sentinel counts as this much less lag than it shows
 EXEMPT_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health", "/metrics"})
 
 
@@ -81,9 +82,11 @@ class LoopLag:
         return self.interval
 
     def current(self, now: float) -> float:
-        """The lag now: the recent average, or how overdue the sentinel is, if more."""
+        """The lag now: the recent average, or a quarter of how overdue the sentinel is, if
+        more (one preemption by the OS must not refuse; an iteration that has run for four
+        times the limit already has)."""
         overdue = now - self.due if self.due else 0.0
-        return max(overdue, self.average)
+        return max(overdue / OVERDUE_FACTOR, self.average)
 
 
 @dataclass(slots=True)

@@ -302,8 +302,8 @@ def deadline_of(
     """The sooner of the gRPC deadline and the `timeout` parameter (µs); else the model's."""
     now = time.monotonic()
     bounds = []
-    timeout_us = parameters.get("timeout")
-    if isinstance(timeout_us, int) and timeout_us > 0:
+    timeout_us = v2_routes.timeout_parameter(parameters)
+    if timeout_us is not None:
         bounds.append(now + timeout_us / 1e6)
     remaining = context.time_remaining()
     if remaining is not None:

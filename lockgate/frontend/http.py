@@ -110,6 +110,8 @@ class HttpRequest:
             raise BadRequest(f"invalid request: {exc}") from None
         except msgspec.DecodeError as exc:
             raise BadRequest(f"malformed JSON: {exc}") from None
+        except RecursionError:
+            raise BadRequest("malformed JSON: nested too deeply") from None
 
 
 async def respond(

@@ -35,8 +35,11 @@ class OpenAIRoutes:
     app: App
     services: dict[str, LLMService] = field(default_factory=dict)
     rejected: Counter = field(init=False)
+    tokenizers: asyncio.Semaphore = field(init=False)
+    tokenizing: int = 0  # prompts being tokenized or waiting to be
 
     def __post_init__(self) -> None:
+        self.tokenizers = asyncio.Semaphore(TOKENIZE_THREADS)
         self.rejected = self.app.models.registry.counter(
             "lockgate_llm_requests_rejected_total",
             "Language-model requests refused before they queued, by reason (the error kind: "
@@ -92,23 +95,20 @@ class OpenAIRoutes:
         service = self._service(body.model)
         if body.echo:
             raise BadRequest("echo is not supported")
-        prompt_ids = self._prompt_ids(service, body.prompt)
+        _check_supported(body)
+        prompt_ids = await self._tokenize(self._prompt_ids, service, body.prompt)
         params = self._sampling(service, body, len(prompt_ids), body.max_tokens, 16, body.logprobs)
         await self._generate(request, service, body, prompt_ids, params, COMPLETION)
 
     async def _chat(self, request: HttpRequest) -> None:
         body = oa.decode(await request.body(), oa.ChatRequest)
         service = self._service(body.model)
+        _check_supported(body)
         messages = [{"role": m.role, "content": oa.message_text(m)} for m in body.messages]
         if not messages:
             raise BadRequest("messages must not be empty")
-        try:
-            prompt = service.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ServingError:
-            raise
-        except Exception as exc:
-            raise BadRequest(f"chat template failed: {exc}") from None
-        prompt_ids = service.tokenizer.encode(prompt, add_special_tokens=False)
+        _check_length(service, sum(len(m["content"] or "") for m in messages))
+        prompt_ids = await self._tokenize(_chat_ids, service, messages)
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = self._sampling(service, body, len(prompt_ids), max_tokens, None, top)
@@ -141,8 +141,21 @@ class OpenAIRoutes:
         payload = kind.response(rid, service.name, text, reason, logprobs, _usage(last))
         await respond_json(request.send, 200, payload)
 
+    async def _tokenize(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+        """Tokenize off the event loop, at most `TOKENIZE_THREADS` at once; past
+        `TOKENIZE_WAITING` requests waiting their turn, 503."""
+        if self.tokenizing >= TOKENIZE_THREADS + TOKENIZE_WAITING:
+            raise Unavailable("too many prompts waiting to be tokenized", retry_after=1)
+        self.tokenizing += 1
+        try:
+            async with self.tokenizers:
+                return await asyncio.to_thread(fn, *args)
+        finally:
+            self.tokenizing -= 1
+
     def _prompt_ids(self, service: LLMService, prompt: object) -> list[int]:
         if isinstance(prompt, str):
+            _check_length(service, len(prompt))
             return service.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             ids = [int(t) for t in prompt]  # type: ignore[arg-type]
@@ -185,6 +198,12 @@ class OpenAIRoutes:
                 "the completion). Please reduce the length of the prompt or max_tokens."
             )
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise BadRequest(
+                f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters"
+            )
+        if len(body.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise BadRequest(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids")
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
@@ -331,6 +350,39 @@ def _vector(v: np.ndarray, encoding: str) -> Any:
     if encoding == "base64":
         return base64.b64encode(v.astype("<f4").tobytes()).decode()
     return v.tolist()
+
+
+MAX_STOP = 4  # stop strings, as the OpenAI API allows
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+TOKENIZE_THREADS = 2  # prompts tokenized at once, off the event loop
+TOKENIZE_WAITING = 64  # prompts waiting for a tokenizer thread before 503
+
+
+def _check_supported(body: oa.CompletionRequest | oa.ChatRequest) -> None:
+    name = body.unsupported()
+    if name is not None:
+        raise BadRequest(f"'{name}' is not supported by lockgate; leave it out")
+
+
+def _check_length(service: LLMService, chars: int) -> None:
+    """Refuse, before tokenizing, a prompt too long to fit the context whatever its tokens."""
+    limit = service.engine_config.max_model_len * service.tokenizer.max_token_chars
+    if chars > limit:
+        raise BadRequest(
+            f"prompt of {chars} characters cannot fit the context of "
+            f"{service.engine_config.max_model_len} tokens (at most {limit} characters)"
+        )
+
+
+def _chat_ids(service: LLMService, messages: list[dict[str, Any]]) -> list[int]:
+    try:
+        prompt = service.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ServingError:
+        raise
+    except Exception as exc:
+        raise BadRequest(f"chat template failed: {exc}") from None
+    return service.tokenizer.encode(prompt, add_special_tokens=False)
 
 
 def _deadline(request: HttpRequest) -> float | None:

@@ -39,8 +39,8 @@ def deadline_of(
     """Deadline from the `timeout` parameter (µs), a Request-Timeout header (s), or the model,
     counted from the request's arrival: time spent reading and parsing it counts."""
     now = request.received
-    timeout_us = parameters.get("timeout")
-    if isinstance(timeout_us, int) and not isinstance(timeout_us, bool) and timeout_us > 0:
+    timeout_us = timeout_parameter(parameters)
+    if timeout_us is not None:
         return now + timeout_us / 1e6
     header = request.header(b"request-timeout")
     if header is not None:
@@ -53,6 +53,19 @@ def deadline_of(
         return now + seconds
     default_us = served.config.batcher.default_timeout_us
     return now + default_us / 1e6 if default_us > 0 else None
+
+
+MAX_TIMEOUT_US = 10**13  # about 116 days: any longer is a client mistake
+
+
+def timeout_parameter(parameters: dict[str, object]) -> int | None:
+    """The `timeout` parameter in µs: None when absent or not positive; 400 when absurd."""
+    timeout_us = parameters.get("timeout")
+    if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or timeout_us <= 0:
+        return None
+    if timeout_us > MAX_TIMEOUT_US:
+        raise BadRequest(f"parameter 'timeout' must be at most {MAX_TIMEOUT_US} µs")
+    return timeout_us
 
 
 def priority_of(parameters: dict[str, object]) -> int:

@@ -10,7 +10,8 @@ prefills. The predicted TTFT is (tokens ahead + its own prompt tokens) / rate.
 
 A request is refused with 503 and Retry-After when that prediction exceeds `slack` times its
 budget: the model's TTFT SLO (`ttft_slo_ms`) or the time left before its deadline, whichever
-is smaller. With neither, or before the first prefill has been measured, nothing is refused.
+is smaller; a request with nothing queued ahead is held to its deadline alone. With neither,
+or before the first prefill has been measured, nothing is refused.
 The prediction leaves out the wait for a free place when `max_num_seqs` sequences run.
 """
 
@@ -59,7 +60,10 @@ class TTFTAdmission:
         self, tokens_ahead: int, prompt_tokens: int, deadline: float | None, now: float
     ) -> Unavailable | None:
         """None to admit, or the refusal to raise."""
-        budgets = [b for b in (self.ttft_slo, None if deadline is None else deadline - now) if b]
+        # alone in the engine, a request waits for nobody: the SLO bounds waiting, so only
+        # its own deadline can refuse it (and serving it measures the prefill rate anew)
+        slo = self.ttft_slo if tokens_ahead else None
+        budgets = [b for b in (slo, None if deadline is None else deadline - now) if b]
         if not budgets:
             return None
         predicted = self.predicted_ttft(tokens_ahead, prompt_tokens)

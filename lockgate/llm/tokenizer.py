@@ -208,6 +208,11 @@ class ChatTokenizer:
         self.bos_token_id = self._id_of(spec.bos_token)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+        # the longest token's text, in vocabulary characters: each stands for at least one
+        # character of text, so no token covers more characters of a prompt than this
+        self.max_token_chars = max(
+            (len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1
+        )
         self._template: jinja2.Template | None = None
         if spec.chat_template:
             self._template = _compile_template(spec.chat_template)

@@ -36,6 +36,46 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # known to the OpenAI API, not implemented by lockgate: refused by name when given
+    logit_bias: Any = None
+    best_of: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    suffix: Any = None
+    parallel_tool_calls: Any = None
+
+    def unsupported(self) -> str | None:
+        """The first field given that lockgate does not implement, if any."""
+        for name in UNSUPPORTED:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if name == "best_of" and value == 1:
+                continue
+            if (
+                name == "response_format"
+                and isinstance(value, dict)
+                and value.get("type") == "text"
+            ):
+                continue
+            return name
+        return None
+
+
+UNSUPPORTED = (
+    "logit_bias",
+    "best_of",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "suffix",
+    "parallel_tool_calls",
+)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -77,6 +117,8 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise BadRequest(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"malformed JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("malformed JSON: nested too deeply") from None
 
 
 def message_text(message: ChatMessage) -> str:

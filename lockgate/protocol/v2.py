@@ -140,9 +140,10 @@ def _header_split(body_length: int, header_length: int | str | None) -> int:
         return body_length
     if isinstance(header_length, str):
         text = header_length.strip()
-        if not (text.isascii() and text.isdigit()):
+        if not (text.isascii() and text.isdigit()) or len(text) > 18:
             raise BadRequest(
-                f"Inference-Header-Content-Length must be an integer, got '{header_length}'"
+                "Inference-Header-Content-Length must be an integer of at most 18 digits, "
+                f"got '{header_length[:40]}'"
             )
         header_length = int(text)
     if isinstance(header_length, bool) or not isinstance(header_length, int):
@@ -440,6 +441,10 @@ def _output_array(
     if want.class_count > 0:
         if datatype == "BF16":
             array = float32_from_bf16_bits(array)
+        elif datatype in ("BYTES", "BOOL") or array.dtype.kind not in "iuf":
+            raise BadRequest(
+                f"output '{want.name}': classification needs a numeric output, not {datatype}"
+            )
         return classify(array, want.class_count), "BYTES"
     return array, datatype
 

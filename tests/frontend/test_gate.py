@@ -36,7 +36,8 @@ def test_one_stall_is_not_saturation_but_a_lasting_lag_is() -> None:
 def test_an_overdue_sentinel_counts_before_it_fires() -> None:
     lag = LoopLag(interval=0.005, weight=0.1)
     now = fire_every(lag, 0.0, 0.005, 10)
-    assert lag.current(now + 0.005 + 0.050) == pytest.approx(0.050)  # in a 55 ms iteration
+    assert lag.current(now + 0.005 + 0.080) == pytest.approx(0.020)  # in an 85 ms iteration
+    assert lag.current(now + 0.005 + 0.030) < 0.010  # one preemption of 30 ms: not yet
 
 
 def test_gate_refuses_on_lag_and_on_requests_in_progress_but_never_probes() -> None:

@@ -87,10 +87,18 @@ def error_of(response: httpx.Response, status: int) -> str:
 
 
 @pytest.mark.parametrize(
-    "path", ["/v2/health/live", "/v2/health/ready", "/health", "/metrics", "/openapi.json"]
+    "path", ["/v2/health/live", "/v2/health/ready", "/health", "/openapi.json"]
 )
 def test_public_routes_need_no_key(secured: RunningServer, path: str) -> None:
     assert httpx.get(secured.url + path).status_code == 200
+
+
+def test_metrics_need_a_key_when_keys_are_set(secured: RunningServer) -> None:
+    """Metrics name models and traffic: with keys set they are guarded, unless the server
+    was started with --metrics-public."""
+    assert "missing API key" in error_of(httpx.get(secured.url + "/metrics"), 401)
+    ok = httpx.get(secured.url + "/metrics", headers=bearer(API_KEYS[0]))
+    assert ok.status_code == 200 and "lockgate_requests_total" in ok.text
 
 
 GUARDED = [

@@ -32,6 +32,24 @@ def gated(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         str(HEAD_TIMEOUT),
         "--max-connections-per-client",
         "1100",
+        "--max-loop-lag-ms",
+        "10",
+    )
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def saturable(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A short body timeout, so a request the gate lets through is answered soon (408)."""
+    running = start_server(
+        demo_repo,
+        tmp_path_factory.mktemp("saturable"),
+        "--no-llm",
+        "--body-timeout",
+        "1",
+        "--max-loop-lag-ms",
+        "5",
     )
     yield running
     running.stop()
@@ -130,7 +148,7 @@ def heavy_body() -> bytes:
 
 
 def test_a_saturated_loop_refuses_before_the_body_and_keeps_answering_probes(
-    gated: RunningServer,
+    saturable: RunningServer,
 ) -> None:
     """Threads keep the loop busy decoding large bodies; a request whose body has not all
     arrived is answered 503 with Retry-After and its connection closed, its body unread."""
@@ -140,7 +158,7 @@ def test_a_saturated_loop_refuses_before_the_body_and_keeps_answering_probes(
     def flood() -> None:
         with httpx.Client(timeout=60) as client:
             while not stop.is_set():
-                client.post(gated.url + "/v2/models/digits_onnx/infer", content=body)
+                client.post(saturable.url + "/v2/models/digits_onnx/infer", content=body)
 
     threads = [threading.Thread(target=flood) for _ in range(4)]
     for thread in threads:
@@ -148,8 +166,8 @@ def test_a_saturated_loop_refuses_before_the_body_and_keeps_answering_probes(
     refused = None
     try:
         time.sleep(1.0)
-        for _ in range(100):
-            with socket.create_connection(("127.0.0.1", gated.port), timeout=30) as sock:
+        for _ in range(60):
+            with socket.create_connection(("127.0.0.1", saturable.port), timeout=30) as sock:
                 sock.sendall(
                     b"POST /v2/models/digits_onnx/infer HTTP/1.1\r\nHost: t\r\n"
                     b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{"
@@ -164,12 +182,12 @@ def test_a_saturated_loop_refuses_before_the_body_and_keeps_answering_probes(
         assert refused is not None, "the loop never looked saturated"
         assert int(refused.headers["retry-after"]) >= 1
         assert "saturated" in refused.error()
-        assert probe_ms(gated) < 1000
+        assert probe_ms(saturable) < 1000
     finally:
         stop.set()
         for thread in threads:
             thread.join()
-    metrics = httpx.get(gated.url + "/metrics").text
+    metrics = httpx.get(saturable.url + "/metrics").text
     assert 'lockgate_http_refused_total{reason="loop_lag"}' in metrics
 
 

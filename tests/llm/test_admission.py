@@ -37,6 +37,8 @@ def test_ttft_prediction_and_refusal() -> None:
     assert isinstance(refusal, Unavailable) and refusal.retry_after == pytest.approx(1.0)
     assert "900 prompt tokens queued ahead" in refusal.message
     assert admission.check(100, 100, 0.1, 0.0) is not None  # the deadline is tighter
+    assert admission.check(0, 5000, None, 0.0) is None  # alone: the SLO cannot refuse it
+    assert admission.check(0, 5000, 1.0, 0.0) is not None  # its own deadline can
     unknown = TTFTAdmission(ttft_slo=0.001)
     assert unknown.check(10_000, 100, None, 0.0) is None  # no prefill measured yet
     assert TTFTAdmission().check(10**6, 100, None, 0.0) is None  # no SLO and no deadline

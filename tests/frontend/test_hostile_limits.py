@@ -1,0 +1,138 @@
+"""Client mistakes and hostile sizes that once cost a 500 or a stalled server: each is a 4xx
+with a message, refused before the work it would cost, while liveness keeps answering."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from lockgate.errors import BadRequest
+from lockgate.protocol import v2
+from tests.conftest import RunningServer, digits_rows
+from tests.frontend.test_hostile_input import INFER, assert_client_error
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def digits_body(**parameters: object) -> dict[str, object]:
+    x = digits_rows(1)
+    tensor = {"name": "input", "shape": [1, 64], "datatype": "FP32", "data": x.ravel().tolist()}
+    return {"inputs": [tensor], "parameters": parameters}
+
+
+# -- KServe v2 ----------------------------------------------------------------------------
+
+
+def test_a_400_digit_timeout_is_a_400(server: RunningServer) -> None:
+    body = json.dumps(digits_body()).replace(
+        '"parameters": {}', '"parameters": {"timeout": ' + "9" * 400 + "}"
+    )
+    r = httpx.post(server.url + INFER, content=body, timeout=30)
+    assert "timeout" in assert_client_error(r)
+
+
+def test_a_5000_digit_header_length_is_a_400(server: RunningServer) -> None:
+    r = httpx.post(
+        server.url + INFER,
+        content=b"{}",
+        headers={"Inference-Header-Content-Length": "9" * 5000},
+        timeout=30,
+    )
+    assert "Inference-Header-Content-Length" in assert_client_error(r)
+
+
+def test_classification_of_a_bytes_output_is_a_400() -> None:
+    want = v2.RequestedOutput("label", False, 3)
+    with pytest.raises(BadRequest, match="numeric"):
+        v2._output_array(want, np.array([b"a", b"b"], dtype=object), {"label": "BYTES"})
+    values, datatype = v2._output_array(want, np.array([[0.1, 0.7, 0.2]], np.float32), None)
+    assert datatype == "BYTES" and values[0, 0].endswith(b":1")
+
+
+# -- the OpenAI API -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(llm_server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=llm_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def bad_request(call: object, *args: object, **kwargs: object) -> str:
+    with pytest.raises(openai.BadRequestError) as caught:
+        call(*args, **kwargs)  # type: ignore[operator]
+    return str(caught.value)
+
+
+def test_an_18_mb_prompt_is_refused_at_once_and_liveness_answers(
+    llm_server: RunningServer,
+) -> None:
+    prompt = "lorem ipsum " * 1_500_000  # 18 MB
+    probes: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            assert httpx.get(llm_server.url + "/v2/health/live", timeout=10).status_code == 200
+            probes.append(time.monotonic() - started)
+            time.sleep(0.02)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        started = time.monotonic()
+        r = httpx.post(
+            llm_server.url + "/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 4},
+            timeout=120,
+        )
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        prober.join()
+    assert r.status_code == 400, r.text[:300]
+    assert "characters cannot fit the context" in r.json()["error"]["message"]
+    assert elapsed < 10, elapsed  # no tokenizing of 18 MB first
+    assert probes and max(probes) < 1.0, max(probes)
+
+
+def test_more_than_four_stop_strings_are_a_400(client: openai.OpenAI) -> None:
+    message = bad_request(
+        client.completions.create, model=MODEL, prompt="Hi", max_tokens=2, stop=["a"] * 5
+    )
+    assert "at most 4" in message
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"logit_bias": {"1": 5}},
+        {"best_of": 3},
+        {"response_format": {"type": "json_object"}},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    ],
+)
+def test_fields_lockgate_does_not_implement_are_refused_by_name(
+    client: openai.OpenAI, field: dict[str, object]
+) -> None:
+    message = bad_request(
+        client.chat.completions.create,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        extra_body=field,
+    )
+    assert f"'{next(iter(field))}' is not supported" in message
+
+
+def test_deeply_nested_json_is_a_400(llm_server: RunningServer) -> None:
+    body = b'{"model": "x", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(llm_server.url + "/v1/completions", content=body, timeout=30)
+    assert r.status_code == 400, r.text[:300]
+    assert httpx.get(llm_server.url + "/v2/health/live").status_code == 200
