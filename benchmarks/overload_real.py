@@ -19,7 +19,10 @@ Per level: throughput, goodput (200s inside the SLO per second, and as a share o
 admitted p50/p99 by the client and p99 by the server (its HTTP histogram, counted from the
 request's first byte, between two scrapes), refusals and their p99, 504s, client timeouts
 (30 s), requests lost (sent - answered), the server's count of answers against the client's,
-and the liveness probes' p99.
+and the p99 of liveness probes sent every 50 ms from a process of their own. The open-loop
+client keeps at most 512 connections (under the server's per-client cap); past them requests
+wait in the client, and that wait counts in their latency. digits_onnx's capacity is
+measured closed-loop (32 clients): one client core cannot offer it far above its capacity.
 
 Targets (at every level >= 1x and in the storm): admitted p99 <= SLO by client and server,
 no client timeout, goodput >= 90% of capacity (80% in the storm), nothing lost, liveness p99
@@ -33,6 +36,7 @@ import asyncio
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -63,7 +67,8 @@ STORM_CONNECTIONS = 256
 PAUSE_S = 2.0
 GOODPUT_TARGET, STORM_TARGET, LIVENESS_TARGET_S = 0.9, 0.8, 0.050
 CLIENT_TIMEOUT_S = 30.0
-MAX_CLIENT_RATE = 6000.0  # one client core sends no more than this
+MAX_CLIENT_RATE = 4000.0  # one client core sends no more than this
+CLIENT_CONNECTIONS = 512  # the open-loop client's pool: past it, requests wait client-side
 WORDS = [
     "the",
     "server",
@@ -103,6 +108,7 @@ class Model:
     slo: float  # seconds: the demo's latency_slo_ms
     bodies: tuple[bytes, ...]
     saturate: float  # req/s offered to measure capacity
+    closed_loop: int = 0  # > 0: measure capacity with this many clients instead
 
 
 def minilm_bodies(count: int = 200, seed: int = 1) -> tuple[bytes, ...]:
@@ -180,17 +186,38 @@ async def _post(
     level.statuses.append(status)
 
 
-async def _probe(session: aiohttp.ClientSession, base: str, level: Level, stop: float) -> None:
-    tick = time.perf_counter()
-    while tick < stop:
-        await asyncio.sleep(max(0.0, tick - time.perf_counter()))
-        try:
-            async with session.get(base + "/v2/health/live") as r:
-                await r.read()
-            level.health.append(time.perf_counter() - tick)
-        except (aiohttp.ClientError, TimeoutError):
-            level.health.append(float("inf"))
-        tick += 0.05
+PROBER = """
+import json, socket, sys, time
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+request = b"GET /v2/health/live HTTP/1.1\\r\\nHost: probe\\r\\nConnection: close\\r\\n\\r\\n"
+latencies, tick, stop = [], time.perf_counter(), time.perf_counter() + seconds
+while tick < stop:
+    time.sleep(max(0.0, tick - time.perf_counter()))
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(request)
+            while sock.recv(65536):
+                pass
+        latencies.append(time.perf_counter() - tick)
+    except OSError:
+        latencies.append(float("inf"))
+    tick += 0.05
+print(json.dumps(latencies))
+"""
+
+
+def start_prober(base: str, seconds: float) -> subprocess.Popen[bytes]:
+    """Liveness probes every 50 ms from a process of their own, so the load generator's own
+    event loop, busy with thousands of requests, does not delay them."""
+    port = base.rsplit(":", 1)[1]
+    return subprocess.Popen(
+        [sys.executable, "-c", PROBER, port, str(seconds)], stdout=subprocess.PIPE
+    )
+
+
+def probes_of(prober: subprocess.Popen[bytes]) -> list[float]:
+    out, _ = prober.communicate(timeout=120)
+    return [float(v) for v in json.loads(out or b"[]")]
 
 
 def _session(limit: int) -> aiohttp.ClientSession:
@@ -201,10 +228,9 @@ def _session(limit: int) -> aiohttp.ClientSession:
 async def open_loop(base: str, model: Model, rate: float, level: Level, seed: int) -> None:
     url = f"{base}/v2/models/{model.name}/infer"
     rng = random.Random(seed)
-    async with _session(0) as session, _session(4) as probes:
+    async with _session(CLIENT_CONNECTIONS) as session:
         pending: set[asyncio.Task[None]] = set()
         start = time.perf_counter()
-        prober = asyncio.create_task(_probe(probes, base, level, start + level.seconds))
         offset = rng.expovariate(rate)
         while offset < level.seconds:
             delay = start + offset - time.perf_counter()
@@ -216,15 +242,14 @@ async def open_loop(base: str, model: Model, rate: float, level: Level, seed: in
             task.add_done_callback(pending.discard)
             level.sent += 1
             offset += rng.expovariate(rate)
-        await asyncio.gather(*pending, prober)
+        await asyncio.gather(*pending)
 
 
-async def storm(base: str, model: Model, level: Level) -> None:
-    """STORM_CONNECTIONS clients, each sending again the moment it has an answer."""
+async def closed_loop(base: str, model: Model, clients: int, level: Level) -> None:
+    """`clients` clients sending back to back (a model that refuses none of them)."""
     url = f"{base}/v2/models/{model.name}/infer"
-    async with _session(STORM_CONNECTIONS) as session, _session(4) as probes:
+    async with _session(clients) as session:
         stop = time.perf_counter() + level.seconds
-        prober = asyncio.create_task(_probe(probes, base, level, stop))
 
         async def client(index: int) -> None:
             while time.perf_counter() < stop:
@@ -232,7 +257,22 @@ async def storm(base: str, model: Model, level: Level) -> None:
                 body = model.bodies[(level.sent + index) % len(model.bodies)]
                 await _post(session, url, body, time.perf_counter(), level)
 
-        await asyncio.gather(*(client(i) for i in range(STORM_CONNECTIONS)), prober)
+        await asyncio.gather(*(client(i) for i in range(clients)))
+
+
+async def storm(base: str, model: Model, level: Level) -> None:
+    """STORM_CONNECTIONS clients, each sending again the moment it has an answer."""
+    url = f"{base}/v2/models/{model.name}/infer"
+    async with _session(STORM_CONNECTIONS) as session:
+        stop = time.perf_counter() + level.seconds
+
+        async def client(index: int) -> None:
+            while time.perf_counter() < stop:
+                level.sent += 1
+                body = model.bodies[(level.sent + index) % len(model.bodies)]
+                await _post(session, url, body, time.perf_counter(), level)
+
+        await asyncio.gather(*(client(i) for i in range(STORM_CONNECTIONS)))
 
 
 def run_async(coroutine: Any) -> None:
@@ -282,7 +322,9 @@ def _cpu(pid: int) -> float:
 
 def measure(server: Server, level: Level, load: Any) -> Level:
     before, cpu = scrape_metrics(server.url), _cpu(server.process.pid)
+    prober = start_prober(server.url, level.seconds)
     run_async(load)
+    level.health = probes_of(prober)
     after = scrape_metrics(server.url)
     level.cpu_seconds = _cpu(server.process.pid) - cpu
     level.server_answers = _answers(after) - _answers(before)
@@ -334,7 +376,10 @@ def run_curve(ctx: Context, server: Server, model: Model, pinned: bool) -> Curve
     warm = Level("warm", 0, 3.0, model.slo)
     run_async(open_loop(server.url, model, min(model.saturate, 20.0), warm, 0))
     saturated = Level("capacity", 0, 4.0, model.slo)
-    measure(server, saturated, open_loop(server.url, model, model.saturate, saturated, 1))
+    if model.closed_loop:
+        measure(server, saturated, closed_loop(server.url, model, model.closed_loop, saturated))
+    else:
+        measure(server, saturated, open_loop(server.url, model, model.saturate, saturated, 1))
     curve.capacity = saturated.throughput
     ctx.say(SUITE, f"{curve.label}: capacity {curve.capacity:.1f} req/s")
     for i, factor in enumerate(LEVELS):
@@ -380,7 +425,7 @@ def run(ctx: Context) -> SuiteResult:
     repo = build_demo_repository(ctx.work / "demo", models=classic)
     models = [
         Model("minilm", 0.5, minilm_bodies(), 200.0),
-        Model("digits_onnx", 0.05, digits_bodies(), MAX_CLIENT_RATE),
+        Model("digits_onnx", 0.05, digits_bodies(), MAX_CLIENT_RATE, closed_loop=32),
     ]
     curves = []
     for pinned in (True, False) if pinning_available() else (False,):

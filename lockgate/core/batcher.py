@@ -39,6 +39,17 @@ def signature(request: InferRequest, batching: bool) -> Signature:
     )
 
 
+def batch_bytes(inputs: Arrays) -> int:
+    """Input bytes of a batch; BYTES tensors count their items' lengths."""
+    total = 0
+    for array in inputs.values():
+        if array.dtype == object:
+            total += sum(len(item) if isinstance(item, bytes | str) else 8 for item in array.flat)
+        else:
+            total += array.nbytes
+    return total
+
+
 @dataclass(slots=True)
 class Batch:
     requests: list[InferRequest]
@@ -109,6 +120,7 @@ class Batcher:
         self.input_seconds = 0.0  # total time spent gathering batch inputs
         self.output_seconds = 0.0  # total time spent splitting batch outputs
         self.inline_seconds = float(config.parameters.get("inline_max_us", "150")) / 1e6
+        self.inline_bytes: dict[int, int] = {}  # rows -> largest input bytes timed cheap
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
@@ -332,7 +344,7 @@ class Batcher:
                 self._start(self.free.popleft(), batch)
 
     def _start(self, instance: Instance, batch: Batch) -> None:
-        if self._inline(instance, batch.rows):
+        if self._inline(instance, batch):
             self._run_inline(instance, batch)
             return
         task = asyncio.get_running_loop().create_task(self._run(instance, batch))
@@ -431,6 +443,11 @@ class Batcher:
                 return
             raise
         self._end(instance, batch, start, outputs, gathered - start)
+        if instance.inline_safe and instance.last_seconds <= self.inline_seconds:
+            size = batch_bytes(
+                inputs
+            )  # timed on the thread and cheap: inputs this big may run inline
+            self.inline_bytes[batch.rows] = max(self.inline_bytes.get(batch.rows, 0), size)
 
     def _run_inline(self, instance: Instance, batch: Batch) -> None:
         """Run a cheap batch on the event loop: no thread handoff, no task."""
@@ -502,13 +519,19 @@ class Batcher:
         log.warning("model %s failed on a batch of %d rows: %r", self, batch.rows, exc)
         return BackendError(f"model '{self.config.name}' failed: {exc}")
 
-    def _inline(self, instance: Instance, rows: int) -> bool:
-        """Run on the event loop when the batch is cheaper than a thread handoff (~100 µs)."""
-        return (
+    def _inline(self, instance: Instance, batch: Batch) -> bool:
+        """Run on the event loop when the batch is cheaper than a thread handoff (~100 µs):
+        only a batch no bigger, in rows and in bytes, than one already timed on the thread.
+        Anything else runs on the thread, where the hang timeout applies (a one-row request
+        with a huge dynamic dimension must not stall the loop)."""
+        if not (
             instance.inline_safe
             and self.compute.known
-            and self.compute.service_time(rows) <= self.inline_seconds
-        )
+            and self.compute.service_time(batch.rows) <= self.inline_seconds
+        ):
+            return False
+        limit = self.inline_bytes.get(batch.rows)
+        return limit is not None and sum(batch_bytes(r.inputs) for r in batch.requests) <= limit
 
     def instance_ready(self, instance: Instance) -> None:
         """A restarted instance takes work again."""

@@ -422,3 +422,46 @@ def test_slo_mode_caps_batches_at_the_profile_cap() -> None:
         assert max(len(b) for b in backend.batches) == cap
 
     run(lambda: closing(batcher, body))
+
+
+@dataclass
+class CheapBackend:
+    """Native-looking (inline_safe) and cheap: records on which thread each batch ran."""
+
+    inline_safe = True
+    threads: list[str] = field(default_factory=list)
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        self.threads.append(threading.current_thread().name)
+        return {"y": inputs["x"] * 2}
+
+    def close(self) -> None:
+        pass
+
+
+def test_only_inputs_no_bigger_than_timed_ones_run_on_the_loop() -> None:
+    """A cheap model runs small batches inline once one of that size was timed on its thread;
+    a one-row request with a far bigger dynamic dimension goes back to the thread."""
+    backend = CheapBackend()
+    config = make_config(max_batch_size=4, width=-1)
+    batcher = Batcher(
+        config,
+        1,
+        [Instance("m-1-0", backend)],
+        ServingMetrics.create(Registry()),
+        ServiceProfile(4),
+        AdmissionSettings(),
+    )
+    loop_thread = threading.current_thread().name
+
+    async def body() -> None:
+        for _ in range(3):
+            await batcher.submit(request(1.0, width=8))
+        await batcher.submit(request(1.0, width=100_000))  # one row, 400 kB
+        await batcher.submit(request(1.0, width=8))
+
+    run(lambda: closing(batcher, body))
+    assert backend.threads[0] != loop_thread  # first of its size: timed on the thread
+    assert backend.threads[1] == loop_thread and backend.threads[2] == loop_thread
+    assert backend.threads[3] != loop_thread  # the big one
+    assert backend.threads[4] == loop_thread
