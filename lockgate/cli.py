@@ -62,6 +62,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="event-loop lag past which new requests get 503 before their body is read (0: off)",
     )
     p.add_argument(
+        "--queue-target-ms",
+        type=float,
+        default=5.0,
+        help="front-end delay (first byte to handler) that, when even the least delayed "
+        "request of 100 ms waited longer, gets new requests 503 before their body (0: off)",
+    )
+    p.add_argument(
         "--head-timeout",
         type=float,
         default=10.0,
@@ -147,6 +154,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         gate=GateSettings(
             max_lag=args.max_loop_lag_ms / 1000.0,
+            queue_target=args.queue_target_ms / 1000.0,
             max_requests=args.limit_concurrency,
             head_timeout=args.head_timeout,
             max_connections=args.max_connections,

@@ -72,6 +72,8 @@ class App:
         self.started = False  # set once the repository has been loaded
         self.draining = False
         self.closers: list[Callable[[], Awaitable[None]]] = []  # run at shutdown
+        # told each request's delay from its first byte to its handler (the connection gate)
+        self.front_delay: Callable[[float, float], None] | None = None
         self.http_latency = models.registry.histogram(
             "lockgate_http_request_duration_seconds",
             "Time from the request's first byte to its response headers, by route kind and status.",
@@ -85,7 +87,10 @@ class App:
         if scope["type"] != "http":
             return
         received = scope.get("lockgate.received")  # the first byte, stamped by the protocol
-        start = received if isinstance(received, float) else time.monotonic()
+        now = time.monotonic()
+        start = received if isinstance(received, float) else now
+        if self.front_delay is not None:
+            self.front_delay(now - start, now)
         route = _route_kind(scope["path"])
 
         async def timed_send(message: Message) -> None:

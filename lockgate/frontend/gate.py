@@ -17,6 +17,13 @@ Three decisions are made per connection or request head, each before any body is
   resource the gate protects (the loop) directly, needs no latency baseline to learn, and
   reacts within one loop iteration; the batcher's own admission already refuses what the
   model's queue cannot finish in time.
+- **Front-end queueing (CoDel).** A request's delay from its first byte to the start of its
+  handler is the time it queued inside the process (behind other requests' parsing, routing
+  and inline work). When even the least delayed request of an `interval` (100 ms) waited more
+  than `queue_target` (5 ms), the queue is standing, not a burst: new heads are refused until
+  an interval passes with a request under the target. With no new evidence for two
+  intervals, the verdict lapses, so requests are let in to measure again. Loop lag alone
+  misses this queue: each iteration can stay short while a request needs several of them.
 - **Requests in progress.** At most `max_requests` requests with a complete head run at once
   (the rest: 503). Connections still sending a head do not count, so idle or slow
   connections cannot take the places that probes and complete requests need.
@@ -48,11 +55,13 @@ class GateSettings:
     max_connections: int = 16384  # open connections in all
     max_connections_per_client: int = 1024  # open connections from one client address
     head_timeout: float = 10.0  # seconds for a request head to arrive in full
+    queue_target: float = 0.005  # seconds of front-end delay that, standing, refuses; 0: off
+    queue_interval: float = 0.100  # seconds over which the least delay is taken
 
     def __post_init__(self) -> None:
         if not 0 < self.weight <= 1:
             raise ValueError(f"weight must be in (0, 1], not {self.weight!r}")
-        for name in ("max_lag", "interval", "head_timeout"):
+        for name in ("max_lag", "interval", "head_timeout", "queue_target", "queue_interval"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
@@ -90,26 +99,48 @@ class LoopLag:
 
 
 @dataclass(slots=True)
+class QueueDelay:
+    """CoDel's test for a standing queue, on front-end delays. Pure: the caller gives times."""
+
+    target: float
+    interval: float
+    started: float = 0.0  # the current interval's start
+    least: float = math.inf  # the least delay seen in it
+    standing: bool = False  # the last full interval's least delay was over the target
+    decided: float = 0.0  # when `standing` was last decided
+
+    def observe(self, delay: float, now: float) -> None:
+        if now - self.started >= self.interval:
+            if self.least != math.inf:
+                self.standing, self.decided = self.least > self.target, now
+            self.started, self.least = now, delay
+        else:
+            self.least = min(self.least, delay)
+
+    def standing_at(self, now: float) -> bool:
+        return self.standing and now - self.decided < 2 * self.interval
+
+
+@dataclass(slots=True)
 class Gate:
     """Shared by every connection of one server: settings, the lag and the connection table."""
 
     settings: GateSettings = field(default_factory=GateSettings)
     lag: LoopLag = field(init=False)
+    queue: QueueDelay = field(init=False)
     connections: Counter[str] = field(default_factory=Counter)  # open connections per address
     open_connections: int = 0
-    refused: Counter[str] = field(default_factory=Counter)  # refusals by reason
 
     def __post_init__(self) -> None:
         self.lag = LoopLag(self.settings.interval, self.settings.weight)
+        self.queue = QueueDelay(self.settings.queue_target, self.settings.queue_interval)
 
     def connect(self, address: str) -> str | None:
         """Count a new connection; returns why it must be closed, or None to keep it."""
         s = self.settings
         if self.open_connections >= s.max_connections:
-            self.refused["connections"] += 1
             return "connections"
         if self.connections[address] >= s.max_connections_per_client:
-            self.refused["client_connections"] += 1
             return "client_connections"
         self.connections[address] += 1
         self.open_connections += 1
@@ -129,11 +160,11 @@ class Gate:
             return None
         s = self.settings
         if s.max_requests is not None and in_progress >= s.max_requests:
-            self.refused["requests"] += 1
             return "requests"
         if s.max_lag > 0 and self.lag.current(now) > s.max_lag:
-            self.refused["loop_lag"] += 1
             return "loop_lag"
+        if s.queue_target > 0 and self.queue.standing_at(now):
+            return "queue_delay"
         return None
 
     def retry_after(self, now: float) -> int:

@@ -94,7 +94,6 @@ class _Protocol(HttpToolsProtocol):
         self.head_timer: asyncio.TimerHandle | None = None
         self.received = 0.0
         self.refusing = False  # a refused request's body is being skipped
-        self.refusal: tuple[bytes, int] = (_SATURATED, 1)  # its body and Retry-After
         self.in_head = False  # part of a request head has arrived, not all of it
 
     # -- connections -------------------------------------------------------------------
@@ -140,12 +139,6 @@ class _Protocol(HttpToolsProtocol):
         self.transport.close()
 
     # -- request heads -------------------------------------------------------------------
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.refusing:  # the refused request's body is not all here: do not read it
-            self.refusing = False
-            self._write_refusal(close=True)
-
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.received = time.monotonic()
@@ -170,27 +163,44 @@ class _Protocol(HttpToolsProtocol):
             why = self.gate.admit(path, len(self.tasks), time.monotonic())
             if why is not None:
                 self.refusals.inc((why,))
-                self.refusal = _SATURATED, self.gate.retry_after(time.monotonic())
-                self.refusing = True
+                self._refuse(_SATURATED, self.gate.retry_after(time.monotonic()))
                 return
             method = self.parser.get_method()
             error = self.lockgate_app.early_refusal(method, path, self.headers, self.received)
             if error is not None:
                 self.refusals.inc(("model_admission",))
-                retry = max(1, math.ceil(error.retry_after or 1))
-                self.refusal = encode_error(error.message), retry
-                self.refusing = True
+                self._refuse(encode_error(error.message), max(1, math.ceil(error.retry_after or 1)))
                 return
         super().on_headers_complete()
+
+    def _refuse(self, body: bytes, retry: int) -> None:
+        """Answer 503 now, before the body. A small declared body is then skipped as it
+        arrives, unparsed, and the connection stays open: closing it would make a client
+        that sends again pay a new connection, and the server accept it, at the worst time.
+        A large, unknown (chunked) or unwanted body closes the connection."""
+        declared = None
+        for name, value in self.headers:
+            if name == b"content-length":
+                declared = int(value) if value.isdigit() and len(value) <= 18 else None
+        keep = self.parser.should_keep_alive() and declared is not None
+        keep = keep and declared is not None and declared <= DISCARD_BYTES
+        self._write_refusal(body, retry, close=not keep)
+        if keep:
+            self.refusing = True  # the body's bytes are dropped until the message ends
+            self._arm_head_timer()  # and must arrive within the head timeout
 
     def on_body(self, body: bytes) -> None:
         if not self.refusing:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if self.refusing:  # the whole refused request was read with its head: keep the connection
+        if self.refusing:  # the refused request's body is all skipped: the next may come
             self.refusing = False
-            self._write_refusal(close=not self.parser.should_keep_alive())
+            self._cancel_head_timer()
+            self._unset_keepalive_if_required()
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
             return
         super().on_message_complete()
 
@@ -201,8 +211,7 @@ class _Protocol(HttpToolsProtocol):
             raise HeadTooLarge(f"request head is over {self.max_head_bytes} bytes")
 
     # -- canned answers ------------------------------------------------------------------
-    def _write_refusal(self, close: bool) -> None:
-        body, retry = self.refusal
+    def _write_refusal(self, body: bytes, retry: int, close: bool) -> None:
         head = [b"HTTP/1.1 503 Service Unavailable"]
         head += [name + b": " + value for name, value in self.server_state.default_headers]
         head += [b"content-type: application/json", b"content-length: %d" % len(body)]
@@ -239,6 +248,7 @@ _REASONS = {
     431: b"Request Header Fields Too Large",
 }
 _SATURATED = encode_error("server is saturated: retry later")
+DISCARD_BYTES = 64 * 1024  # a refused request's body up to this is skipped, not read
 
 
 def _protocol_class(
@@ -367,12 +377,13 @@ async def serve(options: ServeOptions) -> int:
     refusals = app.models.registry.counter(
         "lockgate_http_refused_total",
         "HTTP connections closed or requests refused by the connection gate, before any "
-        "body was read, by reason (loop_lag, requests, connections, client_connections, "
-        "head_timeout).",
+        "body was read, by reason (loop_lag, queue_delay, requests, model_admission, "
+        "connections, client_connections, head_timeout).",
         ("reason",),
     )
     sentinel = _Sentinel(gate, asyncio.get_running_loop())
     sentinel.start()
+    app.front_delay = gate.queue.observe
     config = uvicorn.Config(
         app,
         host=options.host,

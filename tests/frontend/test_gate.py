@@ -78,3 +78,34 @@ def test_connection_caps_per_client_and_in_all() -> None:
 def test_settings_are_checked(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         GateSettings(**bad)  # type: ignore[arg-type]
+
+
+def test_a_standing_front_end_queue_refuses_and_a_burst_does_not() -> None:
+    from lockgate.frontend.gate import QueueDelay
+
+    queue = QueueDelay(target=0.005, interval=0.100)
+    now = 0.0
+    for i in range(30):  # a burst: a few requests wait 20 ms, most wait 1 ms
+        now += 0.01
+        queue.observe(0.020 if i % 5 == 0 else 0.001, now)
+    assert not queue.standing_at(now)
+    for _ in range(30):  # every request waits 8 ms or more: a standing queue
+        now += 0.01
+        queue.observe(0.008, now)
+    assert queue.standing_at(now)
+    assert not queue.standing_at(now + 0.25)  # no new evidence for two intervals: lapses
+    for _ in range(30):
+        now += 0.01
+        queue.observe(0.001, now)
+    assert not queue.standing_at(now)
+
+
+def test_gate_refuses_on_a_standing_queue() -> None:
+    gate = Gate(GateSettings(max_lag=0.010, queue_target=0.005))
+    now = fire_every(gate.lag, 0.0, 0.005, 10)
+    for _ in range(30):
+        now += 0.005
+        gate.lag.fired(now)  # the loop keeps time: no lag
+        gate.queue.observe(0.010, now)
+    assert gate.admit("/v2/models/m/infer", 0, now) == "queue_delay"
+    assert gate.admit("/v2/health/live", 0, now) is None
