@@ -76,11 +76,13 @@ def start_server(
     log_path = tmp / f"server-{port}.log"
     cmd = [sys.executable, "-m", "lockgate.cli", "serve", str(repository), "--port", str(port)]
     cmd += ["--grpc-port", str(grpc_port) if grpc_port is not None else "off"]
+    # the test machine is shared by the servers, the clients and whatever else runs: wider
+    # saturation bounds than the defaults keep functional tests from being refused as
+    # saturated; the gate's own tests set theirs
     if "--max-loop-lag-ms" not in extra:
-        # the test machine is shared by the servers, the clients and whatever else runs: a
-        # wider lag bound than the default keeps functional tests from being refused as
-        # saturated; the gate's own tests set theirs
         cmd += ["--max-loop-lag-ms", "50"]
+    if "--queue-target-ms" not in extra:
+        cmd += ["--queue-target-ms", "50"]
     full_env = {**os.environ, **(env or {})}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(

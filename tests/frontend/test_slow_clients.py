@@ -34,6 +34,8 @@ def gated(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "1100",
         "--max-loop-lag-ms",
         "10",
+        "--queue-target-ms",
+        "5",
     )
     yield running
     running.stop()
