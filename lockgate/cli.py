@@ -66,7 +66,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=float,
         default=5.0,
         help="front-end delay (first byte to handler) that, when even the least delayed "
-        "request of 100 ms waited longer, gets new requests 503 before their body (0: off)",
+        "request of 50 ms waited longer, gets new requests 503 before their body (0: off)",
+    )
+    p.add_argument(
+        "--refusal-pause-ms",
+        type=float,
+        default=0.0,
+        help="when refusals outnumber admitted requests tenfold, a refused connection is not "
+        "read again for this long (0: never)",
     )
     p.add_argument(
         "--head-timeout",
@@ -155,6 +162,7 @@ def _serve(args: argparse.Namespace) -> int:
         gate=GateSettings(
             max_lag=args.max_loop_lag_ms / 1000.0,
             queue_target=args.queue_target_ms / 1000.0,
+            penalty_pause=args.refusal_pause_ms / 1000.0,
             max_requests=args.limit_concurrency,
             head_timeout=args.head_timeout,
             max_connections=args.max_connections,

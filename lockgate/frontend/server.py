@@ -171,6 +171,7 @@ class _Protocol(HttpToolsProtocol):
                 self.refusals.inc(("model_admission",))
                 self._refuse(encode_error(error.message), max(1, math.ceil(error.retry_after or 1)))
                 return
+            self.gate.let_through(time.monotonic())
         super().on_headers_complete()
 
     def _refuse(self, body: bytes, retry: int) -> None:
@@ -185,9 +186,17 @@ class _Protocol(HttpToolsProtocol):
         keep = self.parser.should_keep_alive() and declared is not None
         keep = keep and declared is not None and declared <= DISCARD_BYTES
         self._write_refusal(body, retry, close=not keep)
+        pause = self.gate.refused(time.monotonic())
         if keep:
             self.refusing = True  # the body's bytes are dropped until the message ends
             self._arm_head_timer()  # and must arrive within the head timeout
+            if pause > 0:  # a client resending at once: its next request waits
+                self.flow.pause_reading()
+                self.loop.call_later(pause, self._resume_after_penalty)
+
+    def _resume_after_penalty(self) -> None:
+        if not self.transport.is_closing():
+            self.flow.resume_reading()
 
     def on_body(self, body: bytes) -> None:
         if not self.refusing:

@@ -109,3 +109,17 @@ def test_gate_refuses_on_a_standing_queue() -> None:
         gate.queue.observe(0.010, now)
     assert gate.admit("/v2/models/m/infer", 0, now) == "queue_delay"
     assert gate.admit("/v2/health/live", 0, now) is None
+
+
+def test_refused_connections_pause_only_when_refusals_swamp_admissions() -> None:
+    gate = Gate(GateSettings(penalty_pause=0.25, penalty_ratio=10.0))
+    now = 0.0
+    for _ in range(100):  # ordinary overload: three refusals per admitted request
+        now += 0.001
+        gate.let_through(now)
+        assert all(gate.refused(now) == 0.0 for _ in range(3))
+    for _ in range(4000):  # two seconds of a storm: only refusals
+        now += 0.0005
+        pause = gate.refused(now)
+    assert pause == 0.25
+    assert Gate(GateSettings()).refused(now) == 0.0  # off by default
