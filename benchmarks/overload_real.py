@@ -246,7 +246,7 @@ async def open_loop(base: str, model: Model, rate: float, level: Level, seed: in
 
 
 async def closed_loop(base: str, model: Model, clients: int, level: Level) -> None:
-    """`clients` clients sending back to back (a model that refuses none of them)."""
+    """`clients` clients, each sending again the moment it has an answer."""
     url = f"{base}/v2/models/{model.name}/infer"
     async with _session(clients) as session:
         stop = time.perf_counter() + level.seconds
@@ -261,18 +261,8 @@ async def closed_loop(base: str, model: Model, clients: int, level: Level) -> No
 
 
 async def storm(base: str, model: Model, level: Level) -> None:
-    """STORM_CONNECTIONS clients, each sending again the moment it has an answer."""
-    url = f"{base}/v2/models/{model.name}/infer"
-    async with _session(STORM_CONNECTIONS) as session:
-        stop = time.perf_counter() + level.seconds
-
-        async def client(index: int) -> None:
-            while time.perf_counter() < stop:
-                level.sent += 1
-                body = model.bodies[(level.sent + index) % len(model.bodies)]
-                await _post(session, url, body, time.perf_counter(), level)
-
-        await asyncio.gather(*(client(i) for i in range(STORM_CONNECTIONS)))
+    """STORM_CONNECTIONS clients, each sending again the moment it has an answer, 503 included."""
+    await closed_loop(base, model, STORM_CONNECTIONS, level)
 
 
 def run_async(coroutine: Any) -> None:

@@ -28,6 +28,7 @@ import httpx
 import numpy as np
 import pytest
 
+from benchmarks.overload_real import minilm_bodies as benchmark_bodies
 from tests.conftest import RunningServer, start_server
 
 SLO_S = 0.500  # the latency objective, sent as each request's timeout
@@ -321,48 +322,11 @@ def test_overload_without_admission_is_recorded(
 # -- a CPU-bound model on a core shared with another process ------------------------------
 
 MINILM_SLO_S = 0.500  # the demo's latency_slo_ms
-WORDS = [
-    "the",
-    "server",
-    "batches",
-    "requests",
-    "from",
-    "many",
-    "clients",
-    "and",
-    "answers",
-    "each",
-    "within",
-    "its",
-    "deadline",
-    "while",
-    "the",
-    "model",
-    "runs",
-    "on",
-    "one",
-    "core",
-    "of",
-    "a",
-    "small",
-    "machine",
-    "under",
-    "heavy",
-    "load",
-    "with",
-    "retries",
-]
 
 
-def minilm_bodies(count: int, seed: int = 1) -> list[bytes]:
+def minilm_bodies(count: int) -> list[bytes]:
     """Sentences of 30 to 90 words: each row costs the encoder tens of milliseconds."""
-    rng = np.random.default_rng(seed)
-    bodies = []
-    for _ in range(count):
-        text = " ".join(rng.choice(WORDS, size=int(rng.integers(30, 91))))
-        tensor = {"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": [text]}
-        bodies.append(json.dumps({"inputs": [tensor]}).encode())
-    return bodies
+    return list(benchmark_bodies(count))
 
 
 def pin(pid: int, core: int) -> bool:
