@@ -3,20 +3,25 @@
 Pure bookkeeping over integers; the tensors live with the model. A block holds the K/V of
 `block_size` consecutive tokens of a sequence. Once a block is full and computed, it is
 published under a hash chained from its parent block's hash, so a later sequence whose
-prompt starts with the same tokens reuses it instead of computing it again. Freed blocks keep
+prompt starts with the same tokens reuses it instead of computing it again. The hash is a
+BLAKE2b digest of the parent's hash and the block's token ids (collision-resistant: a crafted
+prompt cannot land on another request's cached block, as Python's `hash()` allowed), and a
+match also checks the block's tokens and its parent's hash. Freed blocks keep
 their contents and hash; they are evicted least recently freed first when a fresh block is
 needed.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lockgate.llm.sequence import Sequence
 
-_ROOT_HASH = -1
+_ROOT_HASH = b"lockgate-kv-root"
 
 
 class InvariantError(AssertionError):
@@ -27,12 +32,16 @@ class InvariantError(AssertionError):
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set once the block is full, computed and published
+    hash: bytes | None = None  # set once the block is full, computed and published
     token_ids: tuple[int, ...] = ()  # the tokens behind `hash`, to rule out collisions
+    parent: bytes | None = None  # the hash of the block before it in its sequence
 
 
-def chain_hash(parent_hash: int, token_ids: Iterable[int]) -> int:
-    return hash((parent_hash, tuple(token_ids)))
+def chain_hash(parent_hash: bytes, token_ids: Iterable[int]) -> bytes:
+    """BLAKE2b (16 bytes) of the parent block's hash and this block's token ids."""
+    digest = hashlib.blake2b(parent_hash, digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -47,7 +56,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.hash_to_block_id: dict[int, int] = {}
+        self.hash_to_block_id: dict[bytes, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -128,11 +137,12 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and hashes[i] not in self.hash_to_block_id:
                 block.hash = hashes[i]
+                block.parent = hashes[i - 1] if i else _ROOT_HASH
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 self.hash_to_block_id[hashes[i]] = block.block_id
         seq.num_hashed_blocks = num_full
 
-    def _block_hashes(self, seq: Sequence, num_full: int) -> list[int]:
+    def _block_hashes(self, seq: Sequence, num_full: int) -> list[bytes]:
         """Chained hashes of the sequence's first `num_full` full blocks (memoized on it)."""
         hashes, bs = seq.block_hashes, self.block_size
         for i in range(len(hashes), num_full):
@@ -146,13 +156,18 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[int] = []
+        parent = _ROOT_HASH
         for i, h in enumerate(self._block_hashes(seq, seq.num_tokens // bs)):
             block_id = self.hash_to_block_id.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.parent != parent or block.token_ids != tuple(
                 seq.token_ids[i * bs : (i + 1) * bs]
             ):
-                break
+                break  # same hash, another history: never share it
             hits.append(block_id)
+            parent = h
         if hits and len(hits) * bs >= seq.num_tokens:
             hits.pop()  # the last token must be computed to produce logits
         return hits
@@ -170,7 +185,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None:  # evict its cached contents
             del self.hash_to_block_id[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.parent = None, (), None
         block.ref_count = 1
         return block_id
 
@@ -194,4 +209,4 @@ class BlockManager:
             )
         for h, block_id in self.hash_to_block_id.items():
             if self.blocks[block_id].hash != h:
-                raise InvariantError(f"hash map points {h} at block {block_id} with another hash")
+                raise InvariantError(f"hash map points {h.hex()} at block {block_id} with another hash")

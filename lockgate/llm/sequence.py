@@ -96,7 +96,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of the prompt, tokens served by the prefix cache
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_hashed_blocks: int = 0  # leading blocks already offered to the prefix cache
     output_text: str = ""
     num_emitted_chars: int = 0  # of output_text, already returned to the client

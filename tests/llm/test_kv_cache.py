@@ -213,3 +213,25 @@ def test_random_operations_keep_invariants(seed: int) -> None:
     bm.check_invariants([])
     assert bm.num_free_blocks == bm.num_total_blocks
     assert bm.prefix_cache_hits > 0
+
+
+def test_prefix_keys_are_blake2b_chained_and_a_match_checks_ancestry() -> None:
+    from lockgate.llm.kv_cache import _ROOT_HASH, chain_hash
+
+    first = chain_hash(_ROOT_HASH, [1, 2, 3, 4])
+    assert isinstance(first, bytes) and len(first) == 16
+    assert chain_hash(_ROOT_HASH, [1, 2, 3, 4]) == first  # deterministic across processes
+    assert chain_hash(first, [5, 6, 7, 8]) != chain_hash(_ROOT_HASH, [5, 6, 7, 8])
+    bm = BlockManager(16, 4)
+    a = make_seq(list(range(12)), "a")
+    bm.allocate(a)
+    a.num_computed_tokens = 12
+    bm.cache_blocks(a)
+    # a block whose hash matches but whose recorded parent is another one is not shared
+    second = bm.blocks[a.block_table[1]]
+    second.parent = b"someone else's block"
+    b = make_seq(list(range(12)) + [99], "b")
+    assert bm.can_allocate(b)
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4  # the first block only
+    bm.check_invariants([a, b])
