@@ -209,4 +209,6 @@ class BlockManager:
             )
         for h, block_id in self.hash_to_block_id.items():
             if self.blocks[block_id].hash != h:
-                raise InvariantError(f"hash map points {h.hex()} at block {block_id} with another hash")
+                raise InvariantError(
+                    f"hash map points {h.hex()} at block {block_id} with another hash"
+                )

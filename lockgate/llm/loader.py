@@ -109,7 +109,8 @@ _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 def load_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True) -> Checkpoint:
     """Dequantize a llama GGUF file, or read its converted copy from the cache."""
     start = time.perf_counter()
-    entry = (cache_dir or default_cache_dir()) / _cache_key(path)
+    root = cache_dir or default_cache_dir()
+    entry = root / _cache_key(path, root)
     if use_cache and (entry / _META_FILE).is_file():
         try:
             checkpoint = _read_cache(entry, str(path))
@@ -229,17 +230,36 @@ def _unpermute(name: str, array: np.ndarray, config: LlamaConfig) -> torch.Tenso
 # Conversion cache ---------------------------------------------------------------------------
 
 
-def _cache_key(path: Path) -> str:
-    """Keyed on content, not location: the size plus a hash of the first and last MiB (the
-    GGUF header, metadata and tensor index live at the front), so a copy or a hard link of the
-    same file reuses one converted cache."""
-    size = path.stat().st_size
-    digest = hashlib.sha256(f"{size}|{CACHE_FORMAT}".encode())
+def _cache_key(path: Path, cache_dir: Path) -> str:
+    """Keyed on the file's whole content, not its location, so a copy or a hard link of the
+    same file reuses one converted cache and a file edited anywhere never loads stale
+    weights. The SHA-256 is computed once per (size, modification time) and remembered in
+    `cache_dir/digests/`."""
+    return f"gguf-{content_digest(path, cache_dir / 'digests')[:16]}-v{CACHE_FORMAT}"
+
+
+def content_digest(path: Path, memo_dir: Path) -> str:
+    """SHA-256 of a file, memoized by its resolved path, size and mtime_ns."""
+    stat = path.stat()
+    stamp = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo = memo_dir / hashlib.sha256(stamp.encode()).hexdigest()[:32]
+    try:
+        remembered = memo.read_text().split()
+        if len(remembered) == 2 and remembered[0] == stamp.rsplit("|", 2)[1]:
+            return remembered[1]
+    except OSError:
+        pass
+    digest = hashlib.sha256()
     with path.open("rb") as f:
-        digest.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        digest.update(f.read(1 << 20))
-    return f"gguf-{digest.hexdigest()[:16]}"
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    try:
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        memo.write_text(f"{stat.st_size} {value}")
+    except OSError as exc:  # a read-only cache: hash again next time
+        logger.warning("could not remember the digest of %s: %s", path, exc)
+    return value
 
 
 def _write_cache(entry: Path, checkpoint: Checkpoint) -> None:

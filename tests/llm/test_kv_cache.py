@@ -230,7 +230,7 @@ def test_prefix_keys_are_blake2b_chained_and_a_match_checks_ancestry() -> None:
     # a block whose hash matches but whose recorded parent is another one is not shared
     second = bm.blocks[a.block_table[1]]
     second.parent = b"someone else's block"
-    b = make_seq(list(range(12)) + [99], "b")
+    b = make_seq([*range(12), 99], "b")
     assert bm.can_allocate(b)
     bm.allocate(b)
     assert b.num_cached_tokens == 4  # the first block only

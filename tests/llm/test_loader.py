@@ -154,7 +154,7 @@ def test_conversion_cache_roundtrip(
         warm = load_gguf(path, cache_dir=cache)
     assert "parsed and dequantized" in caplog.records[0].getMessage()
     assert "from cache" in caplog.records[1].getMessage()
-    entries = list(cache.iterdir())
+    entries = [e for e in cache.iterdir() if e.name.startswith("gguf-")]
     assert len(entries) == 1 and not entries[0].name.count(".tmp-")
     assert warm.config == cold.config
     assert warm.tokenizer == cold.tokenizer
@@ -168,11 +168,29 @@ def test_corrupt_cache_is_rebuilt(
     path, _ = tiny_gguf
     cache = tmp_path / "cache"
     cold = load_gguf(path, cache_dir=cache)
-    (entry,) = cache.iterdir()
+    (entry,) = (e for e in cache.iterdir() if e.name.startswith("gguf-"))
     (entry / "lockgate.json").write_text("{not json", encoding="utf-8")
     again = load_gguf(path, cache_dir=cache)
     assert again.config == cold.config
     assert json.loads((entry / "lockgate.json").read_text(encoding="utf-8"))["format"] >= 1
+
+
+def test_cache_key_covers_the_whole_file(
+    tiny_gguf: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    """A byte changed in the middle of the file (outside its first and last MiB, were it that
+    big) gives another key: a file edited in place never loads stale weights."""
+    from lockgate.llm.loader import _cache_key
+
+    path, _ = tiny_gguf
+    copy = tmp_path / "copy.gguf"
+    data = bytearray(path.read_bytes())
+    copy.write_bytes(bytes(data))
+    assert _cache_key(copy, tmp_path) == _cache_key(path, tmp_path)  # content, not location
+    data[len(data) // 2] ^= 0xFF
+    edited = tmp_path / "edited.gguf"
+    edited.write_bytes(bytes(data))
+    assert _cache_key(edited, tmp_path) != _cache_key(path, tmp_path)
 
 
 def test_cache_dir_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
