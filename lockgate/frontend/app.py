@@ -253,6 +253,10 @@ class App:
         if not self.started:
             await respond_json(request.send, 503, {"ready": False, "error": "loading models"})
             return
+        served = any(m.latest_ready() is not None for m in models.models.values())
+        if not served and not getattr(self.openai, "services", None):
+            await respond_json(request.send, 503, {"ready": False, "error": "no model is loaded"})
+            return
         if self.settings.strict_readiness and not models.ready():
             not_ready = [m.name for m in models.models.values() if m.latest_ready() is None]
             await respond_json(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 
 from lockgate.errors import BadRequest
 from lockgate.protocol import v2
-from tests.conftest import RunningServer, digits_rows
+from tests.conftest import RunningServer, digits_rows, start_server
 from tests.frontend.test_hostile_input import INFER, assert_client_error
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -136,3 +137,23 @@ def test_deeply_nested_json_is_a_400(llm_server: RunningServer) -> None:
     r = httpx.post(llm_server.url + "/v1/completions", content=body, timeout=30)
     assert r.status_code == 400, r.text[:300]
     assert httpx.get(llm_server.url + "/v2/health/live").status_code == 200
+
+
+def test_a_server_with_no_model_loaded_is_not_ready(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    broken = repo / "broken" / "1"
+    broken.mkdir(parents=True)
+    (broken / "model.onnx").write_bytes(b"this is not an onnx file")
+    (repo / "broken" / "config.yaml").write_text("backend: onnxruntime\nmax_batch_size: 4\n")
+    server = start_server(repo, tmp_path, "--no-llm", wait_ready=False)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            r = httpx.get(server.url + "/v2/health/ready", timeout=10)
+            if "loading" not in r.text:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 503 and r.json()["error"] == "no model is loaded", r.text
+        assert httpx.get(server.url + "/v2/health/live").status_code == 200
+    finally:
+        server.stop()
