@@ -87,6 +87,16 @@ def scan_model(resolved_root: Path, folder: Path) -> ModelEntry:
         entry.error = str(exc)
         entry.versions = []
         log.error("model %s: %s", folder.name, entry.error)
+    except (
+        Exception,
+        RecursionError,
+    ) as exc:  # a config nested too deep, a parser bug: this model only
+        entry.error = f"{folder}: cannot read the model's config: {type(exc).__name__}: {exc}"[
+            :2000
+        ]
+        entry.versions = []
+        entry.config = None
+        log.error("model %s: %s", folder.name, entry.error)
     return entry
 
 

@@ -173,3 +173,20 @@ def test_autocomplete_checks_warmup_names(tmp_path: Path) -> None:
 def test_root_must_be_a_directory(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a directory"):
         scan_repository(tmp_path / "absent")
+
+
+def test_a_config_too_deep_to_read_fails_that_model_alone(tmp_path: Path) -> None:
+    from lockgate.core.repository import scan_repository
+
+    good = tmp_path / "good"
+    (good / "1").mkdir(parents=True)
+    (good / "1" / "model.py").write_text(
+        "class Model:\n    def infer(self, inputs):\n        return inputs\n"
+    )
+    (good / "config.yaml").write_text("backend: python\nmax_batch_size: 0\n")
+    deep = tmp_path / "deep"
+    (deep / "1").mkdir(parents=True)
+    (deep / "config.yaml").write_text("parameters: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    entries = {e.name: e for e in scan_repository(tmp_path)}
+    assert entries["good"].error is None and entries["good"].config is not None
+    assert entries["deep"].config is None and "config" in (entries["deep"].error or "")
