@@ -50,6 +50,13 @@ class ServedVersion:
     last_inference_ms: int = 0
     finite_inputs: bool = False  # the backend refuses NaN and Inf in float inputs
 
+    @property
+    def serving(self) -> bool:
+        """Ready, and with at least one healthy instance (not all of them restarting)."""
+        if self.state is not ModelState.READY:
+            return False
+        return self.batcher is None or any(i.healthy for i in self.batcher.instances)
+
 
 @dataclass(slots=True)
 class ServedModel:
@@ -61,7 +68,7 @@ class ServedModel:
 
     def latest_ready(self) -> ServedVersion | None:
         for version in sorted(self.versions, reverse=True):
-            if self.versions[version].state is ModelState.READY:
+            if self.versions[version].serving:
                 return self.versions[version]
         return None
 
@@ -118,8 +125,10 @@ class ModelManager:
         served_version = model.versions.get(version)
         if served_version is None:
             raise NotFound(f"unknown version {version} of model '{name}'")
-        if served_version.state is not ModelState.READY:
+        if not served_version.serving:
             reason = served_version.error or served_version.state.value.lower()
+            if served_version.state is ModelState.READY:
+                reason = "every instance is restarting"
             raise Unavailable(
                 f"model '{name}' version {version} is not ready: {reason}", retry_after=1
             )

@@ -3,7 +3,10 @@
 Each instance runs its backend on one dedicated thread, so a model never sees two batches at
 once and the event loop never blocks on compute. An instance whose batch runs past
 `hang_timeout` is marked unhealthy, its batch is answered with an error, and it is replaced
-by a freshly loaded backend.
+by a freshly loaded backend. A reload that fails is tried again after `restart_backoff`
+seconds, doubling up to `max_restart_backoff`, until it succeeds or the instance is closed;
+meanwhile the instance stays unhealthy (a model with no healthy instance is not ready, and
+its requests get 503 at once).
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class Instance:
         self.restarts = 0
         self.last_seconds = 0.0
         self._restarting: asyncio.Task[None] | None = None
+        self.closed = False
+        self.restart_backoff = 0.5  # seconds before the first retry of a failed reload
+        self.max_restart_backoff = 30.0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lockgate-{name}")
 
     def infer_sync(self, inputs: Arrays) -> Arrays:
@@ -80,24 +86,34 @@ class Instance:
         assert self.reload is not None
         start = time.monotonic()
         loop = asyncio.get_running_loop()
-        fresh_executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"lockgate-{self.name}"
-        )
-        try:
-            backend = await loop.run_in_executor(fresh_executor, self.reload)
-        except Exception as exc:
-            log.error("restart of instance %s failed: %r", self.name, exc)
-            fresh_executor.shutdown(wait=False)
+        delay = self.restart_backoff
+        while not self.closed:
+            fresh_executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"lockgate-{self.name}"
+            )
+            try:
+                backend = await loop.run_in_executor(fresh_executor, self.reload)
+            except Exception as exc:
+                fresh_executor.shutdown(wait=False)
+                log.error(
+                    "restart of instance %s failed (%r); again in %.1f s", self.name, exc, delay
+                )
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, self.max_restart_backoff)
+                continue
+            self.backend = backend
+            self.executor = fresh_executor
+            self.healthy = True
+            self.restarts += 1
+            log.info("instance %s restarted in %.2f s", self.name, time.monotonic() - start)
+            if self.on_replaced is not None:
+                self.on_replaced(self)
             return
-        self.backend = backend
-        self.executor = fresh_executor
-        self.healthy = True
-        self.restarts += 1
-        log.info("instance %s restarted in %.2f s", self.name, time.monotonic() - start)
-        if self.on_replaced is not None:
-            self.on_replaced(self)
 
     def close(self) -> None:
+        self.closed = True
+        if self._restarting is not None:
+            self._restarting.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
         try:
             self.backend.close()

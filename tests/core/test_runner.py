@@ -85,20 +85,55 @@ def test_hung_instance_is_restarted_and_serves_again() -> None:
     instance.close()
 
 
-def test_failed_reload_leaves_the_instance_out_of_service() -> None:
+def test_failed_reload_is_retried_with_backoff_until_it_succeeds() -> None:
+    """The instance stays out of service while reloads fail, and serves again once one works;
+    the delays between attempts double."""
+    attempts: list[float] = []
+    fresh = Hanging()
+
     def reload() -> Hanging:
-        raise RuntimeError("weights are gone")
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise RuntimeError("weights are gone")
+        return fresh
 
     instance = Instance("m-1-0", Hanging(), hang_timeout=0.1, reload=reload)
+    instance.restart_backoff = 0.1
 
     async def body() -> None:
         with pytest.raises(Unavailable):
             await instance.infer(one(99.0))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
         assert not instance.healthy and instance.restarts == 0
+        for _ in range(500):
+            if instance.healthy:
+                break
+            await asyncio.sleep(0.01)
+        assert instance.healthy and instance.restarts == 1 and len(attempts) == 3
+        assert attempts[2] - attempts[1] >= 1.5 * (attempts[1] - attempts[0]) * 0.9
+        out = await instance.infer(one(4.0))
+        assert float(out["y"][0, 0]) == 8.0
 
     asyncio.run(body())
     instance.close()
+
+
+def test_closing_stops_the_retries() -> None:
+    def reload() -> Hanging:
+        raise RuntimeError("weights are gone")
+
+    instance = Instance("m-1-0", Hanging(), hang_timeout=0.1, reload=reload)
+    instance.restart_backoff = 0.05
+
+    async def body() -> None:
+        with pytest.raises(Unavailable):
+            await instance.infer(one(99.0))
+        await asyncio.sleep(0.2)
+        instance.close()
+        await asyncio.sleep(0.1)
+        assert instance._restarting is not None and instance._restarting.done()
+
+    asyncio.run(body())
 
 
 def test_batcher_answers_the_hung_batch_and_serves_later_requests() -> None:
@@ -138,3 +173,34 @@ def test_batcher_answers_the_hung_batch_and_serves_later_requests() -> None:
 
     asyncio.run(body())
     stuck.release.set()
+
+
+def test_a_version_whose_instances_all_restart_is_not_serving() -> None:
+    from pathlib import Path
+
+    from lockgate.core.models import ModelState, ServedModel, ServedVersion
+
+    config = ModelConfig(
+        name="m",
+        backend="python",
+        max_batch_size=4,
+        inputs=(TensorSpec("x", "FP32", (2,)),),
+        outputs=(TensorSpec("y", "FP32", (2,)),),
+    )
+    instance = Instance("m-1-0", Hanging())
+    batcher = Batcher(
+        config,
+        1,
+        [instance],
+        ServingMetrics.create(Registry()),
+        ServiceProfile(4),
+        AdmissionSettings(),
+    )
+    served = ServedVersion(config, 1, Path("."), state=ModelState.READY, batcher=batcher)
+    model = ServedModel("m", Path("."), config, {1: served})
+    assert served.serving and model.latest_ready() is served
+    instance.healthy = False  # a hang: restarting
+    assert not served.serving and model.latest_ready() is None
+    instance.healthy = True
+    assert model.latest_ready() is served
+    instance.close()
