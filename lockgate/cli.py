@@ -34,6 +34,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="gRPC calls beyond this get RESOURCE_EXHAUSTED at once",
     )
     p.add_argument(
+        "--grpc-max-stream-inflight",
+        type=int,
+        default=64,
+        help="requests of one ModelStreamInfer stream read and not yet answered; past it the "
+        "server stops reading the stream",
+    )
+    p.add_argument(
         "--max-body-mb", type=float, default=64.0, help="request body limit (HTTP, gRPC)"
     )
     p.add_argument(
@@ -174,6 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
         grpc_port=8001 if args.grpc_port is None else (args.grpc_port or None),
         grpc_port_required=args.grpc_port is not None,
         grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs,
+        grpc_max_stream_inflight=args.grpc_max_stream_inflight,
     )
     if not args.no_llm:
         try:

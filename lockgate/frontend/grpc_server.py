@@ -10,7 +10,10 @@ drain. A request reaches the batcher exactly as a REST one does; only the codec 
 - A cancelled RPC (the client went away, or its deadline passed) cancels the handler,
   which removes the request from its queue, as a disconnect does on the REST path.
 - ModelStreamInfer answers the requests of a stream concurrently, in completion order;
-  the error of one request is a message on the stream, not the end of it.
+  the error of one request is a message on the stream, not the end of it. At most
+  `max_stream_inflight` requests of one stream are read and not yet answered to the client:
+  past that the server stops reading the stream (HTTP/2 flow control then holds the
+  client's writes), so a client that writes and never reads costs bounded memory.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class GrpcSettings:
     max_receive_bytes: int = 64 * 1024 * 1024  # a larger request gets RESOURCE_EXHAUSTED
     max_concurrent_rpcs: int | None = 1024  # RPCs beyond this get RESOURCE_EXHAUSTED at once
     required: bool = False  # True: a port that cannot be bound stops start-up
+    max_stream_inflight: int = 64  # requests of one stream read and not yet answered
 
 
 def status_code(error: ServingError) -> grpc.StatusCode:
@@ -77,9 +81,10 @@ async def _abort(
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     """The GRPCInferenceService methods, answered from the App's model manager."""
 
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: App, max_stream_inflight: int = 64) -> None:
         self.app = app
         self.models: ModelManager = app.models
+        self.max_stream_inflight = max_stream_inflight
         self.latency = app.models.registry.histogram(
             "lockgate_grpc_request_duration_seconds",
             "Time from a gRPC request's arrival to its answer, by method and status code.",
@@ -184,7 +189,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         reader = asyncio.get_running_loop().create_task(stream.read(requests))
         try:
             while (answer := await stream.answers.get()) is not None:
-                yield answer
+                yield answer  # resumed once the client can take the next message
+                stream.slots.release()
         finally:
             reader.cancel()
             stream.cancel()
@@ -253,11 +259,14 @@ class _Stream:
         self.context = context
         self.answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         self.pending: set[asyncio.Task[None]] = set()
+        # a request holds a slot from being read until its answer is written
+        self.slots = asyncio.Semaphore(servicer.max_stream_inflight)
 
     async def read(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
         loop = asyncio.get_running_loop()
         try:
             async for request in requests:
+                await self.slots.acquire()  # backpressure: stop reading past the bound
                 task = loop.create_task(self.answer(request))
                 self.pending.add(task)
                 task.add_done_callback(self.pending.discard)
@@ -340,7 +349,8 @@ async def start_grpc(app: App, settings: GrpcSettings) -> grpc.aio.Server | None
             ("grpc.so_reuseport", 0),  # a second server on the port must fail, not share it
         ],
     )
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(app), server)
+    servicer = InferenceServicer(app, settings.max_stream_inflight)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     address = f"{host}:{settings.port}"
     try:

@@ -65,6 +65,7 @@ class ServeOptions:
     grpc_port: int | None = 8001  # None: no gRPC server
     grpc_port_required: bool = False  # True: a port that cannot be bound stops start-up
     grpc_max_concurrent_rpcs: int | None = 1024
+    grpc_max_stream_inflight: int = 64  # requests of one stream read and not yet answered
 
 
 class HeadTooLarge(httptools.HttpParserCallbackError):
@@ -438,6 +439,7 @@ async def _start_grpc(app: App, options: ServeOptions) -> Any:
         port=options.grpc_port,
         max_receive_bytes=options.http.max_body_bytes,
         max_concurrent_rpcs=options.grpc_max_concurrent_rpcs,
+        max_stream_inflight=options.grpc_max_stream_inflight,
         required=options.grpc_port_required,
     )
     return await start_grpc(app, settings)

@@ -157,3 +157,58 @@ def test_a_server_with_no_model_loaded_is_not_ready(tmp_path: Path) -> None:
         assert httpx.get(server.url + "/v2/health/live").status_code == 200
     finally:
         server.stop()
+
+
+# -- gRPC ---------------------------------------------------------------------------------
+
+
+def test_a_grpc_stream_is_read_no_faster_than_its_answers_go_out(
+    test_repo: Path, tmp_path: Path
+) -> None:
+    """With at most 3 requests of a stream in flight, a client that writes 30 at once never
+    has more than 3 at the model; all 30 are answered, in full and correctly."""
+    import grpc
+
+    from lockgate.protocol.grpc import inference_pb2 as pb
+    from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
+    from tests.conftest import free_port
+
+    server = start_server(
+        test_repo, tmp_path, "--no-llm", "--grpc-max-stream-inflight", "3", grpc_port=free_port()
+    )
+    peak = 0.0
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        pattern = 'lockgate_inflight_requests{model="echo",version="1"} '
+        while not stop.is_set():
+            for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+                if line.startswith(pattern):
+                    peak = max(peak, float(line[len(pattern) :]))
+            time.sleep(0.01)
+
+    def requests() -> object:
+        for i in range(30):
+            request = pb.ModelInferRequest(model_name="echo", id=str(i))
+            request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+            request.inputs.add(name="delay", datatype="FP32", shape=[1, 1])
+            request.raw_input_contents.append(np.full((1, 4), i, np.float32).tobytes())
+            request.raw_input_contents.append(np.full((1, 1), 0.05, np.float32).tobytes())
+            yield request
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with grpc.insecure_channel(server.grpc_address) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            answers = list(stub.ModelStreamInfer(requests(), timeout=60))
+    finally:
+        stop.set()
+        watcher.join()
+        server.stop()
+    assert len(answers) == 30 and not [a.error_message for a in answers if a.error_message]
+    for answer in answers:
+        y = np.frombuffer(answer.infer_response.raw_output_contents[0], np.float32)
+        assert np.all(y == 2 * float(answer.infer_response.id))
+    assert 1 <= peak <= 3, peak
