@@ -152,6 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         api_keys=_env_keys("LOCKGATE_API_KEYS"),
         admin_keys=_env_keys("LOCKGATE_ADMIN_KEYS"),
+        priority_keys=_env_keys("LOCKGATE_PRIORITY_KEYS"),
         strict_readiness=args.strict_readiness,
         model_control=args.model_control_mode,
         metrics_public=args.metrics_public,

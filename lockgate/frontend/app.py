@@ -51,6 +51,8 @@ class ServerSettings:
     strict_readiness: bool = False  # True: ready only when every model is ready
     model_control: str = "none"  # "explicit": POST .../load and .../unload are served
     metrics_public: bool = False  # True: /metrics needs no key even when keys are set
+    # keys that may ask a priority above the model's default; empty: any client may
+    priority_keys: frozenset[str] = frozenset()
     repository: Path | None = None
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
@@ -173,6 +175,16 @@ class App:
                 return
 
     # -- authentication ----------------------------------------------------------------
+    def priority_granted(self, presented: bytes | None) -> bool:
+        """Whether a client presenting this key may ask a priority above the model's
+        default: always, unless priority keys are set."""
+        keys = self.settings.priority_keys
+        if not keys:
+            return True
+        return presented is not None and any(
+            hmac.compare_digest(presented, k.encode()) for k in keys
+        )
+
     def _authenticate(self, request: HttpRequest) -> None:
         parts = [p for p in request.path.split("/") if p]  # as `_route` splits it
         admin = _is_model_control(request.method, parts)
@@ -188,7 +200,7 @@ class App:
             public = self.settings.metrics_public
         if public and not admin:
             return
-        presented = _bearer(request)
+        presented = request.bearer()
         if presented is None:
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
         if not any(hmac.compare_digest(presented, k.encode()) for k in keys):
@@ -230,7 +242,8 @@ class App:
             raise NotFound(f"no route for {request.method} {request.path[:200]}")
         method = request.method
         if action == "infer" and method == "POST":
-            await v2_routes.infer(request, self.models, name, version)
+            granted = self.priority_granted(request.bearer())
+            await v2_routes.infer(request, self.models, name, version, granted)
         elif action == "" and method == "GET":
             body = await v2_routes.model_metadata(self.models, name, version)
             await respond(request.send, 200, body)
@@ -333,14 +346,3 @@ def _route_kind(path: str) -> str:
     if path.startswith("/v2"):
         return "v2"
     return "other"
-
-
-def _bearer(request: HttpRequest) -> bytes | None:
-    """The raw token of an `Authorization: Bearer` header (bytes: compared in constant time)."""
-    value = request.header(b"authorization")
-    if value is None:
-        return None
-    scheme, _, token = value.partition(b" ")
-    if scheme.lower() != b"bearer" or not token.strip():
-        return None
-    return token.strip()

@@ -203,7 +203,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         decoded = codec.decode_infer_request(request)
         config = served.config
         deadline = deadline_of(context, decoded.parameters, served)
-        core = v2_routes.core_request(name, served, decoded, deadline)
+        granted = self.app.priority_granted(_bearer(context))
+        core = v2_routes.core_request(name, served, decoded, deadline, None, granted)
         outputs = await self.models.infer(core)
         return codec.encode_infer_response(
             model_name=name,

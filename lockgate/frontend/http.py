@@ -53,6 +53,17 @@ class HttpRequest:
                 return bytes(value)
         return None
 
+    def bearer(self) -> bytes | None:
+        """The raw token of an `Authorization: Bearer` header (bytes: compared in constant
+        time), or None."""
+        value = self.header(b"authorization")
+        if value is None:
+            return None
+        scheme, _, token = value.partition(b" ")
+        if scheme.lower() != b"bearer" or not token.strip():
+            return None
+        return token.strip()
+
     def header_str(self, name: bytes) -> str | None:
         value = self.header(name)
         return value.decode("latin-1") if value is not None else None

@@ -17,7 +17,7 @@ import numpy as np
 
 from lockgate.core.metrics import Counter
 from lockgate.core.request import InferRequest
-from lockgate.errors import BadRequest, NotFound, ServingError, Unavailable
+from lockgate.errors import BadRequest, Forbidden, NotFound, ServingError, Unavailable
 from lockgate.frontend.app import App
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
 from lockgate.llm.engine import RequestOutput
@@ -129,6 +129,11 @@ class OpenAIRoutes:
         levels = max(1, service.config.batcher.priority_levels)
         default = service.config.batcher.default_priority_level or levels
         priority = min(body.priority or default, levels)
+        if priority < default and not self.app.priority_granted(request.bearer()):
+            raise Forbidden(
+                f"priority {priority} is above the model's default ({default}): "
+                "it needs a key that grants it"
+            )
         stream = self._submit(request, service, prompt_ids, params, rid, priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

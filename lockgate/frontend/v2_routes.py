@@ -9,7 +9,7 @@ from lockgate import __version__
 from lockgate.core.models import ModelManager, ServedVersion
 from lockgate.core.request import InferRequest
 from lockgate.core.validate import validate_inputs, validate_outputs
-from lockgate.errors import BadRequest, NotFound
+from lockgate.errors import BadRequest, Forbidden, NotFound
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond, respond_json
 from lockgate.protocol import v2
 from lockgate.protocol.v2 import Duration, ModelStats
@@ -81,9 +81,20 @@ def core_request(
     decoded: v2.V2InferRequest,
     deadline: float | None,
     arrival: float | None = None,
+    priority_granted: bool = True,
 ) -> InferRequest:
-    """A decoded v2 request (REST or gRPC), checked against the model's config."""
+    """A decoded v2 request (REST or gRPC), checked against the model's config. A priority
+    above the model's default needs `priority_granted` (a key that grants it)."""
     rows = validate_inputs(served.config, decoded.inputs, decoded.input_datatypes)
+    priority = priority_of(decoded.parameters)
+    if priority and not priority_granted:
+        batching = served.config.batcher
+        default = batching.default_priority_level or max(1, batching.priority_levels)
+        if priority < default:
+            raise Forbidden(
+                f"priority {priority} is above the model's default ({default}): "
+                "it needs a key that grants it"
+            )
     if decoded.outputs:
         validate_outputs(served.config, [o.name for o in decoded.outputs])
     return InferRequest(
@@ -92,7 +103,7 @@ def core_request(
         version=served.version,
         outputs=tuple(o.name for o in decoded.outputs) or None,
         deadline=deadline,
-        priority=priority_of(decoded.parameters),
+        priority=priority,
         id=decoded.id,
         rows=rows,
         arrival=time.monotonic() if arrival is None else arrival,
@@ -100,14 +111,18 @@ def core_request(
 
 
 async def infer(
-    request: HttpRequest, models: ModelManager, name: str, version_text: str | None
+    request: HttpRequest,
+    models: ModelManager,
+    name: str,
+    version_text: str | None,
+    priority_granted: bool = True,
 ) -> None:
     served = models.get(name, parse_version(version_text))
     body = await request.body()
     decoded = v2.decode_infer_request(body, request.header_str(b"inference-header-content-length"))
     config = served.config
     deadline = deadline_of(request, decoded.parameters, served)
-    core = core_request(name, served, decoded, deadline, request.received)
+    core = core_request(name, served, decoded, deadline, request.received, priority_granted)
     async with cancel_on_disconnect(request.receive):
         outputs = await models.infer(core)
     payload, header_length = v2.encode_infer_response(

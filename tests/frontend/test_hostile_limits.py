@@ -212,3 +212,27 @@ def test_a_grpc_stream_is_read_no_faster_than_its_answers_go_out(
         y = np.frombuffer(answer.infer_response.raw_output_contents[0], np.float32)
         assert np.all(y == 2 * float(answer.infer_response.id))
     assert 1 <= peak <= 3, peak
+
+
+def test_priority_above_the_default_needs_a_key_that_grants_it(
+    test_repo: Path, tmp_path: Path
+) -> None:
+    """`slow` has two priority levels, 2 by default: asking for 1 needs a priority key."""
+    server = start_server(
+        test_repo, tmp_path, "--no-llm", env={"LOCKGATE_PRIORITY_KEYS": "prio-secret"}
+    )
+    body = {
+        "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}],
+        "parameters": {"priority": 1},
+    }
+    url = server.url + "/v2/models/slow/infer"
+    try:
+        refused = httpx.post(url, json=body, timeout=30)
+        assert refused.status_code == 403 and "needs a key" in refused.json()["error"]
+        granted = httpx.post(url, json=body, headers={"Authorization": "Bearer prio-secret"})
+        assert granted.status_code == 200, granted.text
+        body["parameters"] = {"priority": 2}  # the default itself needs nothing
+        assert httpx.post(url, json=body, timeout=30).status_code == 200
+    finally:
+        server.stop()
+    assert "prio-secret" not in server.log()
