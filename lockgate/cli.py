@@ -162,12 +162,8 @@ def _serve(args: argparse.Namespace) -> int:
         unload_drain_timeout=args.drain_timeout,
         admission=AdmissionSettings(deadline_aware=not args.no_admission),
     )
-    options = ServeOptions(
-        repository=Path(repository),
-        host=args.host,
-        port=args.port,
-        drain_timeout=args.drain_timeout,
-        gate=GateSettings(
+    try:
+        gate = GateSettings(
             max_lag=args.max_loop_lag_ms / 1000.0,
             queue_target=args.queue_target_ms / 1000.0,
             penalty_pause=args.refusal_pause_ms / 1000.0,
@@ -175,7 +171,16 @@ def _serve(args: argparse.Namespace) -> int:
             head_timeout=args.head_timeout,
             max_connections=args.max_connections,
             max_connections_per_client=args.max_connections_per_client,
-        ),
+        )
+    except ValueError as exc:
+        print(f"lockgate: {exc}", file=sys.stderr)
+        return 2
+    options = ServeOptions(
+        repository=Path(repository),
+        host=args.host,
+        port=args.port,
+        drain_timeout=args.drain_timeout,
+        gate=gate,
         keep_alive_timeout=args.keep_alive_timeout,
         http=http,
         serving=serving,

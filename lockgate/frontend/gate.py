@@ -1,6 +1,6 @@
 """The connection gate: what the HTTP protocol decides before a request reaches the app.
 
-Three decisions are made per connection or request head, each before any body is read:
+These decisions are made per connection or request head, each before any body is read:
 
 - **Saturation (refuse before the parse).** The signal is event-loop lag: a sentinel timer is
   due every `interval` seconds, and the lag is how late it fires. While the loop keeps up, the
@@ -31,7 +31,6 @@ Three decisions are made per connection or request head, each before any body is
   and `max_connections` in all; past either, a new connection is closed at once. A request
   head must arrive in full within `head_timeout` of the connection opening or of the request's
   first byte; past it, the connection is closed.
-
 - **Clients that resend at once.** A refusal costs a little CPU; a client that resends the
   moment it is refused, on many connections, turns that little into all of it, and the model
   starves. When refusals outnumber admitted requests by more than `penalty_ratio` (10) over
@@ -67,15 +66,14 @@ class GateSettings:
     head_timeout: float = 10.0  # seconds for a request head to arrive in full
     queue_target: float = 0.005  # seconds of front-end delay that, standing, refuses; 0: off
     queue_interval: float = 0.050  # seconds over which the least delay is taken
-    penalty_ratio: float = (
-        10.0  # refusals per admitted request past which refused connections pause
-    )
+    penalty_ratio: float = 10.0  # refusals per admitted request that pause refused connections
     penalty_pause: float = 0.0  # seconds a refused connection is not read; 0: never
 
     def __post_init__(self) -> None:
         if not 0 < self.weight <= 1:
             raise ValueError(f"weight must be in (0, 1], not {self.weight!r}")
-        for name in ("max_lag", "interval", "head_timeout", "queue_target", "queue_interval"):
+        names = ("max_lag", "interval", "head_timeout", "queue_target", "queue_interval")
+        for name in (*names, "penalty_ratio", "penalty_pause"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
