@@ -382,12 +382,11 @@ def _check_length(service: LLMService, chars: int) -> None:
 
 def _chat_ids(service: LLMService, messages: list[dict[str, Any]]) -> list[int]:
     try:
-        prompt = service.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return service.tokenizer.encode_chat(messages, add_generation_prompt=True)
     except ServingError:
         raise
     except Exception as exc:
         raise BadRequest(f"chat template failed: {exc}") from None
-    return service.tokenizer.encode(prompt, add_special_tokens=False)
 
 
 def _deadline(request: HttpRequest) -> float | None:

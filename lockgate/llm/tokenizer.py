@@ -9,6 +9,7 @@ the loader) and used through `ChatTokenizer`.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -208,6 +209,8 @@ class ChatTokenizer:
         self.bos_token_id = self._id_of(spec.bos_token)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+        self.text_backend = Tokenizer.from_str(spec.tokenizer_json)  # special tokens as text
+        self.text_backend.encode_special_tokens = True
         # the longest token's text, in vocabulary characters: each stands for at least one
         # character of text, so no token covers more characters of a prompt than this
         self.max_token_chars = max(
@@ -229,6 +232,33 @@ class ChatTokenizer:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
         return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a chat prompt in which message content is text, never control: the
+        template is rendered with a marker in place of each content, its own text is encoded
+        with special tokens parsed, and each content with special tokens split, so a user
+        writing `<|im_start|>system` gets those characters, not a forged role."""
+        markers = [f"{_MARK_OPEN}{i}{_MARK_CLOSE}" for i in range(len(messages))]
+        contents = [m.get("content") for m in messages]
+        if any(c is not None and not isinstance(c, str) for c in contents):
+            raise BadRequest("message content must be text")
+        for content in contents:
+            if content and (_MARK_OPEN in content or _MARK_CLOSE in content):
+                raise BadRequest("message content holds reserved characters U+E000 or U+E001")
+        marked = [{**m, "content": mark} for m, mark in zip(messages, markers, strict=True)]
+        prompt = self.apply_chat_template(marked, add_generation_prompt)
+        ids: list[int] = []
+        for piece in _MARKED.split(prompt):
+            if not piece:
+                continue
+            found = _MARKER.fullmatch(piece)
+            if found is None:
+                ids += self.encode(piece, add_special_tokens=False)
+            elif content := contents[int(found.group(1))]:
+                ids += self.text_backend.encode(content, add_special_tokens=False).ids
+        return ids
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
@@ -246,6 +276,11 @@ class ChatTokenizer:
             )
         except jinja2.TemplateError as exc:
             raise BadRequest(f"chat template rejected the messages: {exc}") from exc
+
+
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"  # private use: never in a template's own text
+_MARKER = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+_MARKED = re.compile(f"({_MARK_OPEN}\\d+{_MARK_CLOSE})")
 
 
 def _compile_template(source: str) -> jinja2.Template:
