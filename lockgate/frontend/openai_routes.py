@@ -21,7 +21,7 @@ from lockgate.errors import BadRequest, Forbidden, NotFound, ServingError, Unava
 from lockgate.frontend.app import App
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
 from lockgate.llm.engine import RequestOutput
-from lockgate.llm.sequence import SamplingParams
+from lockgate.llm.sequence import MAX_LOGIT_BIAS, SamplingParams
 from lockgate.llm.service import LLMMetrics, LLMService
 from lockgate.protocol import openai as oa
 
@@ -222,6 +222,7 @@ class OpenAIRoutes:
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,
+            logit_bias=_logit_bias(body.logit_bias, service.vocab_size),
         )
 
     def _submit(
@@ -362,6 +363,24 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 TOKENIZE_THREADS = 2  # prompts tokenized at once, off the event loop
 TOKENIZE_WAITING = 64  # prompts waiting for a tokenizer thread before 503
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}) as checked (token id, bias) pairs."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 9 and int(key) < vocab_size):
+            raise BadRequest(
+                f"logit_bias key {key[:20]!r} is not a token id in 0..{vocab_size - 1}"
+            )
+        if not -100.0 <= value <= 100.0:
+            raise BadRequest(f"logit_bias value {value} for token {key} is outside [-100, 100]")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def _check_supported(body: oa.CompletionRequest | oa.ChatRequest) -> None:

@@ -47,6 +47,33 @@ class SamplerOutput:
 
 
 @dataclass(slots=True)
+class LogitBias:
+    """Sparse additions to the logits: row i, token j, value b for every entry."""
+
+    rows: torch.Tensor  # [E] int64
+    tokens: torch.Tensor  # [E] int64
+    values: torch.Tensor  # [E] float32
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams]) -> LogitBias | None:
+        entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+        if not entries:
+            return None
+        rows, tokens, values = zip(*entries, strict=True)
+        return cls(
+            torch.tensor(rows, dtype=torch.int64),
+            torch.tensor(tokens, dtype=torch.int64),
+            torch.tensor(values, dtype=torch.float32),
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [N, V] with the biases added (a copy)."""
+        return logits.index_put(
+            (self.rows, self.tokens), self.values.to(logits.dtype), accumulate=True
+        )
+
+
+@dataclass(slots=True)
 class SamplingBatch:
     """Per-row parameters as tensors; None for a process that no row uses."""
 
@@ -59,6 +86,7 @@ class SamplingBatch:
     presence_penalty: torch.Tensor | None  # [N] float32
     frequency_penalty: torch.Tensor | None  # [N] float32
     output_token_ids: torch.Tensor | None  # [N, L] int64, padded with V
+    bias: LogitBias | None  # additions to chosen logits; None when no row has any
     seeds: dict[int, int]  # row -> seed for this token
     num_logprobs: list[int | None]  # [N]
 
@@ -89,6 +117,7 @@ class SamplingBatch:
             frequency_penalty=_row_param([p.frequency_penalty for p in params], any(
                 p.has_penalties for p in params), torch.float32),
             output_token_ids=_padded_outputs(params, output_token_ids, vocab_size),
+            bias=LogitBias.build(params),
             seeds={i: _row_seed(p.seed, n) for i, (p, n) in enumerate(
                 zip(params, num_output_tokens, strict=True)) if p.seed is not None
                 and not p.is_greedy},
@@ -132,6 +161,8 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = apply_penalties(logits.float(), batch)  # [N, V]
+        if batch.bias is not None:
+            logits = batch.bias.apply(logits)
         if batch.all_greedy:
             processed, tokens = logits, logits.argmax(dim=-1)
         else:

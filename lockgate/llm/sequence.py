@@ -31,6 +31,9 @@ class FinishReason(enum.Enum):
     SHED = "shed"  # refused while waiting, for a request of higher priority
 
 
+MAX_LOGIT_BIAS = 300  # entries of logit_bias, as the OpenAI API allows
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Validated on construction."""
@@ -47,10 +50,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # number of top alternatives to report per token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
         problems = self._problems()
         if problems:
             raise InvalidSamplingParams("invalid sampling parameters: " + "; ".join(problems))
@@ -68,7 +73,11 @@ class SamplingParams:
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
-        ]
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS,
+             f"logit_bias takes at most {MAX_LOGIT_BIAS} entries"),
+            (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+             "logit_bias maps token ids to values in [-100, 100]"),
+        ]  # fmt: skip
         return [message for ok, message in checks if not ok]
 
     @property

@@ -36,8 +36,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     # known to the OpenAI API, not implemented by lockgate: refused by name when given
-    logit_bias: Any = None
     best_of: Any = None
     response_format: Any = None
     tools: Any = None
@@ -66,7 +66,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 
 UNSUPPORTED = (
-    "logit_bias",
     "best_of",
     "response_format",
     "tools",

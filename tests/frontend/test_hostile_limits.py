@@ -113,7 +113,6 @@ def test_more_than_four_stop_strings_are_a_400(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     "field",
     [
-        {"logit_bias": {"1": 5}},
         {"best_of": 3},
         {"response_format": {"type": "json_object"}},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -130,6 +129,33 @@ def test_fields_lockgate_does_not_implement_are_refused_by_name(
         extra_body=field,
     )
     assert f"'{next(iter(field))}' is not supported" in message
+
+
+def test_logit_bias_forces_its_token_at_every_step_and_is_checked(client: openai.OpenAI) -> None:
+    def complete(tokens: int, bias: dict[str, int] | None) -> str:
+        out = client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=tokens, temperature=0.0,
+            logit_bias=bias or openai.NOT_GIVEN,
+        )  # fmt: skip
+        return out.choices[0].text
+
+    forced = {"1000": 100}  # +100 on one token makes it the greedy choice at every step
+    one = complete(1, forced)
+    assert one and complete(3, forced) == one * 3
+    assert complete(3, {"2000": 100}) != one * 3  # another token: another text
+    assert complete(3, None) != one * 3
+    message = bad_request(
+        client.completions.create,
+        model=MODEL,
+        prompt="Hi",
+        max_tokens=1,
+        logit_bias={"99999999": 5},
+    )
+    assert "not a token id" in message
+    message = bad_request(
+        client.completions.create, model=MODEL, prompt="Hi", max_tokens=1, logit_bias={"5": 500}
+    )
+    assert "outside [-100, 100]" in message
 
 
 def test_deeply_nested_json_is_a_400(llm_server: RunningServer) -> None:

@@ -175,3 +175,20 @@ def test_windowed_top_p_equals_the_full_sort(window: int, monkeypatch: pytest.Mo
         slow = sampling._top_k_top_p_sorted(logits, full_k, top_p)
         assert torch.equal(torch.isfinite(fast), torch.isfinite(slow))
         assert torch.equal(fast[torch.isfinite(fast)], logits[torch.isfinite(fast)])
+
+
+def test_logit_bias_moves_the_chosen_logits_of_its_rows_only() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    top = logits.argmax(dim=-1).tolist()
+    banned = SamplingParams(temperature=0.0, logit_bias=((top[0], -100.0),))
+    forced = SamplingParams(temperature=0.0, logit_bias=((7, 100.0),))
+    plain = SamplingParams(temperature=0.0)
+    out = Sampler(seed=1)(logits, batch_for([banned, forced, plain]))
+    expected_first = logits[0].clone()
+    expected_first[top[0]] -= 100.0
+    assert out.token_ids == [int(expected_first.argmax()), 7, top[2]]
+    with pytest.raises(BadRequest, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 101.0),))
+    with pytest.raises(BadRequest, match="at most 300"):
+        SamplingParams(logit_bias=tuple((i, 1.0) for i in range(301)))
