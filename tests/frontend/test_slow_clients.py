@@ -88,14 +88,27 @@ def closed_by_server(sock: socket.socket, within: float) -> bool:
         return True
 
 
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+RSS_BOUND_MIB = 64  # growth allowed while a thousand partial heads are held
+
+
 def test_a_thousand_partial_heads_leave_probes_and_requests_served(gated: RunningServer) -> None:
     holders = []
+    before = rss_mib(gated.process.pid)
     try:
         for _ in range(1000):
             sock = socket.create_connection(("127.0.0.1", gated.port), timeout=10)
             sock.sendall(PARTIAL)
             holders.append(sock)
         latencies = [probe_ms(gated) for _ in range(30)]
+        grown = rss_mib(gated.process.pid) - before
+        assert grown < RSS_BOUND_MIB, f"RSS grew {grown:.1f} MiB for 1,000 partial heads"
         assert statistics.quantiles(latencies, n=100)[98] < 100, latencies
         assert infer_digits(gated).status_code == 200
         # past the head timeout the server has closed every one of them
