@@ -42,6 +42,7 @@ MAX_RANK = 32
 _INTEGERS = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"})
 _FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})
 _JSON_ERRORS = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+JSON_CHARS_PER_ELEMENT = 48  # "-1.2345678901234567e-308," and brackets, with room to spare
 
 
 # --- public types -------------------------------------------------------------------------
@@ -258,6 +259,15 @@ def _from_binary(tensor: _TensorIn, chunk: memoryview, count: int) -> np.ndarray
 
 
 def _from_json(tensor: _TensorIn, count: int) -> np.ndarray:
+    # Before any Python list is built: a number takes at most JSON_CHARS_PER_ELEMENT
+    # characters with its separators and brackets, so longer data holds more than the
+    # declared shape, or nesting that would cost many times the body in memory.
+    limit = JSON_CHARS_PER_ELEMENT * count + 64
+    if tensor.datatype != "BYTES" and len(tensor.data) > limit:
+        raise BadRequest(
+            f"input '{tensor.name}': data has {len(tensor.data)} characters, more than "
+            f"{count} elements of shape {dims_text(tensor.shape)} can take ({limit})"
+        )
     values = _json_values(tensor.name, tensor.datatype, tensor.data)
     if len(values) != count:
         raise BadRequest(

@@ -48,6 +48,17 @@ def test_a_5000_digit_header_length_is_a_400(server: RunningServer) -> None:
     assert "Inference-Header-Content-Length" in assert_client_error(r)
 
 
+def test_data_far_longer_than_its_shape_is_refused_before_it_is_decoded(
+    server: RunningServer,
+) -> None:
+    """A million numbers declared as [1, 64]: refused from the data's length, without
+    building a Python list of a million numbers first (nested, they cost ~34x the body)."""
+    data = "[" + ",".join(["[0.5]"] * 1_000_000) + "]"
+    body = '{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":' + data + "}]}"
+    r = httpx.post(server.url + INFER, content=body, timeout=30)
+    assert "more than 64 elements" in assert_client_error(r)
+
+
 def test_classification_of_a_bytes_output_is_a_400() -> None:
     want = v2.RequestedOutput("label", False, 3)
     with pytest.raises(BadRequest, match="numeric"):
