@@ -134,7 +134,7 @@ def _grpc_port(text: str) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from lockgate.core.admission import AdmissionSettings
-    from lockgate.core.models import ServingSettings
+    from lockgate.core.manager import ServingSettings
     from lockgate.frontend.app import ServerSettings
     from lockgate.frontend.gate import GateSettings
     from lockgate.frontend.server import ServeOptions, run

@@ -6,11 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
-
-from lockgate.core.config import ModelConfig
-
-Arrays = dict[str, np.ndarray]
+from lockgate.config import ModelConfig
+from lockgate.datatypes import Arrays
 
 
 class Backend(Protocol):

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from lockgate.backends.base import Arrays
-from lockgate.core.config import ModelConfig, TensorSpec
+from lockgate.config import ModelConfig, TensorSpec
 from lockgate.core.repository import model_file
 from lockgate.errors import BackendError, BadRequest, ConfigError
 

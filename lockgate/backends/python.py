@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from lockgate.backends.base import Arrays
-from lockgate.core.config import ModelConfig
+from lockgate.config import ModelConfig
 from lockgate.core.repository import model_file
 from lockgate.errors import BackendError, ConfigError, ServingError
 

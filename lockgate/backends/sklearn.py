@@ -26,10 +26,10 @@ import joblib
 import numpy as np
 
 from lockgate.backends.base import Arrays
-from lockgate.core.config import ModelConfig
+from lockgate.config import ModelConfig
 from lockgate.core.repository import model_file
+from lockgate.datatypes import numpy_dtype
 from lockgate.errors import BackendError, BadRequest, ConfigError
-from lockgate.protocol.datatypes import numpy_dtype
 
 _METHOD_BY_NAME = {
     "label": "predict",

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from lockgate.backends.base import Arrays
-from lockgate.core.config import ModelConfig
+from lockgate.config import ModelConfig
 from lockgate.core.repository import model_file
 from lockgate.errors import BackendError, BadRequest, ConfigError
 

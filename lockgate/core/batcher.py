@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lockgate.config import ModelConfig
 from lockgate.core.admission import Admission, AdmissionSettings, QueueState
-from lockgate.core.config import ModelConfig
 from lockgate.core.request import Arrays, InferRequest
 from lockgate.core.runner import Instance
 from lockgate.core.serving_metrics import ServingMetrics

@@ -36,8 +36,7 @@ from typing import Any
 import yaml
 
 from lockgate.backends.base import backend_names
-from lockgate.core import pbtxt
-from lockgate.core.config import (
+from lockgate.config import (
     DATATYPES,
     DynamicBatching,
     ModelConfig,
@@ -46,6 +45,7 @@ from lockgate.core.config import (
     VersionPolicyKind,
     WarmupSample,
 )
+from lockgate.core import pbtxt
 from lockgate.errors import ConfigError
 
 log = logging.getLogger(__name__)

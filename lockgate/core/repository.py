@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lockgate.core.config import ModelConfig
+from lockgate.config import ModelConfig
 from lockgate.core.config_files import check_warmup_inputs, load_model_config
 from lockgate.errors import ConfigError
 

@@ -7,9 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
-Arrays = dict[str, np.ndarray]
+from lockgate.datatypes import Arrays
 
 _ids = itertools.count(1)
 

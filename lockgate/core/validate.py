@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from lockgate.core.config import ModelConfig, TensorSpec
+from lockgate.config import ModelConfig, TensorSpec
 from lockgate.errors import BadRequest
 
 

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lockgate.core.models import ModelManager
+from lockgate.core.manager import ModelManager
 from lockgate.errors import (
     BadRequest,
     Forbidden,

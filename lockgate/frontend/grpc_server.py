@@ -29,7 +29,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from grpc.aio import ServicerContext as Context
 
-from lockgate.core.models import ModelManager, ModelState, ServedVersion
+from lockgate.core.manager import ModelManager, ModelState, ServedVersion
 from lockgate.errors import Forbidden, ServingError, Unauthorized
 from lockgate.frontend import v2_routes
 from lockgate.frontend.app import App

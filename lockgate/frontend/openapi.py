@@ -6,7 +6,7 @@ from functools import cache
 from typing import Any
 
 from lockgate import __version__
-from lockgate.core.config import DATATYPES
+from lockgate.config import DATATYPES
 
 _ERROR = {
     "type": "object",

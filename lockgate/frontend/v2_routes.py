@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from lockgate import __version__
-from lockgate.core.models import ModelManager, ServedVersion
+from lockgate.core.manager import ModelManager, ServedVersion
 from lockgate.core.request import InferRequest
 from lockgate.core.validate import validate_inputs, validate_outputs
 from lockgate.errors import BadRequest, Forbidden, NotFound

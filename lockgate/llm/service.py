@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from lockgate.core.config import ModelConfig
+from lockgate.config import ModelConfig
 from lockgate.core.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, Registry
 from lockgate.errors import ConfigError
 from lockgate.llm.engine import AsyncLLMEngine, LLMEngine

@@ -24,9 +24,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from lockgate.core.config import ModelConfig, TensorSpec, VersionPolicyKind, WarmupSample
-from lockgate.errors import BadRequest, ServingError
-from lockgate.protocol.datatypes import (
+from lockgate.config import ModelConfig, TensorSpec, VersionPolicyKind, WarmupSample
+from lockgate.datatypes import (
     bf16_bits_from_float32,
     datatype_of,
     deserialize_bytes_tensor,
@@ -35,6 +34,7 @@ from lockgate.protocol.datatypes import (
     numpy_dtype,
     serialize_bytes_tensor,
 )
+from lockgate.errors import BadRequest, ServingError
 
 MAX_ELEMENTS = 1 << 27  # per input tensor
 MAX_RANK = 32

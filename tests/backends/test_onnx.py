@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from lockgate.backends.base import get_factory
 from lockgate.backends.onnx import autocomplete, load, session_options
-from lockgate.core.config import ModelConfig, TensorSpec
+from lockgate.config import ModelConfig, TensorSpec
 from lockgate.errors import BackendError, BadRequest, ConfigError
 
 WEIGHTS = np.arange(12, dtype=np.float32).reshape(4, 3) / 10  # [4, 3]

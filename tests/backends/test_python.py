@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lockgate.backends.python import load
-from lockgate.core.config import ModelConfig, TensorSpec
+from lockgate.config import ModelConfig, TensorSpec
 from lockgate.errors import BackendError, BadRequest, ConfigError
 
 MODEL_PY = """

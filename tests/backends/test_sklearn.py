@@ -8,7 +8,7 @@ import pytest
 from sklearn.linear_model import LogisticRegression
 
 from lockgate.backends.sklearn import load, output_methods
-from lockgate.core.config import ModelConfig, TensorSpec
+from lockgate.config import ModelConfig, TensorSpec
 from lockgate.errors import BackendError, BadRequest, ConfigError
 
 ROWS = np.array([[0, 0], [0, 1], [1, 0], [1, 1], [2, 2], [3, 1]], dtype=np.float32)  # [6, 2]

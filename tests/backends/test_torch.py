@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lockgate.backends.torch import load
-from lockgate.core.config import ModelConfig, TensorSpec
+from lockgate.config import ModelConfig, TensorSpec
 from lockgate.errors import BackendError, BadRequest, ConfigError
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from lockgate.backends.base import Arrays
+from lockgate.config import DynamicBatching, ModelConfig, TensorSpec
 from lockgate.core.admission import AdmissionSettings
 from lockgate.core.batcher import Batcher
-from lockgate.core.config import DynamicBatching, ModelConfig, TensorSpec
 from lockgate.core.metrics import Registry
 from lockgate.core.request import InferRequest
 from lockgate.core.runner import Instance

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lockgate.core.config import DynamicBatching, TensorSpec, VersionPolicyKind
+from lockgate.config import DynamicBatching, TensorSpec, VersionPolicyKind
 from lockgate.core.config_files import (
     check_warmup_inputs,
     load_model_config,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lockgate.core.config import TensorSpec
+from lockgate.config import TensorSpec
 from lockgate.core.repository import (
     ModelEntry,
     is_safe_name,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from lockgate.backends.base import Arrays
+from lockgate.config import ModelConfig, TensorSpec
 from lockgate.core.admission import AdmissionSettings
 from lockgate.core.batcher import Batcher
-from lockgate.core.config import ModelConfig, TensorSpec
 from lockgate.core.metrics import Registry
 from lockgate.core.request import InferRequest
 from lockgate.core.runner import Instance
@@ -178,7 +178,7 @@ def test_batcher_answers_the_hung_batch_and_serves_later_requests() -> None:
 def test_a_version_whose_instances_all_restart_is_not_serving() -> None:
     from pathlib import Path
 
-    from lockgate.core.models import ModelState, ServedModel, ServedVersion
+    from lockgate.core.manager import ModelState, ServedModel, ServedVersion
 
     config = ModelConfig(
         name="m",

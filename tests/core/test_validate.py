@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lockgate.core.config import ModelConfig, TensorSpec
+from lockgate.config import ModelConfig, TensorSpec
 from lockgate.core.validate import expected_shape, validate_inputs, validate_outputs
 from lockgate.errors import BadRequest
 

@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lockgate.core.config import DATATYPES
-from lockgate.errors import BadRequest, ServingError
-from lockgate.protocol.datatypes import (
+from lockgate.config import DATATYPES
+from lockgate.datatypes import (
     bf16_bits_from_float32,
     datatype_of,
     deserialize_bytes_tensor,
@@ -20,6 +19,7 @@ from lockgate.protocol.datatypes import (
     numpy_dtype,
     serialize_bytes_tensor,
 )
+from lockgate.errors import BadRequest, ServingError
 
 SIZES = {
     "BOOL": 1,

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lockgate.core.config import (
+from lockgate.config import (
     DynamicBatching,
     ModelConfig,
     TensorSpec,
@@ -21,8 +21,8 @@ from lockgate.core.config import (
     VersionPolicyKind,
     WarmupSample,
 )
+from lockgate.datatypes import bf16_bits_from_float32, float32_from_bf16_bits
 from lockgate.errors import BadRequest
-from lockgate.protocol.datatypes import bf16_bits_from_float32, float32_from_bf16_bits
 from lockgate.protocol.v2 import (
     BatchStats,
     Duration,

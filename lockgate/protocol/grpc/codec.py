@@ -22,14 +22,14 @@ import numpy as np
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from lockgate.errors import BadRequest, ServingError
-from lockgate.protocol.datatypes import (
+from lockgate.datatypes import (
     datatype_of,
     deserialize_bytes_tensor,
     float32_from_bf16_bits,
     is_datatype,
     numpy_dtype,
 )
+from lockgate.errors import BadRequest, ServingError
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.v2 import (
     MAX_ELEMENTS,

@@ -16,6 +16,9 @@ import numpy as np
 
 from lockgate.errors import BadRequest, ServingError
 
+Arrays = dict[str, np.ndarray]
+"""Named tensors: what a request carries, a batch holds and a backend computes."""
+
 _NUMPY: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
     "UINT8": np.dtype("<u1"),

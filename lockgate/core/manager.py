@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from lockgate.backends.base import LLM_BACKEND, Arrays, Backend, get_factory
+from lockgate.config import ModelConfig, TensorSpec
 from lockgate.core.admission import AdmissionSettings
 from lockgate.core.batcher import Batcher
-from lockgate.core.config import ModelConfig, TensorSpec
 from lockgate.core.metrics import Registry
 from lockgate.core.request import InferRequest
 from lockgate.core.runner import Instance
@@ -87,7 +87,7 @@ def synthetic_input(spec: TensorSpec, rows: int, batching: bool, kind: str = "ze
     shape = ((rows,) if batching else ()) + dims
     if spec.datatype == "BYTES":
         return np.full(shape, b"lockgate warmup text", dtype=object)
-    from lockgate.protocol.datatypes import numpy_dtype
+    from lockgate.datatypes import numpy_dtype
 
     dtype = numpy_dtype(spec.datatype)
     if kind == "random":
