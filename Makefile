@@ -24,6 +24,7 @@ serve: install
 	$(VENV)/bin/lockgate serve --host $(HOST) --port $(PORT)
 
 test: install
+	-bash scripts/install-system-packages.sh
 	-bash scripts/install-perf-analyzer.sh
 	$(PY) -m pytest
 
