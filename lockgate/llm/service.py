@@ -33,7 +33,8 @@ import torch
 from lockgate.config import ModelConfig
 from lockgate.core.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, Registry
 from lockgate.errors import ConfigError
-from lockgate.llm.engine import AsyncLLMEngine, LLMEngine
+from lockgate.llm.async_engine import AsyncLLMEngine
+from lockgate.llm.engine import LLMEngine
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.loader import load_checkpoint
 from lockgate.llm.models.llama import allocate_kv_cache, build_llama, kv_bytes_per_block

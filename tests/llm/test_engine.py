@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from lockgate.errors import BackendError, BadRequest, ConfigError
+from lockgate.llm.async_engine import AsyncLLMEngine
 from lockgate.llm.attention import AttentionMetadata, KVCache
-from lockgate.llm.engine import AsyncLLMEngine, LLMEngine, RequestOutput
+from lockgate.llm.engine import LLMEngine, RequestOutput
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.loader import Checkpoint
 from lockgate.llm.models import allocate_kv_cache as allocate_llama_kv_cache
