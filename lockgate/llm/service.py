@@ -142,7 +142,7 @@ class LLMService:
             eos_token_ids=tokenizer.eos_token_ids,
             decoder_factory=lambda _prompt: IncrementalDetokenizer(tokenizer),
         )
-        _warmup(engine)
+        _warmup(engine, checkpoint.config.vocab_size)
         name = config.parameters.get("served_model_name", config.name)
         elapsed = time.monotonic() - start
         log.info(
@@ -170,14 +170,28 @@ class LLMService:
         self.engine.close()
 
 
-def _warmup(engine: LLMEngine) -> None:
-    """One short prefill and a few decodes, so the first client does not pay for them."""
+def _warmup(engine: LLMEngine, vocab_size: int) -> None:
+    """Run the shapes the first clients will: a short prompt with a few decodes, then a full
+    prefill budget. The prefill rate that TTFT admission predicts from is measured on a
+    second full-budget prefill only, so one-off costs of the first runs do not leave it
+    low (which would refuse the first burst of traffic)."""
+    from lockgate.llm.admission import PrefillRate
     from lockgate.llm.sequence import SamplingParams
 
+    config = engine.config
+    budget = max(8, min(config.max_num_batched_tokens, config.max_model_len - 1))
+
+    def full(offset: int) -> list[list[int]]:  # distinct prompts: no prefix-cache hit
+        return [[1 + (offset + i) % (vocab_size - 1) for i in range(budget)]]
+
+    once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     with torch.inference_mode():
         engine.generate(
             [[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         )
+        engine.generate(full(0), once)
+        engine.scheduler.admission.prefill = PrefillRate()
+        engine.generate(full(vocab_size // 2), once)
 
 
 class LLMMetrics:

@@ -39,10 +39,9 @@ WORDS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def slo_llm_server(
+def start_slo_llm_server(
     demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
+) -> RunningServer:
     from lockgate.demo.build import DEMO_MODELS, build_demo_repository
 
     llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
@@ -60,7 +59,14 @@ def slo_llm_server(
         }
     )
     (target / "config.yaml").write_text(yaml.safe_dump(config))
-    server = start_server(repo, tmp_path_factory.mktemp("slo-llm"), ready_timeout=600)
+    return start_server(repo, tmp_path_factory.mktemp("slo-llm"), ready_timeout=600)
+
+
+@pytest.fixture(scope="module")
+def slo_llm_server(
+    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    server = start_slo_llm_server(demo_repo, tmp_path_factory)
     yield server
     server.stop()
 
@@ -123,3 +129,33 @@ def test_streams_past_the_ttft_slo_are_refused_at_once_and_the_rest_meet_it(
     assert max(s.ttft for s in admitted) <= TTFT_SLO_S, report
     metrics = slo_llm_server.log()
     assert "Traceback" not in metrics
+
+
+def test_a_burst_as_the_first_traffic_after_start_is_admitted_up_to_the_slo(
+    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Warmup measures the prefill rate on a warm full-budget prefill, so the first burst a
+    fresh server sees is admitted as far as its TTFT SLO allows, not refused almost whole."""
+    server = start_slo_llm_server(demo_repo, tmp_path_factory)
+    try:
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60
+        )
+
+        async def run() -> list[Stream]:
+            prompts = [prompt_of(150, i) for i in range(12)]
+            burst = await asyncio.gather(*(one_stream(client, p) for p in prompts))
+            await client.close()
+            return list(burst)
+
+        burst = asyncio.run(run())
+    finally:
+        server.stop()
+    admitted = [s for s in burst if s.status == 200]
+    report = f"statuses {[s.status for s in burst]}, TTFT {[round(s.ttft, 2) for s in burst]}"
+    print(report)
+    assert {s.status for s in burst} <= {200, 503}, report
+    # twelve 150-word prompts are about 2,000 prompt tokens: at this machine's prefill rate
+    # (hundreds to thousands of tokens/s) at least four fit in the 2 s SLO
+    assert len(admitted) >= 4, report
+    assert max(s.ttft for s in admitted) <= TTFT_SLO_S * 1.25, report
