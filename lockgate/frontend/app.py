@@ -35,7 +35,8 @@ from lockgate.frontend.http import (
     respond_json,
 )
 from lockgate.frontend.openapi import openapi_document
-from lockgate.protocol import v2
+from lockgate.frontend.v2_service import V2Service
+from lockgate.protocol import v2_codec
 
 log = logging.getLogger("lockgate.frontend")
 
@@ -69,6 +70,7 @@ class App:
         openai: OpenAIHandler | None = None,
     ) -> None:
         self.models = models
+        self.v2 = V2Service(models)
         self.settings = settings or ServerSettings()
         self.openai = openai
         self.started = False  # set once the repository has been loaded
@@ -162,7 +164,10 @@ class App:
             await respond_json(request.send, exc.status, payload, error_headers(exc))
         else:
             await respond(
-                request.send, exc.status, v2.encode_error(exc.message), headers=error_headers(exc)
+                request.send,
+                exc.status,
+                v2_codec.encode_error(exc.message),
+                headers=error_headers(exc),
             )
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -211,7 +216,7 @@ class App:
         path, method = request.path, request.method
         parts = [p for p in path.split("/") if p]
         if parts == ["v2", "models", "stats"] and method == "GET":  # before model "stats"
-            await respond(request.send, 200, v2_routes.statistics(self.models, None, None))
+            await v2_routes.document(request, self.v2.statistics(None, None))
         elif parts[:2] == ["v2", "models"] and len(parts) >= 3:
             await self._model_route(request, parts[2:])
         elif parts and parts[0] == "v1" and self.openai is not None:
@@ -221,7 +226,7 @@ class App:
         elif path == "/v2/health/ready":
             await self._ready(request)
         elif path == "/v2" and method == "GET":
-            await respond(request.send, 200, v2_routes.SERVER_METADATA)
+            await respond(request.send, 200, v2_routes.SERVER_METADATA_JSON)
         elif path == "/metrics":
             body = self.models.registry.render().encode()
             await respond(request.send, 200, body, b"text/plain; version=0.0.4; charset=utf-8")
@@ -243,44 +248,44 @@ class App:
         method = request.method
         if action == "infer" and method == "POST":
             granted = self.priority_granted(request.bearer())
-            await v2_routes.infer(request, self.models, name, version, granted)
+            await v2_routes.infer(request, self.v2, name, version, granted)
         elif action == "" and method == "GET":
-            body = await v2_routes.model_metadata(self.models, name, version)
-            await respond(request.send, 200, body)
+            await v2_routes.document(request, self.v2.model_metadata(name, version))
         elif action == "ready" and method == "GET":
-            status, payload = v2_routes.model_ready(self.models, name, version)
-            await respond_json(request.send, status, payload)
+            await v2_routes.model_ready(request, self.v2, name, version)
         elif action == "config" and method == "GET":
-            served = self.models.get(name, v2_routes.parse_version(version))
-            await respond(request.send, 200, v2.model_config_json(served.config))
+            await v2_routes.document(request, self.v2.model_config(name, version))
         elif action == "stats" and method == "GET":
-            await respond(request.send, 200, v2_routes.statistics(self.models, name, version))
+            await v2_routes.document(request, self.v2.statistics(name, version))
         else:
             raise NotFound(f"no route for {method} {request.path[:200]}")
 
-    async def _ready(self, request: HttpRequest) -> None:
+    def not_ready(self) -> str | None:
+        """Why the server is not ready (REST, gRPC and the gRPC health service ask this),
+        or None when it is."""
         models = self.models
         if self.draining:
-            await respond_json(request.send, 503, {"ready": False, "error": "draining"})
-            return
+            return "draining"
         if not self.started:
-            await respond_json(request.send, 503, {"ready": False, "error": "loading models"})
-            return
+            return "loading models"
         served = any(m.latest_ready() is not None for m in models.models.values())
         if not served and not getattr(self.openai, "services", None):
-            await respond_json(request.send, 503, {"ready": False, "error": "no model is loaded"})
-            return
+            return "no model is loaded"
         if self.settings.strict_readiness and not models.ready():
             not_ready = [m.name for m in models.models.values() if m.latest_ready() is None]
-            await respond_json(
-                request.send, 503, {"ready": False, "error": f"models not ready: {not_ready}"}
-            )
-            return
-        await respond_json(request.send, 200, {"ready": True})
+            return f"models not ready: {not_ready}"
+        return None
+
+    async def _ready(self, request: HttpRequest) -> None:
+        reason = self.not_ready()
+        if reason is None:
+            await respond_json(request.send, 200, {"ready": True})
+        else:
+            await respond_json(request.send, 503, {"ready": False, "error": reason})
 
     async def _repository(self, request: HttpRequest, rest: list[str]) -> None:
         if rest == ["index"] and request.method == "POST":
-            await v2_routes.repository_index(request, self.models)
+            await v2_routes.repository_index(request, self.v2)
             return
         if len(rest) == 3 and rest[0] == "models" and request.method == "POST":
             name, action = rest[1], rest[2]

@@ -29,11 +29,10 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from grpc.aio import ServicerContext as Context
 
-from lockgate.core.manager import ModelManager, ModelState, ServedVersion
+from lockgate.core.manager import ModelManager
 from lockgate.errors import Forbidden, ServingError, Unauthorized
-from lockgate.frontend import v2_routes
 from lockgate.frontend.app import App
-from lockgate.protocol import v2
+from lockgate.frontend.v2_service import SERVER_METADATA, Deadline
 from lockgate.protocol.grpc import codec
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
@@ -84,6 +83,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     def __init__(self, app: App, max_stream_inflight: int = 64) -> None:
         self.app = app
         self.models: ModelManager = app.models
+        self.v2 = app.v2
         self.max_stream_inflight = max_stream_inflight
         self.latency = app.models.registry.histogram(
             "lockgate_grpc_request_duration_seconds",
@@ -130,46 +130,33 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return pb.ServerLiveResponse(live=True)
 
     async def _ready(self) -> pb.ServerReadyResponse:
-        app = self.app
-        ready = app.started and not app.draining
-        if ready and app.settings.strict_readiness:
-            ready = self.models.ready()
-        return pb.ServerReadyResponse(ready=ready)
+        return pb.ServerReadyResponse(ready=self.app.not_ready() is None)
 
     async def _model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
-        status, _ = v2_routes.model_ready(self.models, request.name, request.version or None)
-        return pb.ModelReadyResponse(ready=status == 200)
+        reason = self.v2.model_ready(request.name, request.version or None)
+        return pb.ModelReadyResponse(ready=reason is None)
 
     async def _server_metadata(self) -> pb.ServerMetadataResponse:
-        return codec.from_json(v2_routes.SERVER_METADATA, pb.ServerMetadataResponse())
+        return codec.from_document(SERVER_METADATA, pb.ServerMetadataResponse())
 
     async def _model_metadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
-        document = await v2_routes.model_metadata(self.models, request.name, request.version)
-        return codec.from_json(document, pb.ModelMetadataResponse())
+        document = self.v2.model_metadata(request.name, request.version)
+        return codec.from_document(document, pb.ModelMetadataResponse())
 
     async def _model_config(self, request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
-        served = self.models.get(request.name, v2_routes.parse_version(request.version))
-        config = codec.from_json(v2.model_config_json(served.config), pb.ModelConfig())
-        return pb.ModelConfigResponse(config=config)
+        document = self.v2.model_config(request.name, request.version)
+        return pb.ModelConfigResponse(config=codec.from_document(document, pb.ModelConfig()))
 
     async def _statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
-        document = v2_routes.statistics(self.models, request.name or None, request.version)
-        return codec.from_json(document, pb.ModelStatisticsResponse())
+        document = self.v2.statistics(request.name or None, request.version)
+        return codec.from_document(document, pb.ModelStatisticsResponse())
 
     async def _index(self, request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
         response = pb.RepositoryIndexResponse()
-        for model in self.models.models.values():
-            if not model.versions and not request.ready:
-                response.models.add(name=model.name, state="UNAVAILABLE", reason=model.error)
-            for version, served in sorted(model.versions.items()):
-                if request.ready and served.state is not ModelState.READY:
-                    continue
-                response.models.add(
-                    name=model.name,
-                    version=str(version),
-                    state=served.state.value,
-                    reason=served.error,
-                )
+        for entry in self.v2.repository_index(ready_only=request.ready):
+            response.models.add(
+                name=entry.name, version=entry.version, state=entry.state, reason=entry.reason
+            )
         return response
 
     # -- inference ---------------------------------------------------------------------
@@ -198,21 +185,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     async def _infer(
         self, request: pb.ModelInferRequest, context: Context
     ) -> pb.ModelInferResponse:
+        received = time.monotonic()
         name = request.model_name
-        served = self.models.get(name, v2_routes.parse_version(request.model_version))
+        served = self.v2.served(name, request.model_version)
         decoded = codec.decode_infer_request(request)
-        config = served.config
-        deadline = deadline_of(context, decoded.parameters, served)
+        deadline = Deadline(received, transport_seconds=context.time_remaining())
         granted = self.app.priority_granted(_bearer(context))
-        core = v2_routes.core_request(name, served, decoded, deadline, None, granted)
-        outputs = await self.models.infer(core)
+        result = await self.v2.infer(name, served, decoded, deadline, granted)
         return codec.encode_infer_response(
             model_name=name,
-            model_version=str(served.version),
+            model_version=str(result.served.version),
             request_id=decoded.id,
-            outputs=outputs,
+            outputs=result.outputs,
             requested=decoded.outputs,
-            datatypes={s.name: s.datatype for s in config.outputs},
+            datatypes=result.output_datatypes,
         )
 
     # -- the frame around every method -------------------------------------------------
@@ -304,24 +290,6 @@ def _stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStream
         model_name=request.model_name, model_version=request.model_version, id=request.id
     )
     return pb.ModelStreamInferResponse(error_message=message, infer_response=response)
-
-
-def deadline_of(
-    context: Context, parameters: dict[str, Any], served: ServedVersion
-) -> float | None:
-    """The sooner of the gRPC deadline and the `timeout` parameter (µs); else the model's."""
-    now = time.monotonic()
-    bounds = []
-    timeout_us = v2_routes.timeout_parameter(parameters)
-    if timeout_us is not None:
-        bounds.append(now + timeout_us / 1e6)
-    remaining = context.time_remaining()
-    if remaining is not None:
-        bounds.append(now + max(0.0, remaining))
-    if bounds:
-        return min(bounds)
-    default_us = served.config.batcher.default_timeout_us
-    return now + default_us / 1e6 if default_us > 0 else None
 
 
 def _bearer(context: Context) -> bytes | None:

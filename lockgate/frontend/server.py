@@ -39,7 +39,7 @@ from lockgate.core.manager import ModelManager, ServingSettings
 from lockgate.core.metrics import Counter, Registry
 from lockgate.frontend.app import App, ServerSettings
 from lockgate.frontend.gate import Gate, GateSettings
-from lockgate.protocol.v2 import encode_error
+from lockgate.protocol.v2_codec import encode_error
 
 log = logging.getLogger("lockgate.server")
 

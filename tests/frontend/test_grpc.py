@@ -26,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
-from lockgate.protocol.v2 import tensor_bytes
+from lockgate.protocol.v2_codec import tensor_bytes
 from tests.conftest import (
     ROOT,
     RunningServer,
@@ -615,7 +615,7 @@ def test_codec_typed_contents_and_ranges() -> None:
 
 def test_codec_response_is_raw_and_selected() -> None:
     from lockgate.protocol.grpc import codec
-    from lockgate.protocol.v2 import RequestedOutput
+    from lockgate.protocol.v2_codec import RequestedOutput
 
     outputs = {"y": np.arange(6, dtype=np.float32).reshape(2, 3), "t": np.array([b"ab"], object)}
     response = codec.encode_infer_response(

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from lockgate.errors import BadRequest
-from lockgate.protocol import v2
+from lockgate.protocol import v2_codec as v2
 from tests.conftest import RunningServer, digits_rows, start_server
 from tests.frontend.test_hostile_input import INFER, assert_client_error
 

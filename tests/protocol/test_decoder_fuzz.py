@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from lockgate.errors import ServingError
 from lockgate.protocol import openai as oa
-from lockgate.protocol import v2
+from lockgate.protocol import v2_codec as v2
 from lockgate.protocol.grpc import codec
 from lockgate.protocol.grpc import inference_pb2 as pb
 

@@ -13,30 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lockgate.config import (
-    DynamicBatching,
-    ModelConfig,
-    TensorSpec,
-    VersionPolicy,
-    VersionPolicyKind,
-    WarmupSample,
-)
 from lockgate.datatypes import bf16_bits_from_float32, float32_from_bf16_bits
 from lockgate.errors import BadRequest
-from lockgate.protocol.v2 import (
-    BatchStats,
-    Duration,
-    ModelStats,
+from lockgate.protocol.v2_codec import (
     RequestedOutput,
     V2InferRequest,
     classify,
     decode_infer_request,
     encode_error,
     encode_infer_response,
-    model_config_json,
-    model_metadata,
-    model_statistics_json,
-    server_metadata,
 )
 
 NUMERIC = ["UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"]
@@ -644,109 +629,3 @@ JSON_VALUES = st.recursive(
 )
 def test_fuzz_structured_inputs(entry: dict) -> None:
     _decode_only_bad_request(body_of([entry]), None)
-
-
-# --- metadata -------------------------------------------------------------------------------
-
-
-def _config(max_batch_size: int = 8) -> ModelConfig:
-    return ModelConfig(
-        name="digits",
-        backend="onnx",
-        max_batch_size=max_batch_size,
-        inputs=(TensorSpec("x", "FP32", (64,)), TensorSpec("mask", "BYTES", (-1,), optional=True)),
-        outputs=(TensorSpec("label", "INT64", ()), TensorSpec("p", "FP32", (10,))),
-        dynamic_batching=DynamicBatching(
-            max_queue_delay_us=500, preferred_batch_sizes=(4, 8), default_timeout_us=2000
-        ),
-        instance_count=2,
-        version_policy=VersionPolicy(VersionPolicyKind.SPECIFIC, versions=(1, 3)),
-        warmup=(WarmupSample("w", batch_size=2, inputs={"x": "random"}),),
-        parameters={"intra_op_threads": "1"},
-        default_model_filename="model.onnx",
-    )
-
-
-def test_server_metadata() -> None:
-    doc = msgspec.json.decode(server_metadata(name="lockgate", version="0.1.0", extensions=["a"]))
-    assert doc == {"name": "lockgate", "version": "0.1.0", "extensions": ["a"]}
-
-
-@pytest.mark.parametrize(("max_batch_size", "batch"), [(8, [-1]), (0, [])])
-def test_model_metadata(max_batch_size: int, batch: list[int]) -> None:
-    doc = msgspec.json.decode(model_metadata(_config(max_batch_size), [3, 1]))
-    assert doc["name"] == "digits" and doc["versions"] == ["3", "1"]
-    assert doc["platform"] == "onnxruntime_onnx"
-    assert doc["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": [*batch, 64]}
-    assert doc["inputs"][1]["shape"] == [*batch, -1]
-    assert doc["outputs"][0] == {"name": "label", "datatype": "INT64", "shape": batch}
-
-
-def test_model_config_json_matches_triton_field_names() -> None:
-    doc = msgspec.json.decode(model_config_json(_config()))
-    assert doc["name"] == "digits" and doc["max_batch_size"] == 8
-    assert doc["platform"] == "onnxruntime_onnx" and doc["backend"] == "onnxruntime"
-    assert doc["version_policy"] == {"specific": {"versions": [1, 3]}}
-    assert doc["input"][0]["data_type"] == "TYPE_FP32" and doc["input"][0]["dims"] == [64]
-    assert doc["input"][1]["data_type"] == "TYPE_STRING" and doc["input"][1]["optional"] is True
-    assert doc["output"][0] == {
-        "name": "label",
-        "data_type": "TYPE_INT64",
-        "dims": [],
-        "label_filename": "",
-        "is_shape_tensor": False,
-    }
-    batching = doc["dynamic_batching"]
-    assert batching["preferred_batch_size"] == [4, 8]
-    assert batching["max_queue_delay_microseconds"] == 500
-    assert batching["default_queue_policy"]["default_timeout_microseconds"] == 2000
-    assert doc["instance_group"][0]["kind"] == "KIND_CPU" and doc["instance_group"][0]["count"] == 2
-    assert doc["parameters"] == {"intra_op_threads": {"string_value": "1"}}
-    warm = doc["model_warmup"][0]
-    assert warm["batch_size"] == 2 and warm["inputs"]["x"]["random_data"] is True
-    assert warm["inputs"]["mask"]["zero_data"] is True
-    assert doc["model_transaction_policy"] == {"decoupled": False}
-
-
-def test_model_config_json_without_batcher() -> None:
-    config = ModelConfig(name="p", backend="python")
-    doc = msgspec.json.decode(model_config_json(config))
-    assert "dynamic_batching" not in doc
-    assert doc["platform"] == "" and doc["backend"] == "python"
-    assert doc["version_policy"] == {"latest": {"num_versions": 1}}
-
-
-def test_model_statistics_json() -> None:
-    stats = ModelStats(
-        name="digits",
-        version="1",
-        last_inference_ms=1700,
-        inference_count=10,
-        execution_count=4,
-        success=Duration(10, 5000),
-        queue=Duration(10, 700),
-        batch_stats=[BatchStats(4, compute_infer=Duration(2, 300))],
-    )
-    doc = msgspec.json.decode(model_statistics_json([stats]))
-    model = doc["model_stats"][0]
-    assert model["name"] == "digits" and model["version"] == "1"
-    assert model["last_inference"] == 1700
-    assert model["inference_count"] == 10 and model["execution_count"] == 4
-    assert model["inference_stats"]["success"] == {"count": 10, "ns": 5000}
-    assert model["inference_stats"]["fail"] == {"count": 0, "ns": 0}
-    assert set(model["inference_stats"]) >= {
-        "success",
-        "fail",
-        "queue",
-        "compute_input",
-        "compute_infer",
-        "compute_output",
-    }
-    assert model["batch_stats"] == [
-        {
-            "batch_size": 4,
-            "compute_input": {"count": 0, "ns": 0},
-            "compute_infer": {"count": 2, "ns": 300},
-            "compute_output": {"count": 0, "ns": 0},
-        }
-    ]

@@ -1,6 +1,6 @@
 """KServe v2 / Open Inference Protocol over gRPC: protobuf messages to typed objects and back.
 
-Pure functions, no I/O; the gRPC twin of `lockgate.protocol.v2`. An input's data travels
+Pure functions, no I/O; the gRPC twin of `lockgate.protocol.v2_codec`. An input's data travels
 either in `raw_input_contents` (one entry per input, in order: little-endian row-major
 bytes, BYTES elements each a 4-byte little-endian length and then the bytes, as Triton
 sends them) or in the typed fields of its `contents`. Outputs always travel raw, in
@@ -9,8 +9,9 @@ sends them) or in the typed fields of its `contents`. Outputs always travel raw,
 Decoded raw tensors of numeric datatypes are read-only zero-copy views of the message's
 bytes (copied only when unaligned). BOOL and BYTES tensors are always fresh arrays.
 
-The metadata, configuration and statistics messages are parsed from the JSON that the REST
-routes send: both protocols answer from one source.
+The metadata, configuration and statistics messages are filled from the same documents
+(`lockgate.protocol.v2_metadata`) that REST encodes as JSON: both protocols answer from one
+source.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from lockgate.datatypes import (
 )
 from lockgate.errors import BadRequest, ServingError
 from lockgate.protocol.grpc import inference_pb2 as pb
-from lockgate.protocol.v2 import (
+from lockgate.protocol.v2_codec import (
     MAX_ELEMENTS,
     RequestedOutput,
     V2InferRequest,
@@ -238,13 +239,13 @@ def _output_array(
 # --- metadata, configuration, statistics --------------------------------------------------
 
 
-def from_json(document: bytes, message: M) -> M:
-    """Fill `message` from the REST form of the same document (Triton's JSON mapping).
+def from_document(document: dict[str, Any], message: M) -> M:
+    """Fill `message` from a v2 metadata document (Triton's JSON mapping, as plain data).
 
     Fields the gRPC subset does not carry are skipped.
     """
     try:
-        json_format.Parse(document, message, ignore_unknown_fields=True)
+        json_format.ParseDict(document, message, ignore_unknown_fields=True)
     except json_format.ParseError as error:
         raise ServingError(f"cannot encode {type(message).__name__}: {error}") from None
     return message

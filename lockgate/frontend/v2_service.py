@@ -1,0 +1,274 @@
+"""The KServe v2 service, independent of its transport.
+
+REST (`frontend/v2_routes.py`) and gRPC (`frontend/grpc_server.py`) are thin adapters over
+it: they decode the wire, call one method here, and encode what it returns. Versions,
+deadlines, priorities, input and output checks, readiness, metadata, statistics and the
+repository index are decided here once, so the two protocols cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from lockgate import __version__
+from lockgate.core.manager import ModelManager, ModelState, ServedVersion
+from lockgate.core.request import InferRequest
+from lockgate.core.validate import validate_inputs, validate_outputs
+from lockgate.datatypes import Arrays
+from lockgate.errors import BadRequest, Forbidden, NotFound
+from lockgate.protocol import v2_metadata
+from lockgate.protocol.v2_codec import V2InferRequest
+from lockgate.protocol.v2_metadata import Document, Duration, ModelStats
+
+EXTENSIONS = (
+    "binary_tensor_data",
+    "classification",
+    "model_configuration",
+    "statistics",
+    "model_repository",
+    "schedule_policy",
+)
+SERVER_METADATA = v2_metadata.server_metadata(
+    name="lockgate", version=__version__, extensions=EXTENSIONS
+)
+MAX_TIMEOUT_US = 10**13  # about 116 days: any longer is a client mistake
+MAX_TIMEOUT_S = 1e7  # the Request-Timeout header, in seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """What a request says about its deadline, whatever carried it.
+
+    `timeout_us` is the `timeout` parameter; `header_seconds` a Request-Timeout header
+    (REST); `transport_seconds` the time the transport itself leaves (a gRPC deadline).
+    """
+
+    received: float  # time.monotonic() of the request's first byte
+    timeout_us: int | None = None
+    header_seconds: float | None = None
+    transport_seconds: float | None = None
+
+    def resolve(self, served: ServedVersion) -> float | None:
+        """The soonest bound the request gives, else the model's default timeout."""
+        bounds = [
+            self.received + seconds
+            for seconds in (
+                None if self.timeout_us is None else self.timeout_us / 1e6,
+                self.header_seconds,
+                None if self.transport_seconds is None else max(0.0, self.transport_seconds),
+            )
+            if seconds is not None
+        ]
+        if bounds:
+            return min(bounds)
+        default_us = served.config.batcher.default_timeout_us
+        return self.received + default_us / 1e6 if default_us > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class InferResult:
+    """A finished inference: the outputs and the version that computed them."""
+
+    served: ServedVersion
+    outputs: Arrays
+
+    @property
+    def output_datatypes(self) -> dict[str, str]:
+        return {s.name: s.datatype for s in self.served.config.outputs}
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    name: str
+    version: str
+    state: str
+    reason: str
+
+
+def parse_version(text: str | None) -> int | None:
+    """A version from a path or a message: None for "the default", 404 when malformed."""
+    if text is None or text == "":
+        return None
+    if not text.isdigit() or len(text) > 18:
+        raise NotFound(f"unknown version '{text[:40]}'")
+    return int(text)
+
+
+def timeout_parameter(parameters: dict[str, object]) -> int | None:
+    """The `timeout` parameter in µs: None when absent or not positive; 400 when absurd."""
+    timeout_us = parameters.get("timeout")
+    if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or timeout_us <= 0:
+        return None
+    if timeout_us > MAX_TIMEOUT_US:
+        raise BadRequest(f"parameter 'timeout' must be at most {MAX_TIMEOUT_US} µs")
+    return timeout_us
+
+
+def timeout_header(value: str | None) -> float | None:
+    """A Request-Timeout header in seconds: None when absent; 400 when malformed."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise BadRequest("Request-Timeout header must be a number of seconds") from None
+    if not 0 < seconds < MAX_TIMEOUT_S:
+        raise BadRequest("Request-Timeout header must be a positive number of seconds")
+    return seconds
+
+
+def priority_of(parameters: dict[str, object]) -> int:
+    priority = parameters.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool) or priority < 0:
+        raise BadRequest("parameter 'priority' must be a non-negative integer")
+    return priority
+
+
+class V2Service:
+    """KServe v2 inference, health, metadata and Triton's extensions over a model manager."""
+
+    def __init__(self, models: ModelManager) -> None:
+        self.models = models
+
+    # -- inference ---------------------------------------------------------------------
+    def served(self, name: str, version_text: str | None) -> ServedVersion:
+        return self.models.get(name, parse_version(version_text))
+
+    def core_request(
+        self,
+        name: str,
+        served: ServedVersion,
+        decoded: V2InferRequest,
+        deadline: float | None,
+        arrival: float | None = None,
+        priority_granted: bool = True,
+    ) -> InferRequest:
+        """A decoded request checked against the model's config. A priority above the
+        model's default needs `priority_granted` (a key that grants it)."""
+        rows = validate_inputs(served.config, decoded.inputs, decoded.input_datatypes)
+        priority = priority_of(decoded.parameters)
+        if priority and not priority_granted:
+            batching = served.config.batcher
+            default = batching.default_priority_level or max(1, batching.priority_levels)
+            if priority < default:
+                raise Forbidden(
+                    f"priority {priority} is above the model's default ({default}): "
+                    "it needs a key that grants it"
+                )
+        if decoded.outputs:
+            validate_outputs(served.config, [o.name for o in decoded.outputs])
+        return InferRequest(
+            model=name,
+            inputs=decoded.inputs,
+            version=served.version,
+            outputs=tuple(o.name for o in decoded.outputs) or None,
+            deadline=deadline,
+            priority=priority,
+            id=decoded.id,
+            rows=rows,
+            arrival=time.monotonic() if arrival is None else arrival,
+        )
+
+    async def infer(
+        self,
+        name: str,
+        served: ServedVersion,
+        decoded: V2InferRequest,
+        deadline: Deadline,
+        priority_granted: bool = True,
+    ) -> InferResult:
+        """Check, admit, batch and run one request on `served` (from `served()`); its
+        outputs, unencoded."""
+        timed = Deadline(
+            deadline.received,
+            timeout_parameter(decoded.parameters),
+            deadline.header_seconds,
+            deadline.transport_seconds,
+        )
+        request = self.core_request(
+            name, served, decoded, timed.resolve(served), deadline.received, priority_granted
+        )
+        return InferResult(served, await self.models.infer(request))
+
+    # -- health and metadata -----------------------------------------------------------
+    def model_ready(self, name: str, version_text: str | None) -> str | None:
+        """None when the model (version) is ready, else why not; 404 for an unknown model."""
+        if name not in self.models.models:
+            raise NotFound(f"unknown model '{name}'")
+        version = parse_version(version_text)
+        try:
+            self.models.get(name, version)
+        except NotFound:
+            raise
+        except Exception as exc:
+            return str(exc)
+        return None
+
+    def model_metadata(self, name: str, version_text: str | None) -> Document:
+        served = self.served(name, version_text)
+        model = self.models.models[name]
+        versions = [v for v, s in model.versions.items() if s.state is ModelState.READY]
+        return v2_metadata.model_metadata(served.config, sorted(versions) or [served.version])
+
+    def model_config(self, name: str, version_text: str | None) -> Document:
+        return v2_metadata.model_config(self.served(name, version_text).config)
+
+    def statistics(self, name: str | None, version_text: str | None) -> Document:
+        version = parse_version(version_text)
+        if name is not None and name not in self.models.models:
+            raise NotFound(f"unknown model '{name}'")
+        stats = [
+            self._stats_of(served)
+            for model in self.models.models.values()
+            if name is None or model.name == name
+            for served in model.versions.values()
+            if version is None or served.version == version
+        ]
+        return v2_metadata.model_statistics(stats)
+
+    def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
+        """Every model version and its state; a model with no version as UNAVAILABLE."""
+        index = [
+            IndexEntry(model.name, str(version), served.state.value, served.error)
+            for model in self.models.models.values()
+            for version, served in sorted(model.versions.items())
+            if not ready_only or served.state is ModelState.READY
+        ]
+        if not ready_only:
+            index += [
+                IndexEntry(m.name, "", "UNAVAILABLE", m.error)
+                for m in self.models.models.values()
+                if not m.versions
+            ]
+        return index
+
+    def _stats_of(self, served: ServedVersion) -> ModelStats:
+        m = self.models.metrics
+        labels = (served.config.name, str(served.version))
+        batcher = served.batcher
+        e2e = m.request_latency.labels(labels)
+        queue = m.queue_latency.labels(labels)
+        compute = m.compute_latency.labels(labels)
+        batch = m.batch_size.labels(labels)
+        failures = sum(
+            v for k, v in m.requests.values.items() if k[:2] == labels and k[2] != "success"
+        )
+        return ModelStats(
+            name=served.config.name,
+            version=str(served.version),
+            last_inference_ms=served.last_inference_ms,
+            inference_count=int(batch.sum),
+            execution_count=batch.count,
+            success=_duration(e2e.count, e2e.sum),
+            fail=_duration(int(failures), 0.0),
+            queue=_duration(queue.count, queue.sum),
+            compute_input=_duration(compute.count, batcher.input_seconds if batcher else 0.0),
+            compute_infer=_duration(compute.count, compute.sum),
+            compute_output=_duration(compute.count, batcher.output_seconds if batcher else 0.0),
+            batch_stats=[],
+        )
+
+
+def _duration(count: int, seconds: float) -> Duration:
+    return Duration(count=count, ns=int(seconds * 1e9))
