@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from lockgate.config import ModelConfig
 from lockgate.datatypes import Arrays
+from lockgate.errors import ConfigError
 
 
 class Backend(Protocol):
@@ -23,30 +26,90 @@ class Backend(Protocol):
 BackendFactory = Callable[[ModelConfig, Path], Backend]
 """Build a backend from its config and its version folder (`<repo>/<model>/<version>`)."""
 
-_REGISTRY: dict[str, str] = {
-    # backend name -> "module:factory". Imported lazily so torch is loaded only when used.
-    "onnxruntime": "lockgate.backends.onnx:load",
-    "onnx": "lockgate.backends.onnx:load",
-    "sklearn": "lockgate.backends.sklearn:load",
-    "python": "lockgate.backends.python:load",
-    "pytorch": "lockgate.backends.torch:load",
-    "torch": "lockgate.backends.torch:load",
-}
 
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """What the repository needs to know of a runtime before it loads it.
+
+    `load` and `autocomplete` name "module:function" and are imported only when used, so
+    a runtime's libraries (torch, onnxruntime, ...) load only for the models that use it.
+    """
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    platform: str = ""  # Triton's `platform` name, e.g. onnxruntime_onnx
+    file_names: tuple[str, ...] = ()  # the model file when the config names none, by preference
+    load: str = ""
+    autocomplete: str = ""  # fills inputs and outputs from the model file when omitted
+
+
+SPECS = (
+    BackendSpec(
+        "onnxruntime",
+        ("onnx",),
+        "onnxruntime_onnx",
+        ("model.onnx",),
+        "lockgate.backends.onnx:load",
+        "lockgate.backends.onnx:autocomplete",
+    ),
+    BackendSpec("sklearn", (), "", ("model.joblib", "model.pkl"), "lockgate.backends.sklearn:load"),
+    BackendSpec("python", (), "", ("model.py",), "lockgate.backends.python:load"),
+    BackendSpec(
+        "pytorch",
+        ("torch",),
+        "pytorch_libtorch",
+        ("model.pt", "model.pt2"),
+        "lockgate.backends.torch:load",
+    ),
+)
+_BY_NAME = {name: spec for spec in SPECS for name in (spec.name, *spec.aliases)}
 
 LLM_BACKEND = "llm"  # causal language models: served by the LLM engine, not by a Backend
 
 
 def backend_names() -> list[str]:
-    return sorted([*_REGISTRY, LLM_BACKEND])
+    return sorted([*_BY_NAME, LLM_BACKEND])
+
+
+def spec_of(name: str) -> BackendSpec:
+    """The spec of a backend by its name or an alias; KeyError when unknown."""
+    return _BY_NAME[name]
+
+
+def _resolve(target: str) -> Any:
+    module_name, attr = target.split(":")
+    return getattr(importlib.import_module(module_name), attr)
 
 
 def get_factory(name: str) -> BackendFactory:
-    import importlib
-
-    target = _REGISTRY.get(name)
-    if target is None:
-        raise KeyError(name)
-    module_name, attr = target.split(":")
-    factory: BackendFactory = getattr(importlib.import_module(module_name), attr)
+    factory: BackendFactory = _resolve(spec_of(name).load)
     return factory
+
+
+def autocomplete(config: ModelConfig, version_dir: Path) -> ModelConfig:
+    """The config with inputs and outputs read from the model file, where the backend can
+    and the config omits them."""
+    spec = _BY_NAME.get(config.backend)
+    if spec is None or not spec.autocomplete or (config.inputs and config.outputs):
+        return config
+    complete: Callable[[ModelConfig, Path], ModelConfig] = _resolve(spec.autocomplete)
+    return complete(config, version_dir)
+
+
+def model_file(config: ModelConfig, version_dir: Path) -> Path:
+    """The model file inside `version_dir`; refuses a file that resolves outside it."""
+    names: tuple[str, ...] = (
+        (config.default_model_filename,) if config.default_model_filename else ()
+    )
+    spec = _BY_NAME.get(config.backend)
+    names = names or (spec.file_names if spec else ())
+    for name in names:
+        candidate = version_dir / name
+        if candidate.exists():
+            resolved = candidate.resolve()
+            if not resolved.is_relative_to(version_dir.resolve()):
+                problem = f"{candidate} resolves outside its version folder"
+                raise ConfigError(config.source, "default_model_filename", problem)
+            return resolved
+    wanted = " or ".join(names) or "a model file"
+    raise ConfigError(config.source, "default_model_filename", f"{version_dir} holds no {wanted}")

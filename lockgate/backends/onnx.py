@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from lockgate.backends.base import Arrays
+from lockgate.backends.base import Arrays, model_file
 from lockgate.config import ModelConfig, TensorSpec
-from lockgate.core.repository import model_file
 from lockgate.errors import BackendError, BadRequest, ConfigError
 
 # onnxruntime's type strings -> KServe v2 datatypes.

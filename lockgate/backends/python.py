@@ -23,9 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from lockgate.backends.base import Arrays
+from lockgate.backends.base import Arrays, model_file
 from lockgate.config import ModelConfig
-from lockgate.core.repository import model_file
 from lockgate.errors import BackendError, ConfigError, ServingError
 
 _module_ids = itertools.count(1)

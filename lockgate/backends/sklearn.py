@@ -25,9 +25,8 @@ from typing import Any
 import joblib
 import numpy as np
 
-from lockgate.backends.base import Arrays
+from lockgate.backends.base import Arrays, model_file
 from lockgate.config import ModelConfig
-from lockgate.core.repository import model_file
 from lockgate.datatypes import numpy_dtype
 from lockgate.errors import BackendError, BadRequest, ConfigError
 

@@ -22,9 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lockgate.backends.base import Arrays
+from lockgate.backends.base import Arrays, model_file
 from lockgate.config import ModelConfig
-from lockgate.core.repository import model_file
 from lockgate.errors import BackendError, BadRequest, ConfigError
 
 

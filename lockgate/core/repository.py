@@ -15,21 +15,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lockgate.backends.base import autocomplete, model_file
 from lockgate.config import ModelConfig
 from lockgate.core.config_files import check_warmup_inputs, load_model_config
 from lockgate.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-# The model file each backend looks for when the config names none, in order of preference.
-DEFAULT_MODEL_FILENAMES: dict[str, tuple[str, ...]] = {
-    "onnxruntime": ("model.onnx",),
-    "onnx": ("model.onnx",),
-    "sklearn": ("model.joblib", "model.pkl"),
-    "python": ("model.py",),
-    "pytorch": ("model.pt", "model.pt2"),
-    "torch": ("model.pt", "model.pt2"),
-}
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 
@@ -126,30 +117,9 @@ def _no_versions(available: list[int]) -> str:
 
 def _complete(config: ModelConfig, version_dir: Path) -> ModelConfig:
     """Fill an ONNX model's inputs and outputs from the file when the config omits them."""
-    if config.backend in ("onnxruntime", "onnx") and not (config.inputs and config.outputs):
-        from lockgate.backends.onnx import autocomplete
-
-        config = autocomplete(config, version_dir)
+    config = autocomplete(config, version_dir)
     check_warmup_inputs(config)
     return config
-
-
-def model_file(config: ModelConfig, version_dir: Path) -> Path:
-    """The model file inside `version_dir`; refuses a file that resolves outside it."""
-    names: tuple[str, ...] = (
-        (config.default_model_filename,) if config.default_model_filename else ()
-    )
-    names = names or DEFAULT_MODEL_FILENAMES.get(config.backend, ())
-    for name in names:
-        candidate = version_dir / name
-        if candidate.exists():
-            resolved = candidate.resolve()
-            if not resolved.is_relative_to(version_dir.resolve()):
-                problem = f"{candidate} resolves outside its version folder"
-                raise ConfigError(config.source, "default_model_filename", problem)
-            return resolved
-    wanted = " or ".join(names) or "a model file"
-    raise ConfigError(config.source, "default_model_filename", f"{version_dir} holds no {wanted}")
 
 
 def resolve_model_file(root: Path, entry: ModelEntry, version: int) -> Path:
