@@ -34,7 +34,7 @@ from typing import Any
 
 from benchmarks.common import Context, SuiteResult, environment, running, start_lockgate
 from lockgate.plan.planner import p99_at
-from lockgate.plan.profile import ServiceProfile
+from lockgate.service_time import ServiceTime
 
 SUITE = "plan_check"
 SERVICE_S = 0.010  # the model's sleep per call
@@ -113,13 +113,13 @@ class Point:
         return (self.md1_p99_ms - self.measured_p99_ms) / self.measured_p99_ms
 
 
-def profile(url: str, path: Path) -> ServiceProfile:
+def profile(url: str, path: Path) -> ServiceTime:
     """`lockgate profile` through the server: S = T(1) and the fixed overhead."""
     lockgate(
         *("profile", "--url", url, "--model", MODEL, "--max-batch-size", "1"),
         *("--repeats", "50", "--warmup", "5", "--output", str(path)),
     )
-    return ServiceProfile.load(path)
+    return ServiceTime.load(path)
 
 
 def predict(rate: float, queue_model: str, profile_path: Path) -> dict[str, Any]:

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lockgate.service_time import fit_line
+
 
 @dataclass(slots=True)
 class ServiceProfile:
@@ -89,13 +91,9 @@ class ServiceProfile:
     def refit(self) -> None:
         if not self.times:
             return
-        sizes = np.array(sorted(self.times), dtype=np.float64)
-        values = np.array([self.times[int(b)] for b in sizes])
-        if len(sizes) == 1:
-            self.fit_a, self.fit_b = float(values[0]), 0.0
-            return
-        b, a = np.polyfit(sizes, values, 1)
-        self.fit_a, self.fit_b = max(float(a), 0.0), max(float(b), 0.0)
+        sizes = np.array(sorted(self.times), dtype=np.float64)  # [n]
+        values = np.array([self.times[int(b)] for b in sizes])  # [n]
+        self.fit_a, self.fit_b = fit_line(sizes, values)
 
     @property
     def known(self) -> bool:

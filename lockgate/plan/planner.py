@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 from lockgate.errors import BadRequest
 from lockgate.plan.batching import batch_latency, batch_window, max_batch_within_slo
-from lockgate.plan.profile import ServiceProfile
 from lockgate.plan.queueing import MD1, P99, MMc, max_utilization, mm1_max_utilization
+from lockgate.service_time import ServiceTime
 
 QUEUE_MODELS = ("mm1", "md1", "mmc")
 
@@ -38,7 +38,7 @@ class PlanInputs:
     slo_p99_s: float
     service_time_s: float | None = None  # T(B) of the batch a request rides in
     capacity_per_replica: float | None = None  # req/s; default batch / service_time
-    profile: ServiceProfile | None = None  # T(B) = a + b B; chooses the batch size
+    profile: ServiceTime | None = None  # T(B) = a + b B; chooses the batch size
     max_batch_size: int | None = None  # with a profile; default the profile's largest
     headroom: float = 0.3
     redundancy: int = 1  # N + k: k spare replicas
@@ -223,7 +223,7 @@ def _operating_point(inputs: PlanInputs, budget: float) -> tuple[int, float, flo
 
 
 def choose_batch(
-    profile: ServiceProfile, inputs: PlanInputs, budget: float | None = None
+    profile: ServiceTime, inputs: PlanInputs, budget: float | None = None
 ) -> tuple[int, float, float]:
     """The batch cap needing the fewest replicas whose L(B) fits the SLO; ties go to smaller B.
 

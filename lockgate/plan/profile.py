@@ -16,104 +16,14 @@ instance. Without statistics, T(B) is the round trip and the overhead is 0.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
 from lockgate.errors import BadRequest
-
-
-@dataclass(frozen=True, slots=True)
-class ServiceProfile:
-    """Median service time per batch size, the least-squares line T(B) = a + b B, and the
-    fixed overhead outside the model instance."""
-
-    model: str
-    batch_sizes: tuple[int, ...]
-    median_s: tuple[float, ...]
-    a_s: float
-    b_s: float
-    r2: float
-    overhead_s: float = 0.0  # round trip minus compute: paid by every request, queues nowhere
-
-    def service_time(self, batch: int) -> float:
-        return self.a_s + self.b_s * batch
-
-    @property
-    def max_batch_size(self) -> int:
-        return max(self.batch_sizes)
-
-    def to_json(self) -> dict[str, object]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, object], source: str = "profile") -> ServiceProfile:
-        try:
-            sizes = tuple(int(b) for b in data["batch_sizes"])  # type: ignore[attr-defined]
-            medians = tuple(float(t) for t in data["median_s"])  # type: ignore[attr-defined]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BadRequest(f"{source}: needs 'batch_sizes' and 'median_s' lists: {exc}") from exc
-        try:
-            overhead = float(data.get("overhead_s", 0.0))  # type: ignore[arg-type]
-        except (TypeError, ValueError) as exc:
-            raise BadRequest(f"{source}: 'overhead_s' must be a number: {exc}") from exc
-        return fit_profile(str(data.get("model", "")), sizes, medians, overhead)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> ServiceProfile:
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise BadRequest(f"cannot read profile {path}: {exc}") from exc
-        if not isinstance(data, dict):
-            raise BadRequest(f"{path}: a profile is a JSON object")
-        return cls.from_json(data, str(path))
-
-
-def fit_profile(
-    model: str, batch_sizes: tuple[int, ...], median_s: tuple[float, ...], overhead_s: float = 0.0
-) -> ServiceProfile:
-    """Least-squares fit of T(B) = a + b B with a, b >= 0, and R^2 (1.0 when the line is exact).
-
-    A service time neither starts below zero nor falls as the batch grows; a noisy profile
-    whose unconstrained line does either gets the best line on the boundary instead.
-    """
-    if len(batch_sizes) != len(median_s) or not batch_sizes:
-        raise BadRequest("a profile needs one median time per batch size, and at least one")
-    if min(batch_sizes) < 1 or min(median_s) <= 0:
-        raise BadRequest("batch sizes must be >= 1 and times > 0")
-    if not 0 <= overhead_s < float("inf"):
-        raise BadRequest(f"overhead must be a finite time >= 0, got {overhead_s}")
-    x = np.asarray(batch_sizes, dtype=np.float64)  # [n]
-    y = np.asarray(median_s, dtype=np.float64)  # [n]
-    a, b = _nonnegative_line(x, y)
-    residual = float(np.sum((y - (a + b * x)) ** 2))
-    spread = float(np.sum((y - y.mean()) ** 2))
-    r2 = 1.0 - residual / spread if spread > 0 else 1.0
-    return ServiceProfile(
-        model, tuple(batch_sizes), tuple(median_s), float(a), float(b), r2, overhead_s
-    )
-
-
-def _nonnegative_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """(a, b) minimizing sum (y - a - b x)^2 subject to a, b >= 0; x, y: [n], x >= 1."""
-    flat = (float(y.mean()), 0.0)  # the best line with b = 0
-    if len(np.unique(x)) == 1:
-        return flat
-    design = np.stack([np.ones_like(x), x], axis=1)  # [n, 2]
-    (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
-    if a >= 0 and b >= 0:
-        return float(a), float(b)
-    through_origin = (0.0, float(x @ y / (x @ x)))  # the best line with a = 0
-    return min(flat, through_origin, key=lambda ab: float(np.sum((y - ab[0] - ab[1] * x) ** 2)))
+from lockgate.service_time import ServiceTime, fit_service_time
 
 
 def batch_sizes_up_to(max_batch_size: int) -> tuple[int, ...]:
@@ -135,7 +45,7 @@ def profile_callable(
     repeats: int = 5,
     warmup: int = 1,
     model: str = "",
-) -> ServiceProfile:
+) -> ServiceTime:
     """Time `infer(B)` in-process for each batch size; median of `repeats` runs."""
     sizes = batch_sizes_up_to(max_batch_size)
     samples: dict[int, list[float]] = {batch: [] for batch in sizes}
@@ -145,7 +55,7 @@ def profile_callable(
             infer(batch)
             if round_index >= warmup:
                 samples[batch].append(time.perf_counter() - start)
-    return fit_profile(model, sizes, _medians(samples))
+    return fit_service_time(model, sizes, _medians(samples))
 
 
 def _medians(samples: dict[int, list[float]]) -> tuple[float, ...]:
@@ -162,7 +72,7 @@ def profile_server(
     warmup: int = 1,
     timeout_s: float = 60.0,
     seed: int = 0,
-) -> ServiceProfile:
+) -> ServiceTime:
     """Time one B-row v2 request at a time against a running server, for each batch size."""
     return asyncio.run(
         _profile_server(url, model, max_batch_size, version, repeats, warmup, timeout_s, seed)
@@ -178,7 +88,7 @@ async def _profile_server(
     warmup: int,
     timeout_s: float,
     seed: int,
-) -> ServiceProfile:
+) -> ServiceTime:
     import aiohttp
 
     from lockgate.bench.workload import V2Target, fetch_v2_metadata, synthesize_v2_body
@@ -212,14 +122,14 @@ def _server_profile(
     sizes: tuple[int, ...],
     round_trip: dict[int, list[float]],
     compute: dict[int, list[float]],
-) -> ServiceProfile:
+) -> ServiceTime:
     """Fit T(B) to compute times when every batch size has them, else to round trips."""
     trips = _medians(round_trip)
     if not all(compute.values()):
-        return fit_profile(model, sizes, trips)
+        return fit_service_time(model, sizes, trips)
     service = _medians(compute)
     overhead = statistics.median(max(0.0, t - s) for t, s in zip(trips, service, strict=True))
-    return fit_profile(model, sizes, service, overhead)
+    return fit_service_time(model, sizes, service, overhead)
 
 
 async def _compute_ns(session: object, model_url: str) -> int | None:

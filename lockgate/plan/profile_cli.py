@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from lockgate.errors import ServingError
-from lockgate.plan.profile import ServiceProfile, profile_server
+from lockgate.plan.profile import profile_server
+from lockgate.service_time import ServiceTime
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(profile: ServiceProfile) -> str:
+def render(profile: ServiceTime) -> str:
     rows = [f"{'B':>6} {'median ms':>10} {'fit ms':>10}"]
     for batch, median in zip(profile.batch_sizes, profile.median_s, strict=True):
         rows.append(f"{batch:>6} {median * 1e3:>10.3f} {profile.service_time(batch) * 1e3:>10.3f}")

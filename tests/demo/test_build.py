@@ -16,9 +16,9 @@ from lockgate.demo.build import (
     DemoModel,
     build_demo_repository,
     default_demo_path,
-    package_folder,
     train_digits,
 )
+from lockgate.demo.packages import package_folder
 
 SENTENCES = [
     "The cat sits on the mat.",

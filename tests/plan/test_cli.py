@@ -2,7 +2,7 @@ import argparse
 import json
 
 from lockgate.plan import cli, profile_cli
-from lockgate.plan.profile import fit_profile
+from lockgate.service_time import fit_service_time
 
 
 def _args(module, argv: list[str]) -> argparse.Namespace:
@@ -31,7 +31,7 @@ def test_plan_report_and_json(capsys, tmp_path) -> None:
     assert cli.run(_args(cli, [*argv, "--json"])) == 0
     assert json.loads(capsys.readouterr().out)["replicas"] == 12
     path = tmp_path / "p.json"
-    fit_profile("m", (1, 2, 4), (0.005, 0.006, 0.008)).save(path)
+    fit_service_time("m", (1, 2, 4), (0.005, 0.006, 0.008)).save(path)
     assert cli.run(_args(cli, ["--rate", "500", "--slo-ms", "50", "--profile", str(path)])) == 0
 
 
@@ -46,5 +46,5 @@ def test_profile_cli_renders(capsys) -> None:
     )
     assert profile_cli.run(args) == 2
     assert "cannot reach" in capsys.readouterr().err
-    text = profile_cli.render(fit_profile("m", (1, 2), (0.002, 0.003)))
+    text = profile_cli.render(fit_service_time("m", (1, 2), (0.002, 0.003)))
     assert "T(B) = 1.000 ms + 1.0000 ms * B" in text

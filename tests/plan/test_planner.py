@@ -4,7 +4,7 @@ import pytest
 
 from lockgate.errors import BadRequest
 from lockgate.plan.planner import PlanInputs, plan
-from lockgate.plan.profile import fit_profile
+from lockgate.service_time import fit_service_time
 
 
 def test_worked_example_9_replicas_12_with_headroom() -> None:
@@ -60,7 +60,9 @@ def test_failure_that_breaks_the_slo_is_reported() -> None:
 
 
 def test_profile_chooses_a_batch_that_saves_replicas() -> None:
-    profile = fit_profile("m", (1, 2, 4, 8, 16), tuple(0.004 + 0.001 * b for b in (1, 2, 4, 8, 16)))
+    profile = fit_service_time(
+        "m", (1, 2, 4, 8, 16), tuple(0.004 + 0.001 * b for b in (1, 2, 4, 8, 16))
+    )
     result = plan(PlanInputs(rate=2000, slo_p99_s=0.1, profile=profile))
     single = plan(PlanInputs(rate=2000, slo_p99_s=0.1, service_time_s=0.005))
     assert result.batch_size > 1

@@ -3,13 +3,8 @@ import time
 import pytest
 
 from lockgate.errors import BadRequest
-from lockgate.plan.profile import (
-    ServiceProfile,
-    batch_sizes_up_to,
-    fit_profile,
-    profile_callable,
-    profile_server,
-)
+from lockgate.plan.profile import batch_sizes_up_to, profile_callable, profile_server
+from lockgate.service_time import ServiceTime, fit_service_time
 from tests.bench.fake_server import Behaviour, serve
 
 
@@ -22,16 +17,16 @@ def test_batch_sizes() -> None:
 
 
 def test_fit_is_exact_on_a_line_and_round_trips(tmp_path) -> None:
-    profile = fit_profile("m", (1, 2, 4, 8), (0.003, 0.004, 0.006, 0.010))
+    profile = fit_service_time("m", (1, 2, 4, 8), (0.003, 0.004, 0.006, 0.010))
     assert profile.a_s == pytest.approx(0.002) and profile.b_s == pytest.approx(0.001)
     assert profile.r2 == pytest.approx(1.0)
-    noisy = fit_profile("m", (1, 2, 4, 8), (0.003, 0.005, 0.006, 0.010))
+    noisy = fit_service_time("m", (1, 2, 4, 8), (0.003, 0.005, 0.006, 0.010))
     assert 0.8 < noisy.r2 < 1.0
     profile.save(tmp_path / "p.json")
-    assert ServiceProfile.load(tmp_path / "p.json") == profile
+    assert ServiceTime.load(tmp_path / "p.json") == profile
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(BadRequest):
-        ServiceProfile.load(tmp_path / "bad.json")
+        ServiceTime.load(tmp_path / "bad.json")
 
 
 def test_in_process_profile_recovers_the_slope() -> None:

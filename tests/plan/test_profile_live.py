@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lockgate.plan.profile import ServiceProfile, fit_profile, profile_server
+from lockgate.plan.profile import profile_server
+from lockgate.service_time import ServiceTime, fit_service_time
 from tests.conftest import ROOT, RunningServer
 
 
@@ -50,7 +51,7 @@ def test_profile_cli_then_plan(server: RunningServer, tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "T(B) = " in done.stdout
-    profile = ServiceProfile.load(path)
+    profile = ServiceTime.load(path)
     assert profile.batch_sizes == (1, 2, 4, 8, 16) and profile.b_s >= 0
     rate = 0.5 / profile.service_time(1)  # half of one replica's batch-1 capacity
     slo_ms = 50 * profile.service_time(16) * 1e3
@@ -72,8 +73,8 @@ def test_profile_of_an_unknown_model_is_a_clear_error(server: RunningServer) -> 
 
 def test_noisy_medians_still_fit_a_nonnegative_line() -> None:
     """A noisy profile whose plain least-squares slope is negative gets b = 0, not T(B) < 0."""
-    falling = fit_profile("m", (1, 2, 4, 8, 16), (0.009, 0.012, 0.008, 0.007, 0.008))
+    falling = fit_service_time("m", (1, 2, 4, 8, 16), (0.009, 0.012, 0.008, 0.007, 0.008))
     assert falling.b_s == 0.0 and falling.a_s == pytest.approx(0.0088)
-    below_zero = fit_profile("m", (1, 2, 4), (0.001, 0.0021, 0.0041))  # plain fit: a < 0
+    below_zero = fit_service_time("m", (1, 2, 4), (0.001, 0.0021, 0.0041))  # plain fit: a < 0
     assert below_zero.a_s == 0.0 and below_zero.b_s == pytest.approx(0.001029, rel=1e-3)
     assert all(below_zero.service_time(b) > 0 for b in (1, 64))
