@@ -161,6 +161,7 @@ def _serve(args: argparse.Namespace) -> int:
         hang_timeout=args.hang_timeout,
         unload_drain_timeout=args.drain_timeout,
         admission=AdmissionSettings(deadline_aware=not args.no_admission),
+        language_models=not args.no_llm,
     )
     try:
         gate = GateSettings(
@@ -189,13 +190,6 @@ def _serve(args: argparse.Namespace) -> int:
         grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs,
         grpc_max_stream_inflight=args.grpc_max_stream_inflight,
     )
-    if not args.no_llm:
-        try:
-            from lockgate.frontend.openai_routes import llm_extension
-        except ImportError:
-            pass
-        else:
-            options.extensions.append(llm_extension(Path(repository)))
     return run(options)
 
 

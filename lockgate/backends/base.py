@@ -23,8 +23,20 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+class ModelService(Protocol):
+    """A model that schedules its own work (a language model's engine) instead of a
+    `Backend` behind the dynamic batcher. The model manager loads, drains and closes it."""
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new work and wait up to `timeout` s for admitted work; True if it all ended."""
+        ...
+
+    def close(self) -> None: ...
+
+
 BackendFactory = Callable[[ModelConfig, Path], Backend]
 """Build a backend from its config and its version folder (`<repo>/<model>/<version>`)."""
+ModelServiceFactory = Callable[[ModelConfig, Path], ModelService]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +51,13 @@ class BackendSpec:
     aliases: tuple[str, ...] = ()
     platform: str = ""  # Triton's `platform` name, e.g. onnxruntime_onnx
     file_names: tuple[str, ...] = ()  # the model file when the config names none, by preference
-    load: str = ""
+    load: str = ""  # -> BackendFactory: instances behind the batcher
     autocomplete: str = ""  # fills inputs and outputs from the model file when omitted
+    service: str = ""  # -> ModelServiceFactory: a model with its own scheduler, no batcher
 
 
-SPECS = (
+LLM_BACKEND = "llm"  # causal language models: served by the LLM engine, not by a Backend
+SPECS: tuple[BackendSpec, ...] = (
     BackendSpec(
         "onnxruntime",
         ("onnx",),
@@ -61,14 +75,13 @@ SPECS = (
         ("model.pt", "model.pt2"),
         "lockgate.backends.torch:load",
     ),
+    BackendSpec(LLM_BACKEND, service="lockgate.llm.service:LLMService.load"),
 )
 _BY_NAME = {name: spec for spec in SPECS for name in (spec.name, *spec.aliases)}
 
-LLM_BACKEND = "llm"  # causal language models: served by the LLM engine, not by a Backend
-
 
 def backend_names() -> list[str]:
-    return sorted([*_BY_NAME, LLM_BACKEND])
+    return sorted(_BY_NAME)
 
 
 def spec_of(name: str) -> BackendSpec:
@@ -77,12 +90,24 @@ def spec_of(name: str) -> BackendSpec:
 
 
 def _resolve(target: str) -> Any:
-    module_name, attr = target.split(":")
-    return getattr(importlib.import_module(module_name), attr)
+    module_name, path = target.split(":")
+    found: Any = importlib.import_module(module_name)
+    for attr in path.split("."):
+        found = getattr(found, attr)
+    return found
 
 
 def get_factory(name: str) -> BackendFactory:
     factory: BackendFactory = _resolve(spec_of(name).load)
+    return factory
+
+
+def get_service_factory(name: str) -> ModelServiceFactory | None:
+    """The loader of a backend that serves through its own scheduler, or None."""
+    spec = spec_of(name)
+    if not spec.service:
+        return None
+    factory: ModelServiceFactory = _resolve(spec.service)
     return factory
 
 

@@ -1,4 +1,7 @@
-"""Model lifecycle: load, warm up, profile, serve, unload. One `ModelManager` per server.
+"""Model lifecycle: load, warm up, profile, serve, reload, drain, unload. One `ModelManager`
+per server, for every kind of model: classic models get instances behind a dynamic batcher,
+language models (`backend: llm`) a service with its own engine, through the same load and
+unload API, readiness and reload without a gap.
 
 A model version reports ready only after its warmup has run. A model that fails to load is
 kept with its error, so the readiness endpoint can say why, and the other models serve on.
@@ -16,7 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from lockgate.backends.base import LLM_BACKEND, Arrays, Backend, get_factory
+from lockgate.backends.base import (
+    LLM_BACKEND,
+    Arrays,
+    Backend,
+    ModelService,
+    get_factory,
+    get_service_factory,
+)
 from lockgate.config import ModelConfig, TensorSpec
 from lockgate.core.admission import AdmissionSettings
 from lockgate.core.batcher import Batcher
@@ -45,6 +55,7 @@ class ServedVersion:
     state: ModelState = ModelState.LOADING
     error: str = ""
     batcher: Batcher | None = None
+    service: ModelService | None = None  # a model with its own scheduler (a language model)
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
     last_inference_ms: int = 0
@@ -79,6 +90,7 @@ class ServingSettings:
     profile_repeats: int = 5  # runs per batch size when profiling T(B) at warmup
     unload_drain_timeout: float = 30.0  # seconds an unloaded or replaced version may drain
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    language_models: bool = True  # False: `backend: llm` models are listed, not loaded
 
 
 def synthetic_input(spec: TensorSpec, rows: int, batching: bool, kind: str = "zero") -> np.ndarray:
@@ -143,7 +155,7 @@ class ModelManager:
 
     async def infer(self, request: InferRequest) -> Arrays:
         served = self.get(request.model, request.version)
-        if served.batcher is None:
+        if served.batcher is None:  # a model with its own scheduler
             raise BadRequest(
                 f"model '{request.model}' is a language model: use /v1/completions "
                 "or /v1/chat/completions"
@@ -161,7 +173,9 @@ class ModelManager:
 
         start = time.monotonic()
         entries = [
-            e for e in scan_repository(root) if e.config is None or e.config.backend != LLM_BACKEND
+            e
+            for e in scan_repository(root)
+            if self.settings.language_models or e.config is None or e.config.backend != LLM_BACKEND
         ]
         await asyncio.gather(
             *(self.load_model(e.name, e.path, e.config, e.versions, e.error) for e in entries)
@@ -239,6 +253,13 @@ class ModelManager:
     async def _start(self, served: ServedVersion) -> None:
         loop = asyncio.get_running_loop()
         config, labels = served.config, (served.config.name, str(served.version))
+        service_factory = get_service_factory(config.backend)
+        if service_factory is not None:  # loads and warms up in one call
+            start = time.monotonic()
+            served.service = await loop.run_in_executor(None, service_factory, config, served.path)
+            served.load_seconds = time.monotonic() - start
+            self.metrics.load_seconds.set(labels, served.load_seconds)
+            return
         factory = get_factory(config.backend)
         start = time.monotonic()
 
@@ -297,17 +318,14 @@ class ModelManager:
                 times.append(time.perf_counter() - t0)
             profile.observe(rows, statistics.median(times))
 
-    def record_external(self, name: str, path: Path, config: ModelConfig, version: int) -> None:
-        """A model served outside the batcher (a language model), listed for health and index."""
-        model = ServedModel(name, path, config)
-        model.versions[version] = ServedVersion(
-            config, version, path / str(version), ModelState.READY
-        )
-        self.models[name] = model
-        self.metrics.model_ready.set((name, str(version)), 1)
-
-    def record_failure(self, name: str, path: Path, config: ModelConfig, error: str) -> None:
-        self.models[name] = ServedModel(name, path, config, error=error)
+    def services(self) -> list[ModelService]:
+        """The services of every serving version of a model with its own scheduler."""
+        return [
+            s.service
+            for m in self.models.values()
+            for s in m.versions.values()
+            if s.service is not None and s.serving
+        ]
 
     # -- unloading ---------------------------------------------------------------------
     async def unload(self, name: str) -> None:
@@ -326,13 +344,16 @@ class ModelManager:
             if served.batcher is not None:
                 await served.batcher.drain(timeout=self.settings.unload_drain_timeout)
                 await served.batcher.close()
+            if served.service is not None:
+                await served.service.drain(self.settings.unload_drain_timeout)
+                await asyncio.get_running_loop().run_in_executor(None, served.service.close)
 
     async def drain(self, timeout: float) -> bool:
         """Stop intake on every model and wait for admitted requests. True if all finished."""
-        batchers = [
-            s.batcher for m in self.models.values() for s in m.versions.values() if s.batcher
-        ]
-        results = await asyncio.gather(*(b.drain(timeout) for b in batchers))
+        versions = [s for m in self.models.values() for s in m.versions.values()]
+        batchers = [s.batcher.drain(timeout) for s in versions if s.batcher is not None]
+        services = [s.service.drain(timeout) for s in versions if s.service is not None]
+        results = await asyncio.gather(*batchers, *services)
         return all(results)
 
     async def close(self) -> None:

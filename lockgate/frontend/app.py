@@ -268,8 +268,7 @@ class App:
             return "draining"
         if not self.started:
             return "loading models"
-        served = any(m.latest_ready() is not None for m in models.models.values())
-        if not served and not getattr(self.openai, "services", None):
+        if not any(m.latest_ready() is not None for m in models.models.values()):
             return "no model is loaded"
         if self.settings.strict_readiness and not models.ready():
             not_ready = [m.name for m in models.models.values() if m.latest_ready() is None]

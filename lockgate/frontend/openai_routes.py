@@ -1,6 +1,8 @@
 """The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (both with SSE
-streaming) and /v1/embeddings. Language models come from `backend: llm` entries of the model
-repository; embeddings from any classic model with a BYTES input and an FP32 output."""
+streaming) and /v1/embeddings. Routes only: the model manager loads, reloads and unloads the
+language models (`backend: llm` entries of the repository) like every other model, and these
+routes serve whichever are ready. Embeddings come from any classic model with a BYTES input
+and an FP32 output."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import base64
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -33,13 +34,14 @@ LLM_BACKEND = "llm"
 @dataclass(slots=True)
 class OpenAIRoutes:
     app: App
-    services: dict[str, LLMService] = field(default_factory=dict)
+    metrics: LLMMetrics = field(init=False)
     rejected: Counter = field(init=False)
     tokenizers: asyncio.Semaphore = field(init=False)
     tokenizing: int = 0  # prompts being tokenized or waiting to be
 
     def __post_init__(self) -> None:
         self.tokenizers = asyncio.Semaphore(TOKENIZE_THREADS)
+        self.metrics = LLMMetrics(self.app.models.registry, lambda: self.services.values())
         self.rejected = self.app.models.registry.counter(
             "lockgate_llm_requests_rejected_total",
             "Language-model requests refused before they queued, by reason (the error kind: "
@@ -47,6 +49,12 @@ class OpenAIRoutes:
             "queue).",
             ("model", "reason"),
         )
+
+    @property
+    def services(self) -> dict[str, LLMService]:
+        """The language models ready now, by served name."""
+        found = (s for s in self.app.models.services() if isinstance(s, LLMService))
+        return {s.name: s for s in found}
 
     async def __call__(self, request: HttpRequest, parts: list[str]) -> None:
         route = "/".join(parts)
@@ -519,40 +527,3 @@ class _Kind:
 
 COMPLETION = _Kind("cmpl", "text_completion", True, _completion_piece, oa.completion_response)
 CHAT = _Kind("chatcmpl", "chat.completion.chunk", False, _chat_piece, oa.chat_response)
-
-
-def llm_extension(repository: Path) -> Callable[[App], Awaitable[None]]:
-    """Start-up hook: load every `backend: llm` model of the repository and mount /v1."""
-
-    async def start(app: App) -> None:
-        from lockgate.core.repository import scan_repository
-
-        routes = OpenAIRoutes(app)
-        app.openai = routes
-        metrics = LLMMetrics(app.models.registry)
-        loop = asyncio.get_running_loop()
-        for entry in scan_repository(repository):
-            if entry.config is None or entry.config.backend != LLM_BACKEND or not entry.versions:
-                continue
-            version_dir = entry.path / str(entry.versions[0])
-            try:
-                service = await loop.run_in_executor(
-                    None, LLMService.load, entry.config, version_dir
-                )
-            except Exception as exc:
-                log.error("language model %s failed to load: %s", entry.name, exc)
-                app.models.record_failure(
-                    entry.name, entry.path, entry.config, f"{type(exc).__name__}: {exc}"
-                )
-                continue
-            routes.services[service.name] = service
-            metrics.services.append(service)
-            app.models.record_external(entry.name, entry.path, entry.config, entry.versions[0])
-
-        async def close() -> None:
-            for service in routes.services.values():
-                await loop.run_in_executor(None, service.close)
-
-        app.closers.append(close)
-
-    return start

@@ -365,7 +365,14 @@ def build_app(options: ServeOptions) -> App:
     registry = Registry()
     models = ModelManager(registry, options.serving)
     options.http.repository = options.repository
-    return App(models, options.http)
+    app = App(models, options.http)
+    try:
+        from lockgate.frontend.openai_routes import OpenAIRoutes
+    except ImportError as exc:  # the language-model libraries are not installed
+        log.info("OpenAI API off: %s", exc)
+    else:
+        app.openai = OpenAIRoutes(app)
+    return app
 
 
 async def load(app: App, options: ServeOptions) -> None:

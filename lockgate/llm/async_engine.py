@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from lockgate.errors import BackendError, ServingError, Unavailable
 from lockgate.llm.engine import LLMEngine, RequestOutput
 from lockgate.llm.sequence import FinishReason, SamplingParams
+
+DRAIN_POLL_S = 0.02  # how often a drain looks for the last request to finish
 
 
 @dataclass(slots=True)
@@ -81,6 +84,7 @@ class AsyncLLMEngine:
         self._pending_aborts: list[str] = []
         self._wakeup = threading.Condition()
         self._closing = False
+        self._draining = False  # admitted requests finish; new ones are refused
         self._thread = threading.Thread(target=self._loop, name="lockgate-llm-engine", daemon=True)
         self._thread.start()
 
@@ -93,8 +97,8 @@ class AsyncLLMEngine:
         priority: int = 1,
     ) -> RequestStream:
         """Submit now (refusals raise here) and stream the outputs."""
-        if self._closing:
-            raise Unavailable("the LLM engine is shutting down")
+        if self._closing or self._draining:
+            raise Unavailable("the language model is draining", retry_after=1)
         loop = asyncio.get_running_loop()
         with self._wakeup:
             request_id = self.engine.add_request(
@@ -113,6 +117,21 @@ class AsyncLLMEngine:
     def abort_later(self, request_id: str) -> None:
         """Abort from a context that must not block (a finalizer); done on the engine thread."""
         self._pending_aborts.append(request_id)  # list.append is atomic
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests and wait up to `timeout` s for the admitted ones to finish.
+        True if they all did."""
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while self._busy():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
+
+    def _busy(self) -> bool:
+        with self._wakeup:
+            return bool(self._streams) or self.engine.has_unfinished
 
     def close(self) -> None:
         """Stop the engine thread; streams still open get Unavailable."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,6 +167,10 @@ class LLMService:
             created=int(time.time()),
         )
 
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests, and wait up to `timeout` s for the admitted ones."""
+        return await self.engine.drain(timeout)
+
     def close(self) -> None:
         self.engine.close()
 
@@ -197,9 +202,9 @@ def _warmup(engine: LLMEngine, vocab_size: int) -> None:
 class LLMMetrics:
     """vLLM's metric meanings under lockgate's prefix, read from the engines at scrape time."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, services: Callable[[], Iterable[LLMService]]) -> None:
         m = ("model_name",)
-        self.services: list[LLMService] = []
+        self.services = services  # the language models served now
         self.ttft = registry.histogram(
             "lockgate_llm_time_to_first_token_seconds", "Time to first token.", m, LATENCY_BUCKETS
         )
@@ -269,7 +274,7 @@ class LLMMetrics:
         registry.add_collector(self.collect)
 
     def collect(self) -> None:
-        for service in self.services:
+        for service in self.services():
             self._collect(service)
 
     def _collect(self, service: LLMService) -> None:
