@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 
 from lockgate import __version__
+from lockgate.backends.base import spec_of
+from lockgate.config import ModelConfig
 from lockgate.core.manager import ModelManager, ModelState, ServedVersion
 from lockgate.core.request import InferRequest
 from lockgate.core.validate import validate_inputs, validate_outputs
@@ -19,7 +21,7 @@ from lockgate.datatypes import Arrays
 from lockgate.errors import BadRequest, Forbidden, NotFound
 from lockgate.protocol import v2_metadata
 from lockgate.protocol.v2_codec import V2InferRequest
-from lockgate.protocol.v2_metadata import Document, Duration, ModelStats
+from lockgate.protocol.v2_metadata import Document, Duration, ModelStats, Runtime
 
 EXTENSIONS = (
     "binary_tensor_data",
@@ -209,10 +211,12 @@ class V2Service:
         served = self.served(name, version_text)
         model = self.models.models[name]
         versions = [v for v, s in model.versions.items() if s.state is ModelState.READY]
-        return v2_metadata.model_metadata(served.config, sorted(versions) or [served.version])
+        versions = sorted(versions) or [served.version]
+        return v2_metadata.model_metadata(served.config, versions, _runtime(served.config))
 
     def model_config(self, name: str, version_text: str | None) -> Document:
-        return v2_metadata.model_config(self.served(name, version_text).config)
+        config = self.served(name, version_text).config
+        return v2_metadata.model_config(config, _runtime(config))
 
     def statistics(self, name: str | None, version_text: str | None) -> Document:
         version = parse_version(version_text)
@@ -268,6 +272,11 @@ class V2Service:
             compute_output=_duration(compute.count, batcher.output_seconds if batcher else 0.0),
             batch_stats=[],
         )
+
+
+def _runtime(config: ModelConfig) -> Runtime:
+    spec = spec_of(config.backend)
+    return Runtime(spec.name, spec.platform)
 
 
 def _duration(count: int, seconds: float) -> Duration:

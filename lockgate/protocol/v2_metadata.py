@@ -25,13 +25,13 @@ def encode(document: Document | list[Any]) -> bytes:
 
 # --- metadata -----------------------------------------------------------------------------
 
-_PLATFORMS = {
-    "onnxruntime": "onnxruntime_onnx",
-    "onnx": "onnxruntime_onnx",
-    "pytorch": "pytorch_libtorch",
-    "torch": "pytorch_libtorch",
-}
-_BACKENDS = {"onnx": "onnxruntime", "torch": "pytorch"}
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """How Triton names a model's runtime: its backend, and for some its platform."""
+
+    backend: str
+    platform: str = ""
 
 
 def server_metadata(*, name: str, version: str, extensions: Sequence[str]) -> Document:
@@ -39,13 +39,13 @@ def server_metadata(*, name: str, version: str, extensions: Sequence[str]) -> Do
     return {"name": name, "version": version, "extensions": list(extensions)}
 
 
-def model_metadata(config: ModelConfig, versions: Sequence[int]) -> Document:
+def model_metadata(config: ModelConfig, versions: Sequence[int], runtime: Runtime) -> Document:
     """GET /v2/models/{m}: shapes carry -1 for the batch dim when the model batches."""
     batch = [-1] if config.batching else []
     return {
         "name": config.name,
         "versions": [str(v) for v in versions],
-        "platform": _PLATFORMS.get(config.backend, config.backend),
+        "platform": runtime.platform or runtime.backend,
         "inputs": [_tensor_metadata(spec, batch) for spec in config.inputs],
         "outputs": [_tensor_metadata(spec, batch) for spec in config.outputs],
     }
@@ -60,12 +60,12 @@ def config_datatype(datatype: str) -> str:
     return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
 
 
-def model_config(config: ModelConfig) -> Document:
+def model_config(config: ModelConfig, runtime: Runtime) -> Document:
     """GET /v2/models/{m}/config, in the JSON form of Triton's model_config.proto."""
     doc: dict[str, Any] = {
         "name": config.name,
-        "platform": _PLATFORMS.get(config.backend, ""),
-        "backend": _BACKENDS.get(config.backend, config.backend),
+        "platform": runtime.platform,
+        "backend": runtime.backend,
         "version_policy": _version_policy(config),
         "max_batch_size": config.max_batch_size,
         "input": [_config_input(spec) for spec in config.inputs],

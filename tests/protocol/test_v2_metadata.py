@@ -16,6 +16,7 @@ from lockgate.protocol.v2_metadata import (
     BatchStats,
     Duration,
     ModelStats,
+    Runtime,
     model_config,
     model_metadata,
     model_statistics,
@@ -23,6 +24,9 @@ from lockgate.protocol.v2_metadata import (
 )
 
 # --- metadata -------------------------------------------------------------------------------
+
+
+ONNX = Runtime("onnxruntime", "onnxruntime_onnx")
 
 
 def _config(max_batch_size: int = 8) -> ModelConfig:
@@ -50,7 +54,7 @@ def test_server_metadata() -> None:
 
 @pytest.mark.parametrize(("max_batch_size", "batch"), [(8, [-1]), (0, [])])
 def test_model_metadata(max_batch_size: int, batch: list[int]) -> None:
-    doc = model_metadata(_config(max_batch_size), [3, 1])
+    doc = model_metadata(_config(max_batch_size), [3, 1], ONNX)
     assert doc["name"] == "digits" and doc["versions"] == ["3", "1"]
     assert doc["platform"] == "onnxruntime_onnx"
     assert doc["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": [*batch, 64]}
@@ -59,7 +63,7 @@ def test_model_metadata(max_batch_size: int, batch: list[int]) -> None:
 
 
 def test_model_config_matches_triton_field_names() -> None:
-    doc = model_config(_config())
+    doc = model_config(_config(), ONNX)
     assert doc["name"] == "digits" and doc["max_batch_size"] == 8
     assert doc["platform"] == "onnxruntime_onnx" and doc["backend"] == "onnxruntime"
     assert doc["version_policy"] == {"specific": {"versions": [1, 3]}}
@@ -86,7 +90,7 @@ def test_model_config_matches_triton_field_names() -> None:
 
 def test_model_config_without_batcher() -> None:
     config = ModelConfig(name="p", backend="python")
-    doc = model_config(config)
+    doc = model_config(config, Runtime("python"))
     assert "dynamic_batching" not in doc
     assert doc["platform"] == "" and doc["backend"] == "python"
     assert doc["version_policy"] == {"latest": {"num_versions": 1}}
