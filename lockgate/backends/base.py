@@ -84,6 +84,11 @@ def backend_names() -> list[str]:
     return sorted(_BY_NAME)
 
 
+def platforms() -> dict[str, str]:
+    """Triton's `platform` names of the runtimes lockgate has -> the backend that serves them."""
+    return {spec.platform: spec.name for spec in SPECS if spec.platform}
+
+
 def spec_of(name: str) -> BackendSpec:
     """The spec of a backend by its name or an alias; KeyError when unknown."""
     return _BY_NAME[name]

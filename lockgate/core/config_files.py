@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from lockgate.backends.base import backend_names
+from lockgate.backends.base import backend_names, platforms
 from lockgate.config import (
     DATATYPES,
     DynamicBatching,
@@ -87,8 +87,7 @@ _WARMUP_KINDS = ("zero", "random")
 _DEFAULT_BATCHING = DynamicBatching()
 _INSTANCE_KINDS = ("KIND_AUTO", "KIND_CPU", "KIND_GPU", "KIND_MODEL")
 
-# Triton's `platform` names for the runtimes lockgate has.
-_PLATFORMS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch"}
+_PLATFORMS = platforms()  # Triton's `platform` names for the runtimes lockgate has
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
