@@ -32,6 +32,7 @@ from grpc.aio import ServicerContext as Context
 from lockgate.core.manager import ModelManager
 from lockgate.errors import Forbidden, ServingError, Unauthorized
 from lockgate.frontend.app import App
+from lockgate.frontend.grpc_health import add_health_service
 from lockgate.frontend.v2_service import SERVER_METADATA, Deadline
 from lockgate.protocol.grpc import codec
 from lockgate.protocol.grpc import inference_pb2 as pb
@@ -320,6 +321,7 @@ async def start_grpc(app: App, settings: GrpcSettings) -> grpc.aio.Server | None
     )
     servicer = InferenceServicer(app, settings.max_stream_inflight)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    add_health_service(app, server)
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     address = f"{host}:{settings.port}"
     try:
