@@ -113,6 +113,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="serve /metrics without an API key even when LOCKGATE_API_KEYS is set",
     )
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log each request as one JSON line (request id, status, duration, bytes, model, "
+        "refusal reason) on the lockgate.access logger",
+    )
     p.add_argument("--no-admission", action="store_true", help="turn off deadline-aware admission")
     p.add_argument("--strict-readiness", action="store_true", help="ready only when all models are")
     p.add_argument("--no-llm", action="store_true", help="do not start language models")
@@ -156,6 +162,7 @@ def _serve(args: argparse.Namespace) -> int:
         strict_readiness=args.strict_readiness,
         model_control=args.model_control_mode,
         metrics_public=args.metrics_public,
+        access_log=args.access_log,
     )
     serving = ServingSettings(
         hang_timeout=args.hang_timeout,
@@ -231,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    access = logging.getLogger("lockgate.access")  # JSON lines, as they are
+    lines = logging.StreamHandler()
+    lines.setFormatter(logging.Formatter("%(message)s"))
+    access.addHandler(lines)
+    access.propagate = False
     if args.command == "serve":
         return _serve(args)
     if args.command == "models":

@@ -23,6 +23,7 @@ from lockgate.errors import (
     Unauthorized,
 )
 from lockgate.frontend import v2_routes
+from lockgate.frontend.access_log import AccessEntry, AccessLog, model_of, request_id
 from lockgate.frontend.http import (
     ClientDisconnected,
     HttpRequest,
@@ -55,6 +56,7 @@ class ServerSettings:
     # keys that may ask a priority above the model's default; empty: any client may
     priority_keys: frozenset[str] = frozenset()
     repository: Path | None = None
+    access_log: bool = False  # one JSON line per request on the `lockgate.access` logger
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
             {"/v2/health/live", "/v2/health/ready", "/health", "/metrics", "/openapi.json"}
@@ -72,6 +74,7 @@ class App:
         self.models = models
         self.v2 = V2Service(models)
         self.settings = settings or ServerSettings()
+        self.access = AccessLog(self.settings.access_log)
         self.openai = openai
         self.started = False  # set once the repository has been loaded
         self.draining = False
@@ -96,11 +99,20 @@ class App:
         if self.front_delay is not None:
             self.front_delay(now - start, now)
         route = _route_kind(scope["path"])
+        rid = request_id(scope["headers"])
+        entry: AccessEntry | None = None
 
         async def timed_send(message: Message) -> None:
+            nonlocal entry
             if message["type"] == "http.response.start":
-                status = str(message["status"])
-                self.http_latency.observe((route, status), time.monotonic() - start)
+                status = message["status"]
+                elapsed = time.monotonic() - start
+                self.http_latency.observe((route, str(status)), elapsed)
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid)]
+                if self.access.enabled:
+                    entry = self._access_entry(scope, rid, status, elapsed)
+            elif entry is not None:
+                entry.bytes_out += len(message.get("body", b""))
             await send(message)
 
         request = HttpRequest(
@@ -125,6 +137,24 @@ class App:
             await self._error(
                 request, ServingError(f"internal error: {type(exc).__name__}"), openai
             )
+        finally:
+            if entry is not None:
+                entry.bytes_in = request.bytes_read
+                self.access.write(entry)
+
+    @staticmethod
+    def _access_entry(scope: Scope, rid: bytes, status: int, elapsed: float) -> AccessEntry:
+        client = scope.get("client")
+        return AccessEntry(
+            time=time.time(),
+            request_id=rid.decode("ascii"),
+            method=scope["method"],
+            path=scope["path"][:512],
+            status=status,
+            duration_ms=round(elapsed * 1000, 3),
+            client=f"{client[0]}:{client[1]}" if client else "",
+            model=model_of(scope["path"]),
+        )
 
     def early_refusal(
         self, method: bytes, path: str, headers: list[tuple[bytes, bytes]], received: float

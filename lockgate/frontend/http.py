@@ -39,6 +39,7 @@ class HttpRequest:
     path: str
     max_body: int
     body_timeout: float = 30.0  # seconds to receive the whole body, from the first read
+    bytes_read: int = 0  # body bytes received so far
 
     @property
     def received(self) -> float:
@@ -105,6 +106,7 @@ class HttpRequest:
             chunk = message.get("body", b"")
             if chunk:
                 total += len(chunk)
+                self.bytes_read = total
                 if total > self.max_body:
                     raise PayloadTooLarge(f"body is over the limit of {self.max_body} bytes")
                 chunks.append(chunk)

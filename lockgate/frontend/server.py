@@ -37,6 +37,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from lockgate.core.manager import ModelManager, ServingSettings
 from lockgate.core.metrics import Counter, Registry
+from lockgate.frontend.access_log import request_id
 from lockgate.frontend.app import App, ServerSettings
 from lockgate.frontend.gate import Gate, GateSettings
 from lockgate.protocol.v2_codec import encode_error
@@ -164,18 +165,19 @@ class _Protocol(HttpToolsProtocol):
             why = self.gate.admit(path, len(self.tasks), time.monotonic())
             if why is not None:
                 self.refusals.inc((why,))
-                self._refuse(_SATURATED, self.gate.retry_after(time.monotonic()))
+                self._refuse(_SATURATED, self.gate.retry_after(time.monotonic()), why, path)
                 return
             method = self.parser.get_method()
             error = self.lockgate_app.early_refusal(method, path, self.headers, self.received)
             if error is not None:
                 self.refusals.inc(("model_admission",))
-                self._refuse(encode_error(error.message), max(1, math.ceil(error.retry_after or 1)))
+                retry = max(1, math.ceil(error.retry_after or 1))
+                self._refuse(encode_error(error.message), retry, "model_admission", path)
                 return
             self.gate.let_through(time.monotonic())
         super().on_headers_complete()
 
-    def _refuse(self, body: bytes, retry: int) -> None:
+    def _refuse(self, body: bytes, retry: int, reason: str, path: str) -> None:
         """Answer 503 now, before the body. A small declared body is then skipped as it
         arrives, unparsed, and the connection stays open: closing it would make a client
         that sends again pay a new connection, and the server accept it, at the worst time.
@@ -186,7 +188,11 @@ class _Protocol(HttpToolsProtocol):
                 declared = int(value) if value.isdigit() and len(value) <= 18 else None
         keep = self.parser.should_keep_alive() and declared is not None
         keep = keep and declared is not None and declared <= DISCARD_BYTES
-        self._write_refusal(body, retry, close=not keep)
+        rid = request_id(self.headers)
+        self._write_refusal(body, retry, rid, close=not keep)
+        access = self.lockgate_app.access
+        if access.enabled:
+            access.refused(rid, self.parser.get_method(), path, self.received, self.address, reason)
         pause = self.gate.refused(time.monotonic())
         if keep:
             self.refusing = True  # the body's bytes are dropped until the message ends
@@ -221,11 +227,11 @@ class _Protocol(HttpToolsProtocol):
             raise HeadTooLarge(f"request head is over {self.max_head_bytes} bytes")
 
     # -- canned answers ------------------------------------------------------------------
-    def _write_refusal(self, body: bytes, retry: int, close: bool) -> None:
+    def _write_refusal(self, body: bytes, retry: int, rid: bytes, close: bool) -> None:
         head = [b"HTTP/1.1 503 Service Unavailable"]
         head += [name + b": " + value for name, value in self.server_state.default_headers]
         head += [b"content-type: application/json", b"content-length: %d" % len(body)]
-        head += [b"retry-after: %d" % retry]
+        head += [b"retry-after: %d" % retry, b"x-request-id: " + rid]
         if close:
             head.append(b"connection: close")
         self.transport.write(b"\r\n".join([*head, b"", body]))
