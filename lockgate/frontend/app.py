@@ -24,6 +24,7 @@ from lockgate.errors import (
 )
 from lockgate.frontend import v2_routes
 from lockgate.frontend.access_log import AccessEntry, AccessLog, model_of, request_id
+from lockgate.frontend.dashboard import dashboard_page
 from lockgate.frontend.http import (
     ClientDisconnected,
     HttpRequest,
@@ -59,7 +60,15 @@ class ServerSettings:
     access_log: bool = False  # one JSON line per request on the `lockgate.access` logger
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
-            {"/v2/health/live", "/v2/health/ready", "/health", "/metrics", "/openapi.json"}
+            {
+                "/v2/health/live",
+                "/v2/health/ready",
+                "/health",
+                "/metrics",
+                "/openapi.json",
+                "/dashboard",
+                "/",
+            }
         )
     )
 
@@ -260,6 +269,11 @@ class App:
         elif path == "/metrics":
             body = self.models.registry.render().encode()
             await respond(request.send, 200, body, b"text/plain; version=0.0.4; charset=utf-8")
+        elif path == "/dashboard" and method == "GET":
+            page = dashboard_page(self.settings.model_control, self.settings.repository)
+            await respond(request.send, 200, page, b"text/html; charset=utf-8")
+        elif path == "/" and method == "GET":
+            await respond(request.send, 302, b"", b"text/plain", [(b"location", b"/dashboard")])
         elif path == "/openapi.json":
             await respond_json(request.send, 200, openapi_document())
         elif parts[:2] == ["v2", "repository"]:
