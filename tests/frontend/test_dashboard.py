@@ -146,3 +146,31 @@ def test_unload_and_load_buttons(browser: object, dashboard_server: RunningServe
     assert httpx.get(dashboard_server.url + "/v2/models/slow/ready").status_code == 200
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]  # type: ignore[attr-defined]
     assert not errors, errors
+
+
+GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "lockgate-dashboard.json"
+
+
+def test_the_grafana_dashboard_uses_only_metrics_the_server_exports(
+    llm_server: RunningServer,
+) -> None:
+    """Against a server with a classic model and a language model, both having served."""
+    import json
+    import re
+
+    import openai
+
+    from lockgate.demo.smollm2 import SERVED_NAME
+
+    dashboard = json.loads(GRAFANA.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10
+    used = {m for e in exprs for m in re.findall(r"\b(lockgate_[a-z_]+)", e)}
+    client = openai.OpenAI(base_url=llm_server.url + "/v1", api_key="none", max_retries=0)
+    client.completions.create(model=SERVED_NAME, prompt="Hello", max_tokens=2)
+    client.embeddings.create(model="minilm", input=["every series exists"])
+    scrape = httpx.get(llm_server.url + "/metrics").text
+    # a labelled counter has its HELP and TYPE lines before its first event
+    exported = set(re.findall(r"^(?:# TYPE )?(lockgate_[a-z_]+)", scrape, re.M))
+    missing = used - exported
+    assert not missing, missing

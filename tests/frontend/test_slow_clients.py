@@ -109,7 +109,8 @@ def test_a_thousand_partial_heads_leave_probes_and_requests_served(gated: Runnin
         latencies = [probe_ms(gated) for _ in range(30)]
         grown = rss_mib(gated.process.pid) - before
         assert grown < RSS_BOUND_MIB, f"RSS grew {grown:.1f} MiB for 1,000 partial heads"
-        assert statistics.quantiles(latencies, n=100)[98] < 100, latencies
+        # served, not stuck behind them (a loaded machine may delay one probe, not the rest)
+        assert statistics.median(latencies) < 50 and max(latencies) < 1000, latencies
         assert infer_digits(gated).status_code == 200
         # past the head timeout the server has closed every one of them
         deadline = time.monotonic() + HEAD_TIMEOUT + 10
