@@ -1,7 +1,8 @@
 """Model configuration: the typed form of `config.yaml` or Triton's `config.pbtxt`.
 
-Parsing lives in `lockgate/core/config_files.py`; this module holds only the types and
-their validation, so every other package shares one vocabulary.
+Parsing lives in `lockgate/core/`: `config_files.py` (YAML), `config_triton.py` (config.pbtxt)
+and `config_reader.py` (the one validating reader). This module holds only the types and their
+validation, so every other package shares one vocabulary.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from lockgate.backends.base import autocomplete, model_file
 from lockgate.config import ModelConfig
-from lockgate.core.config_files import check_warmup_inputs, load_model_config
+from lockgate.core.config_files import load_model_config
+from lockgate.core.config_reader import check_warmup_inputs
 from lockgate.errors import ConfigError
 
 log = logging.getLogger(__name__)

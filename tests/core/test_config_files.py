@@ -6,13 +6,9 @@ from pathlib import Path
 import pytest
 
 from lockgate.config import DynamicBatching, TensorSpec, VersionPolicyKind
-from lockgate.core.config_files import (
-    check_warmup_inputs,
-    load_model_config,
-    normalize_datatype,
-    parse_pbtxt_config,
-    parse_yaml_config,
-)
+from lockgate.core.config_files import load_model_config, parse_yaml_config
+from lockgate.core.config_reader import check_warmup_inputs, normalize_datatype
+from lockgate.core.config_triton import parse_pbtxt_config
 from lockgate.errors import ConfigError
 
 FULL_YAML = """

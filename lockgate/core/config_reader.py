@@ -1,0 +1,405 @@
+"""The one validating reader of model configs: a mapping with the keys of `config.yaml` into a
+`ModelConfig`. `config_files.py` reads YAML into such a mapping; `config_triton.py` translates
+Triton's `config.pbtxt` into one. Every problem raises
+`ConfigError(path, field, problem)`; `field` is a dotted path such as `inputs[0].dims`.
+
+A `config.yaml` (every key but `backend` is optional):
+
+    name: digits                 # must equal the folder name
+    backend: onnxruntime         # onnxruntime | onnx | sklearn | python | pytorch | torch
+    max_batch_size: 64           # 0: the model takes no batch dimension
+    inputs:  [{name: input, datatype: FP32, dims: [64]}]
+    outputs: [{name: label, datatype: INT64, dims: [1]}]
+    dynamic_batching: {max_queue_delay_us: 500, preferred_batch_sizes: [8, 16]}
+    latency_slo_ms: 20
+    instance_count: 1
+    version_policy: {latest: {num_versions: 1}}
+    warmup: [{name: zeros, batch_size: 8, count: 2, inputs: {input: zero}}]
+    parameters: {intra_op_threads: 1}
+
+Unknown keys are errors in `config.yaml` (a typo must not pass silently). In
+`config.pbtxt`, fields that Triton knows and lockgate does not use (optimization,
+response_cache, sequence_batching, ...) are ignored with a warning.
+
+A warmup sample with no `inputs` means zeros for every input.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from lockgate.backends.base import backend_names
+from lockgate.config import (
+    DATATYPES,
+    DynamicBatching,
+    ModelConfig,
+    TensorSpec,
+    VersionPolicy,
+    VersionPolicyKind,
+    WarmupSample,
+)
+from lockgate.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+_TOP_LEVEL = frozenset(
+    {
+        "name",
+        "backend",
+        "max_batch_size",
+        "input",
+        "inputs",
+        "output",
+        "outputs",
+        "dynamic_batching",
+        "latency_slo_ms",
+        "instance_count",
+        "instance_group",
+        "version_policy",
+        "warmup",
+        "parameters",
+        "default_model_filename",
+    }
+)
+_TENSOR_KEYS = frozenset({"name", "datatype", "data_type", "dims", "optional"})
+_BATCHING_KEYS = frozenset(
+    {
+        "max_queue_delay_us",
+        "preferred_batch_sizes",
+        "max_queue_size",
+        "default_timeout_us",
+        "priority_levels",
+        "default_priority_level",
+    }
+)
+_WARMUP_KEYS = frozenset({"name", "batch_size", "count", "inputs"})
+_WARMUP_KINDS = ("zero", "random")
+_DEFAULT_BATCHING = DynamicBatching()
+_INSTANCE_KINDS = ("KIND_AUTO", "KIND_CPU", "KIND_GPU", "KIND_MODEL")
+
+
+def config_from_dict(raw: Mapping[str, Any], *, path: str, folder: str) -> ModelConfig:
+    """Validate a mapping with the keys of `config.yaml` and build the ModelConfig."""
+    return _Reader(path).config(raw, folder)
+
+
+def check_warmup_inputs(config: ModelConfig) -> None:
+    """Every warmup input must name a declared input (call once inputs are known)."""
+    if config.inputs:
+        _check_warmup(config.inputs, config.warmup, config.source)
+
+
+def _check_warmup(
+    inputs: tuple[TensorSpec, ...], warmup: tuple[WarmupSample, ...], source: str
+) -> None:
+    declared = {spec.name for spec in inputs}
+    for index, sample in enumerate(warmup):
+        for name in sample.inputs:
+            if name not in declared:
+                field = f"warmup[{index}].inputs.{name}"
+                raise ConfigError(source, field, f"no input named '{name}'")
+
+
+def normalize_datatype(value: str) -> str | None:
+    """`FP32`, `fp32` and Triton's `TYPE_FP32` are FP32; `TYPE_STRING` is BYTES."""
+    name = value.strip().upper().removeprefix("TYPE_")
+    if name == "STRING":
+        name = "BYTES"
+    return name if name in DATATYPES else None
+
+
+class _Reader:
+    """Typed access to a raw mapping; every failure names the file and the field."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def error(self, field: str, problem: str) -> ConfigError:
+        return ConfigError(self.path, field, problem)
+
+    # -- scalars
+
+    def integer(self, value: Any, field: str, minimum: int | None = None) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(field, f"expected an integer, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise self.error(field, f"must be >= {minimum}, got {value}")
+        return value
+
+    def number(self, value: Any, field: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.error(field, f"expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise self.error(field, f"must be finite, got {value}")
+        return float(value)
+
+    def string(self, value: Any, field: str) -> str:
+        if not isinstance(value, str) or not value:
+            raise self.error(field, f"expected a non-empty string, got {value!r}")
+        return value
+
+    def boolean(self, value: Any, field: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.error(field, f"expected true or false, got {value!r}")
+        return value
+
+    # -- containers
+
+    def mapping(self, value: Any, field: str, allowed: frozenset[str]) -> dict[str, Any]:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self.error(field, f"expected a mapping, got {type(value).__name__}")
+        for key in value:
+            if key not in allowed:
+                raise self.error(_join(field, str(key)), f"unknown key; known: {_known(allowed)}")
+        return value
+
+    def items(self, value: Any, field: str) -> list[Any]:
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise self.error(field, f"expected a list, got {type(value).__name__}")
+        return value
+
+    def listed(
+        self, raw: Mapping[str, Any], key: str, read: Callable[[Any, str], Any], prefix: str = ""
+    ) -> tuple[Any, ...]:
+        """`raw[key]` as a list, each item read by `read(item, field)`."""
+        field = _join(prefix, key)
+        return tuple(
+            read(item, f"{field}[{i}]") for i, item in enumerate(self.items(raw.get(key), field))
+        )
+
+    # -- the config
+
+    def config(self, raw: Mapping[str, Any], folder: str) -> ModelConfig:
+        self.mapping(dict(raw), "", _TOP_LEVEL)
+        name = self.model_name(raw.get("name"), folder)
+        max_batch_size = self.integer(raw.get("max_batch_size", 0), "max_batch_size", 0)
+        inputs = self.tensors(raw, "input", "inputs")
+        outputs = self.tensors(raw, "output", "outputs")
+        batching = raw.get("dynamic_batching")
+        return ModelConfig(
+            name=name,
+            backend=self.backend(raw.get("backend")),
+            max_batch_size=max_batch_size,
+            inputs=inputs,
+            outputs=outputs,
+            dynamic_batching=self.dynamic_batching(batching, max_batch_size),
+            latency_slo_ms=self.latency_slo(raw.get("latency_slo_ms")),
+            instance_count=self.instance_count(raw),
+            version_policy=self.version_policy(raw.get("version_policy")),
+            warmup=self.warmup(raw.get("warmup"), inputs, max_batch_size),
+            parameters=self.parameters(raw.get("parameters")),
+            default_model_filename=self.filename(raw.get("default_model_filename")),
+            source=self.path,
+        )
+
+    def model_name(self, value: Any, folder: str) -> str:
+        if value is None:
+            return folder
+        name = self.string(value, "name")
+        if name != folder:
+            raise self.error("name", f"'{name}' does not match its folder name '{folder}'")
+        return name
+
+    def backend(self, value: Any) -> str:
+        known = backend_names()
+        if value is None:
+            raise self.error("backend", f"missing; one of {', '.join(known)}")
+        name = self.string(value, "backend")
+        if name not in known:
+            raise self.error("backend", f"unknown backend '{name}'; one of {', '.join(known)}")
+        return name
+
+    def tensors(self, raw: Mapping[str, Any], singular: str, plural: str) -> tuple[TensorSpec, ...]:
+        if singular in raw and plural in raw:
+            raise self.error(plural, f"give '{plural}' or '{singular}', not both")
+        key = plural if plural in raw else singular
+        specs = self.listed(raw, key, self.tensor)
+        seen: set[str] = set()
+        for index, spec in enumerate(specs):
+            if spec.name in seen:
+                raise self.error(f"{key}[{index}].name", f"duplicate name '{spec.name}'")
+            seen.add(spec.name)
+        return specs
+
+    def tensor(self, value: Any, field: str) -> TensorSpec:
+        raw = self.mapping(value, field, _TENSOR_KEYS)
+        name = self.string(raw.get("name"), f"{field}.name")
+        key = "data_type" if "data_type" in raw else "datatype"
+        datatype = self.string(raw.get(key), f"{field}.{key}")
+        normalized = normalize_datatype(datatype)
+        if normalized is None:
+            raise self.error(f"{field}.{key}", f"unknown datatype '{datatype}'; one of {DATATYPES}")
+        return TensorSpec(
+            name=name,
+            datatype=normalized,
+            dims=self.dims(raw.get("dims"), f"{field}.dims"),
+            optional=self.boolean(raw.get("optional", False), f"{field}.optional"),
+        )
+
+    def dims(self, value: Any, field: str) -> tuple[int, ...]:
+        if not isinstance(value, list):
+            raise self.error(field, f"expected a list of integers >= -1, got {value!r}")
+        for dim in value:
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < -1:
+                raise self.error(field, f"expected a list of integers >= -1, got {value!r}")
+        return tuple(value)
+
+    def dynamic_batching(self, value: Any, max_batch_size: int) -> DynamicBatching | None:
+        if value is None or value is False:
+            return None
+        field = "dynamic_batching"
+        raw = {} if value is True else self.mapping(value, field, _BATCHING_KEYS)
+        if max_batch_size == 0:
+            raise self.error(field, "needs max_batch_size > 0 (the model must take a batch)")
+        preferred = self.listed(
+            raw, "preferred_batch_sizes", lambda v, f: self.integer(v, f, 1), field
+        )
+        for size in preferred:
+            if size > max_batch_size:
+                problem = f"preferred batch size {size} exceeds max_batch_size {max_batch_size}"
+                raise self.error(f"{field}.preferred_batch_sizes", problem)
+        levels = self.integer(raw.get("priority_levels", 1), f"{field}.priority_levels", 1)
+        default_level = self.integer(
+            raw.get("default_priority_level", 0), f"{field}.default_priority_level", 0
+        )
+        if default_level > levels:
+            problem = f"must be <= priority_levels ({levels}), got {default_level}"
+            raise self.error(f"{field}.default_priority_level", problem)
+        return DynamicBatching(
+            max_queue_delay_us=self.integer(
+                raw.get("max_queue_delay_us", 0), f"{field}.max_queue_delay_us", 0
+            ),
+            preferred_batch_sizes=tuple(sorted(set(preferred))),
+            max_queue_size=self.integer(
+                raw.get("max_queue_size", _DEFAULT_BATCHING.max_queue_size),
+                f"{field}.max_queue_size",
+                1,
+            ),
+            default_timeout_us=self.integer(
+                raw.get("default_timeout_us", 0), f"{field}.default_timeout_us", 0
+            ),
+            priority_levels=levels,
+            default_priority_level=default_level,
+        )
+
+    def latency_slo(self, value: Any) -> float | None:
+        if value is None:
+            return None
+        slo = self.number(value, "latency_slo_ms")
+        if slo <= 0:
+            raise self.error("latency_slo_ms", f"must be > 0, got {value}")
+        return slo
+
+    def instance_count(self, raw: Mapping[str, Any]) -> int:
+        if "instance_count" in raw and "instance_group" in raw:
+            raise self.error("instance_count", "give instance_count or instance_group, not both")
+        if "instance_group" not in raw:
+            return self.integer(raw.get("instance_count", 1), "instance_count", 1)
+        groups = self.listed(raw, "instance_group", self.instance_group)
+        return sum(groups) if groups else 1
+
+    def instance_group(self, value: Any, field: str) -> int:
+        raw = self.mapping(value, field, frozenset({"count", "kind", "name"}))
+        kind = raw.get("kind", "KIND_CPU")
+        if kind not in _INSTANCE_KINDS:
+            raise self.error(f"{field}.kind", f"unknown kind {kind!r}; one of {_INSTANCE_KINDS}")
+        if kind == "KIND_GPU":
+            log.warning(
+                "%s: %s.kind KIND_GPU: lockgate runs this group on the CPU", self.path, field
+            )
+        return self.integer(raw.get("count", 1), f"{field}.count", 1)
+
+    def version_policy(self, value: Any) -> VersionPolicy:
+        if value is None:
+            return VersionPolicy()
+        field = "version_policy"
+        raw = self.mapping(value, field, frozenset({"latest", "all", "specific"}))
+        if len(raw) != 1:
+            raise self.error(field, "give exactly one of latest, all, specific")
+        ((kind, body),) = raw.items()
+        if kind == "all":
+            self.mapping(body, f"{field}.all", frozenset())
+            return VersionPolicy(kind=VersionPolicyKind.ALL)
+        if kind == "latest":
+            latest = self.mapping(body, f"{field}.latest", frozenset({"num_versions"}))
+            count = self.integer(latest.get("num_versions", 1), f"{field}.latest.num_versions", 1)
+            return VersionPolicy(kind=VersionPolicyKind.LATEST, num_versions=count)
+        specific = self.mapping(body, f"{field}.specific", frozenset({"versions"}))
+        versions = self.listed(
+            specific, "versions", lambda v, f: self.integer(v, f, 0), f"{field}.specific"
+        )
+        if not versions:
+            raise self.error(f"{field}.specific.versions", "list at least one version")
+        return VersionPolicy(kind=VersionPolicyKind.SPECIFIC, versions=tuple(versions))
+
+    def warmup(
+        self, value: Any, inputs: tuple[TensorSpec, ...], max_batch_size: int
+    ) -> tuple[WarmupSample, ...]:
+        samples = tuple(
+            self.warmup_sample(item, f"warmup[{i}]", max_batch_size)
+            for i, item in enumerate(self.items(value, "warmup"))
+        )
+        if inputs:
+            _check_warmup(inputs, samples, self.path)
+        return samples
+
+    def warmup_sample(self, value: Any, field: str, max_batch_size: int) -> WarmupSample:
+        raw = self.mapping(value, field, _WARMUP_KEYS)
+        batch_size = self.integer(raw.get("batch_size", 1), f"{field}.batch_size", 1)
+        if max_batch_size and batch_size > max_batch_size:
+            problem = f"{batch_size} exceeds max_batch_size {max_batch_size}"
+            raise self.error(f"{field}.batch_size", problem)
+        kinds = self.mapping(raw.get("inputs"), f"{field}.inputs", _AnyKey())
+        for name, kind in kinds.items():
+            if kind not in _WARMUP_KINDS:
+                problem = f"expected one of {_WARMUP_KINDS}, got {kind!r}"
+                raise self.error(f"{field}.inputs.{name}", problem)
+        return WarmupSample(
+            name=self.string(raw.get("name", field), f"{field}.name"),
+            batch_size=batch_size,
+            count=self.integer(raw.get("count", 1), f"{field}.count", 1),
+            inputs={str(name): str(kind) for name, kind in kinds.items()},
+        )
+
+    def parameters(self, value: Any) -> dict[str, str]:
+        raw = self.mapping(value, "parameters", _AnyKey())
+        parameters: dict[str, str] = {}
+        for key, item in raw.items():
+            if isinstance(item, bool):
+                parameters[str(key)] = "true" if item else "false"
+            elif isinstance(item, str | int | float):
+                parameters[str(key)] = str(item)
+            else:
+                raise self.error(f"parameters.{key}", f"expected a scalar, got {item!r}")
+        return parameters
+
+    def filename(self, value: Any) -> str:
+        if value is None:
+            return ""
+        name = self.string(value, "default_model_filename")
+        if "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
+            raise self.error("default_model_filename", f"must be a plain file name, got {name!r}")
+        return name
+
+
+class _AnyKey(frozenset[str]):
+    """An `allowed` set that admits every key (for free-form maps)."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _known(allowed: frozenset[str]) -> str:
+    return ", ".join(sorted(allowed))
