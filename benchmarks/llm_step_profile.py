@@ -1,7 +1,7 @@
 """Where an LLM engine step spends its time: `python -m benchmarks.llm_step_profile`.
 
 Loads the demo SmolLM2-135M the way the server does (`build_smollm2` writes the model folder,
-`LLMService.load` reads it), then drives the synchronous `LLMEngine` directly and prints
+`load_service` reads it), then drives the synchronous `LLMEngine` directly and prints
 medians of:
 
 - a fresh prefill of 250 tokens (one sequence), step time and model forward;
@@ -38,7 +38,7 @@ from lockgate.llm import runner
 from lockgate.llm.engine import LLMEngine
 from lockgate.llm.models import llama, packing
 from lockgate.llm.sequence import SamplingParams
-from lockgate.llm.service import LLMService
+from lockgate.llm.startup import load_service
 
 PREFILL_LEN = 250
 CONTEXT_LEN = 300
@@ -52,7 +52,7 @@ class StepTimes:
 
 
 def load_engine(dtype: str | None, threads: int | None) -> tuple[LLMEngine, float]:
-    """The demo model folder, loaded by `LLMService.load`; its async stepping thread stopped."""
+    """The demo model folder, loaded by `load_service`; its async stepping thread stopped."""
     with tempfile.TemporaryDirectory(prefix="lockgate-profile-") as tmp:
         folder = Path(tmp) / "smollm2"
         folder.mkdir()
@@ -66,7 +66,7 @@ def load_engine(dtype: str | None, threads: int | None) -> tuple[LLMEngine, floa
             raw["parameters"]["num_threads"] = str(threads)
         config_file.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
         start = time.perf_counter()
-        service = LLMService.load(load_model_config(folder), folder / "1")
+        service = load_service(load_model_config(folder), folder / "1")
         load_seconds = time.perf_counter() - start
     service.close()
     return service.engine.engine, load_seconds

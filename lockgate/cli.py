@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from lockgate import __version__
@@ -149,7 +150,9 @@ def _serve(args: argparse.Namespace) -> int:
     if repository is None:
         from lockgate.demo.build import build_demo_repository, default_demo_path
 
-        repository = build_demo_repository(default_demo_path(), progress=print)
+        repository = _build_demo(build_demo_repository, default_demo_path())
+        if repository is None:
+            return 2
     if not Path(repository).is_dir():
         print(f"lockgate: no model repository at {repository}", file=sys.stderr)
         return 2
@@ -200,6 +203,19 @@ def _serve(args: argparse.Namespace) -> int:
     return run(options)
 
 
+def _build_demo(build: Callable[..., Path], dest: Path) -> Path | None:
+    """The demo repository, built if needed; None (and a message) when it cannot be."""
+    from lockgate.demo.packages import DemoBuildError
+    from lockgate.extras import MissingExtra
+
+    try:
+        return build(dest, progress=print)
+    except (MissingExtra, DemoBuildError) as exc:
+        print(f"lockgate: cannot build the demo repository: {exc}", file=sys.stderr)
+        print("lockgate: give a model repository: lockgate serve <repository>", file=sys.stderr)
+        return None
+
+
 def _models(args: argparse.Namespace) -> int:
     from lockgate.core.repository import scan_repository
 
@@ -207,7 +223,9 @@ def _models(args: argparse.Namespace) -> int:
     if repository is None:
         from lockgate.demo.build import build_demo_repository, default_demo_path
 
-        repository = build_demo_repository(default_demo_path(), progress=print)
+        repository = _build_demo(build_demo_repository, default_demo_path())
+        if repository is None:
+            return 2
     entries = scan_repository(Path(repository))
     bad = 0
     for entry in entries:
@@ -255,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """bench, profile and plan register their own arguments."""
-    import importlib
+    """bench, profile and plan register their own arguments. Without the `bench` extra they
+    are listed still, and say what to install."""
+    from lockgate.extras import MissingExtra, import_for
 
     for command, module in (
         ("bench", "lockgate.bench.cli"),
@@ -264,12 +283,23 @@ def _add_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         ("plan", "lockgate.plan.cli"),
     ):
         try:
-            tool = importlib.import_module(module)
-        except ImportError:
+            tool = import_for(module, "bench", f"lockgate {command}")
+        except MissingExtra as exc:
+            p = sub.add_parser(command, help=f"(needs: pip install 'lockgate[{exc.extra}]')")
+            p.add_argument("args", nargs=argparse.REMAINDER)
+            p.set_defaults(handler=_missing(exc))
             continue
         p = sub.add_parser(command, help=(tool.__doc__ or command).strip().splitlines()[0])
         tool.add_arguments(p)
         p.set_defaults(handler=tool.run)
+
+
+def _missing(exc: ImportError) -> Callable[[argparse.Namespace], int]:
+    def report(args: argparse.Namespace) -> int:
+        print(f"lockgate: {exc}", file=sys.stderr)
+        return 2
+
+    return report
 
 
 if __name__ == "__main__":

@@ -70,11 +70,21 @@ def start_server(
     ready_timeout: float = 180.0,
     wait_ready: bool = True,
     grpc_port: int | None = None,
+    python: str | None = None,
 ) -> RunningServer:
-    """A server on a free port; gRPC only on `grpc_port` (off by default: no clash on 8001)."""
+    """A server on a free port; gRPC only on `grpc_port` (off by default: no clash on 8001).
+    `python` runs the lockgate installed in another environment (from outside the checkout)."""
     port = free_port()
     log_path = tmp / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "lockgate.cli", "serve", str(repository), "--port", str(port)]
+    cmd = [
+        python or sys.executable,
+        "-m",
+        "lockgate.cli",
+        "serve",
+        str(repository),
+        "--port",
+        str(port),
+    ]
     cmd += ["--grpc-port", str(grpc_port) if grpc_port is not None else "off"]
     # the test machine is shared by the servers, the clients and whatever else runs: wider
     # saturation bounds than the defaults keep functional tests from being refused as
@@ -86,7 +96,11 @@ def start_server(
     full_env = {**os.environ, **(env or {})}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT
+            [*cmd, *extra],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=tmp if python else ROOT,
         )
     server = RunningServer(process, port, log_path, grpc_port)
     deadline = time.monotonic() + ready_timeout

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from lockgate.config import ModelConfig
 from lockgate.datatypes import Arrays
 from lockgate.errors import ConfigError
+from lockgate.extras import import_for
 
 
 class Backend(Protocol):
@@ -54,6 +55,7 @@ class BackendSpec:
     load: str = ""  # -> BackendFactory: instances behind the batcher
     autocomplete: str = ""  # fills inputs and outputs from the model file when omitted
     service: str = ""  # -> ModelServiceFactory: a model with its own scheduler, no batcher
+    extra: str = ""  # the pip extra that installs the runtime's libraries ("" when core)
 
 
 LLM_BACKEND = "llm"  # causal language models: served by the LLM engine, not by a Backend
@@ -66,7 +68,14 @@ SPECS: tuple[BackendSpec, ...] = (
         "lockgate.backends.onnx:load",
         "lockgate.backends.onnx:autocomplete",
     ),
-    BackendSpec("sklearn", (), "", ("model.joblib", "model.pkl"), "lockgate.backends.sklearn:load"),
+    BackendSpec(
+        "sklearn",
+        (),
+        "",
+        ("model.joblib", "model.pkl"),
+        "lockgate.backends.sklearn:load",
+        extra="sklearn",
+    ),
     BackendSpec("python", (), "", ("model.py",), "lockgate.backends.python:load"),
     BackendSpec(
         "pytorch",
@@ -74,8 +83,9 @@ SPECS: tuple[BackendSpec, ...] = (
         "pytorch_libtorch",
         ("model.pt", "model.pt2"),
         "lockgate.backends.torch:load",
+        extra="torch",
     ),
-    BackendSpec(LLM_BACKEND, service="lockgate.llm.service:LLMService.load"),
+    BackendSpec(LLM_BACKEND, service="lockgate.llm.startup:load_service", extra="llm"),
 )
 _BY_NAME = {name: spec for spec in SPECS for name in (spec.name, *spec.aliases)}
 
@@ -94,16 +104,20 @@ def spec_of(name: str) -> BackendSpec:
     return _BY_NAME[name]
 
 
-def _resolve(target: str) -> Any:
+def _resolve(spec: BackendSpec, target: str) -> Any:
     module_name, path = target.split(":")
-    found: Any = importlib.import_module(module_name)
+    if spec.extra:
+        found: Any = import_for(module_name, spec.extra, f"the {spec.name} backend")
+    else:
+        found = importlib.import_module(module_name)
     for attr in path.split("."):
         found = getattr(found, attr)
     return found
 
 
 def get_factory(name: str) -> BackendFactory:
-    factory: BackendFactory = _resolve(spec_of(name).load)
+    spec = spec_of(name)
+    factory: BackendFactory = _resolve(spec, spec.load)
     return factory
 
 
@@ -112,7 +126,7 @@ def get_service_factory(name: str) -> ModelServiceFactory | None:
     spec = spec_of(name)
     if not spec.service:
         return None
-    factory: ModelServiceFactory = _resolve(spec.service)
+    factory: ModelServiceFactory = _resolve(spec, spec.service)
     return factory
 
 
@@ -122,7 +136,7 @@ def autocomplete(config: ModelConfig, version_dir: Path) -> ModelConfig:
     spec = _BY_NAME.get(config.backend)
     if spec is None or not spec.autocomplete or (config.inputs and config.outputs):
         return config
-    complete: Callable[[ModelConfig, Path], ModelConfig] = _resolve(spec.autocomplete)
+    complete: Callable[[ModelConfig, Path], ModelConfig] = _resolve(spec, spec.autocomplete)
     return complete(config, version_dir)
 
 

@@ -26,6 +26,7 @@ import yaml
 
 from lockgate.demo.packages import DemoBuildError, package_folder
 from lockgate.demo.smollm2 import build_smollm2
+from lockgate.extras import missing_from
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,14 @@ def build_demo_repository(
             say(f"{step}: already built")
             continue
         say(f"{step}: building")
-        _build_atomically(dest, model, _prefixed(say, step))
+        try:
+            _build_atomically(dest, model, _prefixed(say, step))
+        except ImportError as exc:
+            feature = f"the demo repository's {model.name} model"
+            missing = missing_from(exc, "demo", feature) or missing_from(exc, "llm", feature)
+            if missing is None:
+                raise
+            raise missing from exc
         say(f"{step}: done")
     return dest
 

@@ -11,7 +11,7 @@ import base64
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -21,10 +21,12 @@ from lockgate.core.request import InferRequest
 from lockgate.errors import BadRequest, Forbidden, NotFound, ServingError, Unavailable
 from lockgate.frontend.app import App
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
-from lockgate.llm.engine import RequestOutput
 from lockgate.llm.sequence import MAX_LOGIT_BIAS, SamplingParams
 from lockgate.llm.service import LLMMetrics, LLMService
 from lockgate.protocol import openai as oa
+
+if TYPE_CHECKING:
+    from lockgate.llm.engine import RequestOutput
 
 log = logging.getLogger("lockgate.openai")
 _encode = msgspec.json.Encoder().encode

@@ -1,0 +1,175 @@
+"""Loading a served language model: checkpoint, model, KV cache, engine, warmup.
+
+A model folder whose config says `backend: llm` holds the weights in its version folder (a
+`.gguf` file or a Hugging Face folder) and the engine settings in `parameters`:
+
+| parameter | meaning | default |
+|---|---|---|
+| model_file | file or folder inside the version folder | the only `.gguf` there |
+| served_model_name | the name clients use in the OpenAI API | the model folder's name |
+| dtype | float32 or bfloat16 | bfloat16 |
+| kv_cache_gib / kv_cache_blocks | KV cache size | 1.0 GiB |
+| block_size | tokens per KV block | 16 |
+| max_model_len | prompt + output tokens of one sequence | 2048 |
+| max_num_seqs | sequences in one step | 64 |
+| max_num_batched_tokens | tokens in one step (prefill chunks + decodes) | 512 |
+| max_waiting | waiting requests before 429 | 256 |
+| enable_prefix_caching | share KV blocks of common prefixes | true |
+| enable_chunked_prefill | split long prompts across steps | true |
+| num_threads | torch intra-op threads | torch's default |
+| pack_weights | bfloat16: reorder the weights for oneDNN once, at load | true |
+| ttft_slo_ms | refuse (503) a request predicted to wait longer for its first token | none |
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from lockgate.config import ModelConfig
+from lockgate.errors import ConfigError
+from lockgate.llm.async_engine import AsyncLLMEngine
+from lockgate.llm.engine import LLMEngine
+from lockgate.llm.engine_config import EngineConfig
+from lockgate.llm.loader import load_checkpoint
+from lockgate.llm.models.llama import allocate_kv_cache, build_llama, kv_bytes_per_block
+from lockgate.llm.models.packing import pack_linear_weights
+from lockgate.llm.service import LLMService
+from lockgate.llm.tokenizer import ChatTokenizer, IncrementalDetokenizer
+
+log = logging.getLogger("lockgate.llm")
+
+_BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def engine_config_from(config: ModelConfig) -> EngineConfig:
+    p = config.parameters
+    source = config.source or config.name
+
+    def number(key: str, kind: type, default: object) -> object:
+        if key not in p:
+            return default
+        try:
+            return kind(p[key])
+        except ValueError:
+            raise ConfigError(
+                source, f"parameters.{key}", f"not a {kind.__name__}: {p[key]!r}"
+            ) from None
+
+    def flag(key: str, default: bool) -> bool:
+        if key not in p:
+            return default
+        value = _BOOL.get(str(p[key]).lower())
+        if value is None:
+            raise ConfigError(source, f"parameters.{key}", "must be true or false")
+        return value
+
+    blocks = number("kv_cache_blocks", int, None)
+    return EngineConfig(
+        max_model_len=number("max_model_len", int, 2048),  # type: ignore[arg-type]
+        block_size=number("block_size", int, 16),  # type: ignore[arg-type]
+        kv_cache_blocks=blocks,  # type: ignore[arg-type]
+        kv_cache_gib=None if blocks is not None else number("kv_cache_gib", float, 1.0),  # type: ignore[arg-type]
+        max_num_seqs=number("max_num_seqs", int, 64),  # type: ignore[arg-type]
+        max_num_batched_tokens=number("max_num_batched_tokens", int, 512),  # type: ignore[arg-type]
+        max_waiting=number("max_waiting", int, 256),  # type: ignore[arg-type]
+        enable_prefix_caching=flag("enable_prefix_caching", True),
+        enable_chunked_prefill=flag("enable_chunked_prefill", True),
+        continuous_batching=flag("continuous_batching", True),
+        dtype=str(p.get("dtype", "bfloat16")),
+        num_threads=number("num_threads", int, None),  # type: ignore[arg-type]
+        pack_weights=flag("pack_weights", True),
+        ttft_slo_ms=number("ttft_slo_ms", float, None),  # type: ignore[arg-type]
+    )
+
+
+def _weights_path(config: ModelConfig, version_dir: Path) -> Path:
+    name = config.parameters.get("model_file", "")
+    if name:
+        path = (version_dir / name).resolve()
+        if not path.is_relative_to(version_dir.resolve()):
+            raise ConfigError(
+                config.source, "parameters.model_file", "must stay inside the version folder"
+            )
+        return path
+    ggufs = sorted(version_dir.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if (version_dir / "config.json").is_file():
+        return version_dir
+    raise ConfigError(
+        config.source,
+        "parameters.model_file",
+        f"no single .gguf file or config.json in {version_dir}",
+    )
+
+
+def load_service(config: ModelConfig, version_dir: Path) -> LLMService:
+    """Load, build and warm up the language model of one version folder."""
+    start = time.monotonic()
+    engine_config = engine_config_from(config)
+    checkpoint = load_checkpoint(_weights_path(config, version_dir))
+    model = build_llama(checkpoint.config, checkpoint.weights, engine_config.dtype)
+    if engine_config.pack_weights:
+        pack_linear_weights(model)
+    per_block = kv_bytes_per_block(checkpoint.config, engine_config.block_size, engine_config.dtype)
+    blocks = engine_config.num_kv_blocks(per_block)
+    kv = allocate_kv_cache(checkpoint.config, blocks, engine_config.block_size, engine_config.dtype)
+    tokenizer = ChatTokenizer(checkpoint.tokenizer)
+    engine = LLMEngine(
+        model,
+        kv,
+        engine_config,
+        eos_token_ids=tokenizer.eos_token_ids,
+        decoder_factory=lambda _prompt: IncrementalDetokenizer(tokenizer),
+    )
+    _warmup(engine, checkpoint.config.vocab_size)
+    name = config.parameters.get("served_model_name", config.name)
+    elapsed = time.monotonic() - start
+    log.info(
+        "language model %s ready in %.2f s: %s, %s, KV cache %d blocks x %d tokens = %.2f GiB",
+        name,
+        elapsed,
+        checkpoint.source,
+        engine_config.dtype,
+        blocks,
+        engine_config.block_size,
+        blocks * per_block / 2**30,
+    )
+    return LLMService(
+        name=name,
+        config=config,
+        engine_config=engine_config,
+        tokenizer=tokenizer,
+        engine=AsyncLLMEngine(engine),
+        vocab_size=checkpoint.config.vocab_size,
+        load_seconds=elapsed,
+        created=int(time.time()),
+    )
+
+
+def _warmup(engine: LLMEngine, vocab_size: int) -> None:
+    """Run the shapes the first clients will: a short prompt with a few decodes, then a full
+    prefill budget. The prefill rate that TTFT admission predicts from is measured on a
+    second full-budget prefill only, so one-off costs of the first runs do not leave it
+    low (which would refuse the first burst of traffic)."""
+    from lockgate.llm.admission import PrefillRate
+    from lockgate.llm.sequence import SamplingParams
+
+    config = engine.config
+    budget = max(8, min(config.max_num_batched_tokens, config.max_model_len - 1))
+
+    def full(offset: int) -> list[list[int]]:  # distinct prompts: no prefix-cache hit
+        return [[1 + (offset + i) % (vocab_size - 1) for i in range(budget)]]
+
+    once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    with torch.inference_mode():
+        engine.generate(
+            [[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        )
+        engine.generate(full(0), once)
+        engine.scheduler.admission.prefill = PrefillRate()
+        engine.generate(full(vocab_size // 2), once)
