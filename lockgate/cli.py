@@ -8,8 +8,12 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lockgate import __version__
+
+if TYPE_CHECKING:
+    from lockgate.cache.redis_tier import RedisSettings
 
 
 def _env_keys(name: str) -> frozenset[str]:
@@ -120,10 +124,31 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="log each request as one JSON line (request id, status, duration, bytes, model, "
         "refusal reason) on the lockgate.access logger",
     )
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("LOCKGATE_REDIS_URL", ""),
+        help="Redis for the response cache's shared tier, e.g. redis://127.0.0.1:6379/0 "
+        "(default: $LOCKGATE_REDIS_URL; none: in-process cache only)",
+    )
+    p.add_argument("--redis-prefix", default="lockgate", help="key prefix in Redis")
+    p.add_argument(
+        "--redis-timeout-ms",
+        type=float,
+        default=50.0,
+        help="bound on one Redis command; past it the lookup is a miss",
+    )
     p.add_argument("--no-admission", action="store_true", help="turn off deadline-aware admission")
     p.add_argument("--strict-readiness", action="store_true", help="ready only when all models are")
     p.add_argument("--no-llm", action="store_true", help="do not start language models")
     p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _redis(args: argparse.Namespace) -> RedisSettings | None:
+    from lockgate.cache.redis_tier import RedisSettings
+
+    if not args.redis_url:
+        return None
+    return RedisSettings(args.redis_url, args.redis_prefix, args.redis_timeout_ms / 1000.0)
 
 
 def _grpc_port(text: str) -> int:
@@ -166,6 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
         model_control=args.model_control_mode,
         metrics_public=args.metrics_public,
         access_log=args.access_log,
+        redis=_redis(args),
     )
     serving = ServingSettings(
         hang_timeout=args.hang_timeout,

@@ -82,6 +82,54 @@ class WarmupSample:
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseCacheConfig:
+    """`response_cache`: answers kept by a hash of the request, in the process and in Redis."""
+
+    enable: bool = False
+    ttl_s: float | None = None  # None: kept until evicted
+    max_bytes: int = 64 * 2**20  # the in-process tier's bound for this model version
+    coalesce: bool = True  # identical requests in flight at once run once
+    redis: bool = True  # also use the server's Redis tier, when one is configured
+
+
+@dataclass(frozen=True, slots=True)
+class EnsembleStep:
+    """One step of an ensemble: a model, and the maps between its tensors and the ensemble's."""
+
+    model: str
+    version: int | None = None  # None: the model's default version
+    input_map: dict[str, str] = field(default_factory=dict)  # step input -> ensemble tensor
+    output_map: dict[str, str] = field(default_factory=dict)  # step output -> ensemble tensor
+
+
+@dataclass(frozen=True, slots=True)
+class CascadeConfig:
+    """`cascade`: models from cheapest to largest. A row goes on to the next model when its
+    confidence (the largest value of `confidence_output` in the row) is below `threshold`, or
+    when the `rule` function ("file.py:function" in the model folder) says so."""
+
+    models: tuple[str, ...]
+    confidence_output: str = ""
+    threshold: float = 0.0
+    rule: str = ""
+
+
+class FallbackKind(Enum):
+    MODEL = "model"  # a cheaper model with the same inputs and outputs
+    CACHE = "cache"  # the response cache, stale entries included
+    STATIC = "static"  # fixed outputs, one row value per output
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """One way to answer when the model cannot in time. `fallback` lists them in order."""
+
+    kind: FallbackKind
+    model: str = ""
+    static: dict[str, list[object]] = field(default_factory=dict)  # output -> one row's value
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
     backend: str
@@ -95,6 +143,10 @@ class ModelConfig:
     warmup: tuple[WarmupSample, ...] = ()
     parameters: dict[str, str] = field(default_factory=dict)  # backend-specific settings
     default_model_filename: str = ""
+    response_cache: ResponseCacheConfig = ResponseCacheConfig()
+    ensemble: tuple[EnsembleStep, ...] = ()  # backend "ensemble"
+    cascade: CascadeConfig | None = None  # backend "cascade"
+    fallback: tuple[Fallback, ...] = ()
     source: str = ""  # the file this config came from, for error messages
 
     def input(self, name: str) -> TensorSpec | None:

@@ -23,12 +23,20 @@ NEVER: dict[str, set[str]] = {
     "protocol": {"core", "frontend", "backends", "llm", "bench", "plan", "demo", "cli"},
     "core": {"protocol", "frontend", "llm", "bench", "plan", "demo", "cli"},
     "backends": {"core", "frontend", "llm", "protocol", "bench", "plan", "demo", "cli"},
-    "llm": {"frontend", "protocol", "bench", "plan", "demo", "cli"},
+    "llm": {"frontend", "protocol", "bench", "plan", "demo", "cli", "compose"},
+    "cache": {"frontend", "protocol", "backends", "llm", "bench", "plan", "demo", "cli"},
+    "compose": {"frontend", "protocol", "llm", "bench", "plan", "demo", "cli"},
     "bench": {"core", "frontend", "backends", "llm", "protocol", "demo", "cli"},
     "plan": {"core", "frontend", "backends", "llm", "protocol", "demo", "cli"},
     "frontend": {"bench", "plan", "cli"},
     "demo": {"core", "frontend", "protocol", "bench", "plan", "cli"},
 }
+# the request path below the frontend: frontend -> compose -> cache -> core -> backends
+for _lower in ("protocol", "core", "backends"):
+    NEVER[_lower] |= {"cache", "compose"}
+NEVER["cache"].add("compose")
+for _tool in ("bench", "plan", "demo"):
+    NEVER[_tool] |= {"cache", "compose"}
 
 
 @dataclass(frozen=True, slots=True)

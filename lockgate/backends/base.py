@@ -35,9 +35,18 @@ class ModelService(Protocol):
     def close(self) -> None: ...
 
 
+class InferContext(Protocol):
+    """What a composition (an ensemble step, a cascade stage, a Python model that calls other
+    models) uses to run a model: through that model's batcher, within the caller's deadline."""
+
+    async def infer(self, model: str, inputs: Arrays, version: int | None = None) -> Arrays: ...
+
+
 BackendFactory = Callable[[ModelConfig, Path], Backend]
 """Build a backend from its config and its version folder (`<repo>/<model>/<version>`)."""
-ModelServiceFactory = Callable[[ModelConfig, Path], ModelService]
+ModelServiceFactory = Callable[[ModelConfig, Path], ModelService | None]
+"""None: the backend serves this model behind the batcher after all (a synchronous Python
+model, where the backend also serves compositions)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +85,14 @@ SPECS: tuple[BackendSpec, ...] = (
         "lockgate.backends.sklearn:load",
         extra="sklearn",
     ),
-    BackendSpec("python", (), "", ("model.py",), "lockgate.backends.python:load"),
+    BackendSpec(
+        "python",
+        (),
+        "",
+        ("model.py",),
+        "lockgate.backends.python:load",
+        service="lockgate.backends.python:load_composition",
+    ),
     BackendSpec(
         "pytorch",
         ("torch",),
@@ -85,6 +101,8 @@ SPECS: tuple[BackendSpec, ...] = (
         "lockgate.backends.torch:load",
         extra="torch",
     ),
+    BackendSpec("ensemble", (), "ensemble", service="lockgate.compose.ensemble:Ensemble.load"),
+    BackendSpec("cascade", service="lockgate.compose.cascade:Cascade.load"),
     BackendSpec(LLM_BACKEND, service="lockgate.llm.startup:load_service", extra="llm"),
 )
 _BY_NAME = {name: spec for spec in SPECS for name in (spec.name, *spec.aliases)}

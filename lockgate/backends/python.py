@@ -14,6 +14,7 @@ Like a pickle, `model.py` is code: serve only repositories you trust.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
 import re
 import sys
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from lockgate.backends.base import Arrays, model_file
+from lockgate.backends.base import Arrays, InferContext, model_file
 from lockgate.config import ModelConfig
 from lockgate.errors import BackendError, ConfigError, ServingError
 
@@ -48,36 +49,75 @@ class PythonBackend:
             raise  # the model chose the status (e.g. BadRequest for bad text)
         except Exception as exc:
             raise BackendError(f"model '{self._model}': {type(exc).__name__}: {exc}") from exc
-        return self._checked(outputs)
-
-    def _checked(self, outputs: Any) -> Arrays:
-        if not isinstance(outputs, dict):
-            kind = type(outputs).__name__
-            raise BackendError(f"model '{self._model}': infer() returned {kind}, not a dict")
-        checked: Arrays = {}
-        for name, value in outputs.items():
-            if not isinstance(name, str):
-                raise BackendError(f"model '{self._model}': output name {name!r} is not a string")
-            checked[name] = value if isinstance(value, np.ndarray) else np.asarray(value)
-        for name in self._expected:
-            if name not in checked:
-                raise BackendError(f"model '{self._model}': infer() returned no output '{name}'")
-        return checked
+        return checked_outputs(outputs, self._model, self._expected)
 
     def close(self) -> None:
-        close = getattr(self._instance, "close", None)
+        _close(self._instance, self._module_name)
+
+
+def checked_outputs(outputs: Any, model: str, expected: list[str]) -> Arrays:
+    """What a user's infer() returned, as named arrays; BackendError when it is not that."""
+    if not isinstance(outputs, dict):
+        kind = type(outputs).__name__
+        raise BackendError(f"model '{model}': infer() returned {kind}, not a dict")
+    checked: Arrays = {}
+    for name, value in outputs.items():
+        if not isinstance(name, str):
+            raise BackendError(f"model '{model}': output name {name!r} is not a string")
+        checked[name] = value if isinstance(value, np.ndarray) else np.asarray(value)
+    for name in expected:
+        if name not in checked:
+            raise BackendError(f"model '{model}': infer() returned no output '{name}'")
+    return checked
+
+
+class PythonComposition:
+    """A model whose class defines `async def infer(self, inputs, ctx)`: it runs on the event
+    loop, outside the batcher, and calls other models with `await ctx.infer(name, inputs)`
+    (each through its own batcher). Keep heavy computation in the models it calls."""
+
+    __slots__ = ("_expected", "_instance", "_model", "_module_name")
+
+    def __init__(self, instance: Any, config: ModelConfig, module_name: str) -> None:
+        self._instance = instance
+        self._model = config.name
+        self._module_name = module_name
+        self._expected = [spec.name for spec in config.outputs if not spec.optional]
+
+    async def run(self, inputs: Arrays, ctx: InferContext) -> Arrays:
         try:
-            if callable(close):
-                close()
-        finally:
-            sys.modules.pop(self._module_name, None)
+            outputs = await self._instance.infer(inputs, ctx)
+        except ServingError:
+            raise
+        except Exception as exc:
+            raise BackendError(f"model '{self._model}': {type(exc).__name__}: {exc}") from exc
+        return checked_outputs(outputs, self._model, self._expected)
+
+    async def drain(self, timeout: float) -> bool:
+        return True  # its requests wait in the models it calls, which drain them
+
+    def close(self) -> None:
+        _close(self._instance, self._module_name)
+
+
+def load_composition(config: ModelConfig, version_dir: Path) -> PythonComposition | None:
+    """The model as a composition when its `infer` is a coroutine function; else None (it is
+    then loaded by `load`, behind the batcher)."""
+    path = model_file(config, version_dir)
+    module_name = _module_name(config.name, version_dir.name)
+    module = import_file(path, module_name)
+    cls = getattr(module, config.parameters.get("class_name", "Model"), None)
+    if not isinstance(cls, type) or not inspect.iscoroutinefunction(getattr(cls, "infer", None)):
+        sys.modules.pop(module_name, None)
+        return None
+    return PythonComposition(_build(cls, config, version_dir, module_name), config, module_name)
 
 
 def load(config: ModelConfig, version_dir: Path) -> PythonBackend:
     """Import `model.py` from the version folder and build (and `load`) its model class."""
     path = model_file(config, version_dir)
     module_name = _module_name(config.name, version_dir.name)
-    module = _import(path, module_name)
+    module = import_file(path, module_name)
     class_name = config.parameters.get("class_name", "Model")
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type):
@@ -90,6 +130,10 @@ def load(config: ModelConfig, version_dir: Path) -> PythonBackend:
         raise ConfigError(
             str(path), "parameters.class_name", f"class '{class_name}' has no infer()"
         )
+    return PythonBackend(_build(cls, config, version_dir, module_name), config, module_name)
+
+
+def _build(cls: type, config: ModelConfig, version_dir: Path, module_name: str) -> Any:
     try:
         instance = cls()
         if callable(getattr(instance, "load", None)):
@@ -99,7 +143,16 @@ def load(config: ModelConfig, version_dir: Path) -> PythonBackend:
         raise BackendError(
             f"model '{config.name}': load failed: {type(exc).__name__}: {exc}"
         ) from exc
-    return PythonBackend(instance, config, module_name)
+    return instance
+
+
+def _close(instance: Any, module_name: str) -> None:
+    close = getattr(instance, "close", None)
+    try:
+        if callable(close):
+            close()
+    finally:
+        sys.modules.pop(module_name, None)
 
 
 def _module_name(model: str, version: str) -> str:
@@ -107,7 +160,8 @@ def _module_name(model: str, version: str) -> str:
     return f"lockgate_user_model_{safe}_{next(_module_ids)}"
 
 
-def _import(path: Path, module_name: str) -> ModuleType:
+def import_file(path: Path, module_name: str) -> ModuleType:
+    """Import a Python file of the model folder under `module_name`."""
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ConfigError(str(path), "model", "cannot import this file")

@@ -34,8 +34,13 @@ from typing import Any
 from lockgate.backends.base import backend_names
 from lockgate.config import (
     DATATYPES,
+    CascadeConfig,
     DynamicBatching,
+    EnsembleStep,
+    Fallback,
+    FallbackKind,
     ModelConfig,
+    ResponseCacheConfig,
     TensorSpec,
     VersionPolicy,
     VersionPolicyKind,
@@ -63,6 +68,11 @@ _TOP_LEVEL = frozenset(
         "warmup",
         "parameters",
         "default_model_filename",
+        "response_cache",
+        "ensemble",
+        "ensemble_scheduling",
+        "cascade",
+        "fallback",
     }
 )
 _TENSOR_KEYS = frozenset({"name", "datatype", "data_type", "dims", "optional"})
@@ -76,6 +86,11 @@ _BATCHING_KEYS = frozenset(
         "default_priority_level",
     }
 )
+_CACHE_KEYS = frozenset({"enable", "ttl_s", "max_bytes", "coalesce", "redis"})
+_STEP_KEYS = frozenset(
+    {"model", "model_name", "version", "model_version", "input_map", "output_map"}
+)
+_CASCADE_KEYS = frozenset({"models", "confidence_output", "threshold", "rule"})
 _WARMUP_KEYS = frozenset({"name", "batch_size", "count", "inputs"})
 _WARMUP_KINDS = ("zero", "random")
 _DEFAULT_BATCHING = DynamicBatching()
@@ -197,6 +212,10 @@ class _Reader:
             warmup=self.warmup(raw.get("warmup"), inputs, max_batch_size),
             parameters=self.parameters(raw.get("parameters")),
             default_model_filename=self.filename(raw.get("default_model_filename")),
+            response_cache=self.response_cache(raw.get("response_cache")),
+            ensemble=self.ensemble(raw),
+            cascade=self.cascade(raw.get("cascade")),
+            fallback=self.fallback(raw.get("fallback"), name),
             source=self.path,
         )
 
@@ -380,6 +399,108 @@ class _Reader:
             else:
                 raise self.error(f"parameters.{key}", f"expected a scalar, got {item!r}")
         return parameters
+
+    def response_cache(self, value: Any) -> ResponseCacheConfig:
+        if value is None or value is False:
+            return ResponseCacheConfig()
+        field = "response_cache"
+        raw = {} if value is True else self.mapping(value, field, _CACHE_KEYS)
+        ttl = raw.get("ttl_s")
+        if ttl is not None and self.number(ttl, f"{field}.ttl_s") <= 0:
+            raise self.error(f"{field}.ttl_s", f"must be > 0 seconds, got {ttl}")
+        default = ResponseCacheConfig()
+        return ResponseCacheConfig(
+            enable=self.boolean(raw.get("enable", True), f"{field}.enable"),
+            ttl_s=None if ttl is None else float(ttl),
+            max_bytes=self.integer(
+                raw.get("max_bytes", default.max_bytes), f"{field}.max_bytes", 1
+            ),
+            coalesce=self.boolean(raw.get("coalesce", True), f"{field}.coalesce"),
+            redis=self.boolean(raw.get("redis", True), f"{field}.redis"),
+        )
+
+    def ensemble(self, raw: Mapping[str, Any]) -> tuple[EnsembleStep, ...]:
+        """`ensemble: [steps]`, or Triton's `ensemble_scheduling: {step: [steps]}`."""
+        if "ensemble" in raw and "ensemble_scheduling" in raw:
+            raise self.error("ensemble", "give ensemble or ensemble_scheduling, not both")
+        if "ensemble_scheduling" in raw:
+            outer = self.mapping(
+                raw["ensemble_scheduling"], "ensemble_scheduling", frozenset({"step"})
+            )
+            steps = self.listed(outer, "step", self.ensemble_step, "ensemble_scheduling")
+        else:
+            steps = self.listed(raw, "ensemble", self.ensemble_step)
+        backend = raw.get("backend")
+        if steps and backend != "ensemble":
+            raise self.error("ensemble", "steps need backend: ensemble")
+        if backend == "ensemble" and not steps:
+            raise self.error("ensemble", "an ensemble needs at least one step")
+        return steps
+
+    def ensemble_step(self, value: Any, field: str) -> EnsembleStep:
+        raw = self.mapping(value, field, _STEP_KEYS)
+        key = "model_name" if "model_name" in raw else "model"
+        version_key = "model_version" if "model_version" in raw else "version"
+        version = self.integer(raw.get(version_key, -1), f"{field}.{version_key}", -1)
+        maps = {}
+        for which in ("input_map", "output_map"):
+            mapping = self.mapping(raw.get(which), f"{field}.{which}", _AnyKey())
+            for k, v in mapping.items():
+                if not isinstance(v, str) or not isinstance(k, str):
+                    raise self.error(f"{field}.{which}.{k}", f"expected a tensor name, got {v!r}")
+            maps[which] = {str(k): str(v) for k, v in mapping.items()}
+        if not maps["input_map"] or not maps["output_map"]:
+            raise self.error(field, "a step needs an input_map and an output_map")
+        return EnsembleStep(
+            model=self.string(raw.get(key), f"{field}.{key}"),
+            version=None if version < 1 else version,
+            input_map=maps["input_map"],
+            output_map=maps["output_map"],
+        )
+
+    def cascade(self, value: Any) -> CascadeConfig | None:
+        if value is None:
+            return None
+        field = "cascade"
+        raw = self.mapping(value, field, _CASCADE_KEYS)
+        models = self.listed(raw, "models", lambda v, f: self.string(v, f), field)
+        if len(models) < 2:
+            raise self.error(f"{field}.models", "list at least two models, cheapest first")
+        output = rule = ""
+        if "confidence_output" in raw:
+            output = self.string(raw["confidence_output"], f"{field}.confidence_output")
+        if "rule" in raw:
+            rule = self.string(raw["rule"], f"{field}.rule")
+        if bool(output) == bool(rule):
+            raise self.error(field, "give confidence_output (with threshold) or rule, one of them")
+        threshold = self.number(raw.get("threshold", 0.0), f"{field}.threshold")
+        if output and not 0 < threshold <= 1:
+            raise self.error(f"{field}.threshold", f"must be in (0, 1], got {threshold}")
+        return CascadeConfig(tuple(models), output, threshold, rule)
+
+    def fallback(self, value: Any, name: str) -> tuple[Fallback, ...]:
+        found = []
+        for index, item in enumerate(self.items(value, "fallback")):
+            field = f"fallback[{index}]"
+            raw = self.mapping(item, field, frozenset({"model", "cache", "static"}))
+            if len(raw) != 1:
+                raise self.error(field, "give exactly one of model, cache, static")
+            ((kind, body),) = raw.items()
+            if kind == "model":
+                other = self.string(body, f"{field}.model")
+                if other == name:
+                    raise self.error(f"{field}.model", "a model cannot be its own fallback")
+                found.append(Fallback(FallbackKind.MODEL, model=other))
+            elif kind == "cache":
+                if self.boolean(body, f"{field}.cache"):
+                    found.append(Fallback(FallbackKind.CACHE))
+            else:
+                outputs = self.mapping(body, f"{field}.static", _AnyKey())
+                if not outputs:
+                    raise self.error(f"{field}.static", "give at least one output's row value")
+                static = {str(k): v if isinstance(v, list) else [v] for k, v in outputs.items()}
+                found.append(Fallback(FallbackKind.STATIC, static=static))
+        return tuple(found)
 
     def filename(self, value: Any) -> str:
         if value is None:

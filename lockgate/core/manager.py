@@ -256,10 +256,12 @@ class ModelManager:
         service_factory = get_service_factory(config.backend)
         if service_factory is not None:  # loads and warms up in one call
             start = time.monotonic()
-            served.service = await loop.run_in_executor(None, service_factory, config, served.path)
-            served.load_seconds = time.monotonic() - start
-            self.metrics.load_seconds.set(labels, served.load_seconds)
-            return
+            service = await loop.run_in_executor(None, service_factory, config, served.path)
+            if service is not None:
+                served.service = service
+                served.load_seconds = time.monotonic() - start
+                self.metrics.load_seconds.set(labels, served.load_seconds)
+                return
         factory = get_factory(config.backend)
         start = time.monotonic()
 

@@ -14,6 +14,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lockgate.cache.redis_tier import RedisSettings
+from lockgate.cache.response_cache import ResponseCache
+from lockgate.compose.executor import Executor
 from lockgate.core.manager import ModelManager
 from lockgate.errors import (
     BadRequest,
@@ -58,6 +61,7 @@ class ServerSettings:
     priority_keys: frozenset[str] = frozenset()
     repository: Path | None = None
     access_log: bool = False  # one JSON line per request on the `lockgate.access` logger
+    redis: RedisSettings | None = None  # the response cache's shared tier; None: in-process only
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
             {
@@ -81,13 +85,15 @@ class App:
         openai: OpenAIHandler | None = None,
     ) -> None:
         self.models = models
-        self.v2 = V2Service(models)
         self.settings = settings or ServerSettings()
+        self.cache = ResponseCache(models.registry, self.settings.redis)
+        self.executor = Executor(models, self.cache, models.registry)
+        self.v2 = V2Service(models, self.executor)
         self.access = AccessLog(self.settings.access_log)
         self.openai = openai
         self.started = False  # set once the repository has been loaded
         self.draining = False
-        self.closers: list[Callable[[], Awaitable[None]]] = []  # run at shutdown
+        self.closers: list[Callable[[], Awaitable[None]]] = [self.cache.close]  # at shutdown
         # told each request's delay from its first byte to its handler (the connection gate)
         self.front_delay: Callable[[float, float], None] | None = None
         self.http_latency = models.registry.histogram(

@@ -200,6 +200,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             outputs=result.outputs,
             requested=decoded.outputs,
             datatypes=result.output_datatypes,
+            parameters=result.parameters,
         )
 
     # -- the frame around every method -------------------------------------------------

@@ -37,12 +37,13 @@ async def infer(
         requested=decoded.outputs or None,
         binary_default=decoded.binary_default,
         datatypes=result.output_datatypes,
+        parameters=result.parameters,
     )
     if header_length is None:
-        await respond(request.send, 200, payload)
+        await respond(request.send, 200, payload, headers=result.headers)
         return
     headers = [(b"inference-header-content-length", str(header_length).encode())]
-    await respond(request.send, 200, payload, b"application/octet-stream", headers)
+    await respond(request.send, 200, payload, b"application/octet-stream", headers + result.headers)
 
 
 async def model_ready(

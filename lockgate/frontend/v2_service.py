@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from lockgate import __version__
 from lockgate.backends.base import spec_of
+from lockgate.compose.executor import Executor
 from lockgate.config import ModelConfig
 from lockgate.core.manager import ModelManager, ModelState, ServedVersion
 from lockgate.core.request import InferRequest
@@ -74,6 +75,24 @@ class InferResult:
 
     served: ServedVersion
     outputs: Arrays
+    source: str = ""  # "": the model computed it; "cache"; "fallback:<kind>[:<model>]"
+
+    @property
+    def parameters(self) -> dict[str, str | bool]:
+        """Response parameters that say where the answer came from."""
+        if self.source == "cache":
+            return {"cache_hit": True}
+        if self.source.startswith("fallback:"):
+            return {"fallback": self.source.removeprefix("fallback:")}
+        return {}
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        if self.source == "cache":
+            return [(b"x-lockgate-cache", b"hit")]
+        if self.source.startswith("fallback:"):
+            return [(b"x-lockgate-fallback", self.source.removeprefix("fallback:").encode())]
+        return []
 
     @property
     def output_datatypes(self) -> dict[str, str]:
@@ -130,8 +149,9 @@ def priority_of(parameters: dict[str, object]) -> int:
 class V2Service:
     """KServe v2 inference, health, metadata and Triton's extensions over a model manager."""
 
-    def __init__(self, models: ModelManager) -> None:
+    def __init__(self, models: ModelManager, executor: Executor) -> None:
         self.models = models
+        self.executor = executor
 
     # -- inference ---------------------------------------------------------------------
     def served(self, name: str, version_text: str | None) -> ServedVersion:
@@ -191,7 +211,8 @@ class V2Service:
         request = self.core_request(
             name, served, decoded, timed.resolve(served), deadline.received, priority_granted
         )
-        return InferResult(served, await self.models.infer(request))
+        answer = await self.executor.infer(request, served)
+        return InferResult(answer.served, answer.outputs, answer.source)
 
     # -- health and metadata -----------------------------------------------------------
     def model_ready(self, name: str, version_text: str | None) -> str | None:

@@ -206,6 +206,7 @@ def encode_infer_response(
     outputs: dict[str, np.ndarray],
     requested: Sequence[RequestedOutput],
     datatypes: dict[str, str],
+    parameters: dict[str, str | bool] | None = None,
 ) -> pb.ModelInferResponse:
     """A ModelInferResponse with every output (or the requested ones) in raw_output_contents.
 
@@ -221,6 +222,11 @@ def encode_infer_response(
         array, datatype = _output_array(want, outputs[want.name], datatypes)
         response.outputs.add(name=want.name, datatype=datatype, shape=array.shape)
         response.raw_output_contents.append(tensor_bytes(array, datatype))
+    for key, value in (parameters or {}).items():
+        if isinstance(value, bool):
+            response.parameters[key].bool_param = value
+        else:
+            response.parameters[key].string_param = value
     return response
 
 
