@@ -16,10 +16,20 @@ A `config.yaml` (every key but `backend` is optional):
     version_policy: {latest: {num_versions: 1}}
     warmup: [{name: zeros, batch_size: 8, count: 2, inputs: {input: zero}}]
     parameters: {intra_op_threads: 1}
+    response_cache: {enable: true, ttl_s: 300, max_bytes: 67108864, coalesce: true, redis: true}
+    fallback: [{model: digits_small}, {cache: true}, {static: {label: -1}}]
+
+Compositions (`backend: ensemble` or `backend: cascade`):
+
+    ensemble:                    # or Triton's ensemble_scheduling: {step: [...]}
+      - {model: tokenizer, input_map: {text: text}, output_map: {input_ids: ids}}
+      - {model: encoder, input_map: {input_ids: ids}, output_map: {embedding: embedding}}
+    cascade: {models: [small, large], confidence_output: probabilities, threshold: 0.9}
+    cascade: {models: [small, large], rule: "rule.py:escalate"}   # or a function of yours
 
 Unknown keys are errors in `config.yaml` (a typo must not pass silently). In
 `config.pbtxt`, fields that Triton knows and lockgate does not use (optimization,
-response_cache, sequence_batching, ...) are ignored with a warning.
+sequence_batching, ...) are ignored with a warning.
 
 A warmup sample with no `inputs` means zeros for every input.
 """

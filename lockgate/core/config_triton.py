@@ -1,6 +1,6 @@
 """Triton's `config.pbtxt`, translated into the keys of `config.yaml` and validated by the one
 reader (`config_reader.py`). Fields that Triton knows and lockgate does not use (optimization,
-response_cache, sequence_batching, ...) are ignored with a warning."""
+sequence_batching, ...) are ignored with a warning."""
 
 from __future__ import annotations
 
@@ -140,6 +140,29 @@ class _TritonTranslator:
             body = self.sub(entry.get("value"), f"{field}.value")
             parameters[str(entry.get("key"))] = body.get("string_value")
         raw["parameters"] = parameters
+
+    def _field_response_cache(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
+        cache = self.sub(self.one(message, "response_cache"), "response_cache")
+        self.warn_unused(cache, "response_cache", frozenset({"enable"}))
+        raw["response_cache"] = {"enable": cache.get("enable", False)}
+
+    def _field_ensemble_scheduling(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
+        scheduling = self.sub(self.one(message, "ensemble_scheduling"), "ensemble_scheduling")
+        self.warn_unused(scheduling, "ensemble_scheduling", frozenset({"step"}))
+        steps = []
+        for index, value in enumerate(scheduling.values("step")):
+            field = f"ensemble_scheduling.step[{index}]"
+            step = self.sub(value, field)
+            used = frozenset({"model_name", "model_version", "input_map", "output_map"})
+            self.warn_unused(step, field, used)
+            out: dict[str, Any] = {"model_name": step.get("model_name")}
+            if "model_version" in step:
+                out["model_version"] = step.get("model_version")
+            for which in ("input_map", "output_map"):
+                entries = [self.sub(v, f"{field}.{which}") for v in step.values(which)]
+                out[which] = {str(e.get("key")): e.get("value") for e in entries}
+            steps.append(out)
+        raw["ensemble_scheduling"] = {"step": steps}
 
     # -- nested messages
 

@@ -312,7 +312,8 @@ def test_triton_pbtxt(caplog: pytest.LogCaptureFixture) -> None:
     assert config.parameters == {"intra_op_threads": "2", "mode": "fast"}
     assert config.default_model_filename == "resnet.onnx"
     ignored = " ".join(r.getMessage() for r in caplog.records)
-    assert "optimization" in ignored and "response_cache" in ignored
+    assert "optimization" in ignored and "response_cache" not in ignored  # read now
+    assert config.response_cache.enable
     assert "dynamic_batching.preserve_ordering" in ignored
     assert "reshape" not in ignored  # ignored quietly
 
@@ -375,3 +376,68 @@ def test_check_warmup_inputs_after_inputs_are_known() -> None:
 
     with pytest.raises(ConfigError, match="no input named 'x'"):
         check_warmup_inputs(replace(config, inputs=(TensorSpec("y", "FP32", (1,)),)))
+
+
+def test_triton_ensemble_and_response_cache_from_pbtxt(tmp_path: Path) -> None:
+    folder = tmp_path / "pipe"
+    folder.mkdir()
+    (folder / "config.pbtxt").write_text(
+        """
+        name: "pipe"
+        platform: "ensemble"
+        max_batch_size: 8
+        input [{ name: "text" data_type: TYPE_STRING dims: [1] }]
+        output [{ name: "embedding" data_type: TYPE_FP32 dims: [384] }]
+        response_cache { enable: true }
+        ensemble_scheduling {
+          step [
+            {
+              model_name: "tokenizer"
+              model_version: -1
+              input_map { key: "text" value: "text" }
+              output_map { key: "input_ids" value: "ids" }
+            },
+            {
+              model_name: "encoder"
+              model_version: 2
+              input_map { key: "input_ids" value: "ids" }
+              output_map { key: "embedding" value: "embedding" }
+            }
+          ]
+        }
+        """
+    )
+    config = load_model_config(folder)
+    assert config.backend == "ensemble" and config.response_cache.enable
+    first, second = config.ensemble
+    assert (first.model, first.version, first.input_map) == ("tokenizer", None, {"text": "text"})
+    assert (second.model, second.version, second.output_map) == (
+        "encoder",
+        2,
+        {"embedding": "embedding"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("backend: python\nresponse_cache: {enable: true, ttl_s: 0}\n", "response_cache.ttl_s"),
+        ("backend: python\nresponse_cache: {enabled: true}\n", "response_cache.enabled"),
+        ("backend: cascade\ncascade: {models: [a]}\n", "cascade.models"),
+        ("backend: cascade\ncascade: {models: [a, b]}\n", "cascade"),
+        (
+            "backend: cascade\ncascade: {models: [a, b], confidence_output: p, threshold: 2}\n",
+            "cascade.threshold",
+        ),
+        ("backend: ensemble\n", "ensemble"),
+        ("backend: python\nfallback: [{model: m}]\n", "fallback[0].model"),
+        ("backend: python\nfallback: [{cache: true, static: {y: 1}}]\n", "fallback[0]"),
+    ],
+)
+def test_composition_config_errors_name_the_field(tmp_path: Path, text: str, field: str) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.yaml").write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_model_config(folder)
+    assert info.value.field == field
