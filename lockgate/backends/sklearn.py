@@ -19,6 +19,7 @@ no outputs declared, the model returns `label` (or the output of `parameters.met
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +96,15 @@ class SklearnBackend:
         self._estimator = None
 
 
+_UNPICKLING = threading.Lock()
+
+
 def load(config: ModelConfig, version_dir: Path) -> SklearnBackend:
     """Load the estimator with joblib from the version folder (trusted repositories only)."""
     path = model_file(config, version_dir)
     try:
-        estimator = joblib.load(path)
+        with _UNPICKLING:  # unpickling imports sklearn: threads at once see half-imported modules
+            estimator = joblib.load(path)
     except Exception as exc:
         raise ConfigError(str(path), "model", f"joblib cannot load the estimator: {exc}") from exc
     return SklearnBackend(estimator, config)

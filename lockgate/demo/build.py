@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 
-DEMO_VERSION = "2"  # bump when a builder changes: the cache path changes with it
+DEMO_VERSION = "3"  # bump when a builder changes: the cache path changes with it
 
 DIGITS_FEATURES = 64
 DIGITS_CLASSES = 10
@@ -265,9 +265,110 @@ def _minilm_config() -> dict[str, Any]:
 
 
 # The demo models, in build order. A new demo model appends its DemoModel here.
+# -- compositions: cache, cascade, fallback, ensemble ------------------------------------
+
+
+def build_digits_cached(folder: Path, say: Progress) -> None:
+    """digits_onnx's model behind the response cache (5 minutes) and request coalescing."""
+    build_digits_onnx(folder, say)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    config.update(name="digits_cached", response_cache={"enable": True, "ttl_s": 300})
+    _write_config(folder, config)
+
+
+def build_digits_large(folder: Path, say: Progress) -> None:
+    """A 200-tree random forest on the same digits: slower and more accurate than the logistic
+    model, and falling back to digits_onnx when it cannot answer in time."""
+    import joblib
+    from sklearn.ensemble import RandomForestClassifier
+    from threadpoolctl import threadpool_limits
+
+    say("training a 200-tree RandomForestClassifier on sklearn digits")
+    data = train_digits()
+    with threadpool_limits(1):
+        forest = RandomForestClassifier(n_estimators=200, random_state=0, n_jobs=1)
+        forest.fit(data.features, data.labels)
+    joblib.dump(forest, _version_folder(folder) / "model.joblib")
+    config = _digits_config("digits_large", "sklearn", {})
+    config.update(latency_slo_ms=200, fallback=[{"model": "digits_onnx"}])
+    _write_config(folder, config)
+
+
+def build_digits_cascade(folder: Path, say: Progress) -> None:
+    """The logistic model first; rows it is less than 90% sure of go on to the forest."""
+    _version_folder(folder)
+    config = _digits_config("digits_cascade", "cascade", {})
+    for key in ("dynamic_batching", "latency_slo_ms", "instance_count", "parameters", "warmup"):
+        config.pop(key)
+    config["cascade"] = {
+        "models": ["digits_onnx", "digits_large"],
+        "confidence_output": "probabilities",
+        "threshold": 0.9,
+    }
+    _write_config(folder, config)
+
+
+def _minilm_step(name: str, class_name: str, outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    config = _minilm_config()
+    config.update(name=name, outputs=outputs)
+    config["parameters"] = {**config["parameters"], "class_name": class_name}
+    return config
+
+
+_TOKENS = [
+    {"name": n, "datatype": "INT64", "dims": [-1]}
+    for n in ("input_ids", "attention_mask", "token_type_ids")
+]
+
+
+def build_minilm_tokenizer(folder: Path, say: Progress) -> None:
+    shutil.copyfile(
+        Path(__file__).with_name("minilm_steps.py"), _version_folder(folder) / "model.py"
+    )
+    _write_config(folder, _minilm_step("minilm_tokenizer", "Tokenize", _TOKENS))
+
+
+def build_minilm_encoder(folder: Path, say: Progress) -> None:
+    shutil.copyfile(
+        Path(__file__).with_name("minilm_steps.py"), _version_folder(folder) / "model.py"
+    )
+    config = _minilm_step("minilm_encoder", "Encode", _minilm_config()["outputs"])
+    config["inputs"] = _TOKENS
+    config["warmup"] = []  # zeros of unknown length: the ensemble's first requests warm it
+    _write_config(folder, config)
+
+
+def build_minilm_ensemble(folder: Path, say: Progress) -> None:
+    """Tokenizer and encoder as two steps: the same embeddings as `minilm`."""
+    _version_folder(folder)
+    tokens = {n: n for n in ("input_ids", "attention_mask", "token_type_ids")}
+    config = _minilm_config()
+    for key in ("dynamic_batching", "latency_slo_ms", "instance_count", "parameters", "warmup"):
+        config.pop(key)
+    config.update(
+        name="minilm_ensemble",
+        backend="ensemble",
+        ensemble=[
+            {"model": "minilm_tokenizer", "input_map": {"text": "text"}, "output_map": tokens},
+            {
+                "model": "minilm_encoder",
+                "input_map": tokens,
+                "output_map": {"embedding": "embedding"},
+            },
+        ],
+    )
+    _write_config(folder, config)
+
+
 DEMO_MODELS: list[DemoModel] = [
     DemoModel("digits_onnx", build_digits_onnx),
     DemoModel("digits_sklearn", build_digits_sklearn),
     DemoModel("minilm", build_minilm),
     DemoModel("smollm2", build_smollm2),
+    DemoModel("digits_cached", build_digits_cached),
+    DemoModel("digits_large", build_digits_large),
+    DemoModel("digits_cascade", build_digits_cascade),
+    DemoModel("minilm_tokenizer", build_minilm_tokenizer),
+    DemoModel("minilm_encoder", build_minilm_encoder),
+    DemoModel("minilm_ensemble", build_minilm_ensemble),
 ]

@@ -155,3 +155,57 @@ def test_failed_builder_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="boom"):
         build_demo_repository(tmp_path, models=[DemoModel("broken", explode)])
     assert os.listdir(tmp_path) == []
+
+
+def test_demo_compositions_through_a_server(
+    demo_repository: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The ensemble embeds as `minilm` does; the cascade is as accurate as the forest it
+    escalates to on the rows it escalates; the cached model answers a repeat from the cache."""
+    import httpx
+    import tritonclient.http as httpclient
+
+    from tests.conftest import start_server
+
+    server = start_server(demo_repository, tmp_path_factory.mktemp("demo-logs"), "--no-llm")
+    client = httpclient.InferenceServerClient(server.address)
+    try:
+        text = np.array([[s.encode()] for s in SENTENCES], dtype=object)
+        embeddings = {}
+        for model in ("minilm", "minilm_ensemble"):
+            inp = httpclient.InferInput("text", list(text.shape), "BYTES")
+            inp.set_data_from_numpy(text)
+            embeddings[model] = client.infer(model, [inp]).as_numpy("embedding")
+        cosine = (embeddings["minilm"] * embeddings["minilm_ensemble"]).sum(axis=1)
+        assert cosine.min() > 0.999
+
+        data = train_digits()
+        features, labels = data.features[:64], data.labels[:64]
+        accuracy = {}
+        for model in ("digits_onnx", "digits_large", "digits_cascade"):
+            inp = httpclient.InferInput("input", list(features.shape), "FP32")
+            inp.set_data_from_numpy(features)
+            predicted = client.infer(model, [inp]).as_numpy("label")
+            accuracy[model] = float((predicted.reshape(-1) == labels).mean())
+        assert accuracy["digits_cascade"] >= accuracy["digits_onnx"] - 0.01
+        metrics = httpx.get(server.url + "/metrics").text
+        assert (
+            'lockgate_cascade_rows_total{model="digits_cascade",version="1",stage="1"}' in metrics
+        )
+
+        body = {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": [1, 64],
+                    "datatype": "FP32",
+                    "data": features[0].tolist(),
+                }
+            ]
+        }
+        url = server.url + "/v2/models/digits_cached/infer"
+        httpx.post(url, json=body)
+        assert httpx.post(url, json=body).headers.get("x-lockgate-cache") == "hit"
+    finally:
+        client.close()
+        server.stop()
