@@ -90,6 +90,11 @@ class Executor:
             self.cache.put(config.name, served.version, config.response_cache, digest, outputs)
         return Answer(outputs, served)
 
+    async def run(self, request: InferRequest, served: ServedVersion) -> Arrays:
+        """The model's own answer (a batcher or a composition), with no cache and no fallback:
+        for callers that cache in their own way (per text, for embeddings)."""
+        return await self._run(request, served, 0)
+
     async def _coalesced(
         self, key: str, request: InferRequest, served: ServedVersion, depth: int
     ) -> Arrays:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from lockgate.cache.key import text_key
+from lockgate.core.manager import ServedVersion
 from lockgate.core.metrics import Counter
 from lockgate.core.request import InferRequest
 from lockgate.errors import BadRequest, Forbidden, NotFound, ServingError, Unavailable
@@ -338,16 +340,8 @@ class OpenAIRoutes:
             raise BadRequest(
                 f"at most {config.max_batch_size} inputs per request for model '{name}'"
             )
-        array = np.array([[t.encode()] for t in texts], dtype=object)
-        core = InferRequest(
-            model=name,
-            inputs={config.inputs[0].name: array},
-            version=served.version,
-            rows=len(texts),
-        )
         async with cancel_on_disconnect(request.receive):
-            outputs = await self.app.models.infer(core)
-        vectors = np.asarray(outputs[config.outputs[0].name], dtype=np.float32)
+            vectors = await self._embed(served, [t.encode() for t in texts])
         data = [
             {"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}
             for i, v in enumerate(vectors)
@@ -360,6 +354,33 @@ class OpenAIRoutes:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
         await respond_json(request.send, 200, payload)
+
+    async def _embed(self, served: ServedVersion, texts: list[bytes]) -> np.ndarray:
+        """One vector per text. With the model's response cache on, each text is looked up on
+        its own, and only the texts not found run, in one request."""
+        config, cache = served.config, self.app.cache
+        name, version, settings = config.name, served.version, config.response_cache
+        out = config.outputs[0].name
+        keys = [text_key(name, str(version), t) for t in texts] if settings.enable else []
+        hits = await asyncio.gather(*(cache.get(name, version, settings, k) for k in keys))
+        found: dict[int, np.ndarray] = {i: h.outputs[out][0] for i, h in enumerate(hits) if h}
+        missing = [i for i in range(len(texts)) if i not in found]
+        if missing:
+            array = np.empty((len(missing), 1), dtype=object)
+            array[:, 0] = [texts[i] for i in missing]
+            core = InferRequest(
+                model=name,
+                inputs={config.inputs[0].name: array},
+                version=version,
+                rows=len(missing),
+            )
+            answer = await self.app.executor.run(core, served)
+            computed = np.asarray(answer[out], dtype=np.float32)
+            for row, i in enumerate(missing):
+                found[i] = computed[row]
+                if settings.enable:
+                    cache.put(name, version, settings, keys[i], {out: computed[row : row + 1]})
+        return np.stack([np.asarray(found[i], dtype=np.float32) for i in range(len(texts))])
 
 
 def _vector(v: np.ndarray, encoding: str) -> Any:

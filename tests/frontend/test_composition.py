@@ -72,6 +72,18 @@ class Model:
         return {"y": added["y"]}
 '''
 
+EMBED = '''
+import numpy as np
+
+class Model:
+    """A toy text embedding: [length, first byte, 1] per text."""
+
+    def infer(self, inputs):
+        texts = inputs["text"].reshape(-1)
+        rows = [[len(t), t[0] if t else 0, 1] for t in texts]
+        return {"embedding": np.array(rows, dtype=np.float32)}
+'''
+
 XY = """\
 max_batch_size: 8
 inputs: [{name: x, datatype: FP32, dims: [4]}]
@@ -116,6 +128,15 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         + "parameters: {sleep: '0.5'}\n"
         + "dynamic_batching: {max_queue_size: 1}\n"
         + "fallback: [{static: {y: [0, 0, 0, 0], calls: [-1]}}]\n",
+    )
+    _model(
+        repo,
+        "embed",
+        EMBED,
+        "backend: python\nmax_batch_size: 8\n"
+        "inputs: [{name: text, datatype: BYTES, dims: [1]}]\n"
+        "outputs: [{name: embedding, datatype: FP32, dims: [3]}]\n"
+        "response_cache: {enable: true}\n",
     )
     xy_out = "outputs: [{name: y, datatype: FP32, dims: [4]}]\n"
     (repo / "pipeline" / "1").mkdir(parents=True)
@@ -221,6 +242,21 @@ def test_identical_requests_in_flight_run_once(server: RunningServer) -> None:
     coalesced = metric(server, 'lockgate_requests_coalesced_total{model="cached"}') - before
     hits = sum(a.headers.get("x-lockgate-cache") == "hit" for a in answers)
     assert coalesced + hits == 7
+
+
+def test_embeddings_are_cached_per_text(server: RunningServer) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    hits = 'lockgate_cache_hits_total{model="embed",tier="memory"}'
+    rows_run = 'lockgate_batch_size_sum{model="embed",version="1"}'
+    first = client.embeddings.create(model="embed", input=["ab", "xyz"])
+    before_hits, before_rows = metric(server, hits), metric(server, rows_run)
+    second = client.embeddings.create(model="embed", input=["xyz", "hello"])
+    assert metric(server, hits) - before_hits == 1  # "xyz" from the cache
+    assert metric(server, rows_run) - before_rows == 1  # only "hello" ran
+    assert second.data[0].embedding == first.data[1].embedding == [3.0, ord("x"), 1.0]
+    assert second.data[1].embedding == [5.0, ord("h"), 1.0]
 
 
 def test_overload_falls_back_to_a_cheaper_model(server: RunningServer) -> None:
