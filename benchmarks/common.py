@@ -291,6 +291,12 @@ def scrape_metrics(url: str) -> dict[str, float]:
     return values
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds used so far by process `pid` (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def metric(values: dict[str, float], name: str, model: str) -> float:
     """The sum of `name` over series whose labels name `model`."""
     needle = f'model="{model}"'

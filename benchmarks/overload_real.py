@@ -54,6 +54,7 @@ from benchmarks.common import (
     environment,
     percentile,
     pinning_available,
+    process_cpu_seconds,
     running,
     scrape_metrics,
     start_server,
@@ -307,18 +308,13 @@ def _p99_200(before: dict[str, float], after: dict[str, float]) -> float:
     return next(bound for bound, count in buckets if count >= 0.99 * total)
 
 
-def _cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(server: Server, level: Level, load: Any) -> Level:
-    before, cpu = scrape_metrics(server.url), _cpu(server.process.pid)
+    before, cpu = scrape_metrics(server.url), process_cpu_seconds(server.process.pid)
     prober = start_prober(server.url, level.seconds)
     run_async(load)
     level.health = probes_of(prober)
     after = scrape_metrics(server.url)
-    level.cpu_seconds = _cpu(server.process.pid) - cpu
+    level.cpu_seconds = process_cpu_seconds(server.process.pid) - cpu
     level.server_answers = _answers(after) - _answers(before)
     level.server_p99 = _p99_200(before, after)
     return level

@@ -176,7 +176,10 @@ class App:
     ) -> ServingError | None:
         """Asked by the protocol once a request's head is in and before its body is read: the
         refusal a v2 inference request would certainly get from its model's admission, so a
-        saturated model refuses at the cost of a head, not of a decoded body."""
+        saturated model refuses at the cost of a head, not of a decoded body.
+
+        A model with a response cache or a fallback is never refused here: a cache hit skips
+        admission, and a refused request goes to the fallback, and both need the body."""
         if method != b"POST" or not path.endswith("/infer") or not path.startswith("/v2/models/"):
             return None
         parts = path.split("/")  # "", "v2", "models", name, ["versions", v,] "infer"
@@ -191,6 +194,8 @@ class App:
             return None
         served = model.latest_ready() if version is None else model.versions.get(version)
         if served is None or served.batcher is None:
+            return None
+        if served.config.response_cache.enable or served.config.fallback:
             return None
         timeout = None
         for name, value in headers:

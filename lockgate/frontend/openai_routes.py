@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from lockgate.cache.completion import Completion, CompletionCache, CompletionKey
 from lockgate.cache.key import text_key
 from lockgate.core.manager import ServedVersion
 from lockgate.core.metrics import Counter
@@ -40,11 +41,13 @@ class OpenAIRoutes:
     app: App
     metrics: LLMMetrics = field(init=False)
     rejected: Counter = field(init=False)
+    completions: CompletionCache = field(init=False)
     tokenizers: asyncio.Semaphore = field(init=False)
     tokenizing: int = 0  # prompts being tokenized or waiting to be
 
     def __post_init__(self) -> None:
         self.tokenizers = asyncio.Semaphore(TOKENIZE_THREADS)
+        self.completions = CompletionCache(self.app.cache)
         self.metrics = LLMMetrics(self.app.models.registry, lambda: self.services.values())
         self.rejected = self.app.models.registry.counter(
             "lockgate_llm_requests_rejected_total",
@@ -146,17 +149,74 @@ class OpenAIRoutes:
                 f"priority {priority} is above the model's default ({default}): "
                 "it needs a key that grants it"
             )
+        key = self._cache_key(service, kind, prompt_ids, params)
+        if key is not None:
+            hit = await self.completions.get(key)
+            if hit is not None:
+                await self._replay(request, hit, rid, service, body, kind)
+                return
         stream = self._submit(request, service, prompt_ids, params, rid, priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             piece = kind.piece(service)
-            await self._stream(
+            text, last = await self._stream(
                 request, stream, rid, service, kind.chunk_object, include_usage, piece
             )
+        else:
+            text, reason, logprobs, last = await self._collect(
+                request, stream, service, kind.legacy
+            )
+            payload = kind.response(rid, service.name, text, reason, logprobs, _usage(last))
+            await respond_json(request.send, 200, payload)
+        if key is not None and last is not None and last.finish_reason is not None:
+            completion = Completion(
+                text, last.finish_reason.value, last.num_prompt_tokens, last.num_output_tokens
+            )
+            self.completions.put(key, completion)
+
+    def _cache_key(
+        self, service: LLMService, kind: _Kind, prompt_ids: list[int], params: SamplingParams
+    ) -> CompletionKey | None:
+        """The cache key of a deterministic completion (greedy, no logprobs) of a model whose
+        response cache is on; None for any other."""
+        settings = service.config.response_cache
+        if not settings.enable or params.temperature != 0 or params.logprobs is not None:
+            return None
+        model = self.app.models.models.get(service.config.name)
+        versions = model.versions.items() if model is not None else ()
+        version = next((v for v, s in versions if s.service is service), 0)
+        return CompletionCache.key(
+            service.name, version, settings, kind.id_prefix, prompt_ids, repr(params)
+        )
+
+    async def _replay(
+        self,
+        request: HttpRequest,
+        hit: Completion,
+        rid: str,
+        service: LLMService,
+        body: oa.CompletionRequest | oa.ChatRequest,
+        kind: _Kind,
+    ) -> None:
+        """Answer from the cache, streamed (one chunk with the whole text) or not."""
+        usage = oa.usage(hit.prompt_tokens, hit.completion_tokens, hit.prompt_tokens)
+        reason = _openai_reason(hit.finish_reason)
+        marked = [(b"x-lockgate-cache", b"hit")]
+        if not body.stream:
+            payload = kind.response(rid, service.name, hit.text, reason, None, usage)
+            await respond_json(request.send, 200, payload, marked)
             return
-        text, reason, logprobs, last = await self._collect(request, stream, service, kind.legacy)
-        payload = kind.response(rid, service.name, text, reason, logprobs, _usage(last))
-        await respond_json(request.send, 200, payload)
+        send = request.send
+        await send({"type": "http.response.start", "status": 200, "headers": SSE + marked})
+        if kind.legacy:
+            chunk = oa.completion_chunk(rid, service.name, hit.text, reason)
+        else:
+            delta = {"role": "assistant", "content": hit.text}
+            chunk = oa.chat_chunk(rid, service.name, delta, reason)
+        await _sse(send, chunk)
+        if body.stream_options and body.stream_options.include_usage:
+            await _sse(send, oa.usage_chunk(rid, service.name, kind.chunk_object, usage))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _tokenize(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
         """Tokenize off the event loop, at most `TOKENIZE_THREADS` at once; past
@@ -281,28 +341,30 @@ class OpenAIRoutes:
         obj: str,
         include_usage: bool,
         piece: Callable[[str, str, RequestOutput, bool], dict[str, Any]],
-    ) -> None:
+    ) -> tuple[str, RequestOutput | None]:
+        """Send the completion as server-sent events; its text and last output."""
         send = request.send
-        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
         first = True
         last: RequestOutput | None = None
+        texts: list[str] = []
         async with cancel_on_disconnect(request.receive), stream:
             try:
                 async for out in stream:
                     if first:
-                        await send(
-                            {"type": "http.response.start", "status": 200, "headers": headers}
-                        )
+                        await send({"type": "http.response.start", "status": 200, "headers": SSE})
                     await _sse(send, piece(rid, service.name, out, first))
+                    texts.append(out.text)
                     first = False
                     last = out
             except ServingError as exc:
                 if first:
                     raise
                 await _sse(send, oa.error_body(exc.message, exc.kind, exc.status))
+                last = None  # cut short: nothing to keep
             if include_usage and last is not None:
                 await _sse(send, oa.usage_chunk(rid, service.name, obj, _usage(last)))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        return "".join(texts), last
 
     # -- embeddings --------------------------------------------------------------------
     def _embedding_models(self) -> list[str]:
@@ -389,6 +451,7 @@ def _vector(v: np.ndarray, encoding: str) -> Any:
     return v.tolist()
 
 
+SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 MAX_STOP = 4  # stop strings, as the OpenAI API allows
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64

@@ -1,0 +1,140 @@
+"""Exact-match caching of deterministic completions, through a real server with SmolLM2 and the
+official `openai` client."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import RunningServer, start_server
+
+MODEL = "SmolLM2-cached"
+
+
+@pytest.fixture(scope="module")
+def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    import yaml
+
+    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
+
+    llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
+    built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
+    repo = tmp_path_factory.mktemp("cached-llm-repo")
+    target = repo / "smollm2"
+    shutil.copytree(built / "smollm2", target, copy_function=os.link)
+    config = yaml.safe_load((target / "config.yaml").read_text())
+    config["parameters"].update(
+        {
+            "kv_cache_gib": "0.05",
+            "max_model_len": "512",
+            "dtype": "float32",
+            "served_model_name": MODEL,
+        }
+    )
+    config["response_cache"] = {"enable": True, "ttl_s": 600}
+    (target / "config.yaml").write_text(yaml.safe_dump(config))
+    running = start_server(repo, tmp_path_factory.mktemp("cached-llm"), ready_timeout=600)
+    yield running
+    assert running.stop() == 0, running.log()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def metric(server: RunningServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE))
+
+
+def test_greedy_completion_is_answered_from_the_cache(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    ask = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 10}
+    first = client.completions.with_raw_response.create(**ask, temperature=0)
+    generated = metric(server, "lockgate_llm_request_success_total")
+    second = client.completions.with_raw_response.create(**ask, temperature=0)
+    assert first.headers.get("x-lockgate-cache") is None
+    assert second.headers.get("x-lockgate-cache") == "hit"
+    a, b = first.parse(), second.parse()
+    assert a.choices[0].text and a.choices[0].text == b.choices[0].text
+    assert a.choices[0].finish_reason == b.choices[0].finish_reason
+    assert a.usage is not None and b.usage is not None
+    assert (a.usage.prompt_tokens, a.usage.completion_tokens) == (
+        b.usage.prompt_tokens,
+        b.usage.completion_tokens,
+    )
+    # the engine ran once: the second answer generated nothing
+    assert metric(server, "lockgate_llm_request_success_total") == generated
+    assert metric(server, "lockgate_cache_hits_total") >= 1
+
+
+def test_a_streamed_hit_gives_the_text_the_model_gave(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Name a large ocean."}]
+    full = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=12,
+        temperature=0,
+    )
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert raw.headers.get("x-lockgate-cache") == "hit"
+    chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    usage = chunks[-1].usage
+    assert full.usage is not None and usage is not None
+    assert usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_streamed_completion_fills_the_cache(client: openai.OpenAI) -> None:
+    ask = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 8, "temperature": 0}
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(**ask, stream=True)  # type: ignore[call-overload]
+    )
+    again = client.completions.with_raw_response.create(**ask)
+    assert again.headers.get("x-lockgate-cache") == "hit"
+    assert again.parse().choices[0].text == streamed
+
+
+def test_sampled_and_logprob_completions_are_not_cached(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    hits = metric(server, "lockgate_cache_hits_total")
+    for _ in range(2):
+        sampled = client.completions.with_raw_response.create(
+            model=MODEL, prompt="A story:", max_tokens=6, temperature=0.8, seed=3
+        )
+        assert sampled.headers.get("x-lockgate-cache") is None
+        with_logprobs = client.completions.with_raw_response.create(
+            model=MODEL, prompt="A story:", max_tokens=6, temperature=0, logprobs=2
+        )
+        assert with_logprobs.headers.get("x-lockgate-cache") is None
+        assert with_logprobs.parse().choices[0].logprobs is not None
+    assert metric(server, "lockgate_cache_hits_total") == hits
+
+
+def test_different_parameters_do_not_share_an_entry(client: openai.OpenAI) -> None:
+    base = {"model": MODEL, "prompt": "Water boils at", "temperature": 0}
+    short = client.completions.create(**base, max_tokens=2)  # type: ignore[call-overload]
+    longer = client.completions.with_raw_response.create(**base, max_tokens=9)
+    assert longer.headers.get("x-lockgate-cache") is None
+    assert longer.parse().usage.completion_tokens >= short.usage.completion_tokens
