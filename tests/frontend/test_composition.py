@@ -41,6 +41,22 @@ class Model:
         return {"y": x * self.factor + self.offset, "calls": calls}
 '''
 
+SLEEPY = '''
+import time
+import numpy as np
+
+class Model:
+    """y = x, after `sleep` seconds for every batch, warmup included."""
+
+    def load(self, config, version_dir):
+        self.sleep = float(config.parameters["sleep"])
+
+    def infer(self, inputs):
+        time.sleep(self.sleep)
+        x = inputs["x"]
+        return {"y": x, "calls": np.zeros((x.shape[0], 1), dtype=np.int64)}
+'''
+
 CONFIDENT = '''
 import numpy as np
 
@@ -129,6 +145,11 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         + "dynamic_batching: {max_queue_size: 1}\n"
         + "fallback: [{static: {y: [0, 0, 0, 0], calls: [-1]}}]\n",
     )
+    # deadline-aware admission (400 ms SLO, 300 ms per batch of one) with a cache, a fallback
+    slo = "parameters: {sleep: '0.3'}\nmax_batch_size: 1\nlatency_slo_ms: 400\n"
+    slo_xy = XY.replace("max_batch_size: 8\n", "")
+    _model(repo, "slo_cached", SLEEPY, py + slo_xy + slo + "response_cache: {enable: true}\n")
+    _model(repo, "slo_fallback", SLEEPY, py + slo_xy + slo + "fallback: [{model: add_one}]\n")
     _model(
         repo,
         "embed",
@@ -273,6 +294,33 @@ def test_overload_falls_back_to_a_cheaper_model(server: RunningServer) -> None:
         if a not in fallback:
             np.testing.assert_allclose(output(a, "y"), x)
     assert metric(server, 'lockgate_fallback_answers_total{model="busy"') >= len(fallback)
+
+
+def _saturate(server: RunningServer, model: str, first: float, extra: float | None) -> list:
+    """Teach the model's profile with two requests, then send four distinct ones at once and,
+    50 ms later, `extra` (a row already answered) while they queue."""
+    for f in (first, first + 1):
+        assert infer(server, model, rows(f)).status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        queued = [pool.submit(infer, server, model, rows(first + 2 + i)) for i in range(4)]
+        time.sleep(0.05)
+        late = pool.submit(infer, server, model, rows(extra)) if extra is not None else None
+        return [f.result() for f in queued] + ([late.result()] if late else [])
+
+
+def test_a_cache_hit_is_answered_while_admission_refuses_misses(server: RunningServer) -> None:
+    answers = _saturate(server, "slo_cached", 5000, extra=5000)
+    hit = answers[-1]
+    assert hit.status_code == 200, hit.text
+    assert hit.headers.get("x-lockgate-cache") == "hit"
+    assert 503 in {a.status_code for a in answers[:-1]}, "admission must refuse some misses"
+
+
+def test_admission_refusals_go_to_the_fallback(server: RunningServer) -> None:
+    answers = _saturate(server, "slo_fallback", 6000, extra=None)
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    fallback = [a for a in answers if a.headers.get("x-lockgate-fallback") == "model:add_one"]
+    assert fallback, "deadline-aware admission must have refused some requests"
 
 
 def test_static_fallback_over_grpc(server: RunningServer) -> None:
