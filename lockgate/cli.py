@@ -1,4 +1,4 @@
-"""The `lockgate` command: serve, models, bench, profile, plan."""
+"""The `lockgate` command: serve, route, models, bench, profile, plan."""
 
 from __future__ import annotations
 
@@ -276,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
     p = sub.add_parser("models", help="list and check a model repository")
     p.add_argument("repository", nargs="?", type=Path)
+    from lockgate.router import cli as route
+
+    p = sub.add_parser("route", help="one address in front of many lockgate replicas")
+    route.add_arguments(p)
+    p.set_defaults(handler=route.run)
     _add_tools(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -30,7 +30,11 @@ NEVER: dict[str, set[str]] = {
     "plan": {"core", "frontend", "backends", "llm", "protocol", "demo", "cli"},
     "frontend": {"bench", "plan", "cli"},
     "demo": {"core", "frontend", "protocol", "bench", "plan", "cli"},
+    # the router is a process of its own in front of replicas: it holds no model
+    "router": {"frontend", "compose", "cache", "backends", "llm", "bench", "plan", "demo", "cli"},
 }
+for _below in ("protocol", "core", "backends", "llm", "cache", "compose", "frontend"):
+    NEVER[_below].add("router")
 # the request path below the frontend: frontend -> compose -> cache -> core -> backends
 for _lower in ("protocol", "core", "backends"):
     NEVER[_lower] |= {"cache", "compose"}

@@ -96,6 +96,10 @@ class App:
         self.closers: list[Callable[[], Awaitable[None]]] = [self.cache.close]  # at shutdown
         # told each request's delay from its first byte to its handler (the connection gate)
         self.front_delay: Callable[[float, float], None] | None = None
+        self.in_flight = 0  # HTTP requests received and not yet answered
+        models.registry.gauge(
+            "lockgate_http_requests_in_progress", "HTTP requests received and not yet answered."
+        ).set_function((), lambda: float(self.in_flight))
         self.http_latency = models.registry.histogram(
             "lockgate_http_request_duration_seconds",
             "Time from the request's first byte to its response headers, by route kind and status.",
@@ -123,7 +127,9 @@ class App:
                 status = message["status"]
                 elapsed = time.monotonic() - start
                 self.http_latency.observe((route, str(status)), elapsed)
-                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid)]
+                # the load a router in front balances on: requests in progress here
+                load = (b"x-lockgate-inflight", b"%d" % self.in_flight)
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid), load]
                 if self.access.enabled:
                     entry = self._access_entry(scope, rid, status, elapsed)
             elif entry is not None:
@@ -140,6 +146,7 @@ class App:
             self.settings.body_timeout_s,
         )
         openai = request.path.startswith("/v1/")
+        self.in_flight += 1
         try:
             self._authenticate(request)
             await self._route(request)
@@ -153,6 +160,7 @@ class App:
                 request, ServingError(f"internal error: {type(exc).__name__}"), openai
             )
         finally:
+            self.in_flight -= 1
             if entry is not None:
                 entry.bytes_in = request.bytes_read
                 self.access.write(entry)

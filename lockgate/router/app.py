@@ -1,0 +1,441 @@
+"""The router's ASGI app: its own health and metrics, and every other request passed to a
+replica.
+
+For each request, in order:
+1. Shedding: when every usable replica refused (503) within the last moment, the router
+   answers 503 with Retry-After at once, using the replicas' own admission as its signal.
+2. Balancing: power of two choices on load (`balancer.py`); replicas report their requests
+   in progress in the `x-lockgate-inflight` header of every answer.
+3. Hedging, for KServe v2 inference (`POST /v2/models/.../infer`, idempotent) only: when no
+   answer has come after the model's recent 95th-percentile latency, a second copy goes to
+   another replica within the hedge budget; the first answer wins and the other copy's
+   connection is closed, so its replica drops the work. Streams are never hedged.
+4. Retries: an attempt that got no answer (connection refused or broken) or a 503 goes to
+   another replica, within the retry budget (10% of requests by default). Nothing is
+   retried once a byte of the answer has gone to the client.
+5. Deadlines: a `request-timeout` header (seconds) is passed on less the time already
+   spent in the router; past it, 504 at once.
+
+Answers, server-sent events included, are passed through as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from lockgate.core.metrics import Registry
+from lockgate.router.balancer import Balancer
+from lockgate.router.budget import Budget
+from lockgate.router.hedge import HedgePolicy
+from lockgate.router.pool import ReplicaPool
+from lockgate.router.replica import Replica
+from lockgate.router.upstream import HOP_BY_HOP, Response, UpstreamError
+
+log = logging.getLogger("lockgate.router")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    max_body_bytes: int = 64 * 2**20
+    retry_ratio: float = 0.1  # retries at most this share of requests (plus `retry_floor`)
+    retry_floor: int = 10  # retries allowed in any 10 s window whatever the traffic
+    max_attempts: int = 3  # tries of one request, the first included
+    hedge: HedgePolicy = field(default_factory=HedgePolicy)
+    hedge_ratio: float = 0.1  # hedged copies at most this share of requests
+    shed_retry_after: int = 1  # seconds, on the router's own 503
+
+
+class Failure(Exception):
+    """An attempt that ended without an answer worth passing on."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RouterApp:
+    def __init__(self, pool: ReplicaPool, settings: RouterSettings, registry: Registry) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.registry = registry
+        self.balancer = Balancer()
+        self.retries = Budget(settings.retry_ratio, settings.retry_floor)
+        self.hedges = Budget(settings.hedge_ratio, 0)
+        self.draining = False
+        self.requests = registry.counter(
+            "lockgate_router_requests_total",
+            "Requests answered by the router, by status.",
+            ("status",),
+        )
+        self.attempts = registry.counter(
+            "lockgate_router_attempts_total",
+            "Requests sent to replicas, by replica and outcome (the replica's status, or "
+            "'error' for no answer).",
+            ("replica", "outcome"),
+        )
+        self.retried = registry.counter(
+            "lockgate_router_retries_total", "Attempts sent again to another replica."
+        )
+        self.retries_denied = registry.counter(
+            "lockgate_router_retries_denied_total",
+            "Attempts not sent again because the retry budget was spent.",
+        )
+        self.hedged = registry.counter(
+            "lockgate_router_hedges_total",
+            "Second copies sent, by which copy answered first.",
+            ("winner",),
+        )
+        self.shed = registry.counter(
+            "lockgate_router_shed_total",
+            "Requests refused by the router because every replica was full.",
+        )
+        self.latency = registry.histogram(
+            "lockgate_router_request_duration_seconds",
+            "Time from a request's arrival at the router to its answer's head.",
+            ("status",),
+        )
+        up = registry.gauge(
+            "lockgate_router_replicas", "Replicas known to the router, by state.", ("state",)
+        )
+        up.set_function(("usable",), lambda: self._count(True))
+        up.set_function(("unusable",), lambda: self._count(False))
+
+    def _count(self, usable: bool) -> float:
+        now = time.monotonic()
+        return float(sum(1 for r in self.pool.replicas if r.usable(now) == usable))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path in ("/v2/health/live", "/health"):
+            await _json(send, 200, {"live": True})
+        elif path == "/v2/health/ready":
+            ready = self.pool.ready() and not self.draining
+            await _json(send, 200 if ready else 503, {"ready": ready})
+        elif path == "/metrics":
+            body = self.registry.render().encode()
+            await _respond(send, 200, body, b"text/plain; version=0.0.4; charset=utf-8")
+        elif path == "/router/replicas":
+            await _json(send, 200, {"replicas": [self._describe(r) for r in self.pool.replicas]})
+        else:
+            await self._proxy(scope, receive, send)
+
+    def _describe(self, r: Replica) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "url": r.url,
+            "usable": r.usable(now),
+            "ready": r.ready,
+            "ejected_for_s": max(0.0, r.ejected_until - now),
+            "full": r.full(now),
+            "in_flight": r.in_flight,
+            "reported_in_flight": r.reported,
+            "answered": r.answered,
+        }
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.pool.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.pool.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- proxying --------------------------------------------------------------------------
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived = time.monotonic()
+        status = await self._serve(scope, receive, send, arrived)
+        self.requests.inc((str(status),))
+        self.latency.observe((str(status),), time.monotonic() - arrived)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, arrived: float) -> int:
+        body = await _read_body(receive, self.settings.max_body_bytes)
+        if body is None:
+            return await _error(send, 413, f"body over {self.settings.max_body_bytes} bytes")
+        headers = [(k.lower(), v) for k, v in scope["headers"]]
+        timeout = _timeout(headers)
+        if timeout is False:
+            return await _error(send, 400, "request-timeout must be a positive number of seconds")
+        path = scope["path"] + (
+            ("?" + scope["query_string"].decode()) if scope["query_string"] else ""
+        )
+        method = scope["method"]
+        now = time.monotonic()
+        self.retries.request(now)
+        self.hedges.request(now)
+        if self.draining:
+            return await _error(send, 503, "router is shutting down", retry_after=1)
+        if self.pool.all_full(now):
+            self.shed.inc()
+            retry = self.settings.shed_retry_after
+            return await _error(send, 503, "every replica is full: retry later", retry)
+        model = _infer_model(method, scope["path"])
+        try:
+            response, replica = await self._answer(
+                method, path, headers, body, arrived, timeout, model
+            )
+        except Failure as exc:
+            wait = 1 if exc.status == 503 else None
+            return await _error(send, exc.status, str(exc), wait)
+        except TimeoutError:
+            return await _error(send, 504, "deadline passed in the router")
+        return await self._pass(response, replica, send, receive)
+
+    async def _answer(
+        self,
+        method: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        arrived: float,
+        timeout: float | None,
+        model: str | None,
+    ) -> tuple[Response, Replica]:
+        """The answer to pass on, after retries and hedges."""
+        tried: list[Replica] = []
+        last: tuple[Response, Replica] | None = None
+        for attempt in range(self.settings.max_attempts):
+            now = time.monotonic()
+            if attempt and not self.retries.try_spend(now):
+                self.retries_denied.inc()
+                break
+            replica = self.balancer.pick(self.pool.replicas, now, tried)
+            if replica is None:
+                break
+            if attempt:
+                self.retried.inc()
+            sent = _with_deadline(headers, timeout, arrived)
+            delay = self.settings.hedge.delay(model) if model is not None else None
+            try:
+                if delay is not None:
+                    response, replica = await self._hedged(
+                        replica, method, path, sent, body, delay, tried
+                    )
+                else:
+                    response = await self._attempt(replica, method, path, sent, body)
+            except Failure:
+                tried.append(replica)
+                continue
+            if response.status == 503:  # that replica's admission refused: try another
+                tried.append(replica)
+                if last is not None:
+                    last[0].abort()
+                last = (response, replica)
+                continue
+            if model is not None and response.status == 200:
+                self.settings.hedge.observe(model, time.monotonic() - arrived)
+            if last is not None:
+                last[0].abort()
+            return response, replica
+        if last is not None:
+            return last  # every replica tried refused: pass the last refusal on
+        if not any(r.usable(time.monotonic()) for r in self.pool.replicas):
+            raise Failure("no replica is ready", 503)
+        raise Failure("no replica answered")
+
+    async def _attempt(
+        self,
+        replica: Replica,
+        method: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        whole: bool = False,
+    ) -> Response:
+        """One try on one replica; Failure when it gave no answer or a server error."""
+        replica.in_flight += 1
+        try:
+            try:
+                response = await replica.upstream.request(method, path, headers, body)
+                if whole:  # read it here, so that a hedge's winner is a complete answer
+                    try:
+                        data = await response.read()
+                    except BaseException:
+                        response.abort()
+                        raise
+                    response.chunks.put_nowait(data)
+                    response.chunks.put_nowait(None)
+            except UpstreamError as exc:
+                self._failed(replica, "error")
+                raise Failure(str(exc)) from exc
+        finally:
+            replica.in_flight -= 1
+        now = time.monotonic()
+        outcome = str(response.status)
+        self.attempts.inc((replica.url, outcome))
+        if response.status == 503:
+            replica.refused(now, self.pool.health)
+        elif response.status >= 500 and response.status != 504:
+            if replica.failed(now, self.pool.health):
+                log.warning("router: %s ejected after repeated failures", replica.url)
+        else:
+            reported = response.header(b"x-lockgate-inflight")
+            replica.succeeded(int(reported) if reported and reported.isdigit() else None)
+        return response
+
+    def _failed(self, replica: Replica, outcome: str) -> None:
+        self.attempts.inc((replica.url, outcome))
+        if replica.failed(time.monotonic(), self.pool.health):
+            log.warning("router: %s ejected after repeated failures", replica.url)
+
+    async def _hedged(
+        self,
+        first: Replica,
+        method: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        delay: float,
+        tried: list[Replica],
+    ) -> tuple[Response, Replica]:
+        """The first complete answer of two copies, the second sent after `delay` s."""
+        one = asyncio.create_task(self._attempt(first, method, path, headers, body, True))
+        done, _ = await asyncio.wait({one}, timeout=delay)
+        if done:
+            return one.result(), first
+        second = self.balancer.pick(self.pool.replicas, time.monotonic(), [*tried, first])
+        if second is None or not self.hedges.try_spend(time.monotonic()):
+            return await one, first
+        two = asyncio.create_task(self._attempt(second, method, path, headers, body, True))
+        copies = {one: first, two: second}
+        pending = set(copies)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None and task.result().status != 503:
+                        self.hedged.inc(("first" if task is one else "second",))
+                        return task.result(), copies[task]
+            # both failed or refused: the first copy's outcome decides
+            return one.result(), first
+        finally:
+            for task in pending:
+                task.cancel()  # its connection is aborted: the replica drops the work
+
+    async def _pass(
+        self, response: Response, replica: Replica, send: Send, receive: Receive
+    ) -> int:
+        headers = [(k, v) for k, v in response.headers if k not in HOP_BY_HOP]
+        length = response.header(b"content-length")
+        if length is not None:
+            headers.append((b"content-length", length))
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        watch = asyncio.create_task(_disconnected(receive, response))
+        try:
+            async for chunk in response.body():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as exc:
+            if watch.done():  # the client left: nothing more to do
+                return response.status
+            log.warning("router: %s broke off an answer: %s", replica.url, exc)
+            raise  # the client's connection closes: it sees the answer cut short
+        except BaseException:
+            response.abort()
+            raise
+        finally:
+            watch.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return response.status
+
+
+async def _disconnected(receive: Receive, response: Response) -> None:
+    """When the client leaves mid-answer, close the replica's connection: it stops the work
+    (a stream stops generating)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            response.abort()
+            return
+
+
+def _infer_model(method: str, path: str) -> str | None:
+    """The model of a KServe v2 inference request (hedged), or None."""
+    if method != "POST" or not path.startswith("/v2/models/") or not path.endswith("/infer"):
+        return None
+    return path.split("/")[3]
+
+
+def _timeout(headers: list[tuple[bytes, bytes]]) -> float | bool | None:
+    for name, value in headers:
+        if name == b"request-timeout":
+            try:
+                seconds = float(value)
+            except ValueError:
+                return False
+            return seconds if 0 < seconds < 1e7 and math.isfinite(seconds) else False
+    return None
+
+
+def _with_deadline(
+    headers: list[tuple[bytes, bytes]], timeout: float | None, arrived: float
+) -> list[tuple[bytes, bytes]]:
+    if timeout is None:
+        return headers
+    left = timeout - (time.monotonic() - arrived)
+    if left <= 0:
+        raise TimeoutError
+    kept = [(k, v) for k, v in headers if k != b"request-timeout"]
+    return [*kept, (b"request-timeout", f"{left:.6f}".encode())]
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise asyncio.CancelledError
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes,
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _json(send: Send, status: int, payload: Any) -> None:
+    await _respond(send, status, _encode(payload), b"application/json")
+
+
+async def _error(send: Send, status: int, message: str, retry_after: int | None = None) -> int:
+    extra = [(b"retry-after", b"%d" % retry_after)] if retry_after is not None else None
+    with contextlib.suppress(Exception):
+        await _respond(send, status, _encode({"error": message}), b"application/json", extra)
+    return status

@@ -1,0 +1,55 @@
+"""When to send a second copy of a request: after the `quantile` of the model's recent
+latencies (the 95th by default), once enough answers have been seen."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Latencies:
+    size: int = 512
+    values: deque[float] = field(default_factory=deque)
+    cached: float | None = None  # the quantile, until the next refresh
+    since: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.values.append(seconds)
+        if len(self.values) > self.size:
+            self.values.popleft()
+        self.since += 1
+
+    def quantile(self, q: float) -> float | None:
+        if len(self.values) < 20:
+            return None
+        if self.cached is None or self.since >= 16:
+            ordered = sorted(self.values)
+            self.cached = ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+            self.since = 0
+        return self.cached
+
+
+@dataclass(slots=True)
+class HedgePolicy:
+    enabled: bool = True
+    quantile: float = 0.95
+    min_delay: float = 0.002  # never hedge sooner than this (seconds)
+    fixed_delay: float | None = None  # a fixed delay instead of the quantile
+    models: dict[str, Latencies] = field(default_factory=dict)
+
+    def observe(self, model: str, seconds: float) -> None:
+        window = self.models.get(model)
+        if window is None:
+            window = self.models[model] = Latencies()
+        window.add(seconds)
+
+    def delay(self, model: str) -> float | None:
+        """Seconds to wait before the second copy; None: do not hedge (yet)."""
+        if not self.enabled:
+            return None
+        if self.fixed_delay is not None:
+            return self.fixed_delay
+        window = self.models.get(model)
+        q = window.quantile(self.quantile) if window is not None else None
+        return None if q is None else max(self.min_delay, q)

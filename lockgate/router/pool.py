@@ -1,0 +1,139 @@
+"""The replicas behind the router: a static list or a DNS name (a Kubernetes headless
+Service's records), each probed for readiness.
+
+Every `probe_interval` seconds each replica's `/v2/health/ready` is asked; a replica takes
+traffic only while its last probe said 200 and no ejection holds it out. A DNS name is
+resolved again every `resolve_interval` seconds: new addresses join (once ready), vanished
+ones take no new request and are closed when their requests have ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lockgate.router.replica import HealthSettings, Replica
+from lockgate.router.upstream import Upstream, UpstreamError
+
+log = logging.getLogger("lockgate.router")
+
+
+@dataclass(frozen=True, slots=True)
+class Discovery:
+    """Where the replicas are: fixed URLs, or `host:port` resolved through DNS."""
+
+    urls: tuple[str, ...] = ()
+    dns: str | None = None
+    resolve_interval: float = 5.0
+
+
+def split_url(url: str) -> tuple[str, int]:
+    parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"replica {url!r}: give http://host:port")
+    return parts.hostname, parts.port or 80
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        discovery: Discovery,
+        health: HealthSettings,
+        on_change: Callable[[Replica, str], None] | None = None,
+    ) -> None:
+        self.discovery = discovery
+        self.health = health
+        self.on_change = on_change or (lambda replica, event: None)
+        self.replicas: list[Replica] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        for url in discovery.urls:
+            self._add(url)
+
+    def _add(self, url: str) -> Replica:
+        host, port = split_url(url)
+        replica = Replica(f"http://{_bracket(host)}:{port}", Upstream(host, port))
+        self.replicas.append(replica)
+        self.on_change(replica, "added")
+        return replica
+
+    def ready(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return any(r.usable(now) for r in self.replicas)
+
+    def all_full(self, now: float) -> bool:
+        """Every usable replica refused within the last moment: shed at once."""
+        usable = [r for r in self.replicas if r.usable(now)]
+        return bool(usable) and all(r.full(now) for r in usable)
+
+    async def start(self) -> None:
+        if self.discovery.dns:
+            await self.resolve()
+            self.tasks.append(asyncio.create_task(self._resolve_loop()))
+        await asyncio.gather(*(self.probe(r) for r in self.replicas))
+        self.tasks.append(asyncio.create_task(self._probe_loop()))
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for replica in self.replicas:
+            replica.upstream.close()
+
+    # -- readiness probes ------------------------------------------------------------------
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health.probe_interval)
+            await asyncio.gather(*(self.probe(r) for r in list(self.replicas)))
+            for replica in [r for r in self.replicas if r.removed and r.in_flight == 0]:
+                self.replicas.remove(replica)
+                replica.upstream.close()
+                self.on_change(replica, "removed")
+
+    async def probe(self, replica: Replica) -> None:
+        was = replica.ready
+        try:
+            async with asyncio.timeout(self.health.probe_timeout):
+                response = await replica.upstream.request("GET", "/v2/health/ready", [], b"")
+                await response.read()
+            replica.ready = response.status == 200
+        except (UpstreamError, TimeoutError):
+            replica.ready = False
+        if replica.ready != was:
+            self.on_change(replica, "ready" if replica.ready else "not ready")
+
+    # -- DNS -------------------------------------------------------------------------------
+    async def _resolve_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.discovery.resolve_interval)
+            await self.resolve()
+
+    async def resolve(self) -> None:
+        assert self.discovery.dns is not None
+        host, port = split_url(self.discovery.dns)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, port, type=socket.SOCK_STREAM
+            )
+        except OSError as exc:  # keep what we have: a DNS hiccup must not empty the pool
+            log.warning("router: cannot resolve %s: %s", host, exc)
+            return
+        urls = {f"http://{_bracket(str(info[4][0]))}:{port}" for info in infos}
+        known = {r.url for r in self.replicas if not r.removed}
+        for url in sorted(urls - known):
+            await self.probe(self._add(url))
+        for replica in self.replicas:
+            if replica.url not in urls and not replica.removed:
+                replica.removed = True
+                self.on_change(replica, "leaving")
+
+
+def _bracket(address: str) -> str:
+    return f"[{address}]" if ":" in address else address

@@ -1,0 +1,69 @@
+"""One replica as the router sees it: its load, its health and its recent answers. Pure
+bookkeeping: the router tells it what happened and when."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lockgate.router.upstream import Upstream
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSettings:
+    probe_interval: float = 1.0  # seconds between readiness probes of each replica
+    probe_timeout: float = 1.0
+    eject_after: int = 5  # consecutive failures (no answer, or a 5xx other than 503)
+    eject_for: float = 5.0  # seconds out of rotation after an ejection, doubled on a repeat
+    eject_max: float = 60.0
+    full_for: float = 0.1  # seconds a replica counts as full after it answered 503
+
+
+@dataclass(slots=True)
+class Replica:
+    url: str  # http://host:port
+    upstream: Upstream
+    in_flight: int = 0  # this router's requests on it now
+    reported: int = 0  # requests in progress it reported in its last answer
+    ready: bool = False  # its last readiness probe said 200
+    failures: int = 0  # consecutive
+    ejected_until: float = 0.0
+    ejections: int = 0  # in a row, for the back-off
+    full_until: float = 0.0  # it answered 503 (its admission refused) until about then
+    answered: int = 0
+    removed: bool = False  # gone from discovery: takes no new request
+    stats: dict[str, int] = field(default_factory=dict)
+
+    def usable(self, now: float) -> bool:
+        return self.ready and not self.removed and now >= self.ejected_until
+
+    def full(self, now: float) -> bool:
+        return now < self.full_until
+
+    @property
+    def load(self) -> int:
+        """What balancing compares: this router's requests, or what the replica reported if
+        more (other routers' requests are in that)."""
+        return max(self.in_flight, self.reported)
+
+    def succeeded(self, reported: int | None) -> None:
+        self.failures = 0
+        self.ejections = 0
+        self.answered += 1
+        if reported is not None:
+            self.reported = reported
+
+    def refused(self, now: float, settings: HealthSettings) -> None:
+        """It answered 503: full for a moment, not unhealthy."""
+        self.failures = 0
+        self.full_until = now + settings.full_for
+
+    def failed(self, now: float, settings: HealthSettings) -> bool:
+        """No answer or a server error; True when this ejected it."""
+        self.failures += 1
+        if self.failures < settings.eject_after:
+            return False
+        self.failures = 0
+        self.ejections += 1
+        back_off = settings.eject_for * 2 ** (self.ejections - 1)
+        self.ejected_until = now + min(settings.eject_max, back_off)
+        return True

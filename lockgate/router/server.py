@@ -1,0 +1,65 @@
+"""Run the router: uvicorn (uvloop, httptools) in front of `RouterApp`.
+
+On SIGTERM or SIGINT readiness turns 503 at once, the port closes after `drain_delay`
+seconds (so a load balancer in front stops sending), and requests in progress finish
+within uvicorn's graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import FrameType
+
+import uvicorn
+
+from lockgate.core.metrics import Registry
+from lockgate.router.app import RouterApp, RouterSettings
+from lockgate.router.pool import Discovery, ReplicaPool
+from lockgate.router.replica import HealthSettings, Replica
+
+log = logging.getLogger("lockgate.router")
+
+
+def build(discovery: Discovery, health: HealthSettings, settings: RouterSettings) -> RouterApp:
+    def changed(replica: Replica, event: str) -> None:
+        log.info("router: replica %s %s", replica.url, event)
+
+    pool = ReplicaPool(discovery, health, changed)
+    return RouterApp(pool, settings, Registry())
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: RouterApp, drain_delay: float) -> None:
+        super().__init__(config)
+        self.router = app
+        self.drain_delay = drain_delay
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.router.draining or self.drain_delay <= 0:
+            super().handle_exit(sig, frame)
+            return
+        self.router.draining = True
+        log.info("router: draining for %.1f s", self.drain_delay)
+        loop = asyncio.get_event_loop()
+        loop.call_later(self.drain_delay, lambda: super(_Server, self).handle_exit(sig, frame))
+
+
+def run(
+    app: RouterApp, host: str, port: int, drain_delay: float = 0.0, keep_alive: int = 75
+) -> int:
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=keep_alive,
+        backlog=2048,
+    )
+    server = _Server(config, app, drain_delay)
+    log.info("lockgate router listening on http://%s:%d", host, port)
+    server.run()
+    return 0

@@ -1,0 +1,227 @@
+"""HTTP/1.1 to one replica: a pool of kept-alive connections, parsed by httptools.
+
+The router's own client, not a general one: requests carry their whole body, responses
+come back as a head and then body chunks as they arrive (server-sent events pass through
+as they are written). A connection goes back to the pool when its response has ended and
+both ends keep it alive; a request whose caller gives up (a hedge that lost, a client that
+left) aborts its connection, so the replica sees the disconnect and drops the work.
+
+A request sent on a reused connection that the replica had already closed (its idle
+timeout) fails before any byte of an answer: it is sent again once on a new connection,
+which cannot run it twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httptools
+
+# headers that describe one connection, not the message: never forwarded
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+    }
+)
+
+
+class UpstreamError(Exception):
+    """The replica could not be reached, or its connection broke before the answer ended."""
+
+
+@dataclass(slots=True)
+class Response:
+    """An answer whose head has arrived; its body arrives in `chunks` (None ends it)."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    chunks: asyncio.Queue[bytes | Exception | None] = field(default_factory=asyncio.Queue)
+    connection: _Connection | None = None
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The body's chunks as they arrive; UpstreamError if the connection breaks first."""
+        while True:
+            chunk = await self.chunks.get()
+            if chunk is None:
+                return
+            if isinstance(chunk, Exception):
+                raise chunk
+            yield chunk
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.body()])
+
+    def abort(self) -> None:
+        """Give up on the rest of the body: the connection closes."""
+        if self.connection is not None:
+            self.connection.abort()
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.head: asyncio.Future[Response] | None = None
+        self.response: Response | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.received = 0  # bytes of the current answer
+        self.closed = False
+
+    # -- asyncio.Protocol --------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.received += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"bad response from {self.upstream.name}: {exc}"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.upstream.forget(self)
+        self._fail(UpstreamError(f"{self.upstream.name} closed the connection"))
+
+    # -- httptools callbacks -----------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self.headers = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.response = Response(self.parser.get_status_code(), self.headers, connection=self)
+        if self.head is not None and not self.head.done():
+            self.head.set_result(self.response)
+
+    def on_body(self, body: bytes) -> None:
+        if self.response is not None:
+            self.response.chunks.put_nowait(body)
+
+    def on_message_complete(self) -> None:
+        response, self.response, self.head = self.response, None, None
+        if response is not None:
+            response.chunks.put_nowait(None)
+            response.connection = None
+        if self.parser.should_keep_alive() and not self.closed:
+            self.upstream.release(self)
+        else:
+            self.abort()
+
+    # -- use -------------------------------------------------------------------------------
+    def send(self, request: bytes) -> asyncio.Future[Response]:
+        assert self.transport is not None
+        self.received = 0
+        self.head = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        return self.head
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+        self.upstream.forget(self)
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(error)
+        if self.response is not None:
+            self.response.chunks.put_nowait(error)
+        self.head = self.response = None
+
+
+class Upstream:
+    """Connections to one replica at `host:port`."""
+
+    def __init__(self, host: str, port: int, max_idle: int = 256) -> None:
+        self.host, self.port = host, port
+        self.name = f"{host}:{port}"
+        self.max_idle = max_idle
+        self.idle: list[_Connection] = []
+        self.busy: set[_Connection] = set()
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        connect_timeout: float = 2.0,
+    ) -> Response:
+        """Send a request; the answer once its head arrives. UpstreamError when the replica
+        cannot be reached or the connection breaks first."""
+        message = _encode(method, path, self.name, headers, body)
+        reused = bool(self.idle)
+        connection = self.idle.pop() if reused else await self._connect(connect_timeout)
+        try:
+            return await self._send(connection, message)
+        except UpstreamError:
+            if not reused or connection.received:
+                raise
+        # the replica had closed the idle connection: once more, on a new one
+        return await self._send(await self._connect(connect_timeout), message)
+
+    async def _send(self, connection: _Connection, message: bytes) -> Response:
+        self.busy.add(connection)
+        try:
+            return await connection.send(message)
+        except BaseException:
+            connection.abort()
+            raise
+
+    async def _connect(self, timeout: float) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self), self.host, self.port
+                )
+        except (OSError, TimeoutError) as exc:
+            raise UpstreamError(f"cannot connect to {self.name}: {exc}") from exc
+        return connection
+
+    def release(self, connection: _Connection) -> None:
+        self.busy.discard(connection)
+        if len(self.idle) < self.max_idle:
+            self.idle.append(connection)
+        else:
+            connection.abort()
+
+    def forget(self, connection: _Connection) -> None:
+        self.busy.discard(connection)
+        with contextlib.suppress(ValueError):
+            self.idle.remove(connection)
+
+    def close(self) -> None:
+        for connection in [*self.idle, *self.busy]:
+            connection.abort()
+
+
+def _encode(
+    method: str, path: str, host: str, headers: list[tuple[bytes, bytes]], body: bytes
+) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1".encode(), b"host: " + host.encode()]
+    lines += [name + b": " + value for name, value in headers if name not in HOP_BY_HOP]
+    lines.append(b"content-length: %d" % len(body))
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body

@@ -1,0 +1,291 @@
+"""`lockgate route` in front of three real lockgate replicas on 127.0.0.1."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, RunningServer, free_port, start_server
+
+WHO = '''
+import time
+import numpy as np
+
+class Model:
+    """y = x; `replica` says which replica answered. Every `stall_every`-th call of values
+    >= 1000 sleeps `stall` seconds; `sleep` seconds on every such call."""
+
+    def load(self, config, version_dir):
+        p = config.parameters
+        self.replica = int(p.get("replica", "0"))
+        self.stall_every = int(p.get("stall_every", "0"))
+        self.stall = float(p.get("stall", "0"))
+        self.sleep = float(p.get("sleep", "0"))
+        self.calls = 0
+
+    def infer(self, inputs):
+        x = inputs["x"]
+        if float(x.flat[0]) >= 1000:
+            self.calls += 1
+            time.sleep(self.sleep)
+            if self.stall_every and self.calls % self.stall_every == 0:
+                time.sleep(self.stall)
+        who = np.full((x.shape[0], 1), self.replica, dtype=np.int64)
+        return {"y": x, "replica": who}
+'''
+
+CONFIG = """\
+backend: python
+max_batch_size: 8
+inputs: [{name: x, datatype: FP32, dims: [2]}]
+outputs: [{name: y, datatype: FP32, dims: [2]}, {name: replica, datatype: INT64, dims: [1]}]
+"""
+
+
+def repository(root: Path, replica: int, **parameters: str) -> Path:
+    repo = root / f"replica-{replica}"
+    for name, extra in (
+        ("who", {}),
+        ("slow", {"sleep": "0.3"}),
+    ):
+        folder = repo / name
+        (folder / "1").mkdir(parents=True)
+        (folder / "1" / "model.py").write_text(WHO)
+        params = {"replica": str(replica), **extra, **(parameters if name == "who" else {})}
+        lines = ", ".join(f"{k}: '{v}'" for k, v in params.items())
+        text = CONFIG + f"parameters: {{{lines}}}\n"
+        if name == "slow":
+            text += "dynamic_batching: {max_queue_size: 1}\n"
+        (folder / "config.yaml").write_text(textwrap.dedent(text))
+    return repo
+
+
+def start_router(tmp: Path, *args: str) -> RunningServer:
+    port = free_port()
+    log_path = tmp / f"router-{port}.log"
+    cmd = [sys.executable, "-m", "lockgate.cli", "route", "--port", str(port), *args]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    router = RunningServer(process, port, log_path)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert process.poll() is None, router.log()
+        try:
+            if httpx.get(router.url + "/v2/health/ready", timeout=1).status_code == 200:
+                return router
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    router.stop()
+    raise RuntimeError(f"router not ready:\n{router.log()}")
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningServer]]:
+    root = tmp_path_factory.mktemp("router-replicas")
+    stall = {"stall_every": "20", "stall": "0.25"}  # replica 2 stalls on 5% of its calls
+    servers = [
+        start_server(repository(root, i, **(stall if i == 2 else {})), root) for i in range(3)
+    ]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def router(
+    replicas: list[RunningServer], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    args = [a for r in replicas for a in ("--replica", r.url)]
+    router = start_router(tmp_path_factory.mktemp("router"), *args, "--no-hedge")
+    yield router
+    router.stop()
+
+
+def body(value: float = 1000.0) -> dict:
+    return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [value, 1]}]}
+
+
+def who(client: httpx.Client, url: str, model: str = "who") -> int:
+    r = client.post(f"{url}/v2/models/{model}/infer", json=body(), timeout=30)
+    assert r.status_code == 200, r.text
+    out = {o["name"]: o["data"] for o in r.json()["outputs"]}
+    assert out["y"] == [1000.0, 1.0]
+    return int(out["replica"][0])
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_requests_spread_over_every_replica(router: RunningServer) -> None:
+    with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answered = Counter(pool.map(lambda _: who(client, router.url), range(300)))
+    assert set(answered) == {0, 1, 2}
+    assert min(answered.values()) >= 20, answered
+    # replica 2 stalls now and then: balancing on load sends it the fewest
+    assert answered[2] < max(answered[0], answered[1]), answered
+
+
+def test_errors_and_metadata_pass_through(router: RunningServer) -> None:
+    bad = httpx.post(router.url + "/v2/models/who/infer", content=b"{not json")
+    assert bad.status_code == 400 and "error" in bad.json()
+    missing = httpx.post(router.url + "/v2/models/nope/infer", json=body())
+    assert missing.status_code == 404
+    meta = httpx.get(router.url + "/v2/models/who")
+    assert meta.status_code == 200 and meta.json()["name"] == "who"
+    replicas = httpx.get(router.url + "/router/replicas").json()["replicas"]
+    assert len(replicas) == 3 and all(r["usable"] for r in replicas)
+
+
+def test_deadline_is_passed_on(
+    replicas: list[RunningServer], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    router = start_router(tmp_path_factory.mktemp("deadline"), "--replica", replicas[0].url)
+    url = router.url + "/v2/models/slow/infer"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            busy = pool.submit(httpx.post, url, json=body(), timeout=30)  # runs 300 ms
+            time.sleep(0.05)
+            late = httpx.post(url, json=body(), headers={"request-timeout": "0.1"}, timeout=30)
+            assert busy.result().status_code == 200
+        # queued behind 250 ms of work with 100 ms to go: the replica saw the deadline
+        assert late.status_code in (503, 504), late.text
+        spent = httpx.post(url, json=body(), headers={"request-timeout": "0.000001"})
+        assert spent.status_code == 504
+        bad = httpx.post(url, json=body(), headers={"request-timeout": "x"})
+        assert bad.status_code == 400
+    finally:
+        router.stop()
+
+
+def test_when_every_replica_is_full_the_router_refuses_at_once(router: RunningServer) -> None:
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(
+            pool.map(
+                lambda _: httpx.post(router.url + "/v2/models/slow/infer", json=body(), timeout=30),
+                range(32),
+            )
+        )
+    statuses = Counter(a.status_code for a in answers)
+    assert set(statuses) <= {200, 503}, statuses
+    assert statuses[200] >= 3 and statuses[503] > 0
+    assert all("retry-after" in a.headers for a in answers if a.status_code == 503)
+
+
+def test_hedging_cuts_the_tail_of_a_stalling_replica(
+    replicas: list[RunningServer], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    args = [a for r in replicas for a in ("--replica", r.url)]
+    tmp = tmp_path_factory.mktemp("hedge")
+    plain = start_router(tmp, *args, "--no-hedge")
+    hedged = start_router(tmp, *args, "--hedge-budget", "0.2")
+    try:
+        tails = {}
+        for name, router in (("plain", plain), ("hedged", hedged)):
+            times = []
+            with httpx.Client() as client:
+                for _ in range(400):
+                    t0 = time.perf_counter()
+                    who(client, router.url)
+                    times.append(time.perf_counter() - t0)
+            tails[name] = float(np.percentile(times, 99))
+        hedges = metric(hedged.url, "lockgate_router_hedges_total")
+    finally:
+        plain.stop()
+        hedged.stop()
+    assert tails["plain"] >= 0.2, tails  # replica 2 stalls 250 ms on 5% of its calls
+    assert tails["hedged"] < tails["plain"] / 2, tails
+    assert 0 < hedges <= 0.2 * 400 + 1
+
+
+def test_a_replica_killed_under_load_loses_no_request(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    root = tmp_path_factory.mktemp("kill")
+    servers = [start_server(repository(root, i), root) for i in range(3)]
+    args = [a for s in servers for a in ("--replica", s.url)]
+    router = start_router(root, *args, "--no-hedge", "--probe-interval", "0.2")
+    statuses: Counter[int] = Counter()
+    stop = time.monotonic() + 4.0
+
+    def worker() -> None:
+        with httpx.Client() as client:
+            while time.monotonic() < stop:
+                r = client.post(router.url + "/v2/models/who/infer", json=body(), timeout=30)
+                statuses[r.status_code] += 1
+
+    try:
+        threads = [threading.Thread(target=worker) for _ in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        os.kill(servers[1].process.pid, signal.SIGKILL)
+        for t in threads:
+            t.join()
+        retries = metric(router.url, "lockgate_router_retries_total")
+        answered = metric(router.url, "lockgate_router_requests_total")
+        replicas = httpx.get(router.url + "/router/replicas").json()["replicas"]
+    finally:
+        router.stop()
+        for s in servers:
+            s.stop()
+    assert set(statuses) == {200}, statuses  # every request answered, none lost
+    assert answered == sum(statuses.values())
+    assert retries <= 0.1 * answered + 10  # within the budget
+    dead = [r for r in replicas if r["url"] == servers[1].url]
+    assert dead and not dead[0]["usable"]
+
+
+def test_discovery_through_dns(
+    replicas: list[RunningServer], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    router = start_router(
+        tmp_path_factory.mktemp("dns"), "--discover", f"localhost:{replicas[0].port}"
+    )
+    try:
+        with httpx.Client() as client:
+            assert who(client, router.url) == 0
+    finally:
+        router.stop()
+
+
+def test_no_ready_replica_means_not_ready(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    cmd = [sys.executable, "-m", "lockgate.cli", "route", "--port", str(free_port())]
+    process = subprocess.Popen(
+        [*cmd, "--replica", f"http://127.0.0.1:{port}"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{cmd[-1]}"
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                ready = httpx.get(url + "/v2/health/ready", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert ready.status_code == 503
+        assert httpx.get(url + "/v2/health/live").status_code == 200
+        r = httpx.post(url + "/v2/models/who/infer", json=body())
+        assert r.status_code == 503 and "retry-after" in r.headers
+    finally:
+        process.terminate()
+        process.wait(10)
