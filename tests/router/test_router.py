@@ -289,3 +289,30 @@ def test_no_ready_replica_means_not_ready(tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_openai_streams_pass_through_once(
+    llm_server: RunningServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import openai
+
+    router = start_router(tmp_path_factory.mktemp("llm-router"), "--replica", llm_server.url)
+    try:
+        direct = openai.OpenAI(base_url=llm_server.url + "/v1", api_key="x", max_retries=0)
+        routed = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+        ask = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "Count to five."}],
+            "max_tokens": 16,
+            "temperature": 0,
+        }
+        expected = direct.chat.completions.create(**ask).choices[0].message.content
+        before = metric(llm_server.url, "lockgate_llm_request_success_total")
+        chunks = list(routed.chat.completions.create(**ask, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == expected
+        assert len(chunks) > 3  # token by token, not one buffered answer
+        # one generation on the replica: the stream was neither hedged nor retried
+        assert metric(llm_server.url, "lockgate_llm_request_success_total") == before + 1
+    finally:
+        router.stop()
