@@ -476,14 +476,18 @@ def overload(ctx: Context, server: Server, data: Digits, samples: Samples, seed:
 # -- report --------------------------------------------------------------------------------
 
 
+def _ratio(value: float, baseline: float) -> float:
+    return value / baseline if baseline > 0 else float("inf") if value > 0 else float("nan")
+
+
 def report(samples: Samples, redis: bool) -> SuiteResult:
     m = samples.median
     tier1 = m("tier1_in_process_ms")
     tier2 = m("tier2_added_ms")
-    zipf_ratio = m("zipf_cached_rate") / m("zipf_plain_rate")
+    zipf_ratio = _ratio(m("zipf_cached_rate"), m("zipf_plain_rate"))
     cpu_saved = 1 - m("cascade_cpu_ms") / m("forest_cpu_ms")
     accuracy_lost = m("forest_accuracy") - m("cascade_accuracy")
-    fallback_ratio = m("forest_fallback_goodput") / m("forest_goodput")
+    fallback_ratio = _ratio(m("forest_fallback_goodput"), m("forest_goodput"))
     checks = [
         tier1 <= TIER1_TARGET_MS,
         zipf_ratio >= ZIPF_TARGET,
