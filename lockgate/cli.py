@@ -140,6 +140,18 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--no-admission", action="store_true", help="turn off deadline-aware admission")
     p.add_argument("--strict-readiness", action="store_true", help="ready only when all models are")
     p.add_argument("--no-llm", action="store_true", help="do not start language models")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="run this many server processes (one per core at most is useful) behind a "
+        "router on --port; each loads every model, language models included",
+    )
+    p.add_argument(
+        "--replica-base-port",
+        type=int,
+        help="the replicas listen on 127.0.0.1, this port and up (default: --port + 1)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -164,7 +176,40 @@ def _grpc_port(text: str) -> int:
     return port
 
 
+def _serve_replicas(args: argparse.Namespace) -> int:
+    """The router on --port, and --replicas server processes behind it."""
+    from lockgate.router.app import RouterSettings
+    from lockgate.router.pool import Discovery
+    from lockgate.router.replica import HealthSettings
+    from lockgate.router.replicas import Replicas
+    from lockgate.router.server import build, run
+
+    argv = list(args.argv)
+    if args.repository is None:  # build the demo once, not in every replica
+        from lockgate.demo.build import build_demo_repository, default_demo_path
+
+        repository = _build_demo(build_demo_repository, default_demo_path())
+        if repository is None:
+            return 2
+        argv.insert(argv.index("serve") + 1, str(repository))
+    base = args.replica_base_port or args.port + 1
+    ports = [base + i for i in range(args.replicas)]
+    replicas = Replicas(argv, ports)
+    replicas.start()
+    try:
+        urls = tuple(f"http://127.0.0.1:{port}" for port in ports)
+        app = build(Discovery(urls), HealthSettings(), RouterSettings())
+        return run(app, args.host, args.port)
+    finally:
+        replicas.stop(args.drain_timeout + 5)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        print("lockgate: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    if args.replicas > 1:
+        return _serve_replicas(args)
     from lockgate.core.admission import AdmissionSettings
     from lockgate.core.manager import ServingSettings
     from lockgate.frontend.app import ServerSettings
@@ -283,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(handler=route.run)
     _add_tools(sub)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -225,6 +225,7 @@ def llm_server(
     config["parameters"].update(
         {"kv_cache_gib": "0.05", "max_model_len": "512", "max_waiting": "256", "dtype": "float32"}
     )
+    (target / "config.yaml").unlink()  # hard-linked to the build: write a new file
     (target / "config.yaml").write_text(yaml.safe_dump(config))
     server = start_server(repo, tmp_path_factory.mktemp("llm-server"), ready_timeout=600)
     yield server

@@ -153,22 +153,31 @@ def error_headers(error: ServingError) -> list[tuple[bytes, bytes]]:
 
 @contextlib.asynccontextmanager
 async def cancel_on_disconnect(receive: Receive) -> Any:
-    """Cancel the current task if the client disconnects while the block runs.
+    """Cancel the current task if the client disconnects while the block runs; the block then
+    ends with ClientDisconnected.
 
     Use after the body has been read: the only message left to receive is the disconnect.
     """
     task = asyncio.current_task()
     assert task is not None
+    fired = False
 
     async def watch() -> None:
+        nonlocal fired
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
+                fired = True
                 task.cancel("client disconnected")
                 return
 
     watcher = asyncio.get_running_loop().create_task(watch())
     try:
         yield
+    except asyncio.CancelledError:
+        if not fired:
+            raise
+        task.uncancel()  # our own cancellation: the request ends, quietly
+        raise ClientDisconnected from None
     finally:
         watcher.cancel()

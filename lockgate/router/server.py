@@ -7,7 +7,11 @@ within uvicorn's graceful shutdown."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+import threading
+from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
@@ -33,6 +37,20 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.router = app
         self.drain_delay = drain_delay
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM drain; unlike uvicorn, do not re-raise them after (exit 0)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.router.draining or self.drain_delay <= 0:

@@ -39,6 +39,7 @@ def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         }
     )
     config["response_cache"] = {"enable": True, "ttl_s": 600}
+    (target / "config.yaml").unlink()  # hard-linked to the build: write a new file
     (target / "config.yaml").write_text(yaml.safe_dump(config))
     running = start_server(repo, tmp_path_factory.mktemp("cached-llm"), ready_timeout=600)
     yield running

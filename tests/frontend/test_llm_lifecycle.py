@@ -32,6 +32,7 @@ def explicit_llm_server(
     shutil.copytree(built / "smollm2", target, copy_function=os.link)
     config = yaml.safe_load((target / "config.yaml").read_text())
     config["parameters"].update({"kv_cache_gib": "0.05", "max_model_len": "512"})
+    (target / "config.yaml").unlink()  # hard-linked to the build: write a new file
     (target / "config.yaml").write_text(yaml.safe_dump(config))
     server = start_server(
         repo,

@@ -58,6 +58,7 @@ def start_slo_llm_server(
             "ttft_slo_ms": str(int(TTFT_SLO_S * 1000)),
         }
     )
+    (target / "config.yaml").unlink()  # hard-linked to the build: write a new file
     (target / "config.yaml").write_text(yaml.safe_dump(config))
     return start_server(repo, tmp_path_factory.mktemp("slo-llm"), ready_timeout=600)
 

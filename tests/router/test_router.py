@@ -316,3 +316,40 @@ def test_openai_streams_pass_through_once(
         assert metric(llm_server.url, "lockgate_llm_request_success_total") == before + 1
     finally:
         router.stop()
+
+
+def _free_pair() -> int:
+    """A port whose next port is free too."""
+    import socket
+
+    while True:
+        base = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+
+
+def test_serve_with_replicas_runs_a_router_over_them(tmp_path: Path) -> None:
+    base = _free_pair()
+    server = start_server(
+        repository(tmp_path, 0), tmp_path, "--replicas", "2", "--replica-base-port", str(base)
+    )
+    try:
+        with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda _: who(client, server.url), range(60)))
+        listed = httpx.get(server.url + "/router/replicas").json()["replicas"]
+        assert [r["url"] for r in listed] == [
+            f"http://127.0.0.1:{base}",
+            f"http://127.0.0.1:{base + 1}",
+        ]
+        assert all(r["usable"] and r["answered"] > 0 for r in listed), listed
+    finally:
+        assert server.stop() == 0, server.log()[-2000:]
+    # hedges that lost were cancelled by closing their connection: quietly, on the replica
+    assert "Exception in ASGI application" not in server.log()
+    for port in (base, base + 1):  # the replicas drained and exited with the router
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=1)
