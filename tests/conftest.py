@@ -205,28 +205,40 @@ def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     running.stop()
 
 
-@pytest.fixture(scope="session")
-def llm_server(
-    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    """One server for the whole session: SmolLM2 (small KV cache, 512-token context) and the
-    minilm embedding model."""
+def smollm2_repository(
+    demo_repo: Path,
+    repo: Path,
+    parameters: dict[str, str],
+    extra: dict[str, object] | None = None,
+) -> Path:
+    """`repo` with SmolLM2 from the demo build (built once per session, weights hard-linked)
+    and its config's `parameters` updated and `extra` keys set."""
     import yaml
 
     from lockgate.demo.build import DEMO_MODELS, build_demo_repository
 
     llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
     built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
-    repo = tmp_path_factory.mktemp("llm-repo")
-    shutil.copytree(demo_repo / "minilm", repo / "minilm")
     target = repo / "smollm2"
     shutil.copytree(built / "smollm2", target, copy_function=os.link)
     config = yaml.safe_load((target / "config.yaml").read_text())
-    config["parameters"].update(
-        {"kv_cache_gib": "0.05", "max_model_len": "512", "max_waiting": "256", "dtype": "float32"}
-    )
-    (target / "config.yaml").unlink()  # hard-linked to the build: write a new file
+    config["parameters"].update(parameters)
+    config.update(extra or {})
+    (target / "config.yaml").unlink()  # hard-linked to the build: write a file of its own
     (target / "config.yaml").write_text(yaml.safe_dump(config))
+    return repo
+
+
+@pytest.fixture(scope="session")
+def llm_server(
+    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """One server for the whole session: SmolLM2 (small KV cache, 512-token context) and the
+    minilm embedding model."""
+    repo = tmp_path_factory.mktemp("llm-repo")
+    shutil.copytree(demo_repo / "minilm", repo / "minilm")
+    parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", "max_waiting": "256"}
+    smollm2_repository(demo_repo, repo, {**parameters, "dtype": "float32"})
     server = start_server(repo, tmp_path_factory.mktemp("llm-server"), ready_timeout=600)
     yield server
     assert server.stop() == 0, server.log()[-2000:]

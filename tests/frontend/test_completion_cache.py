@@ -3,9 +3,7 @@ official `openai` client."""
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,34 +11,20 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, smollm2_repository, start_server
 
 MODEL = "SmolLM2-cached"
 
 
 @pytest.fixture(scope="module")
 def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    import yaml
-
-    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
-
-    llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
-    built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
-    repo = tmp_path_factory.mktemp("cached-llm-repo")
-    target = repo / "smollm2"
-    shutil.copytree(built / "smollm2", target, copy_function=os.link)
-    config = yaml.safe_load((target / "config.yaml").read_text())
-    config["parameters"].update(
-        {
-            "kv_cache_gib": "0.05",
-            "max_model_len": "512",
-            "dtype": "float32",
-            "served_model_name": MODEL,
-        }
+    parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", "dtype": "float32"}
+    repo = smollm2_repository(
+        demo_repo,
+        tmp_path_factory.mktemp("cached-llm-repo"),
+        {**parameters, "served_model_name": MODEL},
+        {"response_cache": {"enable": True, "ttl_s": 600}},
     )
-    config["response_cache"] = {"enable": True, "ttl_s": 600}
-    (target / "config.yaml").unlink()  # hard-linked to the build: write a new file
-    (target / "config.yaml").write_text(yaml.safe_dump(config))
     running = start_server(repo, tmp_path_factory.mktemp("cached-llm"), ready_timeout=600)
     yield running
     assert running.stop() == 0, running.log()[-2000:]

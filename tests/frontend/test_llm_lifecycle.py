@@ -5,35 +5,26 @@ does any model, and readiness and the OpenAI routes follow."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import yaml
 
 from lockgate.demo.smollm2 import SERVED_NAME
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, smollm2_repository, start_server
 
 
 @pytest.fixture(scope="module")
 def explicit_llm_server(
     demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
-    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
-
-    llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
-    built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
-    repo = tmp_path_factory.mktemp("llm-lifecycle-repo")
-    target = repo / "smollm2"
-    shutil.copytree(built / "smollm2", target, copy_function=os.link)
-    config = yaml.safe_load((target / "config.yaml").read_text())
-    config["parameters"].update({"kv_cache_gib": "0.05", "max_model_len": "512"})
-    (target / "config.yaml").unlink()  # hard-linked to the build: write a new file
-    (target / "config.yaml").write_text(yaml.safe_dump(config))
+    repo = smollm2_repository(
+        demo_repo,
+        tmp_path_factory.mktemp("llm-lifecycle-repo"),
+        {"kv_cache_gib": "0.05", "max_model_len": "512"},
+    )
     server = start_server(
         repo,
         tmp_path_factory.mktemp("llm-lifecycle"),

@@ -5,8 +5,6 @@ first token inside it and requests refused at once with 503."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,10 +12,9 @@ from pathlib import Path
 
 import openai
 import pytest
-import yaml
 
 from lockgate.demo.smollm2 import SERVED_NAME
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, smollm2_repository, start_server
 
 TTFT_SLO_S = 2.0
 WORDS = [
@@ -42,24 +39,16 @@ WORDS = [
 def start_slo_llm_server(
     demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> RunningServer:
-    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
-
-    llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
-    built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
-    repo = tmp_path_factory.mktemp("slo-llm-repo")
-    target = repo / "smollm2"
-    shutil.copytree(built / "smollm2", target, copy_function=os.link)
-    config = yaml.safe_load((target / "config.yaml").read_text())
-    config["parameters"].update(
+    repo = smollm2_repository(
+        demo_repo,
+        tmp_path_factory.mktemp("slo-llm-repo"),
         {
             "kv_cache_gib": "0.05",
             "max_model_len": "512",
             "max_num_batched_tokens": "128",
             "ttft_slo_ms": str(int(TTFT_SLO_S * 1000)),
-        }
+        },
     )
-    (target / "config.yaml").unlink()  # hard-linked to the build: write a new file
-    (target / "config.yaml").write_text(yaml.safe_dump(config))
     return start_server(repo, tmp_path_factory.mktemp("slo-llm"), ready_timeout=600)
 
 
