@@ -278,7 +278,8 @@ class RouterApp:
                     response.chunks.put_nowait(data)
                     response.chunks.put_nowait(None)
             except UpstreamError as exc:
-                self._failed(replica, "error")
+                self.attempts.inc((replica.url, "error"))
+                self._failed(replica)
                 raise Failure(str(exc)) from exc
         finally:
             replica.in_flight -= 1
@@ -288,15 +289,13 @@ class RouterApp:
         if response.status == 503:
             replica.refused(now, self.pool.health)
         elif response.status >= 500 and response.status != 504:
-            if replica.failed(now, self.pool.health):
-                log.warning("router: %s ejected after repeated failures", replica.url)
+            self._failed(replica)
         else:
             reported = response.header(b"x-lockgate-inflight")
             replica.succeeded(int(reported) if reported and reported.isdigit() else None)
         return response
 
-    def _failed(self, replica: Replica, outcome: str) -> None:
-        self.attempts.inc((replica.url, outcome))
+    def _failed(self, replica: Replica) -> None:
         if replica.failed(time.monotonic(), self.pool.health):
             log.warning("router: %s ejected after repeated failures", replica.url)
 

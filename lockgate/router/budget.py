@@ -20,6 +20,7 @@ class Budget:
 
     def request(self, now: float) -> None:
         self.requests.append(now)
+        self._forget(now)  # here too: with nothing spent the window must still move on
 
     def try_spend(self, now: float) -> bool:
         """Take one extra attempt if the budget has it."""

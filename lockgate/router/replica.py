@@ -3,7 +3,7 @@ bookkeeping: the router tells it what happened and when."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lockgate.router.upstream import Upstream
 
@@ -31,7 +31,6 @@ class Replica:
     full_until: float = 0.0  # it answered 503 (its admission refused) until about then
     answered: int = 0
     removed: bool = False  # gone from discovery: takes no new request
-    stats: dict[str, int] = field(default_factory=dict)
 
     def usable(self, now: float) -> bool:
         return self.ready and not self.removed and now >= self.ejected_until

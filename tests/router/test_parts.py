@@ -57,3 +57,10 @@ def test_hedge_delay_follows_the_models_latency() -> None:
     assert delay is not None and 0.009 <= delay <= 0.2
     assert HedgePolicy(enabled=False).delay("m") is None
     assert HedgePolicy(fixed_delay=0.05).delay("x") == 0.05
+
+
+def test_a_budget_never_spent_still_forgets_old_requests() -> None:
+    budget = Budget(window=10.0)
+    for i in range(3000):  # 30 s at 100 requests per second, no retry at all
+        budget.request(i * 0.01)
+    assert len(budget.requests) <= 1001
