@@ -15,6 +15,11 @@ name:
 
 `parameters.method` names the method of a single output whose name is none of these. With
 no outputs declared, the model returns `label` (or the output of `parameters.method`).
+
+When both `predict` and `predict_proba` are asked of an estimator whose `predict` is by
+definition the class of highest probability (trees, forests, extra trees, histogram
+gradient boosting), the labels are taken from the probabilities: one pass over the model
+instead of two, which halves the cost of a forest.
 """
 
 from __future__ import annotations
@@ -43,6 +48,28 @@ _METHOD_BY_NAME = {
     "transform": "transform",
 }
 _DEFAULT_OUTPUT = {"predict": "label", "predict_proba": "probabilities"}
+# Estimators whose predict() is classes_[argmax(predict_proba())], by their class names
+# (sklearn's ForestClassifier.predict, DecisionTreeClassifier.predict and
+# HistGradientBoostingClassifier.predict are written that way).
+_PREDICT_IS_ARGMAX = frozenset(
+    {
+        "RandomForestClassifier",
+        "ExtraTreesClassifier",
+        "DecisionTreeClassifier",
+        "ExtraTreeClassifier",
+        "HistGradientBoostingClassifier",
+    }
+)
+
+
+def predict_from_proba(estimator: Any) -> bool:
+    """True when labels may be read off predict_proba's output for this estimator."""
+    return (
+        type(estimator).__name__ in _PREDICT_IS_ARGMAX
+        and type(estimator).__module__.startswith("sklearn.")
+        and getattr(estimator, "n_outputs_", 1) == 1
+        and hasattr(estimator, "classes_")
+    )
 
 
 class SklearnBackend:
@@ -50,7 +77,7 @@ class SklearnBackend:
 
     inline_safe = True  # native code: tiny batches may run on the event loop
     finite_inputs = True  # estimators refuse NaN and Inf: the server answers 400 before queueing
-    __slots__ = ("_datatypes", "_estimator", "_input", "_methods", "_model")
+    __slots__ = ("_datatypes", "_estimator", "_from_proba", "_input", "_methods", "_model")
 
     def __init__(self, estimator: Any, config: ModelConfig) -> None:
         self._estimator = estimator
@@ -64,17 +91,28 @@ class SklearnBackend:
                     f"output '{output}' needs {method}(), which {type(estimator).__name__} lacks"
                 )
                 raise ConfigError(config.source, "outputs", problem)
+        methods = set(self._methods.values())
+        self._from_proba = {"predict", "predict_proba"} <= methods and predict_from_proba(estimator)
 
     def infer(self, inputs: Arrays) -> Arrays:
         rows = self._rows(inputs)  # [batch, features]
+        results: dict[str, np.ndarray] = {}  # method -> its result, each method called once
+        if self._from_proba:
+            proba = self._call("predict_proba", rows)  # [batch, classes]
+            results["predict_proba"] = proba
+            results["predict"] = np.asarray(self._estimator.classes_).take(proba.argmax(axis=1))
         outputs: Arrays = {}
         for output, method in self._methods.items():
-            try:
-                result = np.asarray(getattr(self._estimator, method)(rows))
-            except Exception as exc:
-                raise BackendError(f"model '{self._model}': {method}: {exc}") from exc
-            outputs[output] = _cast(result, self._datatypes.get(output))
+            if method not in results:
+                results[method] = self._call(method, rows)
+            outputs[output] = _cast(results[method], self._datatypes.get(output))
         return outputs
+
+    def _call(self, method: str, rows: np.ndarray) -> np.ndarray:
+        try:
+            return np.asarray(getattr(self._estimator, method)(rows))
+        except Exception as exc:
+            raise BackendError(f"model '{self._model}': {method}: {exc}") from exc
 
     def _rows(self, inputs: Arrays) -> np.ndarray:
         if self._input is not None:

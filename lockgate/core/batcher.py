@@ -290,6 +290,8 @@ class Batcher:
         return max(now, batch.started + self.profile.service_time(batch.rows))
 
     def _rows_ahead(self, level: int) -> int:
+        if level >= self.levels:  # every level counts (and with one level, always)
+            return self.queued_rows
         return sum(sum(r.rows for r in q) for q in self.queues[:level])
 
     def _lowest_below(self, level: int) -> InferRequest | None:

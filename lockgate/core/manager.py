@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -122,6 +123,10 @@ class ModelManager:
         self.metrics = ServingMetrics.create(registry)
         self.settings = settings or ServingSettings()
         self.models: dict[str, ServedModel] = {}
+        # T(B) is measured one model at a time: models that load together would otherwise
+        # share the cores while timed, and start with a profile several times too slow,
+        # which refuses their first requests
+        self._profiling = threading.Lock()
 
     # -- lookup ------------------------------------------------------------------------
     def get(self, name: str, version: int | None = None) -> ServedVersion:
@@ -309,7 +314,12 @@ class ModelManager:
         if not config.inputs:
             return
         sizes = _profile_sizes(config.max_batch_size) if config.batching else [1]
-        instance = instances[0]
+        with self._profiling:
+            self._profile(instances[0], config, sizes, profile)
+
+    def _profile(
+        self, instance: Instance, config: ModelConfig, sizes: list[int], profile: ServiceProfile
+    ) -> None:
         for rows in sizes:
             inputs = synthetic_batch(config, rows, "random")
             instance.infer_sync(inputs)  # first run at a new shape pays for allocation

@@ -54,6 +54,10 @@ class ServiceProfile:
     scale: float = 1.0  # current service time / the slow average
     scaled_at: float | None = None  # when the scale last moved
     ratios: deque[float] = field(default_factory=lambda: deque([1.0, 1.0], maxlen=3))
+    # batch_cap's last answer: (slo, scale, fit_a, fit_b, observations, sizes) -> cap. Asked
+    # for every request (and every refusal) but changed only by a batch.
+    _cap_key: tuple[float, ...] = ()
+    _cap: int = 1
 
     def observe(self, batch_size: int, seconds: float, now: float | None = None) -> None:
         """Fold one measured batch into the profile (see the module docstring).
@@ -108,6 +112,13 @@ class ServiceProfile:
 
     def batch_cap(self, slo: float) -> int:
         """The largest B with 2·T(B) ≤ SLO (at least 1)."""
+        key = (slo, self.scale, self.fit_a, self.fit_b, self.observations, len(self.times))
+        if key != self._cap_key:
+            self._cap_key = key
+            self._cap = self._batch_cap(slo)
+        return self._cap
+
+    def _batch_cap(self, slo: float) -> int:
         cap = 1
         for b in range(1, self.max_batch_size + 1):
             if 2 * self.service_time(b) <= slo:

@@ -95,3 +95,46 @@ def test_corrupt_file(tmp_path: Path) -> None:
     (tmp_path / "model.joblib").write_bytes(b"garbage")
     with pytest.raises(ConfigError, match="joblib cannot load"):
         load(config(), tmp_path)
+
+
+def test_a_forest_asked_for_labels_and_probabilities_runs_once(tmp_path: Path) -> None:
+    """Labels come from the probabilities for a forest (one pass, same answers), while an
+    estimator whose predict() is not the argmax (a logistic model) is still called twice."""
+    from sklearn.datasets import load_digits
+    from sklearn.ensemble import RandomForestClassifier
+
+    digits = load_digits()
+    x, y = digits.data.astype(np.float32), digits.target
+    forest = RandomForestClassifier(n_estimators=20, random_state=0).fit(x, y)
+    joblib.dump(forest, tmp_path / "model.joblib")
+    outputs = (TensorSpec("label", "INT64", ()), TensorSpec("probabilities", "FP32", (10,)))
+    spec = ModelConfig(
+        name="forest",
+        backend="sklearn",
+        max_batch_size=64,
+        inputs=(TensorSpec("input", "FP32", (64,)),),
+        outputs=outputs,
+        source="forest/config.yaml",
+    )
+    backend = load(spec, tmp_path)
+    calls: list[str] = []
+    loaded = backend._estimator
+    original = loaded.predict_proba
+    loaded.predict_proba = lambda rows: calls.append("predict_proba") or original(rows)
+    loaded.predict = lambda rows: calls.append("predict") or forest.predict(rows)
+    result = backend.infer({"input": x[:200]})
+    assert calls == ["predict_proba"]
+    np.testing.assert_array_equal(result["label"], forest.predict(x[:200]))
+    np.testing.assert_allclose(result["probabilities"], forest.predict_proba(x[:200]), rtol=1e-6)
+
+
+def test_an_estimator_whose_predict_is_not_the_argmax_is_called_for_each(
+    version_dir: Path,
+) -> None:
+    from lockgate.backends.sklearn import predict_from_proba
+
+    outputs = (TensorSpec("label", "INT64", ()), TensorSpec("probabilities", "FP32", (2,)))
+    backend = load(config(outputs), version_dir)
+    assert not predict_from_proba(backend._estimator)
+    result = backend.infer({"input": ROWS})
+    np.testing.assert_array_equal(result["label"], backend._estimator.predict(ROWS))
