@@ -125,6 +125,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "refusal reason) on the lockgate.access logger",
     )
     p.add_argument(
+        "--otel-endpoint",
+        default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
+        help="trace KServe v2 inference requests with OpenTelemetry, sent over OTLP/HTTP to this "
+        "base URL, e.g. http://127.0.0.1:4318 (default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: "
+        "no tracing); needs lockgate[otel]",
+    )
+    p.add_argument(
         "--redis-url",
         default=os.environ.get("LOCKGATE_REDIS_URL", ""),
         help="Redis for the response cache's shared tier, e.g. redis://127.0.0.1:6379/0 "
@@ -161,6 +168,18 @@ def _redis(args: argparse.Namespace) -> RedisSettings | None:
     if not args.redis_url:
         return None
     return RedisSettings(args.redis_url, args.redis_prefix, args.redis_timeout_ms / 1000.0)
+
+
+def _tracing_installed() -> bool:
+    """Whether the OpenTelemetry packages are there; if not, says which extra brings them."""
+    from lockgate.extras import MissingExtra, import_for
+
+    try:
+        import_for("lockgate.frontend.otel", "otel", "tracing (--otel-endpoint)")
+    except MissingExtra as exc:
+        print(f"lockgate: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _grpc_port(text: str) -> int:
@@ -208,6 +227,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print("lockgate: --replicas must be at least 1", file=sys.stderr)
         return 2
+    if args.otel_endpoint and not _tracing_installed():
+        return 2
     if args.replicas > 1:
         return _serve_replicas(args)
     from lockgate.core.admission import AdmissionSettings
@@ -237,6 +258,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_public=args.metrics_public,
         access_log=args.access_log,
         redis=_redis(args),
+        otel_endpoint=args.otel_endpoint,
     )
     serving = ServingSettings(
         hang_timeout=args.hang_timeout,

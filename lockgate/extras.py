@@ -2,8 +2,8 @@
 
 `pip install lockgate` serves ONNX models. Everything else is an extra:
 `pip install 'lockgate[llm]'` for language models, `[sklearn]`, `[torch]`, `[bench]` for the
-load generator and plots, `[redis]` for the shared response cache, `[demo]` to build the demo
-repository, `[all]` for everything.
+load generator and plots, `[redis]` for the shared response cache, `[otel]` for OpenTelemetry
+tracing, `[demo]` to build the demo repository, `[all]` for everything.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "torch": ("torch",),
     "bench": ("aiohttp", "matplotlib"),
     "redis": ("redis",),
+    "otel": ("opentelemetry",),
     "demo": ("sklearn", "skl2onnx", "onnx", "tokenizers"),
 }
 

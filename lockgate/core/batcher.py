@@ -198,7 +198,7 @@ class Batcher:
         self._count("success")
         done = time.monotonic()
         self.admission.answered(request, done)
-        self.metrics.request_latency.observe(self.labels, done - request.arrival)
+        self.metrics.request_latency.observe(self.labels, done - request.arrival, request.trace_id)
         return result
 
     def _dispatch_now(self, request: InferRequest, now: float) -> bool:
@@ -472,6 +472,7 @@ class Batcher:
         batch.started = start
         self.running[instance] = batch
         for request in batch.requests:
+            request.batched = batch.formed
             self.metrics.queue_latency.observe(self.labels, start - request.arrival)
         return start
 
@@ -509,6 +510,8 @@ class Batcher:
         self.metrics.batch_size.observe(self.labels, batch.rows)
         self.metrics.batches.inc(self.labels)
         for request, part in zip(batch.requests, parts, strict=True):
+            request.computed, request.compute_seconds = instance.last_finished, compute
+            request.batch_rows = batch.rows
             if request.future is not None and not request.future.done():
                 request.future.set_result(part)
 

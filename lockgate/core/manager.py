@@ -31,7 +31,7 @@ from lockgate.backends.base import (
 from lockgate.config import ModelConfig, TensorSpec
 from lockgate.core.admission import AdmissionSettings
 from lockgate.core.batcher import Batcher
-from lockgate.core.metrics import Registry
+from lockgate.core.metrics import Instrumented, Registry
 from lockgate.core.request import InferRequest
 from lockgate.core.runner import Instance
 from lockgate.core.serving_metrics import ServingMetrics
@@ -263,6 +263,8 @@ class ModelManager:
             start = time.monotonic()
             service = await loop.run_in_executor(None, service_factory, config, served.path)
             if service is not None:
+                if isinstance(service, Instrumented):
+                    service.instrument(self.registry)
                 served.service = service
                 served.load_seconds = time.monotonic() - start
                 self.metrics.load_seconds.set(labels, served.load_seconds)

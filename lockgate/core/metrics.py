@@ -1,15 +1,25 @@
-"""Prometheus metrics without a dependency: counters, gauges and histograms with labels.
+"""The Prometheus metrics of one server, on prometheus_client.
 
-Observation is a dict lookup plus a bisect, cheap enough for the request path. `render()`
-writes the text exposition format (version 0.0.4).
+Each server has a `CollectorRegistry` of its own (several servers may share one process, as
+in the tests), never prometheus_client's process-wide default; the process, GC and platform
+collectors are registered in it. Counters, gauges and histograms are addressed by a tuple of
+label values, resolved to the prometheus_client child once and kept: an observation on the
+request path is a dict lookup and the child's own update. `exposition()` answers a scrape
+in the text format 0.0.4, or in OpenMetrics (with exemplars) when the scraper asks for it.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
+from typing import Generic, Protocol, TypeVar, runtime_checkable
+
+import prometheus_client as prom
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric as Family
+from prometheus_client.openmetrics import exposition as openmetrics_exposition
+from prometheus_client.registry import Collector, CollectorRegistry
 
 LabelValues = tuple[str, ...]
 
@@ -21,130 +31,78 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
+OPENMETRICS = "application/openmetrics-text"
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels_text(names: Sequence[str], values: LabelValues, extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
+W = TypeVar("W", bound=MetricWrapperBase)  # prometheus_client's Counter, Gauge or Histogram
 
 
-def _num(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(value)
+class Labelled(Generic[W]):
+    """A prometheus_client metric and its children, by label values."""
 
-
-class Metric:
-    kind = "untyped"
-
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help_text
+    def __init__(self, metric: W, labelnames: Sequence[str]) -> None:
+        self.metric = metric
         self.labelnames = tuple(labelnames)
+        self._children: dict[LabelValues, W] = {}
 
-    def samples(self) -> Iterable[str]:
-        raise NotImplementedError
-
-    def render(self) -> str:
-        head = f"# HELP {self.name} {self.help}\n# TYPE {self.name} {self.kind}\n"
-        return head + "".join(line + "\n" for line in self.samples())
-
-
-class Counter(Metric):
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labelnames)
-        self.values: dict[LabelValues, float] = {}
-
-    def inc(self, labels: LabelValues = (), amount: float = 1.0) -> None:
-        self.values[labels] = self.values.get(labels, 0.0) + amount
-
-    def get(self, labels: LabelValues = ()) -> float:
-        return self.values.get(labels, 0.0)
-
-    def samples(self) -> Iterable[str]:
-        for labels, value in sorted(self.values.items()):
-            yield f"{self.name}{_labels_text(self.labelnames, labels)} {_num(value)}"
-
-
-class Gauge(Metric):
-    """A gauge holds a value, or reads one from a callback at scrape time."""
-
-    kind = "gauge"
-
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labelnames)
-        self.values: dict[LabelValues, float] = {}
-        self.callbacks: dict[LabelValues, Callable[[], float]] = {}
-
-    def set(self, labels: LabelValues, value: float) -> None:
-        self.values[labels] = value
-
-    def inc(self, labels: LabelValues = (), amount: float = 1.0) -> None:
-        self.values[labels] = self.values.get(labels, 0.0) + amount
-
-    def get(self, labels: LabelValues = ()) -> float:
-        if labels in self.callbacks:
-            return self.callbacks[labels]()
-        return self.values.get(labels, 0.0)
-
-    def set_function(self, labels: LabelValues, fn: Callable[[], float]) -> None:
-        self.callbacks[labels] = fn
+    def labels(self, labels: LabelValues) -> W:
+        child = self._children.get(labels)
+        if child is None:
+            child = self.metric.labels(*labels) if self.labelnames else self.metric
+            self._children[labels] = child
+        return child
 
     def remove(self, labels: LabelValues) -> None:
-        self.values.pop(labels, None)
-        self.callbacks.pop(labels, None)
+        if self._children.pop(labels, None) is not None and self.labelnames:
+            self.metric.remove(*labels)
+
+
+class Counter(Labelled[prom.Counter]):
+    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
+        super().__init__(prom.Counter(name, help_text, labelnames, registry=None), labelnames)
+
+    def inc(self, labels: LabelValues = (), amount: float = 1.0) -> None:
+        child = self._children.get(labels)
+        (child if child is not None else self.labels(labels)).inc(amount)
+
+    def values(self) -> dict[LabelValues, float]:
+        """Every series' value now: for reports (Triton's statistics), not the request path."""
+        (family,) = self.metric.collect()
+        total = family.name + "_total"
+        return {
+            tuple(s.labels[n] for n in self.labelnames): s.value
+            for s in family.samples
+            if s.name == total
+        }
+
+
+class Gauge(Labelled[prom.Gauge]):
+    """A gauge holds a value, or reads one from a callback at scrape time."""
+
+    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
+        super().__init__(prom.Gauge(name, help_text, labelnames, registry=None), labelnames)
+        self._functions: dict[LabelValues, Callable[[], float]] = {}
+
+    def set(self, labels: LabelValues, value: float) -> None:
+        self.labels(labels).set(value)
+
+    def inc(self, labels: LabelValues = (), amount: float = 1.0) -> None:
+        self.labels(labels).inc(amount)
+
+    def set_function(self, labels: LabelValues, fn: Callable[[], float]) -> None:
+        self._functions[labels] = fn
+        self.labels(labels).set_function(fn)
+
+    def remove(self, labels: LabelValues) -> None:
+        self._functions.pop(labels, None)
+        super().remove(labels)
 
     def remove_function(self, labels: LabelValues, fn: Callable[[], float]) -> None:
-        """Drop `fn` if it still reports these labels (a successor may have taken them over)."""
-        if self.callbacks.get(labels) is fn:
-            del self.callbacks[labels]
-
-    def samples(self) -> Iterable[str]:
-        merged = dict(self.values)
-        merged.update({k: fn() for k, fn in self.callbacks.items()})
-        for labels, value in sorted(merged.items()):
-            yield f"{self.name}{_labels_text(self.labelnames, labels)} {_num(value)}"
+        """Drop the series if `fn` still reports it (a successor may have taken it over)."""
+        if self._functions.get(labels) is fn:
+            self.remove(labels)
 
 
-class HistogramChild:
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def quantile(self, q: float) -> float:
-        """An estimate from the buckets (upper bound of the bucket holding the q-quantile)."""
-        if self.count == 0:
-            return math.nan
-        rank = q * self.count
-        running = 0
-        for i, c in enumerate(self.counts):
-            running += c
-            if running >= rank:
-                return self.bounds[i] if i < len(self.bounds) else math.inf
-        return math.inf
-
-
-class Histogram(Metric):
-    kind = "histogram"
-
+class Histogram(Labelled[prom.Histogram]):
     def __init__(
         self,
         name: str,
@@ -152,60 +110,88 @@ class Histogram(Metric):
         labelnames: Sequence[str] = (),
         buckets: Sequence[float] = LATENCY_BUCKETS,
     ) -> None:
-        super().__init__(name, help_text, labelnames)
-        self.bounds = tuple(sorted(buckets))
-        self.children: dict[LabelValues, HistogramChild] = {}
+        metric = prom.Histogram(name, help_text, labelnames, registry=None, buckets=buckets)
+        super().__init__(metric, labelnames)
 
-    def labels(self, labels: LabelValues) -> HistogramChild:
-        child = self.children.get(labels)
+    def observe(self, labels: LabelValues, value: float, trace_id: str = "") -> None:
+        """Count `value`; with a `trace_id`, its bucket's exemplar points at that trace."""
+        child = self._children.get(labels)
         if child is None:
-            child = self.children[labels] = HistogramChild(self.bounds)
-        return child
+            child = self.labels(labels)
+        if trace_id:
+            child.observe(value, {"trace_id": trace_id})
+        else:
+            child.observe(value)
 
-    def observe(self, labels: LabelValues, value: float) -> None:
-        self.labels(labels).observe(value)
+    def totals(self, labels: LabelValues) -> tuple[int, float]:
+        """Observations and their sum so far: for reports, not the request path."""
+        child = self._children.get(labels)
+        if child is None:
+            return 0, 0.0
+        (family,) = child.collect()
+        found = {s.name.removeprefix(family.name): s.value for s in family.samples}
+        return int(found["_count"]), found["_sum"]
 
-    def samples(self) -> Iterable[str]:
-        for labels, child in sorted(self.children.items()):
-            running = 0
-            for bound, c in zip((*self.bounds, math.inf), child.counts, strict=True):
-                running += c
-                le = _labels_text(self.labelnames, labels, f'le="{_num(bound)}"')
-                yield f"{self.name}_bucket{le} {running}"
-            base = _labels_text(self.labelnames, labels)
-            yield f"{self.name}_sum{base} {_num(child.sum)}"
-            yield f"{self.name}_count{base} {child.count}"
+
+Metric = Counter | Gauge | Histogram
+
+
+@runtime_checkable
+class Instrumented(Protocol):
+    """A model service with metrics of its own: given the server's registry when it loads."""
+
+    def instrument(self, registry: Registry) -> None: ...
+
+
+class _Own:
+    """lockgate's own metrics as one collector, without the `_created` series prometheus_client
+    adds to counters and histograms (in the text format each is a series of its own, so they
+    would double the count for nothing Prometheus reads there)."""
+
+    def __init__(self, metrics: dict[str, Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[Family]:
+        for metric in list(self.metrics.values()):
+            for family in metric.metric.collect():
+                created = family.name + "_created"
+                family.samples = [s for s in family.samples if s.name != created]
+                yield family
 
 
 class Registry:
     """All metrics of one server. Registration is idempotent by name."""
 
     def __init__(self) -> None:
+        self.collectors = CollectorRegistry()
+        prom.ProcessCollector(registry=self.collectors)
+        prom.GCCollector(registry=self.collectors)
+        prom.PlatformCollector(registry=self.collectors)
         self._metrics: dict[str, Metric] = {}
         self._lock = threading.Lock()
-        self._collectors: list[Callable[[], None]] = []
+        self.collectors.register(_Own(self._metrics))
 
-    def add_collector(self, collect: Callable[[], None]) -> None:
-        """Call `collect` before every render, to pull values kept elsewhere."""
-        self._collectors.append(collect)
+    def register(self, collector: Collector) -> None:
+        """Add a collector that reads its values at scrape time (from an engine, say)."""
+        self.collectors.register(collector)
 
-    def _register(self, metric: Metric) -> Metric:
+    def _register(self, name: str, kind: type[Metric], make: Callable[[], Metric]) -> Metric:
         with self._lock:
-            existing = self._metrics.get(metric.name)
+            existing = self._metrics.get(name)
             if existing is not None:
-                if type(existing) is not type(metric):
-                    raise ValueError(f"metric {metric.name} registered with another type")
+                if type(existing) is not kind:
+                    raise ValueError(f"metric {name} registered with another type")
                 return existing
-            self._metrics[metric.name] = metric
+            metric = self._metrics[name] = make()
             return metric
 
     def counter(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> Counter:
-        metric = self._register(Counter(name, help_text, labelnames))
+        metric = self._register(name, Counter, lambda: Counter(name, help_text, labelnames))
         assert isinstance(metric, Counter)
         return metric
 
     def gauge(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> Gauge:
-        metric = self._register(Gauge(name, help_text, labelnames))
+        metric = self._register(name, Gauge, lambda: Gauge(name, help_text, labelnames))
         assert isinstance(metric, Gauge)
         return metric
 
@@ -216,16 +202,16 @@ class Registry:
         labelnames: Sequence[str] = (),
         buckets: Sequence[float] = LATENCY_BUCKETS,
     ) -> Histogram:
-        metric = self._register(Histogram(name, help_text, labelnames, buckets))
+        metric = self._register(
+            name, Histogram, lambda: Histogram(name, help_text, labelnames, buckets)
+        )
         assert isinstance(metric, Histogram)
         return metric
 
-    def get(self, name: str) -> Metric | None:
-        return self._metrics.get(name)
-
-    def render(self) -> str:
-        for collect in self._collectors:
-            collect()
-        with self._lock:
-            metrics = list(self._metrics.values())
-        return "".join(m.render() for m in metrics)
+    def exposition(self, accept: str = "") -> tuple[bytes, str]:
+        """A scrape's body and content type: OpenMetrics when the `Accept` header lists it,
+        else the text format 0.0.4."""
+        if any(part.split(";")[0].strip() == OPENMETRICS for part in accept.split(",")):
+            body = openmetrics_exposition.generate_latest(self.collectors)
+            return body, openmetrics_exposition.CONTENT_TYPE_LATEST
+        return prom.generate_latest(self.collectors), CONTENT_TYPE_PLAIN_0_0_4

@@ -37,6 +37,12 @@ class InferRequest:
     predicted: float = 0.0  # seconds from admission to answer admission predicted; 0: none
     margin: float = 0.0  # the calibration margin included in `predicted`
     seq: int = field(default_factory=lambda: next(_ids))
+    trace_id: str = ""  # when the request is traced: the exemplar of its latency
+    # its way through the batcher, time.monotonic() seconds (0.0: not reached)
+    batched: float = 0.0  # left the queue in a batch
+    computed: float = 0.0  # the model finished that batch
+    compute_seconds: float = 0.0  # the model's time on it
+    batch_rows: int = 0
 
     def expired(self, now: float | None = None) -> bool:
         return self.deadline is not None and (now or time.monotonic()) >= self.deadline

@@ -43,6 +43,7 @@ class Instance:
         self.inline_safe = bool(getattr(backend, "inline_safe", False))
         self.restarts = 0
         self.last_seconds = 0.0
+        self.last_finished = 0.0  # time.monotonic() at the end of the last batch
         self._restarting: asyncio.Task[None] | None = None
         self.closed = False
         self.restart_backoff = 0.5  # seconds before the first retry of a failed reload
@@ -54,6 +55,7 @@ class Instance:
         start = time.perf_counter()
         outputs = self.backend.infer(inputs)
         self.last_seconds = time.perf_counter() - start
+        self.last_finished = time.monotonic()
         return outputs
 
     async def infer(self, inputs: Arrays) -> Arrays:

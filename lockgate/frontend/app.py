@@ -7,12 +7,14 @@ mistake never becomes a 500.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lockgate.cache.redis_tier import RedisSettings
 from lockgate.cache.response_cache import ResponseCache
@@ -25,6 +27,7 @@ from lockgate.errors import (
     ServingError,
     Unauthorized,
 )
+from lockgate.extras import import_for
 from lockgate.frontend import v2_routes
 from lockgate.frontend.access_log import AccessEntry, AccessLog, model_of, request_id
 from lockgate.frontend.dashboard import dashboard_page
@@ -42,6 +45,9 @@ from lockgate.frontend.http import (
 from lockgate.frontend.openapi import openapi_document
 from lockgate.frontend.v2_service import V2Service
 from lockgate.protocol import v2_codec
+
+if TYPE_CHECKING:
+    from lockgate.frontend.otel import Tracing
 
 log = logging.getLogger("lockgate.frontend")
 
@@ -62,6 +68,7 @@ class ServerSettings:
     repository: Path | None = None
     access_log: bool = False  # one JSON line per request on the `lockgate.access` logger
     redis: RedisSettings | None = None  # the response cache's shared tier; None: in-process only
+    otel_endpoint: str = ""  # OTLP/HTTP base URL: trace v2 inference requests; "": no tracing
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
             {
@@ -97,6 +104,7 @@ class App:
         # told each request's delay from its first byte to its handler (the connection gate)
         self.front_delay: Callable[[float, float], None] | None = None
         self.in_flight = 0  # HTTP requests received and not yet answered
+        self.tracing = _tracing(self.settings.otel_endpoint, self.closers)
         models.registry.gauge(
             "lockgate_http_requests_in_progress", "HTTP requests received and not yet answered."
         ).set_function((), lambda: float(self.in_flight))
@@ -120,13 +128,19 @@ class App:
         route = _route_kind(scope["path"])
         rid = request_id(scope["headers"])
         entry: AccessEntry | None = None
+        traced = None
+        if self.tracing is not None and route == "infer":
+            headers, method = scope["headers"], scope["method"]
+            traced = self.tracing.start(headers, rid.decode(), method, scope["path"], start)
+        status = 0  # until a response starts
 
         async def timed_send(message: Message) -> None:
-            nonlocal entry
+            nonlocal entry, status
             if message["type"] == "http.response.start":
                 status = message["status"]
                 elapsed = time.monotonic() - start
-                self.http_latency.observe((route, str(status)), elapsed)
+                trace_id = traced.trace_id if traced is not None else ""
+                self.http_latency.observe((route, str(status)), elapsed, trace_id)
                 # the load a router in front balances on: requests in progress here
                 load = (b"x-lockgate-inflight", b"%d" % self.in_flight)
                 message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid), load]
@@ -144,6 +158,7 @@ class App:
             scope["path"],
             self.settings.max_body_bytes,
             self.settings.body_timeout_s,
+            trace=traced,
         )
         openai = request.path.startswith("/v1/")
         self.in_flight += 1
@@ -164,6 +179,8 @@ class App:
             if entry is not None:
                 entry.bytes_in = request.bytes_read
                 self.access.write(entry)
+            if traced is not None and self.tracing is not None:
+                self.tracing.finish(traced, status, time.monotonic())
 
     @staticmethod
     def _access_entry(scope: Scope, rid: bytes, status: int, elapsed: float) -> AccessEntry:
@@ -193,7 +210,9 @@ class App:
         parts = path.split("/")  # "", "v2", "models", name, ["versions", v,] "infer"
         if len(parts) == 5:
             version = None
-        elif len(parts) == 7 and parts[4] == "versions" and parts[5].isdigit():
+        elif (
+            len(parts) == 7 and parts[4] == "versions" and parts[5].isascii() and parts[5].isdigit()
+        ):
             version = int(parts[5]) if len(parts[5]) <= 18 else None
         else:
             return None
@@ -286,8 +305,9 @@ class App:
         elif path == "/v2" and method == "GET":
             await respond(request.send, 200, v2_routes.SERVER_METADATA_JSON)
         elif path == "/metrics":
-            body = self.models.registry.render().encode()
-            await respond(request.send, 200, body, b"text/plain; version=0.0.4; charset=utf-8")
+            accept = request.header_str(b"accept") or ""
+            body, content_type = self.models.registry.exposition(accept)
+            await respond(request.send, 200, body, content_type.encode())
         elif path == "/dashboard" and method == "GET":
             page = dashboard_page(self.settings.model_control, self.settings.repository)
             await respond(request.send, 200, page, b"text/html; charset=utf-8")
@@ -413,3 +433,17 @@ def _route_kind(path: str) -> str:
     if path.startswith("/v2"):
         return "v2"
     return "other"
+
+
+def _tracing(endpoint: str, closers: list[Callable[[], Awaitable[None]]]) -> Tracing | None:
+    """The server's tracer when an endpoint is set; its buffered spans are sent at shutdown."""
+    if not endpoint:
+        return None
+    otel = import_for("lockgate.frontend.otel", "otel", "tracing (--otel-endpoint)")
+    tracing: Tracing = otel.Tracing(endpoint)
+
+    async def close() -> None:
+        await asyncio.to_thread(tracing.shutdown)
+
+    closers.append(close)
+    return tracing

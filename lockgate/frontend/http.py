@@ -11,11 +11,14 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from lockgate.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServingError
+
+if TYPE_CHECKING:
+    from lockgate.frontend.otel import RequestTrace
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -40,6 +43,7 @@ class HttpRequest:
     max_body: int
     body_timeout: float = 30.0  # seconds to receive the whole body, from the first read
     bytes_read: int = 0  # body bytes received so far
+    trace: RequestTrace | None = None  # when tracing is on and the route is traced
 
     @property
     def received(self) -> float:

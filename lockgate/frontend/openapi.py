@@ -1,141 +1,416 @@
-"""The OpenAPI 3.0 document of lockgate's REST API, served at /openapi.json."""
+"""The OpenAPI 3.1 document of lockgate's HTTP API, served at /openapi.json.
+
+Every route of `frontend/app.py` and `frontend/openai_routes.py` is here, with its answers and
+its errors. The schemas come from msgspec types (`msgspec.json.schema_components`): request
+bodies from the Structs that decode them (`protocol/v2_codec.py`, `protocol/openai.py`), so
+the document cannot drift from what the server accepts, and answers from
+`frontend/openapi_schemas.py`, which the fuzz test holds a live server's answers to.
+"""
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 from typing import Any
+
+import msgspec
 
 from lockgate import __version__
 from lockgate.config import DATATYPES
+from lockgate.frontend import openapi_schemas as out
+from lockgate.frontend.v2_service import IndexEntry
+from lockgate.protocol import openai as oa
+from lockgate.protocol import v2_codec
 
-_ERROR = {
-    "type": "object",
-    "properties": {"error": {"type": "string"}},
-    "required": ["error"],
-}
-_TENSOR = {
-    "type": "object",
-    "required": ["name", "shape", "datatype"],
-    "properties": {
-        "name": {"type": "string"},
-        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-        "datatype": {
-            "type": "string",
-            "enum": list(DATATYPES),
-        },
-        "parameters": {"type": "object"},
-        "data": {"type": "array", "items": {}},
-    },
-}
-_INFER_REQUEST = {
-    "type": "object",
-    "required": ["inputs"],
-    "properties": {
-        "id": {"type": "string"},
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "priority": {"type": "integer", "minimum": 0},
-                "timeout": {"type": "integer", "minimum": 0, "description": "microseconds"},
-                "binary_data_output": {"type": "boolean"},
-            },
-        },
-        "inputs": {"type": "array", "items": _TENSOR},
-        "outputs": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["name"],
-                "properties": {"name": {"type": "string"}, "parameters": {"type": "object"}},
-            },
-        },
-    },
-}
-_INFER_RESPONSE = {
-    "type": "object",
-    "required": ["model_name", "outputs"],
-    "properties": {
-        "model_name": {"type": "string"},
-        "model_version": {"type": "string"},
-        "id": {"type": "string"},
-        "parameters": {"type": "object"},
-        "outputs": {"type": "array", "items": _TENSOR},
-    },
-}
+# --- schemas ------------------------------------------------------------------------------
 
 
-def _errors(*codes: int) -> dict[str, Any]:
-    return {
-        str(code): {
-            "description": "error",
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+_SCHEMA_TYPES = (
+    *(v for v in vars(out).values() if isinstance(v, type) and issubclass(v, msgspec.Struct)),
+    list[IndexEntry],
+    v2_codec._RequestIn,
+    oa.CompletionRequest,
+    oa.ChatRequest,
+    oa.EmbeddingRequest,
+)
+# the v2 decoder's Structs are private to its module: their names in the document
+_RENAMED = {"_RequestIn": "InferRequest", "_TensorIn": "InferInput", "_OutputIn": "InferOutputIn"}
+_COUNT = {"type": "integer", "minimum": 0}
+_TOKEN_IDS = {"type": "array", "items": _COUNT, "minItems": 1}
+# fields that the decoders type loosely and check by hand, described as the checks are
+_HAND_CHECKED: dict[tuple[str, str], dict[str, Any]] = {
+    ("InferRequest", "parameters"): {
+        "type": "object",
+        "properties": {
+            "priority": {**_COUNT, "description": "1 is the highest; 0: the model's default"},
+            "timeout": {**_COUNT, "description": "microseconds; 0: the model's default"},
+            "binary_data_output": {"type": "boolean"},
+        },
+    },
+    ("InferInput", "datatype"): {"type": "string", "enum": list(DATATYPES)},
+    ("InferInput", "shape"): {"type": "array", "items": _COUNT},
+    ("InferInput", "data"): {
+        "type": "array",
+        "description": "the elements, flat or nested, in row-major order; absent when binary",
+    },
+    ("InferInput", "parameters"): {"type": "object", "properties": {"binary_data_size": _COUNT}},
+    ("InferOutputIn", "parameters"): {
+        "type": "object",
+        "properties": {
+            "binary_data": {"type": "boolean"},
+            "classification": {**_COUNT, "description": "> 0: the top classes, as BYTES"},
+        },
+    },
+    ("ChatRequest", "messages"): {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
+    ("CompletionRequest", "prompt"): {
+        "description": "a string, token ids, or a list of one of those",
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            _TOKEN_IDS,
+            {"type": "array", "items": {"anyOf": [{"type": "string"}, _TOKEN_IDS]}, "maxItems": 1},
+        ],
+    },
+}
+for _request in ("CompletionRequest", "ChatRequest"):
+    for _field in oa.UNSUPPORTED:
+        _HAND_CHECKED[_request, _field] = {
+            "type": "null",
+            "description": "not implemented by lockgate: refused (400) when given, except "
+            "best_of 1 and response_format {'type': 'text'}",
         }
-        for code in codes
+
+
+def schema_components() -> dict[str, Any]:
+    """The named schemas of the document (#/components/schemas/...)."""
+    _, found = msgspec.json.schema_components(
+        _SCHEMA_TYPES, ref_template="#/components/schemas/{name}"
+    )
+    components = _renamed(found)
+    for old, new in _RENAMED.items():
+        components[new] = {**components.pop(old), "title": new}
+    for (component, field), schema in _HAND_CHECKED.items():
+        components[component]["properties"][field] = schema
+    return dict(sorted(components.items()))
+
+
+def _renamed(node: Any) -> Any:
+    """`node` with its references to the renamed schemas renamed."""
+    if isinstance(node, list):
+        return [_renamed(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    renamed = {key: _renamed(value) for key, value in node.items()}
+    prefix, _, name = str(renamed.get("$ref", "")).rpartition("/")
+    if name in _RENAMED:
+        renamed["$ref"] = f"{prefix}/{_RENAMED[name]}"
+    return renamed
+
+
+# --- answers ------------------------------------------------------------------------------
+
+_ERRORS = {
+    400: "The request is malformed or fails a check; the message says which.",
+    401: "No API key, on a server started with keys.",
+    403: "The API key is not accepted, or the action is turned off.",
+    404: "No such model, version or route.",
+    408: "The body did not arrive in time.",
+    413: "The body is over the size limit.",
+    429: "The language model's queue is full.",
+    500: "The model raised; only the requests of its batch see this.",
+    503: "Saturated, draining, or the model is not ready: retry after Retry-After seconds.",
+    504: "The request's deadline passed before it was answered.",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}}
+_BINARY = {"type": "string", "format": "binary"}
+
+
+def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _ok(name: str) -> dict[str, Any]:
+    return {"200": _json(_ref(name))}
+
+
+def _text(media: str, description: str) -> dict[str, Any]:
+    return {"200": {"description": description, "content": {media: {"schema": {"type": "string"}}}}}
+
+
+def _errors(codes: tuple[int, ...], openai: bool, public: bool) -> dict[str, Any]:
+    """The error answers of an operation. /v1 answers in the OpenAI shape, except refusals
+    made before any route is reached (503 {"error": "..."}); keys are asked off public paths."""
+    error = _ref("OpenAIError") if openai else _ref("Error")
+    refused = {"anyOf": [error, _ref("Error")]} if openai else error
+    responses = {}
+    for code in sorted({*codes, *(() if public else (401, 403))}):
+        responses[str(code)] = _json(refused if code == 503 else error, _ERRORS[code])
+        if code in (429, 503):
+            responses[str(code)]["headers"] = _RETRY_AFTER
+    return responses
+
+
+def _operation(
+    operation_id: str,
+    summary: str,
+    ok: dict[str, Any],
+    errors: tuple[int, ...] = (),
+    *,
+    tag: str,
+    params: tuple[dict[str, Any], ...] = (),
+    body: dict[str, Any] | None = None,
+    public: bool = False,
+) -> dict[str, Any]:
+    """One operation. `ok` holds its answers that are not errors, `errors` its error codes;
+    an error code also in `ok` keeps the answer `ok` gives it."""
+    operation: dict[str, Any] = {"operationId": operation_id, "summary": summary, "tags": [tag]}
+    if params:
+        operation["parameters"] = list(params)
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": body}
+    responses = {**_errors(errors, tag == "openai", public), **ok}
+    operation["responses"] = dict(sorted(responses.items()))
+    if public:
+        operation["security"] = []
+    return operation
+
+
+def _parameter(
+    name: str, where: str, description: str, schema: dict[str, Any], example: str | None = None
+) -> dict[str, Any]:
+    parameter = {"name": name, "in": where, "description": description, "schema": schema}
+    if example is not None:
+        parameter["example"] = example
+    return {**parameter, "required": True} if where == "path" else parameter
+
+
+_MODEL = _parameter("model", "path", "the model's name", {"type": "string"}, "minilm")
+_VERSION = _parameter("version", "path", "a version number", {"type": "string"}, "1")
+_TIMEOUT = _parameter(
+    "Request-Timeout",
+    "header",
+    "seconds from the request's first byte: past them it is answered 504 (a language model"
+    " finishes with reason length)",
+    {"type": "number", "exclusiveMinimum": 0},
+)
+_HEADER_LENGTH = _parameter(
+    "Inference-Header-Content-Length",
+    "header",
+    "with a binary body: the length of its JSON header; the tensors' bytes follow",
+    _COUNT,
+)
+
+# --- paths --------------------------------------------------------------------------------
+
+# requests to the models of the demo repository (`make serve`)
+_INFER_EXAMPLE = {
+    "inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["hello world"]}]
+}
+_LLM = "SmolLM2-135M-Instruct"
+_GENERATION_EXAMPLES = {
+    "CompletionRequest": {"model": _LLM, "prompt": "The capital of France is", "max_tokens": 8},
+    "ChatRequest": {
+        "model": _LLM,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 8,
+    },
+}
+_EMBEDDING_EXAMPLE = {"model": "minilm", "input": ["hello world"]}
+
+
+def _model_paths(prefix: str, params: tuple[dict[str, Any], ...], at: str) -> dict[str, Any]:
+    """The routes of one model, at its newest ready version or at `versions/{version}`."""
+    op = partial(_operation, tag="v2", params=params)
+    not_ready = _json({"anyOf": [_ref("ModelReady"), _ref("Error")]}, "Not ready, or refused")
+    ready = {**_ok("ModelReady"), "503": not_ready}
+    return {
+        prefix: {
+            "get": op(f"model_metadata{at}", "Model metadata", _ok("ModelMetadata"), (404, 503))
+        },
+        f"{prefix}/ready": {"get": op(f"model_ready{at}", "Model readiness", ready, (404,))},
+        f"{prefix}/config": {
+            "get": op(
+                f"model_config{at}", "Model configuration (Triton)", _ok("ModelConfig"), (404, 503)
+            )
+        },
+        f"{prefix}/stats": {
+            "get": op(
+                f"model_statistics{at}",
+                "Model statistics (Triton)",
+                _ok("ModelStatistics"),
+                (404, 503),
+            )
+        },
+        f"{prefix}/infer": {"post": _infer(params, at)},
     }
 
 
-def _json_ok(schema: dict[str, Any] | None = None) -> dict[str, Any]:
-    content = {"application/json": {"schema": schema or {"type": "object"}}}
-    return {"200": {"description": "OK", "content": content}}
+def _infer(params: tuple[dict[str, Any], ...], at: str) -> dict[str, Any]:
+    body = {
+        "application/json": {"schema": _ref("InferRequest"), "example": _INFER_EXAMPLE},
+        "application/octet-stream": {"schema": _BINARY},  # Triton's binary tensor extension
+    }
+    content = {
+        "application/json": {"schema": _ref("InferResponse")},
+        "application/octet-stream": {"schema": _BINARY},
+    }
+    description = (
+        "The outputs; binary (with Inference-Header-Content-Length) when an output asks for"
+        " binary_data"
+    )
+    return _operation(
+        f"infer{at}",
+        "Inference (KServe v2)",
+        {"200": {"description": description, "content": content}},
+        (400, 403, 404, 408, 413, 500, 503, 504),
+        tag="v2",
+        params=(*params, _TIMEOUT, _HEADER_LENGTH),
+        body=body,
+    )
 
 
-_MODEL = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
-_VERSION = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
+def _v2_paths() -> dict[str, Any]:
+    op = partial(_operation, tag="v2")
+    not_ready = _json(_ref("Ready"), "Not ready: loading, draining, or no model is")
+    index = {"200": _json({"type": "array", "items": _ref("IndexEntry")})}
+    paths: dict[str, Any] = {
+        "/v2": {"get": op("server_metadata", "Server metadata", _ok("ServerMetadata"), (503,))},
+        "/v2/health/live": {"get": op("server_live", "Liveness", _ok("Live"), public=True)},
+        "/v2/health/ready": {
+            "get": op("server_ready", "Readiness", {**_ok("Ready"), "503": not_ready}, public=True)
+        },
+        "/v2/models/stats": {
+            "get": op("statistics", "Statistics of every model", _ok("ModelStatistics"), (503,))
+        },
+        "/v2/repository/index": {
+            "post": op("repository_index", "Every model version and its state", index, (503,))
+        },
+    }
+    for action in ("load", "unload"):
+        summary = f"{action.capitalize()} a model (with --model-control-mode explicit)"
+        paths[f"/v2/repository/models/{{model}}/{action}"] = {
+            "post": op(
+                f"repository_{action}",
+                summary,
+                _ok("Empty"),
+                (400, 403, 404, 503),
+                params=(_MODEL,),
+            )
+        }
+    paths.update(_model_paths("/v2/models/{model}", (_MODEL,), ""))
+    paths.update(_model_paths("/v2/models/{model}/versions/{version}", (_MODEL, _VERSION), "_at"))
+    return paths
 
 
-def _model_paths(prefix: str, params: list[dict[str, Any]]) -> dict[str, Any]:
-    infer = {
-        "post": {
-            "summary": "Run inference (KServe v2)",
-            "parameters": params,
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/InferRequest"}}
-                },
-            },
-            "responses": {
-                **_json_ok({"$ref": "#/components/schemas/InferResponse"}),
-                **_errors(400, 404, 413, 500, 503, 504),
-            },
+def _generation(operation_id: str, summary: str, request: str, answer: str) -> dict[str, Any]:
+    """/v1/completions or /v1/chat/completions: JSON, or server-sent events with stream."""
+    # each event, as a JSON object (OpenAPI 3.2 names this schema itemSchema)
+    chunk = {"anyOf": [_ref(f"{answer}Chunk"), _ref("OpenAIError")]}
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": chunk}
+    event = {
+        "type": "object",
+        "description": f"`data: {{{answer}Chunk}}` events, an OpenAIError event if the"
+        " generation fails once started, then `data: [DONE]`",
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, data]}},
+        "required": ["data"],
+    }
+    events = {"schema": event}
+    ok = {
+        "200": {
+            "description": f"The {summary.lower()}, or with stream: true its server-sent events",
+            "content": {"application/json": {"schema": _ref(answer)}, "text/event-stream": events},
         }
     }
-    get = {"parameters": params, "responses": {**_json_ok(), **_errors(404, 503)}}
+    example = _GENERATION_EXAMPLES[request]
+    streamed = {**example, "stream": True, "stream_options": {"include_usage": True}}
+    examples = {"whole": {"value": example}, "streamed": {"value": streamed}}
+    body = {"application/json": {"schema": _ref(request), "examples": examples}}
+    errors = (400, 403, 404, 408, 413, 429, 503, 504)
+    operation = _operation(
+        operation_id, summary, ok, errors, tag="openai", params=(_TIMEOUT,), body=body
+    )
+    return {"post": operation}
+
+
+def _openai_paths() -> dict[str, Any]:
+    embeddings = _operation(
+        "embeddings",
+        "Embeddings, from a model with one BYTES input and an FP32 output",
+        _ok("EmbeddingList"),
+        (400, 404, 408, 413, 500, 503, 504),
+        tag="openai",
+        body={
+            "application/json": {"schema": _ref("EmbeddingRequest"), "example": _EMBEDDING_EXAMPLE}
+        },
+    )
     return {
-        f"{prefix}": {"get": {"summary": "Model metadata", **get}},
-        f"{prefix}/ready": {"get": {"summary": "Model readiness", **get}},
-        f"{prefix}/config": {"get": {"summary": "Model configuration (Triton)", **get}},
-        f"{prefix}/stats": {"get": {"summary": "Model statistics (Triton)", **get}},
-        f"{prefix}/infer": infer,
+        "/v1/models": {
+            "get": _operation(
+                "models", "Language and embedding models", _ok("ModelList"), (503,), tag="openai"
+            )
+        },
+        "/v1/completions": _generation(
+            "completions", "Completion", "CompletionRequest", "Completion"
+        ),
+        "/v1/chat/completions": _generation(
+            "chat_completions", "Chat completion", "ChatRequest", "ChatCompletion"
+        ),
+        "/v1/embeddings": {"post": embeddings},
+    }
+
+
+def _server_paths() -> dict[str, Any]:
+    op = partial(_operation, tag="server")
+    text = {"schema": {"type": "string"}}
+    formats = {"text/plain": text, "application/openmetrics-text": text}
+    metrics = {
+        "200": {
+            "description": "The Prometheus text format 0.0.4, or OpenMetrics when the Accept"
+            " header asks for application/openmetrics-text",
+            "content": formats,
+        }
+    }
+    redirect = {"302": {"description": "To /dashboard", "headers": {"Location": {"schema": {}}}}}
+    return {
+        "/health": {"get": op("live", "Liveness (as /v2/health/live)", _ok("Live"), public=True)},
+        # a key is asked for the metrics unless the server runs with --metrics-public
+        "/metrics": {"get": op("metrics", "Prometheus metrics", metrics)},
+        "/dashboard": {
+            "get": op(
+                "dashboard", "Live dashboard", _text("text/html", "The page"), (503,), public=True
+            )
+        },
+        "/": {"get": op("root", "Redirect to the dashboard", redirect, (503,), public=True)},
+        "/openapi.json": {
+            "get": op(
+                "openapi", "This document", {"200": _json({"type": "object"})}, (503,), public=True
+            )
+        },
     }
 
 
 @cache
 def openapi_document() -> dict[str, Any]:
-    simple = {"get": {"responses": {**_json_ok(), **_errors(503)}}}
-    paths: dict[str, Any] = {
-        "/v2/health/live": simple,
-        "/v2/health/ready": simple,
-        "/v2": {"get": {"summary": "Server metadata", "responses": _json_ok()}},
-        "/v2/models/stats": {"get": {"summary": "All model statistics", "responses": _json_ok()}},
-        "/metrics": {
-            "get": {
-                "summary": "Prometheus metrics",
-                "responses": {"200": {"description": "OK", "content": {"text/plain": {}}}},
-            }
-        },
-    }
-    paths.update(_model_paths("/v2/models/{model}", [_MODEL]))
-    paths.update(_model_paths("/v2/models/{model}/versions/{version}", [_MODEL, _VERSION]))
+    """The whole document: every path, its answers and errors, and the schemas."""
     return {
-        "openapi": "3.0.3",
-        "info": {"title": "lockgate", "version": __version__},
-        "paths": paths,
-        "components": {
-            "schemas": {
-                "Error": _ERROR,
-                "InferRequest": _INFER_REQUEST,
-                "InferResponse": _INFER_RESPONSE,
-            }
+        "openapi": "3.1.0",
+        "info": {
+            "title": "lockgate",
+            "version": __version__,
+            "description": "KServe v2 with Triton's extensions, the OpenAI API, metrics and a"
+            " dashboard. Errors are {'error': '...'}; on /v1, OpenAI's error object.",
         },
+        "tags": [
+            {"name": "v2", "description": "KServe v2 (Open Inference Protocol) and Triton's"},
+            {"name": "openai", "description": "The OpenAI API"},
+            {"name": "server", "description": "Health, metrics, dashboard"},
+        ],
+        "paths": {**_v2_paths(), **_openai_paths(), **_server_paths()},
+        "components": {
+            "schemas": schema_components(),
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"apiKey": []}, {}],  # a key only on a server started with keys
     }

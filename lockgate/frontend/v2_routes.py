@@ -27,8 +27,13 @@ async def infer(
     deadline = Deadline(
         request.received, header_seconds=timeout_header(request.header_str(b"request-timeout"))
     )
+    traced = request.trace
     async with cancel_on_disconnect(request.receive):
-        result = await service.infer(name, served, decoded, deadline, priority_granted)
+        result = await service.infer(
+            name, served, decoded, deadline, priority_granted, traced.trace_id if traced else ""
+        )
+    if traced is not None:
+        traced.request = result.request
     payload, header_length = v2_codec.encode_infer_response(
         model_name=name,
         model_version=str(result.served.version),

@@ -71,11 +71,13 @@ class Deadline:
 
 @dataclass(frozen=True, slots=True)
 class InferResult:
-    """A finished inference: the outputs and the version that computed them."""
+    """A finished inference: the outputs and the version that computed them, and the request
+    with the times of its way through the batcher."""
 
     served: ServedVersion
     outputs: Arrays
     source: str = ""  # "": the model computed it; "cache"; "fallback:<kind>[:<model>]"
+    request: InferRequest | None = None
 
     @property
     def parameters(self) -> dict[str, str | bool]:
@@ -111,7 +113,7 @@ def parse_version(text: str | None) -> int | None:
     """A version from a path or a message: None for "the default", 404 when malformed."""
     if text is None or text == "":
         return None
-    if not text.isdigit() or len(text) > 18:
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:  # '¹' is a digit to isdigit
         raise NotFound(f"unknown version '{text[:40]}'")
     return int(text)
 
@@ -165,6 +167,7 @@ class V2Service:
         deadline: float | None,
         arrival: float | None = None,
         priority_granted: bool = True,
+        trace_id: str = "",
     ) -> InferRequest:
         """A decoded request checked against the model's config. A priority above the
         model's default needs `priority_granted` (a key that grants it)."""
@@ -190,6 +193,7 @@ class V2Service:
             id=decoded.id,
             rows=rows,
             arrival=time.monotonic() if arrival is None else arrival,
+            trace_id=trace_id,
         )
 
     async def infer(
@@ -199,9 +203,10 @@ class V2Service:
         decoded: V2InferRequest,
         deadline: Deadline,
         priority_granted: bool = True,
+        trace_id: str = "",
     ) -> InferResult:
         """Check, admit, batch and run one request on `served` (from `served()`); its
-        outputs, unencoded."""
+        outputs, unencoded. A `trace_id` marks a traced request (see `frontend/otel.py`)."""
         timed = Deadline(
             deadline.received,
             timeout_parameter(decoded.parameters),
@@ -209,10 +214,16 @@ class V2Service:
             deadline.transport_seconds,
         )
         request = self.core_request(
-            name, served, decoded, timed.resolve(served), deadline.received, priority_granted
+            name,
+            served,
+            decoded,
+            timed.resolve(served),
+            deadline.received,
+            priority_granted,
+            trace_id,
         )
         answer = await self.executor.infer(request, served)
-        return InferResult(answer.served, answer.outputs, answer.source)
+        return InferResult(answer.served, answer.outputs, answer.source, request)
 
     # -- health and metadata -----------------------------------------------------------
     def model_ready(self, name: str, version_text: str | None) -> str | None:
@@ -272,25 +283,25 @@ class V2Service:
         m = self.models.metrics
         labels = (served.config.name, str(served.version))
         batcher = served.batcher
-        e2e = m.request_latency.labels(labels)
-        queue = m.queue_latency.labels(labels)
-        compute = m.compute_latency.labels(labels)
-        batch = m.batch_size.labels(labels)
+        e2e = m.request_latency.totals(labels)
+        queue = m.queue_latency.totals(labels)
+        computes, compute_seconds = m.compute_latency.totals(labels)
+        executions, rows = m.batch_size.totals(labels)
         failures = sum(
-            v for k, v in m.requests.values.items() if k[:2] == labels and k[2] != "success"
+            v for k, v in m.requests.values().items() if k[:2] == labels and k[2] != "success"
         )
         return ModelStats(
             name=served.config.name,
             version=str(served.version),
             last_inference_ms=served.last_inference_ms,
-            inference_count=int(batch.sum),
-            execution_count=batch.count,
-            success=_duration(e2e.count, e2e.sum),
+            inference_count=int(rows),
+            execution_count=executions,
+            success=_duration(*e2e),
             fail=_duration(int(failures), 0.0),
-            queue=_duration(queue.count, queue.sum),
-            compute_input=_duration(compute.count, batcher.input_seconds if batcher else 0.0),
-            compute_infer=_duration(compute.count, compute.sum),
-            compute_output=_duration(compute.count, batcher.output_seconds if batcher else 0.0),
+            queue=_duration(*queue),
+            compute_input=_duration(computes, batcher.input_seconds if batcher else 0.0),
+            compute_infer=_duration(computes, compute_seconds),
+            compute_output=_duration(computes, batcher.output_seconds if batcher else 0.0),
             batch_stats=[],
         )
 

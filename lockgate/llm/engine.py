@@ -19,7 +19,7 @@ from lockgate.errors import ConfigError
 from lockgate.llm.attention import KVCache
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.kv_cache import BlockManager
-from lockgate.llm.metrics import EngineStats, FinishedLog, RequestTimings, StepCounters
+from lockgate.llm.metrics import EngineStats, RequestObserver, RequestTimings, StepCounters
 from lockgate.llm.runner import CausalLM, ModelRunner, RunnerOutput
 from lockgate.llm.sampling import Sampler, SamplerOutput, TokenLogprobs
 from lockgate.llm.scheduler import Scheduler, SchedulerOutput
@@ -87,7 +87,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(model, kv_caches, block_size, Sampler(seed))
         self.counters = StepCounters()
-        self.finished_log = FinishedLog()
+        self.observer: RequestObserver | None = None  # told of tokens and finishes
         self._decoders: dict[str, TextDecoder] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -188,6 +188,8 @@ class LLMEngine:
     ) -> RequestOutput:
         seq.append_token(token)
         seq.timings.record_token(now)
+        if self.observer is not None:
+            self.observer.token(seq.timings)
         old_len = len(seq.output_text)
         decoder = self._decoders.get(seq.seq_id)
         if decoder is not None:
@@ -243,7 +245,8 @@ class LLMEngine:
         seq.timings.finished, seq.timings.finish_reason = now, reason
         seq.timings.num_cached_tokens = seq.num_cached_tokens
         self.counters.finished_by_reason[reason] += 1
-        self.finished_log.push(seq.timings)
+        if self.observer is not None:
+            self.observer.finished(seq.timings)
 
     def _record_step(self, out: SchedulerOutput, result: RunnerOutput | None, total: float) -> None:
         prompt = sum(

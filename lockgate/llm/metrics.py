@@ -1,15 +1,15 @@
 """Engine-side statistics as plain counters and per-request timings.
 
-The engine records; exporters (Prometheus, logs, benchmarks) read `EngineStats` snapshots and
-drain finished `RequestTimings`. Nothing here knows about HTTP. All times are
-`time.monotonic()` seconds.
+The engine records; exporters (Prometheus, logs, benchmarks) read `EngineStats` snapshots, and
+a `RequestObserver` is told of each request's events as they happen. Nothing here knows about
+HTTP. All times are `time.monotonic()` seconds.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -106,19 +106,11 @@ class StepCounters:
     finished_by_reason: Counter[str] = field(default_factory=Counter)
 
 
-class FinishedLog:
-    """A bounded, thread-safe buffer of finished requests' timings for exporters to drain."""
+class RequestObserver(Protocol):
+    """Told of each request's events as they happen, under the engine's lock: keep it cheap."""
 
-    def __init__(self, maxlen: int = 10_000) -> None:
-        self._items: deque[RequestTimings] = deque(maxlen=maxlen)
-        self._lock = threading.Lock()
+    def token(self, timings: RequestTimings) -> None:
+        """A token was appended (`timings.num_generation_tokens` of them so far)."""
 
-    def push(self, timings: RequestTimings) -> None:
-        with self._lock:
-            self._items.append(timings)
-
-    def drain(self) -> list[RequestTimings]:
-        with self._lock:
-            items = list(self._items)
-            self._items.clear()
-        return items
+    def finished(self, timings: RequestTimings) -> None:
+        """The request finished, stopped, was aborted or expired."""

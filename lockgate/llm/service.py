@@ -6,12 +6,16 @@ it on a server installed without the `llm` extra.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric as Family
+
 from lockgate.config import ModelConfig
 from lockgate.core.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, Registry
+from lockgate.llm.metrics import EngineStats, RequestObserver, RequestTimings
 
 if TYPE_CHECKING:
     from lockgate.llm.async_engine import AsyncLLMEngine
@@ -30,6 +34,10 @@ class LLMService:
     load_seconds: float
     created: int
 
+    def instrument(self, registry: Registry) -> None:
+        """Observe every request from now on (not the warmup) in the server's histograms."""
+        self.engine.engine.observer = LLMRequestMetrics(registry).observer(self.name)
+
     async def drain(self, timeout: float) -> bool:
         """Refuse new requests, and wait up to `timeout` s for the admitted ones."""
         return await self.engine.drain(timeout)
@@ -38,18 +46,23 @@ class LLMService:
         self.engine.close()
 
 
-class LLMMetrics:
-    """vLLM's metric meanings under lockgate's prefix, read from the engines at scrape time."""
+class LLMRequestMetrics:
+    """vLLM's per-request histograms under lockgate's prefix, observed as each event happens."""
 
-    def __init__(self, registry: Registry, services: Callable[[], Iterable[LLMService]]) -> None:
+    def __init__(self, registry: Registry) -> None:
         m = ("model_name",)
-        self.services = services  # the language models served now
         self.ttft = registry.histogram(
             "lockgate_llm_time_to_first_token_seconds", "Time to first token.", m, LATENCY_BUCKETS
         )
         self.itl = registry.histogram(
             "lockgate_llm_inter_token_latency_seconds",
             "Time between consecutive output tokens.",
+            m,
+            LATENCY_BUCKETS,
+        )
+        self.tpot = registry.histogram(
+            "lockgate_llm_request_time_per_output_token_seconds",
+            "Mean time per output token after the first (TPOT), per request.",
             m,
             LATENCY_BUCKETS,
         )
@@ -74,72 +87,113 @@ class LLMMetrics:
             m,
             TOKEN_BUCKETS,
         )
-        self.running = registry.gauge(
-            "lockgate_llm_num_requests_running", "Requests in the running batch.", m
-        )
-        self.waiting = registry.gauge(
-            "lockgate_llm_num_requests_waiting", "Requests waiting to be scheduled.", m
-        )
-        self.kv_usage = registry.gauge(
-            "lockgate_llm_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", m
-        )
-        self.prefix_queries = registry.counter(
-            "lockgate_llm_prefix_cache_queries_total",
-            "Prompt tokens looked up in the prefix cache.",
-            m,
-        )
-        self.prefix_hits = registry.counter(
-            "lockgate_llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", m
-        )
-        self.preemptions = registry.counter(
-            "lockgate_llm_num_preemptions_total", "Sequences preempted (recomputed later).", m
-        )
-        self.finished = registry.counter(
+
+    def observer(self, model: str) -> RequestObserver:
+        return _ModelObserver(self, (model,))
+
+
+class _ModelObserver:
+    """One model's series of the request histograms, resolved once."""
+
+    def __init__(self, metrics: LLMRequestMetrics, labels: tuple[str]) -> None:
+        self.ttft = metrics.ttft.labels(labels)
+        self.itl = metrics.itl.labels(labels)
+        self.tpot = metrics.tpot.labels(labels)
+        self.e2e = metrics.e2e.labels(labels)
+        self.queue = metrics.queue.labels(labels)
+        self.prompt = metrics.prompt.labels(labels)
+        self.generation = metrics.generation.labels(labels)
+
+    def token(self, timings: RequestTimings) -> None:
+        if timings.num_generation_tokens == 1:
+            self.ttft.observe(timings.ttft or 0.0)
+        else:
+            self.itl.observe(timings.inter_token_latencies[-1])
+
+    def finished(self, timings: RequestTimings) -> None:
+        for histogram, value in (
+            (self.e2e, timings.e2e),
+            (self.queue, timings.queue_time),
+            (self.tpot, timings.tpot),
+        ):
+            if value is not None:
+                histogram.observe(value)
+        self.prompt.observe(timings.num_prompt_tokens)
+        self.generation.observe(timings.num_generation_tokens)
+
+
+Read = Callable[[EngineStats], float]  # a value from an engine's stats snapshot
+_GAUGES: tuple[tuple[str, str, Read], ...] = (
+    (
+        "lockgate_llm_num_requests_running",
+        "Requests in the running batch.",
+        lambda s: s.num_running,
+    ),
+    (
+        "lockgate_llm_num_requests_waiting",
+        "Requests waiting to be scheduled.",
+        lambda s: s.num_waiting,
+    ),
+    (
+        "lockgate_llm_kv_cache_usage_perc",
+        "Fraction of KV-cache blocks in use (0 to 1).",
+        lambda s: s.kv_usage,
+    ),
+    (
+        "lockgate_llm_step_overhead_ratio",
+        "Share of engine step time spent outside the model forward.",
+        lambda s: s.step_overhead_share,
+    ),
+)
+_COUNTERS: tuple[tuple[str, str, Read], ...] = (
+    (
+        "lockgate_llm_prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache.",
+        lambda s: s.prefix_cache_queries,
+    ),
+    (
+        "lockgate_llm_prefix_cache_hits_total",
+        "Prompt tokens found in the prefix cache.",
+        lambda s: s.prefix_cache_hits,
+    ),
+    (
+        "lockgate_llm_num_preemptions_total",
+        "Sequences preempted (recomputed later).",
+        lambda s: s.num_preemptions,
+    ),
+    ("lockgate_llm_prompt_tokens_total", "Prompt tokens computed.", lambda s: s.prompt_tokens),
+    ("lockgate_llm_generation_tokens_total", "Tokens generated.", lambda s: s.generation_tokens),
+)
+
+
+class LLMMetrics:
+    """The engines' gauges and counters, read from each engine at scrape time. The request
+    histograms are observed by the engines themselves (`LLMService.instrument`); they are
+    created here too, so that they are described before the first language model loads."""
+
+    def __init__(self, registry: Registry, services: Callable[[], Iterable[LLMService]]) -> None:
+        self.services = services  # the language models served now
+        self.requests = LLMRequestMetrics(registry)
+        registry.register(self)
+
+    def collect(self) -> Iterator[Family]:
+        m = ["model_name"]
+        families: list[tuple[GaugeMetricFamily | CounterMetricFamily, Read]] = [
+            (GaugeMetricFamily(name, text, labels=m), read) for name, text, read in _GAUGES
+        ]
+        families += [
+            (CounterMetricFamily(name, text, labels=m), read) for name, text, read in _COUNTERS
+        ]
+        finished = CounterMetricFamily(
             "lockgate_llm_request_success_total",
             "Finished requests by finish reason.",
-            (*m, "finished_reason"),
+            labels=[*m, "finished_reason"],
         )
-        self.prompt_total = registry.counter(
-            "lockgate_llm_prompt_tokens_total", "Prompt tokens computed.", m
-        )
-        self.generation_total = registry.counter(
-            "lockgate_llm_generation_tokens_total", "Tokens generated.", m
-        )
-        self.step_overhead = registry.gauge(
-            "lockgate_llm_step_overhead_ratio",
-            "Share of engine step time spent outside the model forward.",
-            m,
-        )
-        registry.add_collector(self.collect)
-
-    def collect(self) -> None:
         for service in self.services():
-            self._collect(service)
-
-    def _collect(self, service: LLMService) -> None:
-        labels = (service.name,)
-        engine = service.engine.engine
-        for t in engine.finished_log.drain():
-            for histogram, value in (
-                (self.ttft, t.ttft),
-                (self.e2e, t.e2e),
-                (self.queue, t.queue_time),
-            ):
-                if value is not None:
-                    histogram.observe(labels, value)
-            for gap in t.inter_token_latencies:
-                self.itl.observe(labels, gap)
-            self.prompt.observe(labels, t.num_prompt_tokens)
-            self.generation.observe(labels, t.num_generation_tokens)
-        stats = engine.stats()
-        self.running.set(labels, stats.num_running)
-        self.waiting.set(labels, stats.num_waiting)
-        self.kv_usage.set(labels, stats.kv_usage)
-        self.prefix_queries.values[labels] = stats.prefix_cache_queries
-        self.prefix_hits.values[labels] = stats.prefix_cache_hits
-        self.preemptions.values[labels] = stats.num_preemptions
-        self.prompt_total.values[labels] = stats.prompt_tokens
-        self.generation_total.values[labels] = stats.generation_tokens
-        for reason, count in stats.finished_by_reason.items():
-            self.finished.values[(*labels, reason)] = count
-        self.step_overhead.set(labels, stats.step_overhead_share)
+            stats = service.engine.engine.stats()
+            for family, read in families:
+                family.add_metric([service.name], read(stats))
+            for reason, count in stats.finished_by_reason.items():
+                finished.add_metric([service.name, reason], count)
+        yield from (family for family, _ in families)
+        yield finished

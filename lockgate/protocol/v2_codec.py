@@ -82,7 +82,7 @@ class _TensorIn(msgspec.Struct):
     name: str
     shape: list[int]
     datatype: str
-    data: msgspec.Raw = msgspec.Raw()  # empty: absent
+    data: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # empty: absent
     parameters: dict[str, Any] = {}
 
 

@@ -132,8 +132,9 @@ class RouterApp:
             ready = self.pool.ready() and not self.draining
             await _json(send, 200 if ready else 503, {"ready": ready})
         elif path == "/metrics":
-            body = self.registry.render().encode()
-            await _respond(send, 200, body, b"text/plain; version=0.0.4; charset=utf-8")
+            accept = next((v for k, v in scope["headers"] if k.lower() == b"accept"), b"")
+            body, content_type = self.registry.exposition(accept.decode("latin-1"))
+            await _respond(send, 200, body, content_type.encode())
         elif path == "/router/replicas":
             await _json(send, 200, {"replicas": [self._describe(r) for r in self.pool.replicas]})
         else:

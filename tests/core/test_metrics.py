@@ -1,11 +1,15 @@
-"""Prometheus text exposition: parsed line by line, histograms checked for consistency."""
+"""Metrics on prometheus_client: the text exposition parsed line by line, histograms checked for
+consistency, OpenMetrics with exemplars, and one registry per server."""
 
 from __future__ import annotations
 
 import math
 import re
+import shutil
+import subprocess
 from collections import defaultdict
 
+import prometheus_client
 import pytest
 
 from lockgate.core.metrics import Registry
@@ -67,7 +71,13 @@ def check_histogram(family: str, samples: list[tuple[str, dict[str, str], float]
         assert values[-1] == counts[key], f"{family}{key}: +Inf must equal _count"
 
 
-def test_render_is_valid_exposition_text() -> None:
+def text_of(registry: Registry, accept: str = "") -> str:
+    body, content_type = registry.exposition(accept)
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    return body.decode()
+
+
+def test_exposition_is_valid_text() -> None:
     registry = Registry()
     requests = registry.counter("t_requests_total", "Requests.", ("model", "outcome"))
     requests.inc(("a", "success"))
@@ -81,7 +91,8 @@ def test_render_is_valid_exposition_text() -> None:
         latency.observe(("a",), value)
     latency.observe(("b",), 0.2)
     registry.histogram("t_empty_seconds", "Nothing observed.")
-    families = parse(registry.render())
+    text = text_of(registry)
+    families = parse(text)
     assert {(s[1]["model"], s[2]) for s in families["t_requests_total"]} >= {("a", 3.0)}
     assert ('we\\"ird\\\\name\\n', "error") in {
         (s[1]["model"], s[1]["outcome"]) for s in families["t_requests_total"]
@@ -93,11 +104,12 @@ def test_render_is_valid_exposition_text() -> None:
         for s in families["t_latency_seconds"]
         if s[1].get("model") == "a" and "le" in s[1]
     }
-    assert buckets == {"0.01": 2, "0.1": 4, "1": 5, "+Inf": 6}  # le is inclusive
-    assert families["t_empty_seconds"] == []
+    assert buckets == {"0.01": 2, "0.1": 4, "1.0": 5, "+Inf": 6}  # le is inclusive
+    assert {s[2] for s in families["t_empty_seconds"]} == {0.0}
+    assert "_created" not in text  # a series each, in the text format, for nothing
 
 
-def test_serving_metrics_render_valid_text() -> None:
+def test_serving_metrics_exposition_is_valid_text() -> None:
     registry = Registry()
     metrics = ServingMetrics.create(registry)
     labels = ("digits", "1")
@@ -106,13 +118,24 @@ def test_serving_metrics_render_valid_text() -> None:
     metrics.batch_size.observe(labels, 3)
     metrics.request_latency.observe(labels, 0.004)
     metrics.queue_depth.set_function(labels, lambda: 2.0)
-    families = parse(registry.render())
+    families = parse(text_of(registry))
     for name, samples in families.items():
         if name in ("lockgate_batch_size", "lockgate_request_duration_seconds"):
             check_histogram(name, samples)
     assert families["lockgate_queue_depth"] == [
         ("lockgate_queue_depth", {"model": "digits", "version": "1"}, 2.0)
     ]
+
+
+def test_each_registry_has_its_own_metrics_and_process_collectors() -> None:
+    first, second = Registry(), Registry()
+    first.counter("x_total", "X.").inc()
+    second.counter("x_total", "X.")  # the same name in another server of this process
+    assert "x_total 1.0" in text_of(first) and "x_total 0.0" in text_of(second)
+    for name in ("process_cpu_seconds_total", "python_gc_objects_collected_total", "python_info"):
+        assert f"# TYPE {name} " in text_of(first), name
+    default = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
+    assert "x_total" not in default
 
 
 def test_registration_is_idempotent_and_typed() -> None:
@@ -122,18 +145,60 @@ def test_registration_is_idempotent_and_typed() -> None:
         registry.gauge("x_total", "X.")
 
 
-def test_collectors_run_before_render() -> None:
+def test_a_successor_keeps_the_gauge_series_it_took_over() -> None:
     registry = Registry()
-    gauge = registry.gauge("pulled", "Pulled at scrape time.")
-    registry.add_collector(lambda: gauge.set((), 42))
-    assert "pulled 42\n" in registry.render()
+    gauge = registry.gauge("depth", "Depth.", ("model",))
+    old, new = (lambda: 1.0), (lambda: 2.0)
+    gauge.set_function(("m",), old)
+    gauge.set_function(("m",), new)
+    gauge.remove_function(("m",), old)
+    assert 'depth{model="m"} 2.0' in text_of(registry)
+    gauge.remove_function(("m",), new)
+    assert 'depth{model="m"}' not in text_of(registry)
 
 
-def test_histogram_quantile_estimate() -> None:
+def test_values_and_totals_for_reports() -> None:
     registry = Registry()
-    child = registry.histogram("q_seconds", "Q.", (), (0.1, 1.0, 10.0)).labels(())
-    assert math.isnan(child.quantile(0.5))
-    for value in (0.05,) * 90 + (5.0,) * 10:
-        child.observe(value)
-    assert child.quantile(0.5) == 0.1
-    assert child.quantile(0.99) == 10.0
+    requests = registry.counter("r_total", "R.", ("model", "outcome"))
+    requests.inc(("m", "success"), 3)
+    requests.inc(("m", "error"))
+    assert requests.values() == {("m", "success"): 3.0, ("m", "error"): 1.0}
+    latency = registry.histogram("l_seconds", "L.", ("model",))
+    assert latency.totals(("m",)) == (0, 0.0)
+    latency.observe(("m",), 0.25)
+    latency.observe(("m",), 0.5)
+    assert latency.totals(("m",)) == (2, 0.75)
+
+
+def test_openmetrics_is_negotiated_and_carries_exemplars() -> None:
+    registry = Registry()
+    latency = registry.histogram("l_seconds", "L.", ("model",), (0.1, 1.0))
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    latency.observe(("m",), 0.05, trace_id)
+    body, content_type = registry.exposition("application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text; version=1.0.0")
+    text = body.decode()
+    assert text.endswith("# EOF\n")
+    line = next(x for x in text.splitlines() if x.startswith('l_seconds_bucket{le="0.1"'))
+    assert f'# {{trace_id="{trace_id}"}} 0.05' in line
+    for accept in ("", "text/plain", "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"):
+        assert "trace_id" not in text_of(registry, accept)
+
+
+def promtool_check(text: str) -> None:
+    """`promtool check metrics` (Debian's prometheus package) on an exposition."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    done = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_promtool_accepts_the_serving_metrics() -> None:
+    registry = Registry()
+    metrics = ServingMetrics.create(registry)
+    metrics.requests.inc(("digits", "1", "success"))
+    metrics.request_latency.observe(("digits", "1"), 0.004)
+    promtool_check(text_of(registry))

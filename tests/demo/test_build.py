@@ -190,7 +190,7 @@ def test_demo_compositions_through_a_server(
         assert accuracy["digits_cascade"] >= accuracy["digits_onnx"] - 0.01
         metrics = httpx.get(server.url + "/metrics").text
         assert (
-            'lockgate_cascade_rows_total{model="digits_cascade",version="1",stage="1"}' in metrics
+            'lockgate_cascade_rows_total{model="digits_cascade",stage="1",version="1"}' in metrics
         )
 
         body = {

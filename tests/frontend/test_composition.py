@@ -234,10 +234,10 @@ def test_python_composition_calls_other_models(server: RunningServer) -> None:
 
 
 def test_cascade_escalates_only_unsure_rows(server: RunningServer) -> None:
-    before = metric(server, 'lockgate_cascade_rows_total{model="tiered",version="1",stage="1"}')
+    before = metric(server, 'lockgate_cascade_rows_total{model="tiered",stage="1",version="1"}')
     labels = output(infer(server, "tiered", rows(2, 3, 4, 5, 7)), "label")
     assert labels.tolist() == [1, 2, 1, 2, 2]  # even rows: confident small model
-    after = metric(server, 'lockgate_cascade_rows_total{model="tiered",version="1",stage="1"}')
+    after = metric(server, 'lockgate_cascade_rows_total{model="tiered",stage="1",version="1"}')
     assert after - before == 3
 
 
@@ -293,7 +293,8 @@ def test_overload_falls_back_to_a_cheaper_model(server: RunningServer) -> None:
     for a in answers:
         if a not in fallback:
             np.testing.assert_allclose(output(a, "y"), x)
-    assert metric(server, 'lockgate_fallback_answers_total{model="busy"') >= len(fallback)
+    answered = metric(server, 'lockgate_fallback_answers_total{kind="model",model="busy"')
+    assert answered >= len(fallback)
 
 
 def _saturate(server: RunningServer, model: str, first: float, extra: float | None) -> list:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -245,13 +246,10 @@ def run_overload(server: RunningServer) -> tuple[float, LoadResult, dict[str, fl
 def server_p99(server: RunningServer, status: str, route: str = "infer") -> float:
     """The server's own p99 (a bucket bound) from the first byte to the response."""
     buckets: list[tuple[float, float]] = []
-    pattern = (
-        f'lockgate_http_request_duration_seconds_bucket{{route="{route}",status="{status}",le="'
-    )
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith(pattern):
-            bound, count = line[len(pattern) :].split('"} ')
-            buckets.append((float(bound), float(count)))
+    labels = f'route="{route}",status="{status}"'  # in name order, after le
+    pattern = rf'^lockgate_http_request_duration_seconds_bucket{{le="([^"]+)",{labels}}} (\S+)$'
+    for bound, count in re.findall(pattern, httpx.get(server.url + "/metrics").text, re.M):
+        buckets.append((float(bound), float(count)))
     assert buckets and buckets[-1][1] > 0, f"no {route} responses with status {status}"
     total = buckets[-1][1]
     return next(bound for bound, count in buckets if count >= 0.99 * total)
@@ -421,7 +419,7 @@ def test_faulty_model_fails_only_its_batches(server: RunningServer) -> None:
         outputs = body["outputs"]
         assert isinstance(outputs, list) and outputs[0]["data"] == [2 * value] * 4
     batches = httpx.get(server.url + "/metrics").text
-    assert 'lockgate_requests_total{model="faulty",version="1",outcome="backend_error"}' in batches
+    assert 'lockgate_requests_total{model="faulty",outcome="backend_error",version="1"}' in batches
     assert httpx.get(server.url + "/v2/health/live").status_code == 200
     ok = httpx.post(server.url + "/v2/models/echo/infer", content=infer_body(1.0, None))
     assert ok.status_code == 200

@@ -90,7 +90,7 @@ def test_concurrent_requests_are_batched_and_split_correctly(server: RunningServ
         expected = (rows[i : i + 1] * (1 + i % 3))[:, :4] * 2
         np.testing.assert_allclose(data, expected.ravel(), rtol=1e-6)
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'lockgate_batch_size_bucket{model="echo",version="1"' in metrics
+    assert 'lockgate_batch_size_bucket{le="1.0",model="echo",version="1"}' in metrics
 
 
 def test_embeddings_from_text(server: RunningServer) -> None:
@@ -164,6 +164,11 @@ def test_unknown_model_and_version_are_404(server: RunningServer) -> None:
     assert post(server, "/v2/models/digits_onnx/versions/7/infer", body).status_code == 404
     assert httpx.get(server.url + "/v2/models/nope").status_code == 404
     assert "error" in httpx.get(server.url + "/v2/models/nope").json()
+    # a version of digits that are not ASCII ("¹" passes str.isdigit, not int) is unknown too
+    for path in ("config", "ready", "infer"):
+        url = server.url + "/v2/models/digits_onnx/versions/%C2%B9/" + path
+        answer = httpx.post(url, json=body) if path == "infer" else httpx.get(url)
+        assert answer.status_code == 404, answer.text
 
 
 def test_body_over_limit_is_refused(server: RunningServer) -> None:
@@ -253,7 +258,7 @@ def test_metrics_exposition(server: RunningServer) -> None:
         "lockgate_model_warmup_seconds",
     ):
         assert name in text, name
-    assert 'lockgate_requests_total{model="digits_onnx",version="1",outcome="success"}' in text
+    assert 'lockgate_requests_total{model="digits_onnx",outcome="success",version="1"}' in text
 
 
 def test_statistics_endpoint(server: RunningServer) -> None:

@@ -15,6 +15,7 @@ from lockgate.llm.attention import AttentionMetadata, KVCache
 from lockgate.llm.engine import LLMEngine, RequestOutput
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.loader import Checkpoint
+from lockgate.llm.metrics import RequestTimings
 from lockgate.llm.models import allocate_kv_cache as allocate_llama_kv_cache
 from lockgate.llm.runner import CausalLM
 from lockgate.llm.scheduler import QueueFull
@@ -193,12 +194,26 @@ def test_abort_and_deadline_free_blocks() -> None:
     assert stats.finished_by_reason == {"abort": 1, "deadline": 1}
 
 
+class Recorder:
+    """A request observer that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.done: list[RequestTimings] = []
+
+    def token(self, timings: RequestTimings) -> None:
+        self.tokens += 1
+
+    def finished(self, timings: RequestTimings) -> None:
+        self.done.append(timings)
+
+
 def test_request_timings_and_step_stats_are_recorded() -> None:
     engine = make_engine()
+    engine.observer = recorder = Recorder()
     engine.generate([[1, 2, 3]] * 2, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
-    finished = engine.finished_log.drain()
-    assert len(finished) == 2 and engine.finished_log.drain() == []
-    t = finished[0]
+    assert recorder.tokens == 10 and len(recorder.done) == 2
+    t = recorder.done[0]
     assert t.num_generation_tokens == 5 and t.num_prompt_tokens == 3
     assert t.ttft is not None and t.queue_time is not None and t.ttft >= t.queue_time >= 0
     assert len(t.inter_token_latencies) == 4 and t.e2e is not None

@@ -1,0 +1,275 @@
+"""The shapes of lockgate's JSON answers, as msgspec Structs: the response schemas of the
+OpenAPI document (`frontend/openapi.py`).
+
+The encoders build these answers as plain data (`protocol/v2_metadata.py`,
+`protocol/v2_codec.py`, `protocol/openai.py`); the fuzz test
+(`tests/frontend/test_openapi_fuzz.py`) holds every answer of a live server to these shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from lockgate.protocol.v2_metadata import Duration
+
+# --- errors -------------------------------------------------------------------------------
+
+
+class Error(msgspec.Struct):
+    """A KServe v2 error; also any refusal made before a request reaches its route (503)."""
+
+    error: str
+
+
+class OpenAIErrorDetail(msgspec.Struct):
+    message: str
+    type: str  # the error kind: invalid_request, not_found, unavailable, ...
+    code: int  # the HTTP status
+    param: str | None = None
+
+
+class OpenAIError(msgspec.Struct):
+    """An error on /v1, in the OpenAI API's shape."""
+
+    error: OpenAIErrorDetail
+
+
+# --- KServe v2 and Triton's extensions ----------------------------------------------------
+
+
+class Live(msgspec.Struct):
+    live: bool
+
+
+class Ready(msgspec.Struct):
+    """Readiness; `error` says why not."""
+
+    ready: bool
+    error: str = ""
+
+
+class ServerMetadata(msgspec.Struct):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class TensorMetadata(msgspec.Struct):
+    name: str
+    datatype: str
+    shape: list[int]  # -1 for the batch dimension of a batching model
+
+
+class ModelMetadata(msgspec.Struct):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class ModelReady(msgspec.Struct):
+    """A model version's readiness; `error` says why not."""
+
+    name: str
+    ready: bool
+    error: str = ""
+
+
+class ConfigTensor(msgspec.Struct):
+    name: str
+    data_type: str  # TYPE_FP32, TYPE_STRING (BYTES), ...
+    dims: list[int]
+
+
+class ModelConfig(msgspec.Struct):
+    """The model's configuration in the JSON form of Triton's model_config.proto."""
+
+    name: str
+    platform: str
+    backend: str
+    max_batch_size: int
+    input: list[ConfigTensor]
+    output: list[ConfigTensor]
+    version_policy: dict[str, Any]
+    instance_group: list[dict[str, Any]]
+    parameters: dict[str, dict[str, str]]
+    model_warmup: list[dict[str, Any]]
+    dynamic_batching: dict[str, Any] = {}
+
+
+class InferenceStats(msgspec.Struct):
+    success: Duration
+    fail: Duration
+    queue: Duration
+    compute_input: Duration
+    compute_infer: Duration
+    compute_output: Duration
+    cache_hit: Duration
+    cache_miss: Duration
+
+
+class BatchStats(msgspec.Struct):
+    batch_size: int
+    compute_input: Duration
+    compute_infer: Duration
+    compute_output: Duration
+
+
+class ModelStats(msgspec.Struct):
+    name: str
+    version: str
+    last_inference: int  # ms since the epoch
+    inference_count: int  # rows inferred
+    execution_count: int  # model executions (batches)
+    inference_stats: InferenceStats
+    batch_stats: list[BatchStats]
+
+
+class ModelStatistics(msgspec.Struct):
+    """Triton's statistics extension."""
+
+    model_stats: list[ModelStats]
+
+
+class InferOutput(msgspec.Struct):
+    """An output tensor: `data` in JSON, or `parameters.binary_data_size` bytes of the
+    binary tail."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: list[Any] = []
+    parameters: dict[str, Any] = {}
+
+
+class InferResponse(msgspec.Struct):
+    model_name: str
+    model_version: str
+    outputs: list[InferOutput]
+    id: str = ""
+    parameters: dict[str, Any] = {}  # cache_hit, or the fallback that answered
+
+
+class Empty(msgspec.Struct):
+    pass
+
+
+# --- OpenAI API ---------------------------------------------------------------------------
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int = 0  # language models only
+
+
+class ModelList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(msgspec.Struct):
+    """One server-sent event of a streamed completion; the last (with stream_options.
+    include_usage) has no choices and the usage."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(msgspec.Struct):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(msgspec.Struct):
+    content: str
+    role: Literal["assistant"] | None = None  # in the first chunk only
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    """One server-sent event of a streamed chat completion; the last (with stream_options.
+    include_usage) has no choices and the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class Embedding(msgspec.Struct):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
