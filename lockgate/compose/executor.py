@@ -125,8 +125,8 @@ class Executor:
             outputs = await service.run(request.inputs, ctx)
         else:
             raise BadRequest(
-                f"model '{request.model}' is a language model: use /v1/completions "
-                "or /v1/chat/completions"
+                f"model '{request.model}' is a language model: use /v1/completions, "
+                f"/v1/chat/completions or /v2/models/{request.model}/generate"
             )
         if request.outputs is not None:
             outputs = {k: v for k, v in outputs.items() if k in request.outputs}

@@ -1,48 +1,88 @@
-"""Triton's `config.pbtxt`, translated into the keys of `config.yaml` and validated by the one
-reader (`config_reader.py`). Fields that Triton knows and lockgate does not use (optimization,
-sequence_batching, ...) are ignored with a warning."""
+"""Triton's `config.pbtxt`, parsed against Triton's own schema (`triton/model_config.proto`)
+by protobuf's text parser, as Triton parses it: a misspelt field, a value of the wrong type or
+an unknown enum value is an error that names the file, line and column. The `ModelConfig`
+message is then translated into the keys of `config.yaml` and validated by the one reader
+(`config_reader.py`). Fields that Triton knows and lockgate does not use (optimization,
+sequence_batching, ...) are ignored with a warning.
+
+proto3 scalars have no presence: an unset number reads as 0, so Triton's zeros that mean
+"unset" (an instance count, a warmup batch size or count, `num_versions`, a queue size, the
+priority levels) leave lockgate's default in place.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Collection, Mapping
 from typing import Any
 
+from google.protobuf import text_format
+from google.protobuf.descriptor import EnumDescriptor
+from google.protobuf.message import Message
+
 from lockgate.backends.base import platforms
-from lockgate.config import (
-    ModelConfig,
-)
-from lockgate.core import pbtxt
+from lockgate.config import ModelConfig
 from lockgate.core.config_reader import config_from_dict
+from lockgate.core.triton import model_config_pb2 as pb
 from lockgate.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 _PLATFORMS = platforms()  # Triton's `platform` names for the runtimes lockgate has
+_TENSOR_FIELDS = frozenset({"name", "data_type", "dims", "optional"})
+_TENSOR_IGNORED_QUIETLY = frozenset({"reshape", "format", "is_shape_tensor", "allow_ragged_batch"})
+_BATCHING_FIELDS = frozenset(
+    {
+        "preferred_batch_size",
+        "max_queue_delay_microseconds",
+        "default_queue_policy",
+        "priority_levels",
+        "default_priority_level",
+    }
+)
+_QUEUE_POLICY_FIELDS = frozenset({"max_queue_size", "default_timeout_microseconds"})
+_STEP_FIELDS = frozenset({"model_name", "model_version", "input_map", "output_map"})
+_LOCATION = re.compile(r"^\d+(?::\d+)? : ")  # ParseError's "line:column : " prefix
 
 
 def parse_pbtxt_config(text: str, *, path: str, folder: str) -> ModelConfig:
     """Parse the text of a Triton `config.pbtxt` for the model in folder `folder`."""
-    try:
-        message = pbtxt.parse(text)
-    except pbtxt.PbtxtSyntaxError as exc:
-        raise ConfigError(path, "pbtxt", f"syntax error at line {exc.line}: {exc.problem}") from exc
+    message = read_pbtxt(text, path=path)
     return config_from_dict(_TritonTranslator(path).translate(message), path=path, folder=folder)
 
 
-class _TritonTranslator:
-    """A parsed `config.pbtxt` -> a mapping with the keys of `config.yaml`."""
+def read_pbtxt(text: str, *, path: str) -> pb.ModelConfig:
+    """Triton's `ModelConfig` message from `text`. Raises ConfigError (field `pbtxt`) with the
+    line and column of the first field or value that Triton's schema refuses."""
+    message = pb.ModelConfig()
+    try:
+        text_format.Parse(text, message)
+    except text_format.ParseError as exc:
+        raise ConfigError(path, "pbtxt", _parse_problem(exc, text)) from exc
+    return message
 
-    _IGNORED_QUIETLY = frozenset({"reshape", "format", "is_shape_tensor", "allow_ragged_batch"})
-    _BATCHING_FIELDS = frozenset(
-        {
-            "preferred_batch_size",
-            "max_queue_delay_microseconds",
-            "default_queue_policy",
-            "priority_levels",
-            "default_priority_level",
-        }
-    )
-    _WARMUP_FIELDS = frozenset({"name", "batch_size", "count", "inputs"})
+
+def _parse_problem(exc: text_format.ParseError, text: str) -> str:
+    line, column = exc.GetLine(), exc.GetColumn()
+    problem = _LOCATION.sub("", str(exc), count=1)
+    if line is None:
+        return problem
+    lines = text.split("\n")
+    if 0 < line <= len(lines):  # the parser quotes the whole line; the position says enough
+        problem = problem.removeprefix(f"'{lines[line - 1]}': ")
+    where = f"line {line}" if column is None else f"line {line}, column {column}"
+    return f"{where}: {problem}"
+
+
+def _enum_name(enum: EnumDescriptor, number: int) -> str:
+    """The value's name; a number the enum does not know (proto3 accepts one) as digits."""
+    value = enum.values_by_number.get(number)
+    return value.name if value is not None else str(number)
+
+
+class _TritonTranslator:
+    """A parsed `ModelConfig` message -> a mapping with the keys of `config.yaml`."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -50,180 +90,183 @@ class _TritonTranslator:
     def error(self, field: str, problem: str) -> ConfigError:
         return ConfigError(self.path, field, problem)
 
-    def translate(self, message: pbtxt.Message) -> dict[str, Any]:
+    def translate(self, config: pb.ModelConfig) -> dict[str, Any]:
         raw: dict[str, Any] = {}
-        for name in message.names():
-            handler = getattr(self, f"_field_{name}", None)
+        for descriptor, _ in config.ListFields():
+            handler = getattr(self, f"_field_{descriptor.name}", None)
             if handler is None:
                 log.warning(
-                    "%s: ignoring Triton field '%s' (not used by lockgate)", self.path, name
+                    "%s: ignoring Triton field '%s' (not used by lockgate)",
+                    self.path,
+                    descriptor.name,
                 )
                 continue
-            handler(message, raw)
+            handler(config, raw)
         return raw
 
-    def one(self, message: pbtxt.Message, name: str) -> Any:
-        return message.get(name)
+    def warn_unused(self, message: Message, field: str, used: Collection[str]) -> None:
+        for descriptor, _ in message.ListFields():
+            if descriptor.name not in used:
+                log.warning(
+                    "%s: ignoring field '%s.%s' (not used by lockgate)",
+                    self.path,
+                    field,
+                    descriptor.name,
+                )
 
-    def sub(self, value: Any, field: str) -> pbtxt.Message:
-        if not isinstance(value, pbtxt.Message):
-            raise self.error(field, f"expected a message {{ ... }}, got {value!r}")
-        return value
+    # -- top-level fields that are set, one handler each
 
-    # -- top-level fields, one handler each
+    def _field_name(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        raw["name"] = config.name
 
-    def _field_name(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        raw["name"] = self.one(message, "name")
+    def _field_backend(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        raw["backend"] = config.backend
 
-    def _field_backend(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        raw["backend"] = self.one(message, "backend")
-
-    def _field_platform(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        platform = self.one(message, "platform")
-        if "backend" in message:
+    def _field_platform(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        if config.backend:
             return  # backend wins when both are given, as in Triton
-        if platform not in _PLATFORMS:
+        if config.platform not in _PLATFORMS:
             known = ", ".join(_PLATFORMS)
-            raise self.error("platform", f"unsupported platform {platform!r}; one of {known}")
-        raw["backend"] = _PLATFORMS[platform]
+            problem = f"unsupported platform {config.platform!r}; one of {known}"
+            raise self.error("platform", problem)
+        raw["backend"] = _PLATFORMS[config.platform]
 
-    def _field_max_batch_size(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        raw["max_batch_size"] = self.one(message, "max_batch_size")
+    def _field_max_batch_size(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        raw["max_batch_size"] = config.max_batch_size
 
-    def _field_default_model_filename(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        raw["default_model_filename"] = self.one(message, "default_model_filename")
+    def _field_default_model_filename(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        raw["default_model_filename"] = config.default_model_filename
 
-    def _field_latency_slo_ms(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        raw["latency_slo_ms"] = self.one(message, "latency_slo_ms")  # a lockgate extension
+    def _field_input(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        raw["input"] = [self.tensor(t, f"input[{i}]") for i, t in enumerate(config.input)]
 
-    def _field_input(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        raw["input"] = self.tensors(message, "input")
+    def _field_output(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        raw["output"] = [self.tensor(t, f"output[{i}]") for i, t in enumerate(config.output)]
 
-    def _field_output(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        raw["output"] = self.tensors(message, "output")
+    def _field_dynamic_batching(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        raw["dynamic_batching"] = self.dynamic_batching(config.dynamic_batching)
 
-    def _field_dynamic_batching(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        batching = self.sub(self.one(message, "dynamic_batching"), "dynamic_batching")
-        raw["dynamic_batching"] = self.dynamic_batching(batching)
+    def _field_instance_group(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        raw["instance_group"] = [self.instance_group(group) for group in config.instance_group]
 
-    def _field_instance_group(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        groups = []
-        for index, value in enumerate(message.values("instance_group")):
-            group = self.sub(value, f"instance_group[{index}]")
-            groups.append({key: group.get(key) for key in ("count", "kind") if key in group})
-        raw["instance_group"] = groups
+    def _field_version_policy(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        raw["version_policy"] = self.version_policy(config.version_policy)
 
-    def _field_version_policy(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        policy = self.sub(self.one(message, "version_policy"), "version_policy")
-        translated: dict[str, Any] = {}
-        for kind in policy.names():
-            body = self.sub(policy.get(kind), f"version_policy.{kind}")
-            if kind == "specific":
-                translated[kind] = {"versions": body.values("versions")}
-            elif kind == "latest":
-                translated[kind] = {k: body.get(k) for k in ("num_versions",) if k in body}
-            else:
-                translated[kind] = {k: body.get(k) for k in body.names()}
-        raw["version_policy"] = translated
-
-    def _field_model_warmup(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
+    def _field_model_warmup(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
         raw["warmup"] = [
-            self.warmup_sample(self.sub(value, f"model_warmup[{i}]"), f"model_warmup[{i}]")
-            for i, value in enumerate(message.values("model_warmup"))
+            self.warmup_sample(sample, f"model_warmup[{i}]")
+            for i, sample in enumerate(config.model_warmup)
         ]
 
-    def _field_parameters(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        parameters: dict[str, Any] = {}
-        for index, value in enumerate(message.values("parameters")):
-            field = f"parameters[{index}]"
-            entry = self.sub(value, field)
-            body = self.sub(entry.get("value"), f"{field}.value")
-            parameters[str(entry.get("key"))] = body.get("string_value")
-        raw["parameters"] = parameters
+    def _field_parameters(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        raw["parameters"] = {
+            key: config.parameters[key].string_value for key in sorted(config.parameters)
+        }
 
-    def _field_response_cache(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        cache = self.sub(self.one(message, "response_cache"), "response_cache")
-        self.warn_unused(cache, "response_cache", frozenset({"enable"}))
-        raw["response_cache"] = {"enable": cache.get("enable", False)}
+    def _field_response_cache(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        raw["response_cache"] = {"enable": config.response_cache.enable}
 
-    def _field_ensemble_scheduling(self, message: pbtxt.Message, raw: dict[str, Any]) -> None:
-        scheduling = self.sub(self.one(message, "ensemble_scheduling"), "ensemble_scheduling")
-        self.warn_unused(scheduling, "ensemble_scheduling", frozenset({"step"}))
-        steps = []
-        for index, value in enumerate(scheduling.values("step")):
-            field = f"ensemble_scheduling.step[{index}]"
-            step = self.sub(value, field)
-            used = frozenset({"model_name", "model_version", "input_map", "output_map"})
-            self.warn_unused(step, field, used)
-            out: dict[str, Any] = {"model_name": step.get("model_name")}
-            if "model_version" in step:
-                out["model_version"] = step.get("model_version")
-            for which in ("input_map", "output_map"):
-                entries = [self.sub(v, f"{field}.{which}") for v in step.values(which)]
-                out[which] = {str(e.get("key")): e.get("value") for e in entries}
-            steps.append(out)
-        raw["ensemble_scheduling"] = {"step": steps}
+    def _field_ensemble_scheduling(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        scheduling = config.ensemble_scheduling
+        self.warn_unused(scheduling, "ensemble_scheduling", ("step",))
+        raw["ensemble_scheduling"] = {
+            "step": [
+                self.ensemble_step(step, f"ensemble_scheduling.step[{i}]")
+                for i, step in enumerate(scheduling.step)
+            ]
+        }
 
     # -- nested messages
 
-    def tensors(self, message: pbtxt.Message, key: str) -> list[dict[str, Any]]:
-        specs = []
-        for index, value in enumerate(message.values(key)):
-            tensor = self.sub(value, f"{key}[{index}]")
-            spec: dict[str, Any] = {"dims": tensor.values("dims")}
-            for name in tensor.names():
-                if name in ("name", "data_type", "optional"):
-                    spec[name] = tensor.get(name)
-                elif name not in ("dims", *self._IGNORED_QUIETLY):
-                    log.warning("%s: ignoring field '%s[%d].%s'", self.path, key, index, name)
-            specs.append(spec)
-        return specs
-
-    def warn_unused(self, message: pbtxt.Message, field: str, used: frozenset[str]) -> None:
-        for name in message.names():
-            if name not in used:
-                log.warning(
-                    "%s: ignoring field '%s.%s' (not used by lockgate)", self.path, field, name
-                )
-
-    def dynamic_batching(self, batching: pbtxt.Message) -> dict[str, Any]:
-        self.warn_unused(batching, "dynamic_batching", self._BATCHING_FIELDS)
-        out: dict[str, Any] = {"preferred_batch_sizes": batching.values("preferred_batch_size")}
-        if "max_queue_delay_microseconds" in batching:
-            out["max_queue_delay_us"] = batching.get("max_queue_delay_microseconds")
-        policy = batching.get("default_queue_policy")
-        if policy is not None:
-            policy = self.sub(policy, "dynamic_batching.default_queue_policy")
-            if policy.get("max_queue_size", 0) != 0:  # Triton's 0 is "unbounded": keep ours
-                out["max_queue_size"] = policy.get("max_queue_size")
-            if "default_timeout_microseconds" in policy:
-                out["default_timeout_us"] = policy.get("default_timeout_microseconds")
-        if batching.get("priority_levels", 0) != 0:  # Triton's 0 is "no priorities"
-            out["priority_levels"] = batching.get("priority_levels")
-        if "default_priority_level" in batching:
-            out["default_priority_level"] = batching.get("default_priority_level")
-        return out
-
-    def warmup_sample(self, sample: pbtxt.Message, field: str) -> dict[str, Any]:
-        self.warn_unused(sample, field, self._WARMUP_FIELDS)
-        out: dict[str, Any] = {
-            k: sample.get(k) for k in ("name", "batch_size", "count") if k in sample
+    def tensor(self, tensor: pb.ModelInput | pb.ModelOutput, field: str) -> dict[str, Any]:
+        self.warn_unused(tensor, field, _TENSOR_FIELDS | _TENSOR_IGNORED_QUIETLY)
+        spec: dict[str, Any] = {
+            "name": tensor.name,
+            "data_type": self.datatype(tensor.data_type),
+            "dims": list(tensor.dims),
         }
-        kinds: dict[str, str] = {}
-        for index, value in enumerate(sample.values("inputs")):
-            entry = self.sub(value, f"{field}.inputs[{index}]")
-            data = self.sub(entry.get("value"), f"{field}.inputs[{index}].value")
-            kinds[str(entry.get("key"))] = self.warmup_kind(data, f"{field}.inputs[{index}]")
-        out["inputs"] = kinds
+        if isinstance(tensor, pb.ModelInput) and tensor.optional:
+            spec["optional"] = True
+        return spec
+
+    def datatype(self, number: int) -> str | None:
+        if number == pb.TYPE_INVALID:
+            return None  # unset: the reader reports it missing
+        return _enum_name(pb.DataType.DESCRIPTOR, number)
+
+    def dynamic_batching(self, batching: pb.ModelDynamicBatching) -> dict[str, Any]:
+        self.warn_unused(batching, "dynamic_batching", _BATCHING_FIELDS)
+        out: dict[str, Any] = {
+            "preferred_batch_sizes": list(batching.preferred_batch_size),
+            "max_queue_delay_us": batching.max_queue_delay_microseconds,
+            "default_priority_level": batching.default_priority_level,
+        }
+        if batching.HasField("default_queue_policy"):
+            policy = batching.default_queue_policy
+            field = "dynamic_batching.default_queue_policy"
+            self.warn_unused(policy, field, _QUEUE_POLICY_FIELDS)
+            if policy.max_queue_size:  # Triton's 0 is "unbounded": keep ours
+                out["max_queue_size"] = policy.max_queue_size
+            out["default_timeout_us"] = policy.default_timeout_microseconds
+        if batching.priority_levels:  # Triton's 0 is "no priorities"
+            out["priority_levels"] = batching.priority_levels
         return out
 
-    def warmup_kind(self, data: pbtxt.Message, field: str) -> str:
-        if data.get("random_data") is True:
+    def instance_group(self, group: pb.ModelInstanceGroup) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "kind": _enum_name(pb.ModelInstanceGroup.Kind.DESCRIPTOR, group.kind)
+        }
+        if group.count:  # Triton's 0 (unset) is one instance
+            out["count"] = group.count
+        return out
+
+    def version_policy(self, policy: pb.ModelVersionPolicy) -> dict[str, Any]:
+        kind = policy.WhichOneof("policy_choice")
+        if kind == "latest":
+            count = policy.latest.num_versions  # Triton's 0 (unset) is one version
+            return {"latest": {"num_versions": count} if count else {}}
+        if kind == "specific":
+            return {"specific": {"versions": list(policy.specific.versions)}}
+        if kind == "all":
+            return {"all": {}}
+        return {}  # `version_policy { }`: the reader asks for one of them
+
+    def warmup_sample(self, sample: pb.ModelWarmup, field: str) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "inputs": {
+                key: self.warmup_kind(sample.inputs[key], f"{field}.inputs.{key}")
+                for key in sorted(sample.inputs)
+            }
+        }
+        if sample.name:
+            out["name"] = sample.name
+        if sample.batch_size:  # Triton's 0 (unset) is a batch of one
+            out["batch_size"] = sample.batch_size
+        if sample.count:  # Triton's 0 (unset) runs the sample once
+            out["count"] = sample.count
+        return out
+
+    def warmup_kind(self, data: pb.ModelWarmup.Input, field: str) -> str:
+        if data.random_data:
             return "random"
-        if data.get("zero_data") is True:
+        if data.zero_data:
             return "zero"
-        if "input_data_file" in data:
+        if data.HasField("input_data_file"):
             raise self.error(
                 f"{field}.input_data_file", "not supported; use zero_data or random_data"
             )
         raise self.error(field, "give zero_data: true or random_data: true")
+
+    def ensemble_step(self, step: pb.ModelEnsembling.Step, field: str) -> dict[str, Any]:
+        self.warn_unused(step, field, _STEP_FIELDS)
+        return {
+            "model_name": step.model_name,
+            "model_version": step.model_version,  # 0 or -1: the latest version
+            "input_map": _sorted(step.input_map),
+            "output_map": _sorted(step.output_map),
+        }
+
+
+def _sorted(mapping: Mapping[str, str]) -> dict[str, str]:
+    """A protobuf map as a dict in key order (a map's own order is not the file's)."""
+    return {key: mapping[key] for key in sorted(mapping)}

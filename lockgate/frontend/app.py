@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("lockgate.frontend")
 
 OpenAIHandler = Callable[[HttpRequest, list[str]], Awaitable[None]]
+# Triton's generate extension: (request, model, version, streamed)
+GenerateHandler = Callable[[HttpRequest, str, str | None, bool], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -98,6 +100,7 @@ class App:
         self.v2 = V2Service(models, self.executor)
         self.access = AccessLog(self.settings.access_log)
         self.openai = openai
+        self.generate: GenerateHandler | None = None  # set with the OpenAI routes
         self.started = False  # set once the repository has been loaded
         self.draining = False
         self.closers: list[Callable[[], Awaitable[None]]] = [self.cache.close]  # at shutdown
@@ -332,6 +335,10 @@ class App:
         if action == "infer" and method == "POST":
             granted = self.priority_granted(request.bearer())
             await v2_routes.infer(request, self.v2, name, version, granted)
+        elif action in ("generate", "generate_stream") and method == "POST":
+            if self.generate is None:
+                raise NotFound("generate serves language models: this server runs without them")
+            await self.generate(request, name, version, action == "generate_stream")
         elif action == "" and method == "GET":
             await v2_routes.document(request, self.v2.model_metadata(name, version))
         elif action == "ready" and method == "GET":
@@ -426,6 +433,8 @@ def _route_kind(path: str) -> str:
     """A bounded label for the metrics: never the raw path, which clients choose."""
     if path.startswith("/v2/models/") and path.endswith("/infer"):
         return "infer"
+    if path.startswith("/v2/models/") and path.endswith(("/generate", "/generate_stream")):
+        return "generate"
     if path.startswith("/v1/"):
         return "openai"
     if path.startswith("/v2/health") or path == "/health":

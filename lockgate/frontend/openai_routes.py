@@ -86,6 +86,7 @@ class OpenAIRoutes:
                 "created": s.created,
                 "owned_by": "lockgate",
                 "max_model_len": s.engine_config.max_model_len,
+                "generation_defaults": s.generation.to_dict(),
             }
             for s in self.services.values()
         ]
@@ -139,16 +140,7 @@ class OpenAIRoutes:
         kind: _Kind,
     ) -> None:
         rid = oa.new_id(kind.id_prefix)
-        if body.priority < 0:
-            raise BadRequest("priority must be a non-negative integer (1 is the highest)")
-        levels = max(1, service.config.batcher.priority_levels)
-        default = service.config.batcher.default_priority_level or levels
-        priority = min(body.priority or default, levels)
-        if priority < default and not self.app.priority_granted(request.bearer()):
-            raise Forbidden(
-                f"priority {priority} is above the model's default ({default}): "
-                "it needs a key that grants it"
-            )
+        priority = self._priority(request, service, body.priority)
         key = self._cache_key(service, kind, prompt_ids, params)
         if key is not None:
             hit = await self.completions.get(key)
@@ -168,6 +160,24 @@ class OpenAIRoutes:
             )
             payload = kind.response(rid, service.name, text, reason, logprobs, _usage(last))
             await respond_json(request.send, 200, payload)
+        self._keep(key, text, last)
+
+    def _priority(self, request: HttpRequest, service: LLMService, asked: int) -> int:
+        """The engine priority of a request that asked `asked` (0: the model's default)."""
+        if asked < 0:
+            raise BadRequest("priority must be a non-negative integer (1 is the highest)")
+        levels = max(1, service.config.batcher.priority_levels)
+        default = service.config.batcher.default_priority_level or levels
+        priority = min(asked or default, levels)
+        if priority < default and not self.app.priority_granted(request.bearer()):
+            raise Forbidden(
+                f"priority {priority} is above the model's default ({default}): "
+                "it needs a key that grants it"
+            )
+        return priority
+
+    def _keep(self, key: CompletionKey | None, text: str, last: RequestOutput | None) -> None:
+        """Cache a completion that finished (not one cut short), when it has a key."""
         if key is not None and last is not None and last.finish_reason is not None:
             completion = Completion(
                 text, last.finish_reason.value, last.num_prompt_tokens, last.num_output_tokens
@@ -282,10 +292,7 @@ class OpenAIRoutes:
         if len(body.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
             raise BadRequest(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids")
         return SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0,
+            **service.generation.fill(body.temperature, body.top_p, body.top_k, body.min_p),
             seed=body.seed,
             max_tokens=max_tokens,
             stop=tuple(stop),

@@ -373,11 +373,13 @@ def build_app(options: ServeOptions) -> App:
     options.http.repository = options.repository
     app = App(models, options.http)
     try:
+        from lockgate.frontend.generate_routes import GenerateRoutes
         from lockgate.frontend.openai_routes import OpenAIRoutes
     except ImportError as exc:  # the language-model libraries are not installed
         log.info("OpenAI API off: %s", exc)
     else:
-        app.openai = OpenAIRoutes(app)
+        app.openai = openai = OpenAIRoutes(app)
+        app.generate = GenerateRoutes(openai)
     return app
 
 

@@ -7,7 +7,7 @@ it on a server installed without the `llm` extra.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
@@ -15,6 +15,7 @@ from prometheus_client.metrics_core import Metric as Family
 
 from lockgate.config import ModelConfig
 from lockgate.core.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, Registry
+from lockgate.llm.generation_config import GenerationDefaults
 from lockgate.llm.metrics import EngineStats, RequestObserver, RequestTimings
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class LLMService:
     vocab_size: int
     load_seconds: float
     created: int
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def instrument(self, registry: Registry) -> None:
         """Observe every request from now on (not the warmup) in the server's histograms."""

@@ -19,6 +19,7 @@ A model folder whose config says `backend: llm` holds the weights in its version
 | num_threads | torch intra-op threads | torch's default |
 | pack_weights | bfloat16: reorder the weights for oneDNN once, at load | true |
 | ttft_slo_ms | refuse (503) a request predicted to wait longer for its first token | none |
+| generation_config | sampling defaults: auto, generation_config.json by the weights; none | auto |
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from lockgate.errors import ConfigError
 from lockgate.llm.async_engine import AsyncLLMEngine
 from lockgate.llm.engine import LLMEngine
 from lockgate.llm.engine_config import EngineConfig
+from lockgate.llm.generation_config import GenerationDefaults, read_generation_defaults
 from lockgate.llm.loader import load_checkpoint
 from lockgate.llm.models.llama import allocate_kv_cache, build_llama, kv_bytes_per_block
 from lockgate.llm.models.packing import pack_linear_weights
@@ -107,11 +109,28 @@ def _weights_path(config: ModelConfig, version_dir: Path) -> Path:
     )
 
 
+def _generation_defaults(config: ModelConfig, weights: Path) -> GenerationDefaults:
+    """From generation_config.json in the weights' folder (a Hugging Face folder, or the
+    folder that holds the .gguf), unless `parameters.generation_config` is none."""
+    choice = config.parameters.get("generation_config", "auto")
+    if choice == "none":
+        return GenerationDefaults()
+    if choice != "auto":
+        raise ConfigError(
+            config.source or config.name,
+            "parameters.generation_config",
+            f"must be auto or none, got {choice!r}",
+        )
+    return read_generation_defaults(weights if weights.is_dir() else weights.parent)
+
+
 def load_service(config: ModelConfig, version_dir: Path) -> LLMService:
     """Load, build and warm up the language model of one version folder."""
     start = time.monotonic()
     engine_config = engine_config_from(config)
-    checkpoint = load_checkpoint(_weights_path(config, version_dir))
+    weights = _weights_path(config, version_dir)
+    generation = _generation_defaults(config, weights)
+    checkpoint = load_checkpoint(weights)
     model = build_llama(checkpoint.config, checkpoint.weights, engine_config.dtype)
     if engine_config.pack_weights:
         pack_linear_weights(model)
@@ -139,6 +158,9 @@ def load_service(config: ModelConfig, version_dir: Path) -> LLMService:
         engine_config.block_size,
         blocks * per_block / 2**30,
     )
+    if generation.source:
+        defaults, source = generation.to_dict(), generation.source
+        log.info("language model %s: sampling defaults %s from %s", name, defaults, source)
     return LLMService(
         name=name,
         config=config,
@@ -148,6 +170,7 @@ def load_service(config: ModelConfig, version_dir: Path) -> LLMService:
         vocab_size=checkpoint.config.vocab_size,
         load_seconds=elapsed,
         created=int(time.time()),
+        generation=generation,
     )
 
 

@@ -343,22 +343,30 @@ def test_triton_latest_and_all_policies() -> None:
         ('backend: "python" name: "other"', "name", "does not match"),
         (
             'backend: "python" input { name: "x" data_type: TYPE_FP99 dims: 1 }',
-            "input[0].data_type",
-            "unknown datatype",
+            "pbtxt",
+            "line 1, column 48: Enum type",
         ),
+        ('backend: "python" input { name: "x" dims: 1 }', "input[0].data_type", "non-empty"),
+        ('backend: "python" input { name: "x" data_type: 99 }', "input[0].data_type", "'99'"),
         (
             'backend: "python" max_batch_size: 2 dynamic_batching { preferred_batch_size: 4 }',
             "dynamic_batching.preferred_batch_sizes",
             "exceeds",
         ),
-        ('backend: "python" instance_group { count: 0 }', "instance_group[0].count", ">= 1"),
-        ('backend: "python" input: "x"', "input[0]", "message"),
+        ('backend: "python" instance_group { count: -1 }', "instance_group[0].count", ">= 1"),
+        ('backend: "python" input: "x"', "pbtxt", 'line 1, column 26: Expected "{"'),
         (
             'backend: "python" model_warmup { inputs { key: "x" value { input_data_file: "f" } } }',
-            "model_warmup[0].inputs[0].input_data_file",
+            "model_warmup[0].inputs.x.input_data_file",
             "not supported",
         ),
-        ('backend: "python"\nmax_batch_size: {', "pbtxt", "line 2"),
+        (
+            'backend: "python" model_warmup { inputs { key: "x" value { zero_data: false } } }',
+            "model_warmup[0].inputs.x",
+            "zero_data: true",
+        ),
+        ('backend: "python"\nmax_batch_size: {', "pbtxt", "line 2, column 17"),
+        ('backend: "python" version_policy { }', "version_policy", "exactly one"),
     ],
 )
 def test_pbtxt_errors_name_the_field(text: str, field: str, fragment: str) -> None:

@@ -3,6 +3,7 @@ official `openai` client."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,3 +124,18 @@ def test_different_parameters_do_not_share_an_entry(client: openai.OpenAI) -> No
     longer = client.completions.with_raw_response.create(**base, max_tokens=9)
     assert longer.headers.get("x-lockgate-cache") is None
     assert longer.parse().usage.completion_tokens >= short.usage.completion_tokens
+
+
+def test_triton_generate_shares_the_completions_entries(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    prompt = "Seven, eight,"
+    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    body = {"text_input": prompt, "parameters": {"max_tokens": 6, "temperature": 0}}
+    url = server.url + "/v2/models/smollm2/generate"
+    whole = httpx.post(url, json=body, timeout=60)
+    assert whole.headers.get("x-lockgate-cache") == "hit"
+    assert whole.json()["text_output"] == text.choices[0].text
+    streamed = httpx.post(url + "_stream", json=body, timeout=60)
+    assert streamed.headers.get("x-lockgate-cache") == "hit"
+    assert streamed.text == "data: " + json.dumps(whole.json(), separators=(",", ":")) + "\n\n"

@@ -1,0 +1,146 @@
+"""Triton's generate extension and a model's generation_config.json defaults, through a real
+server with SmolLM2 (whose generation_config.json asks for greedy sampling) and a classic
+model, with httpx and the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from lockgate.demo.smollm2 import SERVED_NAME
+from tests.conftest import RunningServer, smollm2_repository, start_server
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    repo = tmp_path_factory.mktemp("generate-repo")
+    shutil.copytree(demo_repo / "digits_onnx", repo / "digits_onnx")
+    parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", "dtype": "float32"}
+    smollm2_repository(demo_repo, repo, parameters)
+    generation_config = repo / "smollm2" / "1" / "generation_config.json"
+    generation_config.unlink(missing_ok=True)  # hard-linked to the build: write one of its own
+    generation_config.write_text(json.dumps({"temperature": 0, "top_k": 50, "eos_token_id": 2}))
+    running = start_server(repo, tmp_path_factory.mktemp("generate"), ready_timeout=600)
+    yield running
+    assert running.stop() == 0, running.log()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def generate(server: RunningServer, body: object, route: str = "generate") -> httpx.Response:
+    return httpx.post(f"{server.url}/v2/models/smollm2/{route}", json=body, timeout=120)
+
+
+def events(server: RunningServer, body: object) -> list[dict[str, object]]:
+    url = f"{server.url}/v2/models/smollm2/generate_stream"
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_requests_without_temperature_use_the_models_generation_config(
+    server: RunningServer, client: openai.OpenAI
+) -> None:
+    entry = next(
+        m for m in httpx.get(server.url + "/v1/models").json()["data"] if m["id"] == SERVED_NAME
+    )
+    assert entry["generation_defaults"] == {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 50,
+        "min_p": 0.0,
+    }
+    ask = {"model": SERVED_NAME, "prompt": "Once upon a time", "max_tokens": 10}
+    first = client.completions.create(**ask).choices[0].text  # type: ignore[call-overload]
+    second = client.completions.create(**ask).choices[0].text  # type: ignore[call-overload]
+    greedy = client.completions.create(**ask, temperature=0).choices[0].text  # type: ignore[call-overload]
+    assert first == second == greedy
+
+
+def test_generate_answers_the_completions_text(
+    server: RunningServer, client: openai.OpenAI
+) -> None:
+    completion = client.completions.create(
+        model=SERVED_NAME, prompt=PROMPT, max_tokens=8, temperature=0
+    )
+    r = generate(server, {"text_input": PROMPT, "parameters": {"temperature": 0, "max_tokens": 8}})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert r.json() == {
+        "model_name": "smollm2",
+        "model_version": "1",
+        "text_output": completion.choices[0].text,
+    }
+    # top-level fields, as Triton passes them on; the input echoed when asked
+    echoed = generate(
+        server,
+        {"text_input": PROMPT, "max_tokens": 8, "temperature": 0, "exclude_input_in_output": False},
+    )
+    assert echoed.json()["text_output"] == PROMPT + completion.choices[0].text
+
+
+def test_generate_stream_events_add_up_to_the_generate_text(server: RunningServer) -> None:
+    body = {"text_input": PROMPT, "parameters": {"max_tokens": 8, "stream": True}}
+    streamed = events(server, body)
+    assert len(streamed) > 1
+    assert all(e["model_name"] == "smollm2" and e["model_version"] == "1" for e in streamed)
+    whole = generate(server, {"text_input": PROMPT, "parameters": {"max_tokens": 8}}).json()
+    assert "".join(str(e["text_output"]) for e in streamed) == whole["text_output"]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"parameters": {"max_tokens": 4}}, "text_input is required"),
+        ({"text_input": 7}, "text_input is required"),
+        (
+            {"text_input": "hi", "parameters": {"beam_width": 2, "bad_words": ""}},
+            "'bad_words', 'beam_width'",
+        ),
+        (
+            {"text_input": "hi", "repetition_penalty": 1.1},
+            "unknown parameters: 'repetition_penalty'",
+        ),
+        ({"text_input": "hi", "parameters": {"temperature": "hot"}}, "$.temperature"),
+        ({"text_input": "hi", "parameters": {"temperature": -1}}, "temperature must be >= 0"),
+        ({"text_input": "hi", "parameters": {"max_tokens": 10**6}}, "maximum context length"),
+        ({"text_input": "hi", "max_tokens": 2, "parameters": {"max_tokens": 2}}, "both"),
+        ({"text_input": "hi", "parameters": {"stream": True}}, "/generate_stream"),
+        ({"text_input": "hi", "parameters": [1]}, "parameters must be an object"),
+        ({"text_input": "hi", "priority": -1}, "priority must be a non-negative integer"),
+        (["hi"], "Expected `object`"),
+        ({"text_input": ""}, "prompt has 0 tokens"),
+    ],
+)
+def test_client_mistakes_are_400_with_a_message(
+    server: RunningServer, body: object, says: str
+) -> None:
+    r = generate(server, body)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]
+
+
+def test_generate_routes_only_language_models(server: RunningServer) -> None:
+    url = server.url + "/v2/models"
+    malformed = httpx.post(f"{url}/smollm2/generate_stream", content=b"{", timeout=30)
+    assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]
+    classic = httpx.post(f"{url}/digits_onnx/generate", json={"text_input": "hi"}, timeout=30)
+    assert classic.status_code == 400 and "not a language model" in classic.json()["error"]
+    unknown = httpx.post(f"{url}/nope/generate", json={"text_input": "hi"}, timeout=30)
+    assert unknown.status_code == 404 and "nope" in unknown.json()["error"]
+    version = httpx.post(f"{url}/smollm2/versions/9/generate", json={"text_input": "hi"})
+    assert version.status_code == 404
+    infer = httpx.post(f"{url}/smollm2/infer", json={"inputs": []}, timeout=30)
+    assert infer.status_code == 400 and "is a language model" in infer.json()["error"]
