@@ -42,23 +42,12 @@ from benchmarks.common import (
     running,
     start_server,
 )
+from benchmarks.plan_check import SLEEPER
 
 SUITE = "refusal_cost"
 TARGET = 0.10  # refusal CPU / served CPU
 HOLD_S = 2.0  # each batch of `held` sleeps this long
 HELD_SLO_MS = 100
-
-HELD_CODE = f'''
-import time
-
-
-class Model:
-    """Sleeps {HOLD_S} s per batch: busy without using the CPU."""
-
-    def infer(self, inputs):
-        time.sleep({HOLD_S})
-        return {{"y": inputs["x"]}}
-'''
 
 HELD_CONFIG = f"""\
 name: held
@@ -69,6 +58,7 @@ inputs:
 outputs:
   - {{name: y, datatype: FP32, dims: [4]}}
 latency_slo_ms: {HELD_SLO_MS}
+parameters: {{sleep_s: "{HOLD_S}"}}
 """
 
 
@@ -79,7 +69,7 @@ def write_repository(work: Path) -> Path:
     repo = build_demo_repository(work / "repo", models=digits)
     folder = repo / "held"
     (folder / "1").mkdir(parents=True)
-    (folder / "1" / "model.py").write_text(HELD_CODE)
+    (folder / "1" / "model.py").write_text(SLEEPER)  # sleeps sleep_s per batch
     (folder / "config.yaml").write_text(HELD_CONFIG)
     return repo
 

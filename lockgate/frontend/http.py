@@ -117,19 +117,6 @@ class HttpRequest:
             if not message.get("more_body", False):
                 return chunks
 
-    async def json(self, decoder: msgspec.json.Decoder[Any] | None = None) -> Any:
-        body = await self.body()
-        try:
-            if decoder is not None:
-                return decoder.decode(body)
-            return msgspec.json.decode(body)
-        except msgspec.ValidationError as exc:
-            raise BadRequest(f"invalid request: {exc}") from None
-        except msgspec.DecodeError as exc:
-            raise BadRequest(f"malformed JSON: {exc}") from None
-        except RecursionError:
-            raise BadRequest("malformed JSON: nested too deeply") from None
-
 
 async def respond(
     send: Send,

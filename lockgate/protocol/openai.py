@@ -103,10 +103,12 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
-_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
 
 
-def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
+def decode(body: bytes, kind: Any) -> Any:
+    """`body` decoded as `kind` (a Struct, or any type msgspec knows); BadRequest (400) when it
+    is not JSON of that shape."""
     decoder = _decoders.get(kind)
     if decoder is None:
         decoder = _decoders[kind] = msgspec.json.Decoder(kind)
