@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -159,7 +160,36 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=int,
         help="the replicas listen on 127.0.0.1, this port and up (default: --port + 1)",
     )
+    _add_openai_limits(p)
     p.add_argument("-v", "--verbose", action="store_true")
+
+
+# the flags of OpenAILimits: what one OpenAI API request may ask for
+_OPENAI_LIMITS = {
+    "max_stop": "stop strings of one request (more: 400)",
+    "max_stop_chars": "characters of one stop string (more: 400)",
+    "max_stop_token_ids": "stop_token_ids of one request (more: 400)",
+    "max_logit_bias": "logit_bias entries of one request (more: 400)",
+    "max_prompt_chars": "characters of a prompt (more: 400 before tokenizing; 0: "
+    "max_model_len x the longest token's characters)",
+    "tokenize_threads": "prompts tokenized at once, off the event loop",
+    "tokenize_waiting": "prompts waiting for a tokenizer thread (more: 503)",
+    "max_embedding_inputs": "texts of one /v1/embeddings request (more: 400)",
+    "max_embedding_chars": "characters of one text to embed (more: 400)",
+}
+
+
+def _add_openai_limits(p: argparse.ArgumentParser) -> None:
+    from lockgate.protocol.openai import OpenAILimits
+
+    defaults = OpenAILimits()
+    for field in fields(OpenAILimits):
+        p.add_argument(
+            "--" + field.name.replace("_", "-"),
+            type=int,
+            default=getattr(defaults, field.name),
+            help=f"OpenAI API: {_OPENAI_LIMITS[field.name]}",
+        )
 
 
 def _redis(args: argparse.Namespace) -> RedisSettings | None:
@@ -236,6 +266,7 @@ def _serve(args: argparse.Namespace) -> int:
     from lockgate.frontend.app import ServerSettings
     from lockgate.frontend.gate import GateSettings
     from lockgate.frontend.server import ServeOptions, run
+    from lockgate.protocol.openai import OpenAILimits
 
     repository = args.repository
     if repository is None:
@@ -246,6 +277,11 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
     if not Path(repository).is_dir():
         print(f"lockgate: no model repository at {repository}", file=sys.stderr)
+        return 2
+    try:
+        limits = OpenAILimits(**{f.name: getattr(args, f.name) for f in fields(OpenAILimits)})
+    except ValueError as exc:
+        print(f"lockgate: {exc}", file=sys.stderr)
         return 2
     http = ServerSettings(
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
@@ -259,6 +295,7 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         redis=_redis(args),
         otel_endpoint=args.otel_endpoint,
+        openai=limits,
     )
     serving = ServingSettings(
         hang_timeout=args.hang_timeout,

@@ -249,3 +249,49 @@ def digits_rows(n: int) -> np.ndarray:
 
     x = load_digits().data[:n] / 16.0
     return x.astype(np.float32)
+
+
+# -- memory under hostile input ----------------------------------------------------------
+
+# the servers a test may use, by fixture name: their memory is watched by `bounded_rss`
+SERVER_FIXTURES = ("server", "impatient_server", "llm_server", "gated", "saturable", "embedder")
+RSS_GROWTH_BOUND_MIB = 128  # peak RSS growth of a server during one hostile case (README)
+
+
+def _status_mib(pid: int, field: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} for process {pid}")
+
+
+def _reset_peak(pid: int) -> bool:
+    """Reset the process's peak RSS (VmHWM) to its RSS now; False where Linux does not let."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture
+def bounded_rss(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The peak RSS of every server the test uses grows by less than RSS_GROWTH_BOUND_MIB
+    while it runs: hostile input costs the server bounded memory."""
+    servers: list[RunningServer] = [
+        request.getfixturevalue(name) for name in SERVER_FIXTURES if name in request.fixturenames
+    ]
+    before = {}
+    for s in servers:
+        pid = s.process.pid
+        peak = "VmHWM" if _reset_peak(pid) else "VmRSS"  # VmRSS: the growth left at the end
+        before[pid] = (peak, _status_mib(pid, "VmRSS"))
+    yield
+    for s in servers:
+        pid = s.process.pid
+        if s.process.poll() is not None:
+            continue  # a test that stops its server says why
+        peak, start = before[pid]
+        grown = _status_mib(pid, peak) - start
+        request.node.user_properties.append(("rss_growth_mib", round(grown, 1)))
+        assert grown < RSS_GROWTH_BOUND_MIB, f"server RSS peaked {grown:.0f} MiB above its start"

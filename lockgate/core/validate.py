@@ -6,7 +6,7 @@ leave out; all inputs must agree on it, and it may not exceed `max_batch_size`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -18,22 +18,30 @@ def validate_inputs(
     config: ModelConfig, inputs: dict[str, np.ndarray], datatypes: dict[str, str]
 ) -> int:
     """Check names, datatypes and shapes; return the number of batch rows (1 unbatched)."""
+    return validate_shapes(config, {name: array.shape for name, array in inputs.items()}, datatypes)
+
+
+def validate_shapes(
+    config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], datatypes: Mapping[str, str]
+) -> int:
+    """`validate_inputs` on what a request declares, before any data is decoded: names,
+    datatypes and shapes; the number of batch rows (1 unbatched)."""
     rows: int | None = None
     first = ""
-    for name, array in inputs.items():
+    for name, shape in shapes.items():
         spec = config.input(name)
         if spec is None:
             raise BadRequest(f"unexpected inference input '{name}' for model '{config.name}'")
         _check_datatype(config, spec, datatypes.get(name))
-        _check_shape(config, spec, array.shape)
+        _check_shape(config, spec, shape)
         if config.batching:
-            if rows is not None and array.shape[0] != rows:
+            if rows is not None and shape[0] != rows:
                 raise BadRequest(
-                    f"input '{name}': batch size {array.shape[0]} differs from "
+                    f"input '{name}': batch size {shape[0]} differs from "
                     f"input '{first}' with batch size {rows}"
                 )
-            rows, first = array.shape[0], name
-    _check_required(config, inputs)
+            rows, first = shape[0], name
+    _check_required(config, shapes)
     return 1 if rows is None else rows
 
 
@@ -73,7 +81,7 @@ def _check_shape(config: ModelConfig, spec: TensorSpec, shape: tuple[int, ...]) 
         )
 
 
-def _check_required(config: ModelConfig, inputs: dict[str, np.ndarray]) -> None:
+def _check_required(config: ModelConfig, inputs: Mapping[str, object]) -> None:
     missing = [spec.name for spec in config.inputs if not spec.optional and spec.name not in inputs]
     if missing:
         raise BadRequest(

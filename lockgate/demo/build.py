@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 
-DEMO_VERSION = "4"  # bump when a builder changes: the cache path changes with it
+DEMO_VERSION = "5"  # bump when a builder changes: the cache path changes with it
 
 DIGITS_FEATURES = 64
 DIGITS_CLASSES = 10
@@ -244,13 +244,17 @@ def _check_minilm_signature(path: Path) -> None:
         )
 
 
+_EMBEDDING = {"name": "embedding", "datatype": "FP32", "dims": [MINILM_DIM]}
+_TOKEN_COUNT = {"name": "token_count", "datatype": "INT64", "dims": [1]}  # usage of /v1/embeddings
+
+
 def _minilm_config() -> dict[str, Any]:
     return {
         "name": "minilm",
         "backend": "python",
         "max_batch_size": 32,
         "inputs": [{"name": "text", "datatype": "BYTES", "dims": [1]}],  # a batch is [B, 1]
-        "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [MINILM_DIM]}],
+        "outputs": [_EMBEDDING, _TOKEN_COUNT],
         "dynamic_batching": {"max_queue_delay_us": 2000},
         "latency_slo_ms": 500,
         "instance_count": 1,
@@ -332,7 +336,7 @@ def build_minilm_encoder(folder: Path, say: Progress) -> None:
     shutil.copyfile(
         Path(__file__).with_name("minilm_steps.py"), _version_folder(folder) / "model.py"
     )
-    config = _minilm_step("minilm_encoder", "Encode", _minilm_config()["outputs"])
+    config = _minilm_step("minilm_encoder", "Encode", [_EMBEDDING])
     config["inputs"] = _TOKENS
     config["warmup"] = []  # zeros of unknown length: the ensemble's first requests warm it
     _write_config(folder, config)
@@ -348,6 +352,7 @@ def build_minilm_ensemble(folder: Path, say: Progress) -> None:
     config.update(
         name="minilm_ensemble",
         backend="ensemble",
+        outputs=[_EMBEDDING],
         ensemble=[
             {"model": "minilm_tokenizer", "input_map": {"text": "text"}, "output_map": tokens},
             {

@@ -4,8 +4,11 @@ The demo builder copies this file to `<repo>/minilm/<version>/model.py`. It toke
 inside the model (so clients send plain strings), runs the int8 ONNX encoder with
 onnxruntime, mean-pools over the attention mask and L2-normalizes.
 
-    input  text       BYTES [batch, 1]   UTF-8 sentences
-    output embedding  FP32  [batch, 384] unit vectors
+    input  text         BYTES [batch, 1]    UTF-8 sentences
+    output embedding    FP32  [batch, 384]  unit vectors
+           token_count  INT64 [batch, 1]    the tokens each was embedded from (after
+                                            truncation, [CLS] and [SEP] included): the
+                                            usage that /v1/embeddings reports
 
 The weights are read where their packages installed them; nothing big is copied.
 Settings (config `parameters`):
@@ -75,7 +78,11 @@ class Model:
             "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
         }
         (hidden,) = self.session.run(["last_hidden_state"], {n: tokens[n] for n in self.feeds})
-        return {"embedding": mean_pool(hidden, tokens["attention_mask"])}
+        mask = tokens["attention_mask"]
+        return {
+            "embedding": mean_pool(hidden, mask),
+            "token_count": mask.sum(axis=1, keepdims=True, dtype=np.int64),  # [B, 1]
+        }
 
 
 def mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:

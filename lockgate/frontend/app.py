@@ -45,6 +45,7 @@ from lockgate.frontend.http import (
 from lockgate.frontend.openapi import openapi_document
 from lockgate.frontend.v2_service import V2Service
 from lockgate.protocol import v2_codec
+from lockgate.protocol.openai import OpenAILimits
 
 if TYPE_CHECKING:
     from lockgate.frontend.otel import Tracing
@@ -71,6 +72,7 @@ class ServerSettings:
     access_log: bool = False  # one JSON line per request on the `lockgate.access` logger
     redis: RedisSettings | None = None  # the response cache's shared tier; None: in-process only
     otel_endpoint: str = ""  # OTLP/HTTP base URL: trace v2 inference requests; "": no tracing
+    openai: OpenAILimits = field(default_factory=OpenAILimits)  # what one OpenAI request may ask
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
             {

@@ -19,6 +19,7 @@ drain. A request reaches the batcher exactly as a REST one does; only the codec 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -189,7 +190,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         received = time.monotonic()
         name = request.model_name
         served = self.v2.served(name, request.model_version)
-        decoded = codec.decode_infer_request(request)
+        check = functools.partial(self.v2.check_declared, served)  # before any data is decoded
+        decoded = codec.decode_infer_request(request, check=check)
         deadline = Deadline(received, transport_seconds=context.time_remaining())
         granted = self.app.priority_granted(_bearer(context))
         result = await self.v2.infer(name, served, decoded, deadline, granted)

@@ -18,13 +18,15 @@ import numpy as np
 
 from lockgate.cache.completion import Completion, CompletionCache, CompletionKey
 from lockgate.cache.key import text_key
+from lockgate.config import ModelConfig
 from lockgate.core.manager import ServedVersion
 from lockgate.core.metrics import Counter
 from lockgate.core.request import InferRequest
+from lockgate.datatypes import Arrays
 from lockgate.errors import BadRequest, Forbidden, NotFound, ServingError, Unavailable
 from lockgate.frontend.app import App
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
-from lockgate.llm.sequence import MAX_LOGIT_BIAS, SamplingParams
+from lockgate.llm.sequence import SamplingParams
 from lockgate.llm.service import LLMMetrics, LLMService
 from lockgate.protocol import openai as oa
 
@@ -46,7 +48,7 @@ class OpenAIRoutes:
     tokenizing: int = 0  # prompts being tokenized or waiting to be
 
     def __post_init__(self) -> None:
-        self.tokenizers = asyncio.Semaphore(TOKENIZE_THREADS)
+        self.tokenizers = asyncio.Semaphore(self.limits.tokenize_threads)
         self.completions = CompletionCache(self.app.cache)
         self.metrics = LLMMetrics(self.app.models.registry, lambda: self.services.values())
         self.rejected = self.app.models.registry.counter(
@@ -56,6 +58,10 @@ class OpenAIRoutes:
             "queue).",
             ("model", "reason"),
         )
+
+    @property
+    def limits(self) -> oa.OpenAILimits:
+        return self.app.settings.openai
 
     @property
     def services(self) -> dict[str, LLMService]:
@@ -123,7 +129,8 @@ class OpenAIRoutes:
         messages = [{"role": m.role, "content": oa.message_text(m)} for m in body.messages]
         if not messages:
             raise BadRequest("messages must not be empty")
-        _check_length(service, sum(len(m["content"] or "") for m in messages))
+        chars = sum(len(m["content"] or "") for m in messages)
+        _check_length(service, chars, self.limits.max_prompt_chars)
         prompt_ids = await self._tokenize(_chat_ids, service, messages)
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -229,9 +236,9 @@ class OpenAIRoutes:
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _tokenize(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
-        """Tokenize off the event loop, at most `TOKENIZE_THREADS` at once; past
-        `TOKENIZE_WAITING` requests waiting their turn, 503."""
-        if self.tokenizing >= TOKENIZE_THREADS + TOKENIZE_WAITING:
+        """Tokenize off the event loop, at most `tokenize_threads` at once; past
+        `tokenize_waiting` requests waiting their turn, 503."""
+        if self.tokenizing >= self.limits.tokenize_threads + self.limits.tokenize_waiting:
             raise Unavailable("too many prompts waiting to be tokenized", retry_after=1)
         self.tokenizing += 1
         try:
@@ -242,7 +249,7 @@ class OpenAIRoutes:
 
     def _prompt_ids(self, service: LLMService, prompt: object) -> list[int]:
         if isinstance(prompt, str):
-            _check_length(service, len(prompt))
+            _check_length(service, len(prompt), self.limits.max_prompt_chars)
             return service.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             ids = [int(t) for t in prompt]  # type: ignore[arg-type]
@@ -284,13 +291,8 @@ class OpenAIRoutes:
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
                 "the completion). Please reduce the length of the prompt or max_tokens."
             )
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
-            raise BadRequest(
-                f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters"
-            )
-        if len(body.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
-            raise BadRequest(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids")
+        stop = self.limits.stop_strings(body.stop)
+        self.limits.check_stop_token_ids(body.stop_token_ids)
         return SamplingParams(
             **service.generation.fill(body.temperature, body.top_p, body.top_k, body.min_p),
             seed=body.seed,
@@ -301,7 +303,7 @@ class OpenAIRoutes:
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,
-            logit_bias=_logit_bias(body.logit_bias, service.vocab_size),
+            logit_bias=_logit_bias(body.logit_bias, service.vocab_size, self.limits.max_logit_bias),
         )
 
     def _submit(
@@ -398,24 +400,16 @@ class OpenAIRoutes:
                 f"the model '{body.model}' does not serve embeddings "
                 f"(try: {', '.join(names) or 'none'})"
             )
-        texts = [body.input] if isinstance(body.input, str) else body.input
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise BadRequest("input must be a string or a non-empty list of strings")
-        if body.encoding_format not in ("float", "base64"):
-            raise BadRequest("encoding_format must be 'float' or 'base64'")
+        texts = oa.embedding_texts(body.input, self.limits)
         served = self.app.models.get(name)
-        config = served.config
-        if config.max_batch_size and len(texts) > config.max_batch_size:
-            raise BadRequest(
-                f"at most {config.max_batch_size} inputs per request for model '{name}'"
-            )
+        _check_dimensions(served.config, body.dimensions)
         async with cancel_on_disconnect(request.receive):
-            vectors = await self._embed(served, [t.encode() for t in texts])
+            embedded = await self._embed(served, [t.encode() for t in texts])
         data = [
             {"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}
-            for i, v in enumerate(vectors)
+            for i, v in enumerate(embedded.vectors)
         ]
-        tokens = sum(len(t.split()) for t in texts)
+        tokens = embedded.tokens
         payload = {
             "object": "list",
             "data": data,
@@ -424,32 +418,70 @@ class OpenAIRoutes:
         }
         await respond_json(request.send, 200, payload)
 
-    async def _embed(self, served: ServedVersion, texts: list[bytes]) -> np.ndarray:
-        """One vector per text. With the model's response cache on, each text is looked up on
-        its own, and only the texts not found run, in one request."""
+    async def _embed(self, served: ServedVersion, texts: list[bytes]) -> Embedded:
+        """One vector per text, and the tokens they came from. With the model's response
+        cache on, each text is looked up on its own, and only the texts not found run, in
+        requests of at most `max_batch_size` texts, one after the other."""
         config, cache = served.config, self.app.cache
         name, version, settings = config.name, served.version, config.response_cache
-        out = config.outputs[0].name
         keys = [text_key(name, str(version), t) for t in texts] if settings.enable else []
         hits = await asyncio.gather(*(cache.get(name, version, settings, k) for k in keys))
-        found: dict[int, np.ndarray] = {i: h.outputs[out][0] for i, h in enumerate(hits) if h}
+        found: dict[int, Arrays] = {i: h.outputs for i, h in enumerate(hits) if h}
         missing = [i for i in range(len(texts)) if i not in found]
-        if missing:
-            array = np.empty((len(missing), 1), dtype=object)
-            array[:, 0] = [texts[i] for i in missing]
-            core = InferRequest(
-                model=name,
-                inputs={config.inputs[0].name: array},
-                version=version,
-                rows=len(missing),
-            )
-            answer = await self.app.executor.run(core, served)
-            computed = np.asarray(answer[out], dtype=np.float32)
-            for row, i in enumerate(missing):
-                found[i] = computed[row]
+        step = config.max_batch_size or len(missing)
+        for start in range(0, len(missing), step):
+            chunk = missing[start : start + step]
+            answer = await self._embed_rows(served, [texts[i] for i in chunk])
+            for row, i in enumerate(chunk):
+                found[i] = {k: v[row : row + 1] for k, v in answer.items()}
                 if settings.enable:
-                    cache.put(name, version, settings, keys[i], {out: computed[row : row + 1]})
-        return np.stack([np.asarray(found[i], dtype=np.float32) for i in range(len(texts))])
+                    cache.put(name, version, settings, keys[i], found[i])
+        rows = [found[i] for i in range(len(texts))]
+        vectors = np.stack([np.asarray(r[config.outputs[0].name][0], np.float32) for r in rows])
+        counted = [r[TOKEN_COUNT] for r in rows if TOKEN_COUNT in r]
+        return Embedded(vectors, int(sum(c.sum() for c in counted)))
+
+    async def _embed_rows(self, served: ServedVersion, texts: list[bytes]) -> Arrays:
+        config = served.config
+        array = np.empty((len(texts), 1), dtype=object)  # text: [rows, 1]
+        array[:, 0] = texts
+        core = InferRequest(
+            model=config.name,
+            inputs={config.inputs[0].name: array},
+            version=served.version,
+            rows=len(texts),
+        )
+        return await self.app.executor.run(core, served)
+
+
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    vectors: np.ndarray  # [texts, dims] float32
+    tokens: int  # that they were computed from, as the model's `token_count` output says
+
+
+# An embedding model's optional output: the tokens each text was embedded from, [rows, 1].
+# /v1/embeddings reports their sum as its usage (0 for a model without it).
+TOKEN_COUNT = "token_count"
+
+
+def _check_dimensions(config: ModelConfig, asked: int | None) -> None:
+    """`dimensions` may only name the size of the model's own embeddings."""
+    if asked is None:
+        return
+    dims = config.outputs[0].dims
+    native = dims[-1] if dims and dims[-1] > 0 else 0
+    if asked < 1:
+        raise BadRequest("dimensions must be a positive integer")
+    if not native:
+        raise BadRequest(f"dimensions is not supported by model '{config.name}'")
+    if asked > native:
+        raise BadRequest(f"dimensions {asked} is more than the {native} of model '{config.name}'")
+    if asked < native:
+        raise BadRequest(
+            f"dimensions {asked} is not supported: model '{config.name}' gives {native}-"
+            "dimensional embeddings and does not shorten them (leave dimensions out)"
+        )
 
 
 def _vector(v: np.ndarray, encoding: str) -> Any:
@@ -459,19 +491,16 @@ def _vector(v: np.ndarray, encoding: str) -> Any:
 
 
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-MAX_STOP = 4  # stop strings, as the OpenAI API allows
-MAX_STOP_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
-TOKENIZE_THREADS = 2  # prompts tokenized at once, off the event loop
-TOKENIZE_WAITING = 64  # prompts waiting for a tokenizer thread before 503
 
 
-def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+def _logit_bias(
+    bias: dict[str, float] | None, vocab_size: int, most: int
+) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias ({"token id": bias}) as checked (token id, bias) pairs."""
     if not bias:
         return ()
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise BadRequest(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries")
+    if len(bias) > most:
+        raise BadRequest(f"logit_bias takes at most {most} entries")
     pairs = []
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 9 and int(key) < vocab_size):
@@ -490,14 +519,17 @@ def _check_supported(body: oa.CompletionRequest | oa.ChatRequest) -> None:
         raise BadRequest(f"'{name}' is not supported by lockgate; leave it out")
 
 
-def _check_length(service: LLMService, chars: int) -> None:
-    """Refuse, before tokenizing, a prompt too long to fit the context whatever its tokens."""
+def _check_length(service: LLMService, chars: int, most: int) -> None:
+    """Refuse, before tokenizing, a prompt too long to fit the context whatever its tokens,
+    or longer than `most` characters (0: no bound of its own)."""
     limit = service.engine_config.max_model_len * service.tokenizer.max_token_chars
     if chars > limit:
         raise BadRequest(
             f"prompt of {chars} characters cannot fit the context of "
             f"{service.engine_config.max_model_len} tokens (at most {limit} characters)"
         )
+    if most and chars > most:
+        raise BadRequest(f"prompt of {chars} characters is over the limit of {most} characters")
 
 
 def _chat_ids(service: LLMService, messages: list[dict[str, Any]]) -> list[int]:

@@ -40,6 +40,8 @@ _SCHEMA_TYPES = (
 _RENAMED = {"_RequestIn": "InferRequest", "_TensorIn": "InferInput", "_OutputIn": "InferOutputIn"}
 _COUNT = {"type": "integer", "minimum": 0}
 _TOKEN_IDS = {"type": "array", "items": _COUNT, "minItems": 1}
+_SCALAR = {"type": ["string", "number", "boolean", "null"]}  # a v2 parameter: nothing nested
+_TEXT = {"type": "string", "minLength": 1}
 # fields that the decoders type loosely and check by hand, described as the checks are
 _HAND_CHECKED: dict[tuple[str, str], dict[str, Any]] = {
     ("InferRequest", "parameters"): {
@@ -49,22 +51,38 @@ _HAND_CHECKED: dict[tuple[str, str], dict[str, Any]] = {
             "timeout": {**_COUNT, "description": "microseconds; 0: the model's default"},
             "binary_data_output": {"type": "boolean"},
         },
+        "additionalProperties": _SCALAR,
     },
     ("InferInput", "datatype"): {"type": "string", "enum": list(DATATYPES)},
     ("InferInput", "shape"): {"type": "array", "items": _COUNT},
     ("InferInput", "data"): {
         "type": "array",
-        "description": "the elements, flat or nested, in row-major order; absent when binary",
+        "description": "the elements in row-major order, flat or nested no deeper than the "
+        "shape; absent when binary",
     },
-    ("InferInput", "parameters"): {"type": "object", "properties": {"binary_data_size": _COUNT}},
+    ("InferInput", "parameters"): {
+        "type": "object",
+        "properties": {"binary_data_size": _COUNT},
+        "additionalProperties": _SCALAR,
+    },
     ("InferOutputIn", "parameters"): {
         "type": "object",
         "properties": {
             "binary_data": {"type": "boolean"},
             "classification": {**_COUNT, "description": "> 0: the top classes, as BYTES"},
         },
+        "additionalProperties": _SCALAR,
     },
     ("ChatRequest", "messages"): {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
+    ("EmbeddingRequest", "input"): {
+        "description": "a string or a list of strings (token ids are not supported), each of "
+        "at most --max-embedding-chars characters, at most --max-embedding-inputs of them",
+        "anyOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1}],
+    },
+    ("EmbeddingRequest", "dimensions"): {
+        "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}],
+        "description": "the size of the model's own embeddings: they are not shortened",
+    },
     ("CompletionRequest", "prompt"): {
         "description": "a string, token ids, or a list of one of those",
         "anyOf": [

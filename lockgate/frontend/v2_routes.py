@@ -3,6 +3,7 @@ the wire, calls the service once, and encodes what it returns."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict
 
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond, respond_json
@@ -22,7 +23,9 @@ async def infer(
     served = service.served(name, version_text)  # 404 before the body is read
     body = await request.body()
     decoded = v2_codec.decode_infer_request(
-        body, request.header_str(b"inference-header-content-length")
+        body,
+        request.header_str(b"inference-header-content-length"),
+        check=functools.partial(service.check_declared, served),  # before any data is decoded
     )
     deadline = Deadline(
         request.received, header_seconds=timeout_header(request.header_str(b"request-timeout"))

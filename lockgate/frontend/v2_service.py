@@ -17,11 +17,11 @@ from lockgate.compose.executor import Executor
 from lockgate.config import ModelConfig
 from lockgate.core.manager import ModelManager, ModelState, ServedVersion
 from lockgate.core.request import InferRequest
-from lockgate.core.validate import validate_inputs, validate_outputs
+from lockgate.core.validate import validate_inputs, validate_outputs, validate_shapes
 from lockgate.datatypes import Arrays
 from lockgate.errors import BadRequest, Forbidden, NotFound
 from lockgate.protocol import v2_metadata
-from lockgate.protocol.v2_codec import V2InferRequest
+from lockgate.protocol.v2_codec import DeclaredInput, V2InferRequest
 from lockgate.protocol.v2_metadata import Document, Duration, ModelStats, Runtime
 
 EXTENSIONS = (
@@ -158,6 +158,13 @@ class V2Service:
     # -- inference ---------------------------------------------------------------------
     def served(self, name: str, version_text: str | None) -> ServedVersion:
         return self.models.get(name, parse_version(version_text))
+
+    @staticmethod
+    def check_declared(served: ServedVersion, declared: list[DeclaredInput]) -> None:
+        """The inputs a request declares against the model's config (names, datatypes,
+        shapes, batch size), before their data is decoded."""
+        shapes = {d.name: d.shape for d in declared}
+        validate_shapes(served.config, shapes, {d.name: d.datatype for d in declared})
 
     def core_request(
         self,

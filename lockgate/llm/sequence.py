@@ -31,9 +31,6 @@ class FinishReason(enum.Enum):
     SHED = "shed"  # refused while waiting, for a request of higher priority
 
 
-MAX_LOGIT_BIAS = 300  # entries of logit_bias, as the OpenAI API allows
-
-
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Validated on construction."""
@@ -73,8 +70,6 @@ class SamplingParams:
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
-            (len(self.logit_bias) <= MAX_LOGIT_BIAS,
-             f"logit_bias takes at most {MAX_LOGIT_BIAS} entries"),
             (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
              "logit_bias maps token ids to values in [-100, 100]"),
         ]  # fmt: skip

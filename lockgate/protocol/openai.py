@@ -1,4 +1,5 @@
-"""OpenAI API wire format: request schemas (msgspec) and response and stream-chunk builders.
+"""OpenAI API wire format: request schemas (msgspec), the limits on what a request may ask
+for, and response and stream-chunk builders.
 
 Unknown request fields are ignored, as OpenAI does; fields of the wrong type are a 400.
 """
@@ -7,11 +8,57 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 import msgspec
 
 from lockgate.errors import BadRequest
+from lockgate.protocol.json_arrays import opening_depth, strings_at_least
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAILimits:
+    """The OpenAI API's bounds on costly requests: what one request may ask for, checked
+    before the work it would cost, and how many prompts are tokenized at once. Every field is
+    the `lockgate serve` flag of its name (`max_stop` is `--max-stop`)."""
+
+    max_stop: int = 4  # stop strings, as the OpenAI API allows
+    max_stop_chars: int = 256  # characters of one stop string
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 300  # entries of logit_bias, as the OpenAI API allows
+    max_prompt_chars: int = 0  # 0: only the context's (max_model_len x longest token's chars)
+    tokenize_threads: int = 2  # prompts tokenized at once, off the event loop
+    tokenize_waiting: int = 64  # prompts waiting for a tokenizer thread; past it, 503
+    max_embedding_inputs: int = 2048  # texts of one embeddings request, as the OpenAI API allows
+    max_embedding_chars: int = 65536  # characters of one text to embed
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            least = 1 if field.name in _AT_LEAST_ONE else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                flag = "--" + field.name.replace("_", "-")
+                raise ValueError(f"{flag} must be an integer of at least {least}, got {value!r}")
+
+    def stop_strings(self, stop: str | list[str] | None) -> list[str]:
+        """The request's `stop` as a list, within the limits."""
+        strings = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(strings) > self.max_stop or any(len(s) > self.max_stop_chars for s in strings):
+            raise BadRequest(
+                f"stop takes at most {self.max_stop} strings of at most "
+                f"{self.max_stop_chars} characters"
+            )
+        return strings
+
+    def check_stop_token_ids(self, ids: list[int] | None) -> None:
+        if len(ids or ()) > self.max_stop_token_ids:
+            raise BadRequest(f"stop_token_ids takes at most {self.max_stop_token_ids} token ids")
+
+
+_AT_LEAST_ONE = frozenset(
+    {"max_stop_chars", "tokenize_threads", "max_embedding_inputs", "max_embedding_chars"}
+)
 
 
 class StreamOptions(msgspec.Struct):
@@ -97,10 +144,65 @@ class ChatRequest(_Sampling, kw_only=True):
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    input: str | list[str]
+    input: msgspec.Raw  # a string or a list of strings: see `embedding_texts`
     model: str = ""
-    encoding_format: str = "float"
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # checked against the model's own by the route
     user: str | None = None
+
+
+_TEXT = msgspec.json.Decoder(str)
+_TEXTS = msgspec.json.Decoder(list[str])
+_NOT_TEXT = "input must be a string or a list of strings"
+_SPACE = b" \t\r\n"
+
+
+def embedding_texts(raw: msgspec.Raw, limits: OpenAILimits) -> list[str]:
+    """The texts of an embeddings request's `input`: a string or a list of strings, none
+    empty, at most `max_embedding_inputs` of them and `max_embedding_chars` characters each.
+    Token ids are refused. The strings are counted before a list of them is built."""
+    data = bytes(raw)
+    depth = opening_depth(data)
+    if depth == 0:
+        texts = [_decoded(_TEXT, data)]
+    else:
+        head = data.lstrip(_SPACE)[1:].lstrip(_SPACE)[:1]  # the first item's first character
+        if depth > 1 or (head and head in b"-0123456789"):
+            raise BadRequest(f"{_NOT_TEXT}: input as token ids is not supported")
+        least = strings_at_least(data)
+        if least > limits.max_embedding_inputs:
+            raise BadRequest(
+                f"input has {least} or more texts, more than the limit of "
+                f"{limits.max_embedding_inputs} per request"
+            )
+        texts = _decoded(_TEXTS, data)
+        if not texts:
+            raise BadRequest("input must not be an empty list")
+        if len(texts) > limits.max_embedding_inputs:
+            raise BadRequest(
+                f"input has {len(texts)} texts, more than the limit of "
+                f"{limits.max_embedding_inputs} per request"
+            )
+    for index, text in enumerate(texts):
+        label = f"input[{index}]" if depth else "input"
+        if not text:
+            raise BadRequest(f"{label} is an empty string")
+        if len(text) > limits.max_embedding_chars:
+            raise BadRequest(
+                f"{label} has {len(text)} characters, more than the limit of "
+                f"{limits.max_embedding_chars}"
+            )
+    return texts
+
+
+def _decoded(decoder: msgspec.json.Decoder[Any], data: bytes) -> Any:
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        where = str(exc).replace("`$", "`$.input")  # a path inside the request, not `input`
+        raise BadRequest(f"{_NOT_TEXT}: {where}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise BadRequest(f"malformed JSON in input: {exc}") from None
 
 
 _decoders: dict[Any, msgspec.json.Decoder[Any]] = {}

@@ -16,10 +16,12 @@ decoded with replacement characters. Ask for `binary_data` to get the exact byte
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from itertools import chain
+from typing import Annotated, Any, TypeGuard
 
 import msgspec
 import numpy as np
@@ -34,6 +36,7 @@ from lockgate.datatypes import (
     serialize_bytes_tensor,
 )
 from lockgate.errors import BadRequest, ServingError
+from lockgate.protocol.json_arrays import count_scalars, kind_of, opening_depth, strings_at_least
 
 MAX_ELEMENTS = 1 << 27  # per input tensor
 MAX_RANK = 32
@@ -75,7 +78,24 @@ class V2InferRequest:
         return None if timeout is None else int(timeout)
 
 
+@dataclass(frozen=True, slots=True)
+class DeclaredInput:
+    """An input as its request declares it, before its data is decoded."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+# Called with every input as declared, before any data is decoded; raises to refuse.
+InputCheck = Callable[[list[DeclaredInput]], None]
+
+
 # --- wire schema (what msgspec checks for us) ---------------------------------------------
+
+# A parameter's value is a string, a number or a boolean (KServe v2): nothing nested, which
+# would cost many times its JSON in memory before any check could see it.
+Parameters = dict[str, str | int | float | bool | None]
 
 
 class _TensorIn(msgspec.Struct):
@@ -83,26 +103,41 @@ class _TensorIn(msgspec.Struct):
     shape: list[int]
     datatype: str
     data: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # empty: absent
-    parameters: dict[str, Any] = {}
+    parameters: Parameters = {}
 
 
 class _OutputIn(msgspec.Struct):
     name: str
-    parameters: dict[str, Any] = {}
+    parameters: Parameters = {}
 
 
 class _RequestIn(msgspec.Struct):
     inputs: list[_TensorIn]
     id: str = ""
     outputs: list[_OutputIn] = []
-    parameters: dict[str, Any] = {}
+    parameters: Parameters = {}
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """An input checked as declared, with its share of the binary tail; its data undecoded."""
+
+    wire: _TensorIn
+    declared: DeclaredInput
+    count: int  # elements
+    binary: slice | None  # its bytes in the binary tail; None: its data is JSON
+
+
+class _Named(msgspec.Struct):
+    name: str | None = None
+
+
+class _Names(msgspec.Struct):
+    inputs: list[_Named] = []
 
 
 _REQUEST_DECODER = msgspec.json.Decoder(_RequestIn)
-_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {
-    element: msgspec.json.Decoder(list[element])  # type: ignore[valid-type]
-    for element in (int, float, bool, str)
-}
+_NAMES = msgspec.json.Decoder(_Names)  # to name the input of a schema error
 _INPUT_PATH = re.compile(r"\$\.inputs\[(\d+)\]")
 
 
@@ -114,24 +149,31 @@ def decode_infer_request(
     header_length: int | str | None,
     *,
     max_elements: int = MAX_ELEMENTS,
+    check: InputCheck | None = None,
 ) -> V2InferRequest:
     """Decode a v2 inference request body.
 
     `header_length` is the `Inference-Header-Content-Length` value (None: the whole body is
-    JSON). Any malformed body raises BadRequest with a message that names the input.
+    JSON). Each input's datatype, shape and binary size are checked first; then `check`
+    sees every input as declared (the frontend holds them against the model's config); only
+    then is any data decoded. Any malformed body raises BadRequest with a message that names
+    the input.
     """
     view = memoryview(body).cast("B")
     split = _header_split(len(view), header_length)
     parsed = _parse_header(view[:split])
-    inputs, datatypes = _decode_inputs(parsed.inputs, view[split:], max_elements)
+    binary = view[split:]
+    planned = _plan_inputs(parsed.inputs, len(binary), max_elements)
     _check_request_parameters(parsed.parameters)
+    if check is not None:
+        check([p.declared for p in planned])
     return V2InferRequest(
         id=parsed.id,
-        inputs=inputs,
-        input_datatypes=datatypes,
+        inputs={p.declared.name: _decode(p, binary) for p in planned},
+        input_datatypes={p.declared.name: p.declared.datatype for p in planned},
         parameters=parsed.parameters,
         outputs=_requested_outputs(parsed.outputs),
-        binary_default=parsed.parameters.get("binary_data_output", False),
+        binary_default=parsed.parameters.get("binary_data_output") is True,
     )
 
 
@@ -161,6 +203,8 @@ def _parse_header(header: memoryview) -> _RequestIn:
         return _REQUEST_DECODER.decode(header)
     except msgspec.ValidationError as error:
         raise BadRequest(_located(str(error), header)) from None
+    except RecursionError:
+        raise BadRequest("malformed JSON in inference request: nested too deeply") from None
     except _JSON_ERRORS as error:
         raise BadRequest(f"malformed JSON in inference request: {error}") from None
 
@@ -171,57 +215,74 @@ def _located(message: str, header: memoryview) -> str:
     if match is None:
         return f"invalid inference request: {message}"
     index = int(match.group(1))
-    try:
-        name = msgspec.json.decode(header)["inputs"][index]["name"]
-    except Exception:  # the name itself is what is broken
+    try:  # the names alone: every other value is skipped, not built
+        name = _NAMES.decode(header).inputs[index].name
+    except (msgspec.ValidationError, *_JSON_ERRORS, IndexError):  # the name is what is broken
         name = None
-    label = f"input '{name}'" if isinstance(name, str) else f"input {index}"
+    label = f"input '{name}'" if name is not None else f"input {index}"
     return f"{label}: {message}"
 
 
-def _decode_inputs(
-    tensors: list[_TensorIn], binary: memoryview, max_elements: int
-) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    inputs: dict[str, np.ndarray] = {}
-    datatypes: dict[str, str] = {}
+def _plan_inputs(tensors: list[_TensorIn], binary_length: int, max_elements: int) -> list[_Planned]:
+    """Every input checked as declared, and its share of the binary tail; no data decoded."""
+    planned: list[_Planned] = []
+    seen: set[str] = set()
     offset = 0
     for tensor in tensors:
-        if tensor.name in inputs:
+        if tensor.name in seen:
             raise BadRequest(f"input '{tensor.name}' appears more than once")
-        inputs[tensor.name], offset = _decode_tensor(tensor, binary, offset, max_elements)
-        datatypes[tensor.name] = tensor.datatype
-    if offset != len(binary):
+        seen.add(tensor.name)
+        plan = _plan(tensor, offset, binary_length - offset, max_elements)
+        offset = plan.binary.stop if plan.binary is not None else offset
+        planned.append(plan)
+    if offset != binary_length:
         raise BadRequest(
-            f"{len(binary) - offset} bytes of binary data after the JSON header belong to no input"
+            f"{binary_length - offset} bytes of binary data after the JSON header belong to "
+            "no input"
         )
-    return inputs, datatypes
+    return planned
 
 
-def _decode_tensor(
-    tensor: _TensorIn, binary: memoryview, offset: int, max_elements: int
-) -> tuple[np.ndarray, int]:
-    """One input: its array and the binary offset after it."""
+def _plan(tensor: _TensorIn, offset: int, left: int, max_elements: int) -> _Planned:
     name = tensor.name
     if not is_datatype(tensor.datatype):
         raise BadRequest(f"input '{name}': unknown datatype '{tensor.datatype}'")
     count = element_count(name, tensor.shape, max_elements)
     if "shared_memory_region" in tensor.parameters:
         raise BadRequest(f"input '{name}': shared memory is not supported")
+    declared = DeclaredInput(name, tensor.datatype, tuple(tensor.shape))
     size = tensor.parameters.get("binary_data_size")
     if size is None:
         if not tensor.data:
             raise BadRequest(f"input '{name}': no 'data' and no 'binary_data_size'")
-        return _from_json(tensor, count), offset
+        return _Planned(tensor, declared, count, None)
     if tensor.data:
         raise BadRequest(f"input '{name}': has both 'data' and 'binary_data_size'")
+    size = _binary_size(declared, count, size, left)
+    return _Planned(tensor, declared, count, slice(offset, offset + size))
+
+
+def _binary_size(declared: DeclaredInput, count: int, size: object, left: int) -> int:
+    """`binary_data_size`, checked against the bytes left and what the shape and datatype
+    need."""
+    name, datatype = declared.name, declared.datatype
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise BadRequest(f"input '{name}': binary_data_size must be a non-negative integer")
-    if size > len(binary) - offset:
+    if size > left:
         raise BadRequest(
-            f"input '{name}': binary_data_size {size} exceeds the "
-            f"{len(binary) - offset} bytes of binary data left"
+            f"input '{name}': binary_data_size {size} exceeds the {left} bytes of binary data left"
         )
-    return _from_binary(tensor, binary[offset : offset + size], count), offset + size
+    if datatype == "BYTES":  # every element takes at least its 4-byte length
+        if count > size // 4:
+            raise BadRequest(f"input '{name}': {size} bytes cannot hold {count} BYTES elements")
+        return size
+    need = count * numpy_dtype(datatype).itemsize
+    if size != need:
+        raise BadRequest(
+            f"input '{name}': binary_data_size {size} does not match shape "
+            f"{dims_text(declared.shape)} of {datatype} ({need} bytes)"
+        )
+    return size
 
 
 def element_count(name: str, shape: Sequence[int], max_elements: int) -> int:
@@ -241,39 +302,101 @@ def element_count(name: str, shape: Sequence[int], max_elements: int) -> int:
     return count
 
 
-def _from_binary(tensor: _TensorIn, chunk: memoryview, count: int) -> np.ndarray:
-    shape = tuple(tensor.shape)
-    if tensor.datatype == "BYTES":
-        return deserialize_bytes_tensor(chunk, count, name=tensor.name).reshape(shape)
-    dtype = numpy_dtype(tensor.datatype)
-    if len(chunk) != count * dtype.itemsize:
-        raise BadRequest(
-            f"input '{tensor.name}': binary_data_size {len(chunk)} does not match shape "
-            f"{dims_text(tensor.shape)} of {tensor.datatype} ({count * dtype.itemsize} bytes)"
-        )
-    if tensor.datatype == "BOOL":  # any non-zero byte is true
+def _decode(plan: _Planned, binary: memoryview) -> np.ndarray:
+    if plan.binary is None:
+        return _from_json(plan)
+    return _from_binary(plan, binary[plan.binary])
+
+
+def _from_binary(plan: _Planned, chunk: memoryview) -> np.ndarray:
+    # chunk: exactly the bytes the shape and datatype need (checked by _binary_size)
+    name, datatype, shape = plan.declared.name, plan.declared.datatype, plan.declared.shape
+    if datatype == "BYTES":
+        return deserialize_bytes_tensor(chunk, plan.count, name=name).reshape(shape)
+    if datatype == "BOOL":  # any non-zero byte is true
         return np.frombuffer(chunk, dtype=np.uint8).reshape(shape) != 0
-    array = np.frombuffer(chunk, dtype=dtype).reshape(shape)
+    array = np.frombuffer(chunk, dtype=numpy_dtype(datatype)).reshape(shape)
     return array if array.flags.aligned else array.copy()
 
 
-def _from_json(tensor: _TensorIn, count: int) -> np.ndarray:
-    # Before any Python list is built: a number takes at most JSON_CHARS_PER_ELEMENT
-    # characters with its separators and brackets, so longer data holds more than the
-    # declared shape, or nesting that would cost many times the body in memory.
-    limit = JSON_CHARS_PER_ELEMENT * count + 64
-    if tensor.datatype != "BYTES" and len(tensor.data) > limit:
+def _from_json(plan: _Planned) -> np.ndarray:
+    """The array of a JSON `data` field, flat or nested no deeper than its shape. Its depth,
+    leaves and lists are counted from the raw bytes first: data that cannot match the shape
+    is refused before a Python list of it is built."""
+    name, datatype, shape = plan.declared.name, plan.declared.datatype, plan.declared.shape
+    data = bytes(plan.wire.data)
+    # a number takes at most JSON_CHARS_PER_ELEMENT characters with its separators
+    limit = JSON_CHARS_PER_ELEMENT * plan.count + 64
+    if datatype != "BYTES" and len(data) > limit:
         raise BadRequest(
-            f"input '{tensor.name}': data has {len(tensor.data)} characters, more than "
-            f"{count} elements of shape {dims_text(tensor.shape)} can take ({limit})"
+            f"input '{name}': data has {len(data)} characters, more than "
+            f"{plan.count} elements of shape {dims_text(shape)} can take ({limit})"
         )
-    values = _json_values(tensor.name, tensor.datatype, tensor.data)
-    if len(values) != count:
+    depth = opening_depth(data)
+    if depth == 0:
+        raise BadRequest(f"input '{name}': data must be an array, got {kind_of(data)}")
+    if depth > max(1, len(shape)):
         raise BadRequest(
-            f"input '{tensor.name}': shape {dims_text(tensor.shape)} has {count} elements "
-            f"but data has {len(values)}"
+            f"input '{name}': data is nested {depth} deep, deeper than shape "
+            f"{dims_text(shape)} (flat, or nested at most {max(1, len(shape))} deep)"
         )
-    return _to_array(tensor.name, tensor.datatype, values).reshape(tuple(tensor.shape))
+    if datatype == "BYTES":
+        _check_strings(plan, data)
+    else:
+        _check_scalars(plan, data)
+    values = _json_values(name, datatype, data, depth)
+    if len(values) != plan.count:
+        raise BadRequest(_count_mismatch(plan, len(values)))
+    return _to_array(name, datatype, values).reshape(shape)
+
+
+def _check_scalars(plan: _Planned, data: bytes) -> None:
+    """Numbers or booleans: exactly as many leaves as the shape has elements, in no more
+    lists than the shape nests; checked on the raw bytes."""
+    name, datatype, shape = plan.declared.name, plan.declared.datatype, plan.declared.shape
+    _, kind = _json_element(datatype)
+    for char, what in ((b"{", "objects"), (b'"', "strings")):
+        if char in data:
+            raise BadRequest(f"input '{name}': data for {datatype} must be {kind}, not {what}")
+    counted = count_scalars(data)
+    if counted.empty_inside:
+        raise BadRequest(
+            f"input '{name}': data has an empty array inside it "
+            "(a tensor of no elements is sent as [])"
+        )
+    if counted.leaves != plan.count:
+        raise BadRequest(_count_mismatch(plan, counted.leaves))
+    most = nested_lists(shape)
+    if counted.lists > most:
+        raise BadRequest(
+            f"input '{name}': data has {counted.lists} arrays, more than shape "
+            f"{dims_text(shape)} nests ({most})"
+        )
+
+
+def _check_strings(plan: _Planned, data: bytes) -> None:
+    """Strings: refused when they surely outnumber the shape's elements; otherwise a decoder
+    builds at most about twice as many before it knows."""
+    least = strings_at_least(data)
+    if least > plan.count:
+        raise BadRequest(_count_mismatch(plan, least, "at least "))
+
+
+def _count_mismatch(plan: _Planned, found: int, qualifier: str = "") -> str:
+    return (
+        f"input '{plan.declared.name}': shape {dims_text(plan.declared.shape)} has "
+        f"{plan.count} elements but data has {qualifier}{found}"
+    )
+
+
+def nested_lists(shape: Sequence[int]) -> int:
+    """The arrays of data nested as `shape`: 1 + d0 + d0*d1 + ... (any flatter nesting has
+    fewer)."""
+    total = rows = 1
+    for dim in shape[:-1]:
+        rows *= dim
+        total += rows
+    return total
 
 
 def _to_array(name: str, datatype: str, values: list[Any]) -> np.ndarray:
@@ -295,25 +418,28 @@ def _to_array(name: str, datatype: str, values: list[Any]) -> np.ndarray:
         raise BadRequest(f"input '{name}': a value is out of range for {datatype}") from None
 
 
-def _json_values(name: str, datatype: str, raw: msgspec.Raw) -> list[Any]:
-    """The flat, type-checked element list of a JSON `data` field, flat or nested."""
+def _json_values(name: str, datatype: str, data: bytes, depth: int) -> list[Any]:
+    """The flat, type-checked element list of a JSON `data` array nested `depth` deep."""
     element, kind = _json_element(datatype)
     try:
-        return _DECODERS[element].decode(raw)  # flat: the common case, one C call
-    except msgspec.ValidationError:
-        pass
-    except _JSON_ERRORS as error:
-        raise BadRequest(f"input '{name}': malformed data: {error}") from None
-    try:
-        nested = msgspec.json.decode(raw)  # valid JSON: the typed decode disliked a type
-    except _JSON_ERRORS as error:
-        raise BadRequest(f"input '{name}': malformed data: {error}") from None
-    if not isinstance(nested, list):
-        raise BadRequest(f"input '{name}': data must be an array, got {type(nested).__name__}")
-    try:
-        return msgspec.convert(_flatten(nested), list[element])  # type: ignore[valid-type]
+        values: list[Any] = _decoder(element, depth).decode(data)
     except msgspec.ValidationError as error:
         raise BadRequest(f"input '{name}': data for {datatype} must be {kind}: {error}") from None
+    except _JSON_ERRORS as error:
+        raise BadRequest(f"input '{name}': malformed data: {error}") from None
+    for _ in range(depth - 1):
+        values = list(chain.from_iterable(values))
+    return values
+
+
+@functools.cache
+def _decoder(element: type, depth: int) -> msgspec.json.Decoder[Any]:
+    """A decoder of arrays of `element` nested exactly `depth` deep; an inner array may not be
+    empty, so a decoder never builds a run of empty lists."""
+    kind: Any = element
+    for _ in range(depth - 1):
+        kind = Annotated[list[kind], msgspec.Meta(min_length=1)]  # type: ignore[valid-type]
+    return msgspec.json.Decoder(list[kind])  # type: ignore[valid-type]
 
 
 def _json_element(datatype: str) -> tuple[type, str]:
@@ -325,21 +451,6 @@ def _json_element(datatype: str) -> tuple[type, str]:
     if datatype == "BOOL":
         return bool, "true or false"
     return str, "strings"
-
-
-def _flatten(values: list[Any]) -> list[Any]:
-    """Row-major leaves of nested lists, without recursion (nesting may be deep)."""
-    out: list[Any] = []
-    stack = [iter(values)]
-    while stack:
-        for value in stack[-1]:
-            if isinstance(value, list):
-                stack.append(iter(value))
-                break
-            out.append(value)
-        else:
-            stack.pop()
-    return out
 
 
 def _requested_outputs(entries: list[_OutputIn]) -> list[RequestedOutput]:
@@ -374,7 +485,7 @@ def _check_request_parameters(params: dict[str, Any]) -> None:
         raise BadRequest("request parameter 'binary_data_output' must be true or false")
 
 
-def _is_count(value: object) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 

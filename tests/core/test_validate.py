@@ -4,7 +4,12 @@ import numpy as np
 import pytest
 
 from lockgate.config import ModelConfig, TensorSpec
-from lockgate.core.validate import expected_shape, validate_inputs, validate_outputs
+from lockgate.core.validate import (
+    expected_shape,
+    validate_inputs,
+    validate_outputs,
+    validate_shapes,
+)
 from lockgate.errors import BadRequest
 
 
@@ -126,3 +131,16 @@ def test_validate_outputs() -> None:
     validate_outputs(config(), [])
     with pytest.raises(BadRequest, match="unexpected inference output 'q' for model 'm'"):
         validate_outputs(config(), ["y", "q"])
+
+
+def test_validate_shapes_checks_a_declaration_as_validate_inputs_checks_arrays() -> None:
+    """The same checks on declared shapes, before any array exists."""
+    inputs, datatypes = arrays(rows=3)
+    shapes = {name: array.shape for name, array in inputs.items()}
+    assert validate_shapes(config(), shapes, datatypes) == validate_inputs(
+        config(), inputs, datatypes
+    )
+    with pytest.raises(BadRequest, match="input 'x': expected shape \\[-1,-1,64\\], got \\[3,5\\]"):
+        validate_shapes(config(), {**shapes, "x": (3, 5)}, datatypes)
+    with pytest.raises(BadRequest, match="missing required input"):
+        validate_shapes(config(), {"x": (3, 5, 64)}, datatypes)

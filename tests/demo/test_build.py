@@ -130,8 +130,20 @@ def test_minilm_batching_and_semantics(minilm: Backend) -> None:
 
 def test_minilm_truncates_long_text(minilm: Backend) -> None:
     long_text = " ".join(["word"] * 2000)
-    out = minilm.infer({"text": text_batch([long_text, "short"])})["embedding"]
-    assert np.isfinite(out).all()
+    out = minilm.infer({"text": text_batch([long_text, "short"])})
+    assert np.isfinite(out["embedding"]).all()
+    assert out["token_count"].tolist() == [[256], [3]]  # cut to max_tokens; [CLS] short [SEP]
+
+
+def test_minilm_counts_the_tokens_of_each_text(minilm: Backend) -> None:
+    from tokenizers import Tokenizer
+
+    folder = package_folder(MINILM_TOKENIZER_PACKAGE) / "model"
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.no_padding()
+    counts = minilm.infer({"text": text_batch(SENTENCES)})["token_count"]
+    assert counts.dtype == np.int64 and counts.shape == (len(SENTENCES), 1)
+    assert counts.ravel().tolist() == [len(tokenizer.encode(s).ids) for s in SENTENCES]
 
 
 def test_minilm_decodes_invalid_utf8_with_replacement(minilm: Backend) -> None:

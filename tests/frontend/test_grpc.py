@@ -443,7 +443,8 @@ def test_raw_content_errors(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
     half = _digits_request(x)
     half.inputs[0].datatype = "FP16"
     half.inputs[0].contents.fp32_contents.extend([0.0] * 64)
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "raw_input_contents", stub.ModelInfer, half)
+    # the model's config is checked before the data: FP16 is refused as the wrong datatype
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "datatype FP32, got FP16", stub.ModelInfer, half)
 
 
 # -- a small server: API keys, limits, drain ------------------------------------------------
@@ -611,6 +612,29 @@ def test_codec_typed_contents_and_ranges() -> None:
     huge = _one_input("FP32", [1 << 20, 1 << 20])
     with pytest.raises(BadRequest, match="more than the limit"):
         codec.decode_infer_request(huge)
+    half = _one_input("FP16", [1])
+    half.inputs[0].contents.fp32_contents.append(0.0)
+    with pytest.raises(BadRequest, match="FP16 data must be sent in raw_input_contents"):
+        codec.decode_infer_request(half)
+
+
+def test_codec_checks_the_declaration_before_the_data() -> None:
+    from lockgate.errors import BadRequest
+    from lockgate.protocol.grpc import codec
+    from lockgate.protocol.v2_codec import DeclaredInput
+
+    request = _one_input("FP32", [2, 3])
+    request.raw_input_contents.append(b"not 24 bytes")
+    seen: list[list[DeclaredInput]] = []
+    with pytest.raises(BadRequest, match="12 bytes"):
+        codec.decode_infer_request(request, check=seen.append)
+    assert seen == [[DeclaredInput("a", "FP32", (2, 3))]]
+
+    def refuse(declared: list[DeclaredInput]) -> None:
+        raise BadRequest("refused as declared")
+
+    with pytest.raises(BadRequest, match="refused as declared"):
+        codec.decode_infer_request(request, check=refuse)
 
 
 def test_codec_response_is_raw_and_selected() -> None:

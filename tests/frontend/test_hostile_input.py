@@ -8,6 +8,7 @@ import json
 import re
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,10 +17,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
 
 from tests.conftest import RunningServer, digits_rows, start_server
 
 INFER = "/v2/models/digits_onnx/infer"
+# each case: the peak RSS of its server grows less than RSS_GROWTH_BOUND_MIB
+pytestmark = pytest.mark.usefixtures("bounded_rss")
 
 
 @dataclass
@@ -323,6 +328,124 @@ def test_bytes_element_claiming_more_than_sent(server: RunningServer) -> None:
         **{"Inference-Header-Content-Length": str(len(header))},
     )
     assert "claims" in assert_client_error(r)
+
+
+# -- checked against the model before any data is decoded --------------------------------
+
+
+def triton_error(server: RunningServer, *inputs: triton.InferInput) -> str:
+    """The message of the 400 that tritonclient gets for `inputs` to digits_onnx."""
+    client = triton.InferenceServerClient(server.address)
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("digits_onnx", list(inputs))
+    assert caught.value.status() == "400", caught.value
+    return str(caught.value.message())
+
+
+def triton_input(name: str, array: np.ndarray, datatype: str, binary: bool) -> triton.InferInput:
+    tensor = triton.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array, binary_data=binary)
+    return tensor
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+@pytest.mark.parametrize(
+    ("name", "array", "datatype", "expected"),
+    [
+        ("pixels", np.zeros((1, 64), np.float32), "FP32", "unexpected inference input 'pixels'"),
+        ("input", np.zeros((1, 64), np.float64), "FP64", "expects datatype FP32, got FP64"),
+        ("input", np.zeros((1, 63), np.float32), "FP32", "expected shape [-1,64], got [1,63]"),
+        ("input", np.zeros((65, 64), np.float32), "FP32", "batch size 65 is outside 1..64"),
+        ("input", np.zeros((64,), np.float32), "FP32", "expected shape [-1,64], got [64]"),
+    ],
+    ids=["name", "datatype", "shape", "batch", "rank"],
+)
+def test_inputs_the_model_does_not_take_get_400_with_tritonclient(
+    server: RunningServer, name: str, array: np.ndarray, datatype: str, expected: str, binary: bool
+) -> None:
+    assert expected in triton_error(server, triton_input(name, array, datatype, binary))
+
+
+@pytest.mark.parametrize(
+    ("tensor", "expected"),
+    [
+        ({"datatype": "INT64", "data": ["not", "numbers"]}, "expects datatype FP32, got INT64"),
+        ({"name": "pixels", "data": [[0.5] * 64] * 50_000}, "unexpected inference input"),
+        ({"shape": [1, 65], "data": "not even an array"}, "expected shape [-1,64], got [1,65]"),
+    ],
+    ids=["datatype", "name", "shape"],
+)
+def test_the_model_refuses_before_the_data_is_read(
+    server: RunningServer, tensor: dict[str, object], expected: str
+) -> None:
+    """What the model would refuse is answered from the declaration alone: the data, however
+    large or malformed, is never decoded."""
+    body = {"name": "input", "shape": [2, 64], "datatype": "FP32", **tensor}
+    started = time.monotonic()
+    r = httpx.post(server.url + INFER, json={"inputs": [body]}, timeout=30)
+    assert expected in assert_client_error(r)
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    ("shape", "data", "expected"),
+    [
+        ([2, 64], [0.5] * 64, "shape [2,64] has 128 elements but data has 64"),
+        ([1, 64], [0.5] * 65, "shape [1,64] has 64 elements but data has 65"),
+        ([1, 64], [[0.5] * 32, [0.5] * 32], "data has 3 arrays, more than shape [1,64] nests (2)"),
+        ([1, 64], [[[0.5] * 64]], "nested 3 deep, deeper than shape [1,64]"),
+        ([2, 64], [[0.5] * 64, []], "an empty array inside it"),
+    ],
+    ids=["fewer", "more", "arrays", "deeper", "empty"],
+)
+def test_data_that_does_not_match_its_shape(
+    server: RunningServer, shape: list[int], data: list[object], expected: str
+) -> None:
+    body = {"inputs": [{"name": "input", "shape": shape, "datatype": "FP32", "data": data}]}
+    r = httpx.post(server.url + INFER, json=body, timeout=30)
+    assert expected in assert_client_error(r)
+
+
+def watch_liveness(server: RunningServer, stop: threading.Event, latencies: list[float]) -> None:
+    while not stop.is_set():
+        started = time.monotonic()
+        assert httpx.get(server.url + "/v2/health/live", timeout=10).status_code == 200
+        latencies.append(time.monotonic() - started)
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("depth", [100_000, 500])
+@pytest.mark.parametrize(
+    ("model", "tensor", "leaf"),
+    [
+        ("digits_onnx", b'"name": "input", "shape": [64, 64], "datatype": "FP32"', b"0.5"),
+        ("minilm", b'"name": "text", "shape": [32, 1], "datatype": "BYTES"', b'"x"'),
+    ],
+    ids=["digits_onnx", "minilm"],
+)
+def test_data_nested_deeper_than_its_shape_is_refused_at_once(
+    server: RunningServer, model: str, tensor: bytes, leaf: bytes, depth: int
+) -> None:
+    """A valid declaration, then data nested 500 or 100,000 deep: refused in milliseconds
+    (from its opening brackets, or by the JSON parser's depth limit), while liveness keeps
+    answering."""
+    data = b"[" * depth + leaf + b"]" * depth
+    body = b'{"inputs": [{' + tensor + b', "data": ' + data + b"}]}"
+    expected = "nested 500 deep, deeper than shape" if depth == 500 else "nested too deeply"
+    stop, latencies = threading.Event(), []
+    prober = threading.Thread(target=watch_liveness, args=(server, stop, latencies))
+    prober.start()
+    try:
+        started = time.monotonic()
+        for _ in range(10):
+            r = post(server, f"/v2/models/{model}/infer", body)
+            assert expected in assert_client_error(r)
+        elapsed = (time.monotonic() - started) / 10
+    finally:
+        stop.set()
+        prober.join()
+    assert elapsed < 0.5, elapsed
+    assert latencies and max(latencies) < 1.0, max(latencies)
 
 
 # -- datatypes ---------------------------------------------------------------------------

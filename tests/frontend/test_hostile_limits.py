@@ -19,6 +19,8 @@ from tests.conftest import RunningServer, digits_rows, start_server
 from tests.frontend.test_hostile_input import INFER, assert_client_error
 
 MODEL = "SmolLM2-135M-Instruct"
+# each case: the peak RSS of its server grows less than RSS_GROWTH_BOUND_MIB
+pytestmark = pytest.mark.usefixtures("bounded_rss")
 
 
 def digits_body(**parameters: object) -> dict[str, object]:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import tracemalloc
 from typing import Any
 
 import ml_dtypes
@@ -16,6 +17,7 @@ from hypothesis.extra import numpy as hnp
 from lockgate.datatypes import bf16_bits_from_float32, float32_from_bf16_bits
 from lockgate.errors import BadRequest
 from lockgate.protocol.v2_codec import (
+    DeclaredInput,
     RequestedOutput,
     V2InferRequest,
     classify,
@@ -242,7 +244,7 @@ BAD_INPUTS = [
     (tensor(shape=[1] * 40, data=[1]), "input 'x': shape has 40 dims"),
     (tensor(shape=[2], data=[1]), "input 'x': shape \\[2\\] has 2 elements but data has 1"),
     (tensor(shape=[2, 2], data=[[1, 2], [3]]), "has 4 elements but data has 3"),
-    (tensor(data=["1"]), "input 'x': data for INT32 must be integers.*`str`"),
+    (tensor(data=["1"]), "input 'x': data for INT32 must be integers, not strings"),
     (tensor(data=[1.5]), "input 'x': data for INT32 must be integers.*`float`"),
     (tensor(data=[True]), "input 'x': data for INT32 must be integers.*`bool`"),
     (tensor(data=[None]), "input 'x': data for INT32 must be integers.*`null`"),
@@ -250,8 +252,8 @@ BAD_INPUTS = [
     (tensor(datatype="FP32", data=[True]), "input 'x': data for FP32 must be numbers"),
     (tensor(datatype="BOOL", data=[1]), "input 'x': data for BOOL must be true or false"),
     (tensor(datatype="BYTES", data=[1]), "input 'x': data for BYTES must be strings"),
-    (tensor(data=5), "input 'x': data must be an array, got int"),
-    (tensor(data={"a": 1}), "input 'x': data must be an array, got dict"),
+    (tensor(data=5), "input 'x': data must be an array, got a number"),
+    (tensor(data={"a": 1}), "input 'x': data must be an array, got an object"),
     (tensor(data=[{"a": 1}]), "input 'x': data for INT32 must be integers"),
     (tensor(datatype="INT8", data=[300]), "input 'x': a value is out of range for INT8"),
     (tensor(datatype="UINT8", data=[-1]), "input 'x': a value is out of range for UINT8"),
@@ -338,6 +340,132 @@ def test_bad_header_length(length: Any) -> None:
 def test_bad_request_parameters_and_outputs(extra: dict, message: str) -> None:
     with pytest.raises(BadRequest, match=message):
         decode_infer_request(body_of([tensor(data=[1])], **extra), None)
+
+
+# --- checked as declared, before any data is decoded ---------------------------------------
+
+
+def test_check_sees_every_input_as_declared_before_any_data_is_decoded() -> None:
+    seen: list[list[DeclaredInput]] = []
+
+    def refuse(declared: list[DeclaredInput]) -> None:
+        seen.append(declared)
+        raise BadRequest("refused by the model's config")
+
+    header = body_of(
+        [
+            tensor("a", (2, 2), "FP32", data=["not", "numbers", "at", "all"]),
+            tensor("b", (1,), "BYTES", parameters={"binary_data_size": 5}),
+        ]
+    )
+    tail = struct.pack("<I", 1) + b"z"
+    with pytest.raises(BadRequest, match="refused by the model's config"):
+        decode_infer_request(header + tail, len(header), check=refuse)
+    assert seen == [[DeclaredInput("a", "FP32", (2, 2)), DeclaredInput("b", "BYTES", (1,))]]
+    with pytest.raises(BadRequest, match="must be numbers"):  # what the check spared
+        decode_infer_request(header + tail, len(header), check=seen.append)
+
+
+def test_binary_sizes_are_checked_before_the_check() -> None:
+    header = body_of([tensor("a", (4,), "FP32", parameters={"binary_data_size": 12})])
+    with pytest.raises(BadRequest, match="does not match shape \\[4\\] of FP32 \\(16 bytes\\)"):
+        decode_infer_request(header + b"\0" * 12, len(header), check=pytest.fail)
+
+
+@pytest.mark.parametrize(
+    ("shape", "data"),
+    [
+        ((2, 3), [1, 2, 3, 4, 5, 6]),  # flat
+        ((2, 3), [[1, 2, 3], [4, 5, 6]]),  # nested as the shape
+        ((2, 1, 3), [[1, 2, 3], [4, 5, 6]]),  # flatter than the shape
+        ((1, 2, 3), [[[1, 2, 3], [4, 5, 6]]]),
+        ((), [7]),  # a scalar is one element, flat
+    ],
+)
+def test_data_flat_or_nested_no_deeper_than_its_shape(shape: tuple, data: list) -> None:
+    got = decode_infer_request(body_of([tensor("x", shape, data=data)]), None).inputs["x"]
+    assert got.shape == shape
+    assert got.ravel().tolist() == list(np.ravel(data))
+
+
+@pytest.mark.parametrize(
+    ("shape", "data", "message"),
+    [
+        ((4,), [[1], [2], [3], [4]], "nested 2 deep, deeper than shape \\[4\\]"),
+        ((2, 2), [[[1, 2]], [[3, 4]]], "nested 3 deep"),
+        (
+            (2, 2),
+            [[1], [2], [3], [4]],
+            "data has 5 arrays, more than shape \\[2,2\\] nests \\(3\\)",
+        ),
+        ((2, 2), [[1, 2, 3, 4], []], "an empty array inside it"),
+        ((2, 0), [[], []], "an empty array inside it"),
+        ((3,), [1, 2, 3, 4], "shape \\[3\\] has 3 elements but data has 4"),
+        ((3, 2), [[1, 2], [3, 4, [5, 6]]], "must be integers.*got `array`"),  # deeper inside
+        ((2, 2), [[1, 2, 3], 4], "must be integers.*Expected `array`"),  # shallower inside
+    ],
+)
+def test_data_that_cannot_match_its_shape(shape: tuple, data: list, message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        decode_infer_request(body_of([tensor("x", shape, data=data)]), None)
+
+
+def test_strings_that_surely_outnumber_the_shape_are_refused_before_decoding() -> None:
+    body = body_of([tensor("s", (2,), "BYTES", data=["a,b", "c", "d"])])
+    with pytest.raises(BadRequest, match="has 2 elements but data has at least 3"):
+        decode_infer_request(body, None)
+    tricky = ["[1]", "\\", 'say "hi"', "a,b", "]["]  # brackets, commas, escapes in strings
+    got = decode_infer_request(body_of([tensor("s", (5,), "BYTES", data=tricky)]), None)
+    assert got.inputs["s"].tolist() == [t.encode() for t in tricky]
+
+
+def test_nested_parameters_are_refused() -> None:
+    with pytest.raises(BadRequest, match="parameters"):
+        decode_infer_request(body_of([tensor(data=[1])], parameters={"a": [1, 2]}), None)
+    entry = tensor(data=[1], parameters={"b": {"c": 1}})
+    with pytest.raises(BadRequest, match=r"input 'x'.*parameters"):
+        decode_infer_request(body_of([entry]), None)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"[" * 100_000 + b"]" * 100_000,  # deeper than any shape
+        b"[" + b",".join([b"[]"] * 2_000_000) + b"]",  # empty lists: 20x in memory
+        b"[[" + b"],[".join([b"0"] * 2_000_000) + b"]]",  # more arrays than the shape nests
+        b"[" + b",".join([b"0"] * 4_000_000) + b"]",  # more numbers than the shape has
+        b'["' + b'","'.join([b"ab"] * 4_000_000) + b'"]',  # strings where numbers go
+    ],
+    ids=["deep", "empty-lists", "arrays", "numbers", "strings"],
+)
+def test_amplifying_data_is_refused_without_building_it(data: bytes) -> None:
+    """Data that would grow many times its size as Python objects is refused from its raw
+    bytes: the decoder's peak memory stays within a few copies of the body."""
+    header = b'{"inputs": [{"name": "x", "shape": [64, 4096], "datatype": "INT32", "data": '
+    body = header + data + b"}]}"
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadRequest):
+            decode_infer_request(body, None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * len(body), (peak, len(body))
+
+
+def test_a_schema_error_names_its_input_without_building_the_rest() -> None:
+    data = b"[" + b",".join([b"[]"] * 2_000_000) + b"]"
+    good = b'{"name": "x", "shape": [1], "datatype": "FP32", "data": ' + data + b"}"
+    bad = b'{"name": "y", "shape": "1", "datatype": "FP32", "data": [1]}'
+    body = b'{"inputs": [' + good + b", " + bad + b"]}"
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadRequest, match=r"input 'y': Expected `array`, got `str`"):
+            decode_infer_request(body, None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < len(body), (peak, len(body))
 
 
 # --- the real client's requests decode --------------------------------------------------------

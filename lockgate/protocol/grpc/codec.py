@@ -34,6 +34,8 @@ from lockgate.errors import BadRequest, ServingError
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.v2_codec import (
     MAX_ELEMENTS,
+    DeclaredInput,
+    InputCheck,
     RequestedOutput,
     V2InferRequest,
     classify,
@@ -67,43 +69,57 @@ M = TypeVar("M", bound=Message)
 
 
 def decode_infer_request(
-    request: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENTS
+    request: pb.ModelInferRequest,
+    *,
+    max_elements: int = MAX_ELEMENTS,
+    check: InputCheck | None = None,
 ) -> V2InferRequest:
-    """The typed form of a ModelInferRequest. Any malformed part raises BadRequest."""
+    """The typed form of a ModelInferRequest. Any malformed part raises BadRequest. `check`
+    sees every input as declared before any data is decoded (as in `v2_codec`)."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise BadRequest(
             f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs: "
             "send the data of every input raw, or of none"
         )
-    inputs: dict[str, np.ndarray] = {}
-    datatypes: dict[str, str] = {}
-    for index, tensor in enumerate(request.inputs):
-        if tensor.name in inputs:
+    declared: dict[str, DeclaredInput] = {}
+    for tensor in request.inputs:
+        if tensor.name in declared:
             raise BadRequest(f"input '{tensor.name}' appears more than once")
-        chunk = raw[index] if raw else None
-        inputs[tensor.name] = decode_tensor(tensor, chunk, max_elements)
-        datatypes[tensor.name] = tensor.datatype
+        declared[tensor.name] = _declared(tensor, max_elements)
     parameters = parameters_of(request.parameters)
     _check_request_parameters(parameters)
+    if check is not None:
+        check(list(declared.values()))
+    inputs = {
+        tensor.name: decode_tensor(tensor, raw[index] if raw else None, max_elements)
+        for index, tensor in enumerate(request.inputs)
+    }
     return V2InferRequest(
         id=request.id,
         inputs=inputs,
-        input_datatypes=datatypes,
+        input_datatypes={name: d.datatype for name, d in declared.items()},
         parameters=parameters,
         outputs=_requested_outputs(request.outputs),
         binary_default=True,
     )
 
 
-def decode_tensor(tensor: InputTensor, raw: bytes | None, max_elements: int) -> np.ndarray:
-    """One input's array, from its raw bytes when given, else from its typed contents."""
+def _declared(tensor: InputTensor, max_elements: int) -> DeclaredInput:
+    """An input as declared: its datatype known, its shape of a bounded element count."""
     name, datatype = tensor.name, tensor.datatype
     if not is_datatype(datatype):
         raise BadRequest(f"input '{name}': unknown datatype '{datatype}'")
     if "shared_memory_region" in tensor.parameters:
         raise BadRequest(f"input '{name}': shared memory is not supported")
-    shape = tuple(tensor.shape)
+    element_count(name, tensor.shape, max_elements)
+    return DeclaredInput(name, datatype, tuple(tensor.shape))
+
+
+def decode_tensor(tensor: InputTensor, raw: bytes | None, max_elements: int) -> np.ndarray:
+    """One input's array, from its raw bytes when given, else from its typed contents."""
+    declared = _declared(tensor, max_elements)
+    name, datatype, shape = declared.name, declared.datatype, declared.shape
     count = element_count(name, shape, max_elements)
     if raw is not None:
         if tensor.HasField("contents"):
