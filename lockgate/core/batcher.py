@@ -83,6 +83,21 @@ class Batch:
         return parts
 
 
+EARLY_REFUSAL_REUSE_S = 0.001
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyRefusal:
+    """An early refusal, given again to requests with the same time budget until `until`
+    or until a batch starts or ends, whichever is first: between those, what admission
+    predicts only moves by the time passed, under a millisecond. Under overload this makes
+    most refusals a comparison, not a prediction."""
+
+    budget: float
+    until: float
+    verdict: Unavailable
+
+
 class Batcher:
     """Admission, queueing and batch formation for one model version."""
 
@@ -126,6 +141,7 @@ class Batcher:
         self._running: set[asyncio.Task[None]] = set()
         self._inflight = 0
         self._idle = asyncio.Event()
+        self._refused: EarlyRefusal | None = None  # the last early refusal, while it holds
         self._idle.set()
         self._depth_fn = lambda: float(self.queued_rows)
         self._inflight_fn = lambda: float(self._inflight)
@@ -249,6 +265,11 @@ class Batcher:
         budget = timeout if timeout is not None else self.slo
         if budget is None:
             return None
+        memo = self._refused
+        if memo is not None and memo.budget == budget and now < memo.until:
+            self.metrics.rejected.inc((*self.labels, "deadline_unmeetable"))
+            self.metrics.requests.inc((*self.labels, memo.verdict.kind))
+            return memo.verdict
         probe = InferRequest(
             model=self.config.name,
             inputs={},
@@ -259,6 +280,7 @@ class Batcher:
         )
         verdict = self.admission.check(probe, now, self.queue_state(1, now))
         if verdict is not None:
+            self._refused = EarlyRefusal(budget, now + EARLY_REFUSAL_REUSE_S, verdict)
             self.metrics.rejected.inc((*self.labels, "deadline_unmeetable"))
             self.metrics.requests.inc((*self.labels, verdict.kind))
         return verdict
@@ -471,6 +493,7 @@ class Batcher:
             self.profile.observe(previous_rows, start - previous_start)
         batch.started = start
         self.running[instance] = batch
+        self._refused = None  # the queue and the instances changed
         for request in batch.requests:
             request.batched = batch.formed
             self.metrics.queue_latency.observe(self.labels, start - request.arrival)
@@ -545,6 +568,7 @@ class Batcher:
         self._wake.set()
 
     def _release(self, instance: Instance) -> None:
+        self._refused = None
         self.running.pop(instance, None)
         if instance.healthy:
             self.free.append(instance)

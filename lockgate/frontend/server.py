@@ -13,6 +13,11 @@ lets those in flight finish within `drain_timeout`.
 The request head (request line and headers) is bounded by `max_head_bytes`: past it the
 client gets 431 and the connection closes, so a header flood cannot grow memory. Requests
 the HTTP parser rejects get a JSON 400 like every other error.
+
+A POST whose head arrives whole is judged on arrival, from its raw bytes, by the connection
+gate and its model's admission (`_Protocol.data_received`): a refusal is a split of the head
+and a canned 503, with no parser callback, no scope and no task, and the body is dropped as it
+arrives. Under overload most requests are refusals, and they take CPU from the model.
 """
 
 from __future__ import annotations
@@ -97,6 +102,9 @@ class _Protocol(HttpToolsProtocol):
         self.received = 0.0
         self.refusing = False  # a refused request's body is being skipped
         self.in_head = False  # part of a request head has arrived, not all of it
+        self.between = True  # the parser is between messages: a new head may be read here
+        self.skip = 0  # body bytes of a request refused on arrival still to be dropped
+        self.vetted = False  # the head being parsed was already let through on arrival
 
     # -- connections -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -140,8 +148,113 @@ class _Protocol(HttpToolsProtocol):
             self._write_error(408, text, close=True)
         self.transport.close()
 
+    # -- requests refused on arrival -------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        """Bytes from the client. A POST whose head is all in, at a message boundary, is
+        judged here from the raw bytes (`_arrival`), before the HTTP parser sees any of it: a
+        refused one costs a split of its head and a canned answer, and its body is dropped
+        as it arrives. Everything else goes to the parser."""
+        if self.skip:
+            dropped = min(self.skip, len(data))
+            self.skip -= dropped
+            data = data[dropped:]
+            if not self.skip:
+                self._cancel_head_timer()
+                self._keep_alive()
+            if not data:
+                return
+        while self.between and data[:5] == b"POST " and not self.transport.is_closing():
+            used = self._arrival(data)
+            if used == 0:
+                break
+            data = data[used:]
+            if not data or self.skip:
+                return
+        super().data_received(data)
+
+    def _arrival(self, data: bytes) -> int:
+        """Judge the request head at the start of `data`: the bytes it and its body took
+        when it was refused (all of `data` when the body is still to come), or 0 when it
+        goes to the parser (let through, or anything this reading does not handle: a head
+        not yet complete, chunked bodies, `Expect`, upgrades, encoded paths, HTTP/1.0)."""
+        end = data.find(b"\r\n\r\n", 0, self.max_head_bytes)
+        if end < 0 or (self.cycle is not None and not self.cycle.response_complete):
+            return 0
+        lines = data[:end].split(b"\r\n")
+        parts = lines[0].split(b" ")
+        if len(parts) != 3 or parts[2] != b"HTTP/1.1" or parts[1][:1] != b"/":
+            return 0
+        path_bytes = parts[1].partition(b"?")[0]
+        if b"%" in path_bytes:
+            return 0
+        headers = []
+        length = -1
+        close = False
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon or not name or name[-1:] in b" \t" or line[:1] in b" \t":
+                return 0
+            name = name.lower()
+            value = value.strip(b" \t")
+            if name == b"content-length":
+                if length >= 0 or not value.isdigit() or len(value) > 18:
+                    return 0
+                length = int(value)
+            elif name == b"connection":
+                token = value.lower()
+                if token not in (b"close", b"keep-alive"):
+                    return 0
+                close = close or token == b"close"
+            elif name in _PARSER_HEADERS:
+                return 0
+            headers.append((name, value))
+        if length < 0:
+            return 0
+        now = time.monotonic()
+        path = path_bytes.decode("latin-1")
+        why = self.gate.admit(path, len(self.tasks), now)
+        error = None
+        if why is None:
+            error = self.lockgate_app.early_refusal(b"POST", path, headers, now)
+            if error is None:
+                self.vetted = True  # the parser reads the same head next, in this same call
+                return 0
+            why, body = "model_admission", encode_error(error.message)
+            retry = max(1, math.ceil(error.retry_after or 1))
+        else:
+            body, retry = _SATURATED, self.gate.retry_after(now)
+        self.refusals.inc((why,))
+        self._cancel_head_timer()
+        size = end + 4 + length
+        close = close or length > DISCARD_BYTES
+        rid = request_id(headers)
+        self._write_refusal(body, retry, rid, close)
+        access = self.lockgate_app.access
+        if access.enabled:
+            access.refused(rid, b"POST", path, now, self.address, why)
+        pause = self.gate.refused(now)
+        if close:
+            return len(data)
+        if size > len(data):  # the body is still to come, within the head timeout
+            self.skip = size - len(data)
+            self._arm_head_timer()
+            return len(data)
+        self._keep_alive()
+        if pause > 0:  # a client resending at once: its next request waits
+            self.flow.pause_reading()
+            self.loop.call_later(pause, self._resume_after_penalty)
+        return size
+
+    def _keep_alive(self) -> None:
+        """An idle keep-alive connection closes after uvicorn's keep-alive timeout."""
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
     # -- request heads -------------------------------------------------------------------
     def on_message_begin(self) -> None:
+        self.between = False
         super().on_message_begin()
         self.received = time.monotonic()
         self.scope["lockgate.received"] = self.received  # type: ignore[typeddict-unknown-key]
@@ -160,7 +273,10 @@ class _Protocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
         self.in_head = False
-        if self.cycle is None or self.cycle.response_complete:  # not behind a pipelined one
+        if self.vetted:  # let through on arrival, a moment ago
+            self.vetted = False
+            self.gate.let_through(time.monotonic())
+        elif self.cycle is None or self.cycle.response_complete:  # not behind a pipelined one
             path = self.url.partition(b"?")[0].decode("latin-1")
             why = self.gate.admit(path, len(self.tasks), time.monotonic())
             if why is not None:
@@ -190,12 +306,12 @@ class _Protocol(HttpToolsProtocol):
         keep = keep and declared is not None and declared <= DISCARD_BYTES
         rid = request_id(self.headers)
         self._write_refusal(body, retry, rid, close=not keep)
+        self.refusing = True  # the body's bytes are dropped until the message ends
         access = self.lockgate_app.access
         if access.enabled:
             access.refused(rid, self.parser.get_method(), path, self.received, self.address, reason)
         pause = self.gate.refused(time.monotonic())
         if keep:
-            self.refusing = True  # the body's bytes are dropped until the message ends
             self._arm_head_timer()  # and must arrive within the head timeout
             if pause > 0:  # a client resending at once: its next request waits
                 self.flow.pause_reading()
@@ -210,13 +326,12 @@ class _Protocol(HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self.between = True
         if self.refusing:  # the refused request's body is all skipped: the next may come
             self.refusing = False
             self._cancel_head_timer()
-            self._unset_keepalive_if_required()
-            self.timeout_keep_alive_task = self.loop.call_later(
-                self.timeout_keep_alive, self.timeout_keep_alive_handler
-            )
+            if not self.transport.is_closing():
+                self._keep_alive()
             return
         super().on_message_complete()
 
@@ -264,6 +379,8 @@ _REASONS = {
     431: b"Request Header Fields Too Large",
 }
 _SATURATED = encode_error("server is saturated: retry later")
+# headers that leave a request to the parser (a refusal on arrival would misread it)
+_PARSER_HEADERS = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 DISCARD_BYTES = 64 * 1024  # a refused request's body up to this is skipped, not read
 
 

@@ -465,3 +465,30 @@ def test_only_inputs_no_bigger_than_timed_ones_run_on_the_loop() -> None:
     assert backend.threads[1] == loop_thread and backend.threads[2] == loop_thread
     assert backend.threads[3] != loop_thread  # the big one
     assert backend.threads[4] == loop_thread
+
+
+def test_an_early_refusal_is_reused_only_until_a_batch_starts_or_ends() -> None:
+    backend = TimedBackend(a=0.05, b=0.0)
+    backend.gate.clear()
+    profile = ServiceProfile(1)
+    profile.observe(1, 0.05)
+    batcher = make_batcher(backend, make_config(max_batch_size=1, slo_ms=20), profile)
+
+    async def body() -> None:
+        far = time.monotonic() + 10
+        held = [asyncio.ensure_future(batcher.submit(request(v, deadline=far))) for v in (0, 1)]
+        await settle(batcher)
+        t0 = time.monotonic()
+        first = batcher.early_refusal(t0, None, t0)
+        assert first is not None and "would miss its deadline" in first.message
+        assert batcher.early_refusal(t0, None, t0 + 0.0005) is first  # reused within 1 ms
+        assert batcher.early_refusal(t0, None, t0 + 0.0011) is not first  # predicted anew
+        assert batcher.early_refusal(t0, 5.0, t0 + 0.0001) is None  # another budget: its own
+        again = batcher.early_refusal(t0, None, t0 + 0.0012)
+        assert again is not None
+        backend.gate.set()
+        await held[0]  # a batch ended and the queued one started: the refusal is not reused
+        assert batcher.early_refusal(t0, None, t0 + 0.0013) is not again
+        await held[1]
+
+    run(lambda: closing(batcher, body))

@@ -1,0 +1,237 @@
+"""Requests refused on arrival: a POST whose head is all in is judged from its raw bytes,
+before the HTTP parser sees it. These tests hold a model busy (a sleeping model with a
+100 ms SLO, two requests with long timeouts always in front) so every request under the SLO
+is refused, and check the connection around each refusal: pipelined requests after it,
+bodies that arrive later, keep-alive and close, and the head timeout."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import RunningServer, start_server
+
+HEAD_TIMEOUT = 1.0
+SLEEPER = """
+import time
+
+
+class Model:
+    def load(self, config, version_dir):
+        self.seconds = float(config.parameters["sleep_s"])
+
+    def infer(self, inputs):
+        time.sleep(self.seconds)
+        return {"y": inputs["x"]}
+"""
+CONFIG = """\
+name: held
+backend: python
+max_batch_size: 1
+inputs:
+  - {name: x, datatype: FP32, dims: [4]}
+outputs:
+  - {name: y, datatype: FP32, dims: [4]}
+latency_slo_ms: 100
+parameters: {sleep_s: "0.5"}
+"""
+BODY = json.dumps(
+    {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+).encode()
+INFER = b"POST /v2/models/held/infer HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+LIVE = b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n"
+
+
+def infer_request(*extra: bytes, body: bytes = BODY) -> bytes:
+    head = INFER + b"".join(line + b"\r\n" for line in extra)
+    return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+class Reader:
+    """HTTP/1.1 responses read one after another from one socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        while b"\r\n\r\n" not in self.buffer:
+            self._fill()
+        head, _, rest = self.buffer.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        length = int(headers.get("content-length", "0"))
+        while len(rest) < length:
+            self.buffer = head + b"\r\n\r\n" + rest
+            self._fill()
+            rest = self.buffer.partition(b"\r\n\r\n")[2]
+        self.buffer = rest[length:]
+        return int(lines[0].split()[1]), headers, rest[:length]
+
+    def closed(self, within: float) -> bool:
+        self.sock.settimeout(within)
+        try:
+            return self.buffer == b"" and self.sock.recv(1) == b""
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            return True
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(65536)
+        assert chunk, f"connection closed (buffered {self.buffer[:200]!r})"
+        self.buffer += chunk
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    repo = tmp_path_factory.mktemp("repo")
+    (repo / "held" / "1").mkdir(parents=True)
+    (repo / "held" / "1" / "model.py").write_text(SLEEPER)
+    (repo / "held" / "config.yaml").write_text(CONFIG)
+    server = start_server(
+        repo, tmp_path_factory.mktemp("held"), "--no-llm", "--head-timeout", str(HEAD_TIMEOUT)
+    )
+    stop = threading.Event()
+
+    def hold() -> None:  # one request running and one queued, each with a long timeout
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                client.post(
+                    server.url + "/v2/models/held/infer",
+                    content=BODY,
+                    headers={"request-timeout": "30", "content-type": "application/json"},
+                )
+
+    holders = [threading.Thread(target=hold) for _ in range(2)]
+    for thread in holders:
+        thread.start()
+    time.sleep(0.3)
+    yield server
+    stop.set()
+    for thread in holders:
+        thread.join()
+    server.stop()
+
+
+def connect(server: RunningServer) -> tuple[socket.socket, Reader]:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    return sock, Reader(sock)
+
+
+def refused(status: int, headers: dict[str, str], body: bytes) -> bool:
+    return status == 503 and int(headers["retry-after"]) >= 1 and b"error" in body
+
+
+def test_a_refusal_keeps_the_connection_and_pipelined_requests_are_answered(
+    held: RunningServer,
+) -> None:
+    sock, reader = connect(held)
+    with sock:
+        sock.sendall(infer_request() + LIVE + infer_request(b"Connection: keep-alive") + LIVE)
+        assert refused(*reader.response())
+        assert reader.response()[0] == 200
+        assert refused(*reader.response())
+        assert reader.response()[0] == 200
+        assert not reader.closed(0.2)
+
+
+def test_a_body_that_arrives_later_is_dropped_and_the_next_request_read(
+    held: RunningServer,
+) -> None:
+    sock, reader = connect(held)
+    whole = infer_request()
+    split = whole.index(b"\r\n\r\n") + 10  # the head and a few bytes of the body
+    with sock:
+        sock.sendall(whole[:split])
+        assert refused(*reader.response())  # answered before the body is in
+        time.sleep(0.1)
+        sock.sendall(whole[split:-5])
+        time.sleep(0.1)
+        sock.sendall(whole[-5:] + LIVE)
+        status, _, body = reader.response()
+        assert status == 200, body
+
+
+def test_connection_close_is_honoured(held: RunningServer) -> None:
+    sock, reader = connect(held)
+    with sock:
+        sock.sendall(infer_request(b"Connection: close"))
+        status, headers, body = reader.response()
+        assert refused(status, headers, body)
+        assert headers["connection"] == "close"
+        assert reader.closed(5)
+
+
+def test_an_idle_connection_after_a_refusal_is_not_taken_for_a_stalled_head(
+    held: RunningServer,
+) -> None:
+    sock, reader = connect(held)
+    with sock:
+        sock.sendall(infer_request())
+        assert refused(*reader.response())
+        time.sleep(HEAD_TIMEOUT * 1.5)  # longer than the head timeout, shorter than keep-alive
+        sock.sendall(LIVE)
+        assert reader.response()[0] == 200
+
+
+def test_a_body_that_never_arrives_closes_the_connection_at_the_head_timeout(
+    held: RunningServer,
+) -> None:
+    sock, reader = connect(held)
+    with sock:
+        whole = infer_request()
+        sock.sendall(whole[: whole.index(b"\r\n\r\n") + 4])
+        assert refused(*reader.response())
+        assert reader.closed(HEAD_TIMEOUT * 4)
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        pytest.param(
+            INFER + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY),
+            id="chunked",
+        ),
+        pytest.param(infer_request(b"Expect: 100-continue"), id="expect"),
+        pytest.param(
+            infer_request().replace(b"/held/infer", b"/%68eld/infer"), id="percent-encoded"
+        ),
+    ],
+)
+def test_heads_the_arrival_check_leaves_to_the_parser_are_still_refused(
+    held: RunningServer, request_bytes: bytes
+) -> None:
+    sock, reader = connect(held)
+    with sock:
+        sock.sendall(request_bytes + LIVE)
+        status, headers, body = reader.response()
+        assert refused(status, headers, body), (status, body)
+
+
+def test_refusals_are_counted_as_admission_counts_them(held: RunningServer) -> None:
+    before = httpx.get(held.url + "/metrics").text
+    sock, reader = connect(held)
+    with sock:
+        sock.sendall(infer_request() * 20)
+        for _ in range(20):
+            assert refused(*reader.response())
+    after = httpx.get(held.url + "/metrics").text
+
+    def count(text: str, prefix: str) -> float:
+        return sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
+        )
+
+    http = 'lockgate_http_refused_total{reason="model_admission"}'
+    assert count(after, http) - count(before, http) >= 20
+    model = (
+        'lockgate_requests_rejected_total{model="held",reason="deadline_unmeetable",version="1"}'
+    )
+    assert count(after, model) - count(before, model) >= 20
