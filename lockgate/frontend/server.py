@@ -22,12 +22,15 @@ arrives. Under overload most requests are refusals, and they take CPU from the m
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
+import fcntl
 import logging
 import math
 import os
 import signal
+import termios
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -100,6 +103,8 @@ class _Protocol(HttpToolsProtocol):
         self.counted = False  # this connection is in the gate's table
         self.head_timer: asyncio.TimerHandle | None = None
         self.received = 0.0
+        self.arrived = 0.0  # when the next request is taken to have arrived; 0: when read
+        self.penalized = False  # not read until a pause ends
         self.refusing = False  # a refused request's body is being skipped
         self.in_head = False  # part of a request head has arrived, not all of it
         self.between = True  # the parser is between messages: a new head may be read here
@@ -211,13 +216,15 @@ class _Protocol(HttpToolsProtocol):
         if length < 0:
             return 0
         now = time.monotonic()
+        received = self.arrived or now
         path = path_bytes.decode("latin-1")
         why = self.gate.admit(path, len(self.tasks), now)
         error = None
         if why is None:
-            error = self.lockgate_app.early_refusal(b"POST", path, headers, now)
+            error = self.lockgate_app.early_refusal(b"POST", path, headers, received)
             if error is None:
                 self.vetted = True  # the parser reads the same head next, in this same call
+                self.arrived = received
                 return 0
             why, body = "model_admission", encode_error(error.message)
             retry = max(1, math.ceil(error.retry_after or 1))
@@ -225,13 +232,15 @@ class _Protocol(HttpToolsProtocol):
             body, retry = _SATURATED, self.gate.retry_after(now)
         self.refusals.inc((why,))
         self._cancel_head_timer()
+        if not self.penalized:  # (while paused, what is read next still waited from its start)
+            self.arrived = 0.0
         size = end + 4 + length
         close = close or length > DISCARD_BYTES
         rid = request_id(headers)
         self._write_refusal(body, retry, rid, close)
         access = self.lockgate_app.access
         if access.enabled:
-            access.refused(rid, b"POST", path, now, self.address, why)
+            access.refused(rid, b"POST", path, received, self.address, why)
         pause = self.gate.refused(now)
         if close:
             return len(data)
@@ -240,9 +249,8 @@ class _Protocol(HttpToolsProtocol):
             self._arm_head_timer()
             return len(data)
         self._keep_alive()
-        if pause > 0:  # a client resending at once: its next request waits
-            self.flow.pause_reading()
-            self.loop.call_later(pause, self._resume_after_penalty)
+        if pause > 0:
+            self._penalize(pause, now)
         return size
 
     def _keep_alive(self) -> None:
@@ -256,7 +264,8 @@ class _Protocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self.between = False
         super().on_message_begin()
-        self.received = time.monotonic()
+        self.received = self.arrived or time.monotonic()
+        self.arrived = 0.0
         self.scope["lockgate.received"] = self.received  # type: ignore[typeddict-unknown-key]
         self.head_bytes = 0
         self.in_head = True
@@ -313,13 +322,27 @@ class _Protocol(HttpToolsProtocol):
         pause = self.gate.refused(time.monotonic())
         if keep:
             self._arm_head_timer()  # and must arrive within the head timeout
-            if pause > 0:  # a client resending at once: its next request waits
-                self.flow.pause_reading()
-                self.loop.call_later(pause, self._resume_after_penalty)
+            if pause > 0:
+                self._penalize(pause, time.monotonic())
+
+    def _penalize(self, pause: float, now: float) -> None:
+        """A client resending at once: its connection is not read for `pause` seconds. A
+        request sent meanwhile waits in the socket, so it is taken to have arrived when the
+        pause began: its deadline and its admission count the wait it had."""
+        if self.penalized:
+            return
+        self.penalized = True
+        self.flow.pause_reading()
+        self.arrived = now
+        self.loop.call_later(pause, self._resume_after_penalty)
 
     def _resume_after_penalty(self) -> None:
-        if not self.transport.is_closing():
-            self.flow.resume_reading()
+        self.penalized = False
+        if self.transport.is_closing():
+            return
+        if not _unread_bytes(self.transport):  # nothing came during the pause
+            self.arrived = 0.0
+        self.flow.resume_reading()
 
     def on_body(self, body: bytes) -> None:
         if not self.refusing:
@@ -382,6 +405,19 @@ _SATURATED = encode_error("server is saturated: retry later")
 # headers that leave a request to the parser (a refusal on arrival would misread it)
 _PARSER_HEADERS = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 DISCARD_BYTES = 64 * 1024  # a refused request's body up to this is skipped, not read
+
+
+def _unread_bytes(transport: asyncio.Transport) -> int:
+    """Bytes the kernel holds for this connection, not yet read."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    count = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, count)
+    except OSError:
+        return 0
+    return count[0]
 
 
 def _protocol_class(

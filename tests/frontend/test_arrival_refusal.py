@@ -6,11 +6,13 @@ bodies that arrive later, keep-alive and close, and the head timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -89,18 +91,22 @@ class Reader:
         self.buffer += chunk
 
 
-@pytest.fixture(scope="module")
-def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    repo = tmp_path_factory.mktemp("repo")
-    (repo / "held" / "1").mkdir(parents=True)
-    (repo / "held" / "1" / "model.py").write_text(SLEEPER)
-    (repo / "held" / "config.yaml").write_text(CONFIG)
-    server = start_server(
-        repo, tmp_path_factory.mktemp("held"), "--no-llm", "--head-timeout", str(HEAD_TIMEOUT)
-    )
+FREE_CONFIG = CONFIG.replace("name: held", "name: free").replace('"0.5"', '"0"')
+
+
+@contextlib.contextmanager
+def held_server(tmp: Path, *flags: str) -> Iterator[RunningServer]:
+    """A server with `held` (kept busy: two requests with long timeouts always in front)
+    and `free` (idle)."""
+    repo = tmp / "repo"
+    for name, config in (("held", CONFIG), ("free", FREE_CONFIG)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(SLEEPER)
+        (repo / name / "config.yaml").write_text(config)
+    server = start_server(repo, tmp, "--no-llm", "--head-timeout", str(HEAD_TIMEOUT), *flags)
     stop = threading.Event()
 
-    def hold() -> None:  # one request running and one queued, each with a long timeout
+    def hold() -> None:
         with httpx.Client(timeout=30) as client:
             while not stop.is_set():
                 client.post(
@@ -113,11 +119,19 @@ def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     for thread in holders:
         thread.start()
     time.sleep(0.3)
-    yield server
-    stop.set()
-    for thread in holders:
-        thread.join()
-    server.stop()
+    try:
+        yield server
+    finally:
+        stop.set()
+        for thread in holders:
+            thread.join()
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    with held_server(tmp_path_factory.mktemp("held")) as server:
+        yield server
 
 
 def connect(server: RunningServer) -> tuple[socket.socket, Reader]:
@@ -235,3 +249,32 @@ def test_refusals_are_counted_as_admission_counts_them(held: RunningServer) -> N
         'lockgate_requests_rejected_total{model="held",reason="deadline_unmeetable",version="1"}'
     )
     assert count(after, model) - count(before, model) >= 20
+
+
+PAUSE_S = 0.4
+
+
+def test_a_request_that_waited_out_a_refusal_pause_counts_the_wait(tmp_path: Path) -> None:
+    """A client refused many times over is not read for `--refusal-pause-ms`; a request it
+    sends meanwhile is taken to have arrived when the pause began. With a deadline shorter
+    than the pause it is late when read, so it gets 504 although its model is idle."""
+    with held_server(tmp_path, "--refusal-pause-ms", str(int(PAUSE_S * 1000))) as server:
+        sock, reader = connect(server)
+        with sock:
+            sock.sendall(infer_request() * 200)  # refusals far outnumber admissions: a pause
+            for _ in range(200):
+                assert refused(*reader.response())
+            free = infer_request(b"request-timeout: 0.2").replace(b"/held/", b"/free/")
+            started = time.monotonic()
+            sock.sendall(free)
+            status, _, body = reader.response()
+            waited = time.monotonic() - started
+        assert waited >= PAUSE_S * 0.5, waited  # the connection was not read at once
+        assert status == 504, body
+        with httpx.Client(timeout=10) as client:  # an idle model on a fresh connection: served
+            r = client.post(
+                server.url + "/v2/models/free/infer",
+                content=BODY,
+                headers={"request-timeout": "0.2", "content-type": "application/json"},
+            )
+        assert r.status_code == 200, r.text
