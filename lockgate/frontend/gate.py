@@ -35,8 +35,9 @@ These decisions are made per connection or request head, each before any body is
   moment it is refused, on many connections, turns that little into all of it, and the model
   starves. When refusals outnumber admitted requests by more than `penalty_ratio` (10) over
   the last second, a connection that was just refused is not read again for
-  `penalty_pause` seconds: its refusal is sent at once, its next request waits. Ordinary
-  overload (a few refusals per served request) never triggers it. Off by default: measured
+  `penalty_pause` seconds: its refusal is sent at once, its next request waits, and is taken
+  to have arrived when the pause began, so its deadline and its admission count that wait.
+  Ordinary overload (a few refusals per served request) never triggers it. Off by default: measured
   on minilm in a 256-connection storm, a 0.25 s pause doubled goodput (20 against 10
   requests per second inside the SLO) but put the pause into the latency clients see (p99
   1.6 s), and on digits_onnx it lowered goodput.
