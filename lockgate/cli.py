@@ -150,10 +150,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--no-llm", action="store_true", help="do not start language models")
     p.add_argument(
         "--replicas",
-        type=int,
+        type=_replicas,
         default=1,
-        help="run this many server processes (one per core at most is useful) behind a "
-        "router on --port; each loads every model, language models included",
+        help="server processes behind a router on --port (gRPC: the router's gRPC front on "
+        "--grpc-port), each loading every model: a number (default 1), or auto: one per "
+        "usable core when every model is classic, 1 with a language model or explicit model "
+        "control",
     )
     p.add_argument(
         "--replica-base-port",
@@ -225,49 +227,78 @@ def _grpc_port(text: str) -> int:
     return port
 
 
-def _serve_replicas(args: argparse.Namespace) -> int:
-    """The router on --port, and --replicas server processes behind it."""
+def _replicas(text: str) -> int | str:
+    """A replica count of at least 1, or 'auto'."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or 'auto': {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return count
+
+
+def _replica_count(args: argparse.Namespace, repository: Path) -> int:
+    if args.replicas != "auto":
+        return int(args.replicas)
+    from lockgate.backends.base import LLM_BACKEND
+    from lockgate.router.replicas import auto_replicas, usable_cores
+
+    if args.model_control_mode == "explicit":  # a load or unload must reach the one process
+        return 1
+    cores = usable_cores()
+    return auto_replicas(
+        repository, cores=cores, llm_backend=LLM_BACKEND, language_models=not args.no_llm
+    )
+
+
+def _serve_replicas(args: argparse.Namespace, repository: Path, count: int) -> int:
+    """The router on --port (and its gRPC front on --grpc-port), and `count` server
+    processes behind it."""
     from lockgate.router.app import RouterSettings
+    from lockgate.router.grpc_proxy import GrpcFrontSettings, ReplicaGrpcPort
     from lockgate.router.pool import Discovery
     from lockgate.router.replica import HealthSettings
     from lockgate.router.replicas import Replicas
     from lockgate.router.server import build, run
 
     argv = list(args.argv)
-    if args.repository is None:  # build the demo once, not in every replica
-        from lockgate.demo.build import build_demo_repository, default_demo_path
-
-        repository = _build_demo(build_demo_repository, default_demo_path())
-        if repository is None:
-            return 2
+    if args.repository is None:  # the demo, built once, not in every replica
         argv.insert(argv.index("serve") + 1, str(repository))
     base = args.replica_base_port or args.port + 1
-    ports = [base + i for i in range(args.replicas)]
-    replicas = Replicas(argv, ports)
+    ports = [base + i for i in range(count)]
+    grpc = None
+    if args.grpc_port != 0:  # replica i's gRPC on the port `count` above its HTTP port
+        try:
+            grpc = GrpcFrontSettings(
+                host=args.host,
+                port=args.grpc_port or 8001,
+                required=args.grpc_port is not None,
+                replica_port=ReplicaGrpcPort(offset=count),
+                max_receive_bytes=int(args.max_body_mb * 2**20),
+                max_concurrent_rpcs=args.grpc_max_concurrent_rpcs,
+                max_stream_inflight=args.grpc_max_stream_inflight,
+                drain_timeout=args.drain_timeout,
+            )
+        except ValueError as exc:
+            print(f"lockgate: {exc}", file=sys.stderr)
+            return 2
+    logging.getLogger("lockgate").info("serving with %d replicas behind a router", count)
+    replicas = Replicas(argv, ports, None if grpc is None else [p + count for p in ports])
     replicas.start()
     try:
         urls = tuple(f"http://127.0.0.1:{port}" for port in ports)
         app = build(Discovery(urls), HealthSettings(), RouterSettings())
-        return run(app, args.host, args.port)
+        return run(app, args.host, args.port, grpc=grpc)
     finally:
         replicas.stop(args.drain_timeout + 5)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.replicas < 1:
-        print("lockgate: --replicas must be at least 1", file=sys.stderr)
-        return 2
     if args.otel_endpoint and not _tracing_installed():
         return 2
-    if args.replicas > 1:
-        return _serve_replicas(args)
-    from lockgate.core.admission import AdmissionSettings
-    from lockgate.core.manager import ServingSettings
-    from lockgate.frontend.app import ServerSettings
-    from lockgate.frontend.gate import GateSettings
-    from lockgate.frontend.server import ServeOptions, run
-    from lockgate.protocol.openai import OpenAILimits
-
     repository = args.repository
     if repository is None:
         from lockgate.demo.build import build_demo_repository, default_demo_path
@@ -278,6 +309,16 @@ def _serve(args: argparse.Namespace) -> int:
     if not Path(repository).is_dir():
         print(f"lockgate: no model repository at {repository}", file=sys.stderr)
         return 2
+    count = _replica_count(args, Path(repository))
+    if count > 1:
+        return _serve_replicas(args, Path(repository), count)
+    from lockgate.core.admission import AdmissionSettings
+    from lockgate.core.manager import ServingSettings
+    from lockgate.frontend.app import ServerSettings
+    from lockgate.frontend.gate import GateSettings
+    from lockgate.frontend.server import ServeOptions, run
+    from lockgate.protocol.openai import OpenAILimits
+
     try:
         limits = OpenAILimits(**{f.name: getattr(args, f.name) for f in fields(OpenAILimits)})
     except ValueError as exc:

@@ -2,21 +2,32 @@
 replica.
 
 For each request, in order:
-1. Shedding: when every usable replica refused (503) within the last moment, the router
+1. Rate limits (`rate_limits.py`), when set: the client's request bucket before the body is
+   read, its token quota for a completion request after; past either, 429 with Retry-After.
+2. Shedding: when every usable replica refused (503) within the last moment, the router
    answers 503 with Retry-After at once, using the replicas' own admission as its signal.
-2. Balancing: power of two choices on load (`balancer.py`); replicas report their requests
-   in progress in the `x-lockgate-inflight` header of every answer.
-3. Hedging, for KServe v2 inference (`POST /v2/models/.../infer`, idempotent) only: when no
+3. Routing: a canary may send the request to a version or a replica group (`canary.py`);
+   replicas labelled `URL#group` take only their group's traffic (`groups.py`).
+4. Balancing, over the usable replicas of the request's group: a sticky session's replica
+   (`sticky.py`); for a completion request, the least loaded replica or the one its prompt's
+   prefix prefers (`llm_routing.py`); otherwise power of two choices on load (`balancer.py`).
+   Replicas report their requests in progress in the `x-lockgate-inflight` header of every
+   answer.
+5. Hedging, for KServe v2 inference (`POST /v2/models/.../infer`, idempotent) only: when no
    answer has come after the model's recent 95th-percentile latency, a second copy goes to
    another replica within the hedge budget; the first answer wins and the other copy's
    connection is closed, so its replica drops the work. Streams are never hedged.
-4. Retries: an attempt that got no answer (connection refused or broken) or a 503 goes to
+6. Retries: an attempt that got no answer (connection refused or broken) or a 503 goes to
    another replica, within the retry budget (10% of requests by default). Nothing is
    retried once a byte of the answer has gone to the client.
-5. Deadlines: a `request-timeout` header (seconds) is passed on less the time already
+7. Deadlines: a `request-timeout` header (seconds) is passed on less the time already
    spent in the router; past it, 504 at once.
 
-Answers, server-sent events included, are passed through as they arrive.
+Answers, server-sent events included, are passed through as they arrive. A shadow
+(`shadow.py`) may copy a v2 inference request to a candidate beside it; the client's answer is
+then also kept for the comparison, never held up. When the answer has passed, a token quota is
+settled with the tokens it used (`usage.py`), and the request is counted by model and version
+(`model_counts.py`).
 """
 
 from __future__ import annotations
@@ -26,19 +37,30 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Collection, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from lockgate.core.metrics import Registry
 from lockgate.router.balancer import Balancer
 from lockgate.router.budget import Budget
+from lockgate.router.canary import Canary, CanaryRule
+from lockgate.router.groups import MAIN, ReplicaGroups
 from lockgate.router.hedge import HedgePolicy
+from lockgate.router.llm_request import LLM_PATHS, LLMRequest
+from lockgate.router.llm_routing import LLMRouting, LLMRoutingSettings
+from lockgate.router.model_counts import ModelCounts
+from lockgate.router.model_path import ModelPath
 from lockgate.router.pool import ReplicaPool
+from lockgate.router.rate_limits import RateLimiter, RateLimitSettings, Refusal
 from lockgate.router.replica import Replica
+from lockgate.router.route import Route
+from lockgate.router.shadow import Mirror, Shadow, ShadowSettings
+from lockgate.router.sticky import Sticky
 from lockgate.router.upstream import HOP_BY_HOP, Response, UpstreamError
+from lockgate.router.usage import UsageMeter
 
 log = logging.getLogger("lockgate.router")
 
@@ -58,6 +80,20 @@ class RouterSettings:
     hedge: HedgePolicy = field(default_factory=HedgePolicy)
     hedge_ratio: float = 0.1  # hedged copies at most this share of requests
     shed_retry_after: int = 1  # seconds, on the router's own 503
+    canary: tuple[CanaryRule, ...] = ()
+    shadow: ShadowSettings = field(default_factory=ShadowSettings)
+    sticky_header: str | None = None  # requests with the same value go to the same replica
+    rate_limits: RateLimitSettings | None = None
+    llm_routing: LLMRoutingSettings = field(default_factory=LLMRoutingSettings)
+    max_model_series: int = 1000  # model names with request counters of their own
+
+
+class Tap(Protocol):
+    """Something that reads an answer as it passes to the client."""
+
+    def head(self, response: Response) -> None: ...
+    def feed(self, chunk: bytes) -> None: ...
+    def end(self) -> None: ...
 
 
 class Failure(Exception):
@@ -77,6 +113,26 @@ class RouterApp:
         self.retries = Budget(settings.retry_ratio, settings.retry_floor)
         self.hedges = Budget(settings.hedge_ratio, 0)
         self.draining = False
+        self.groups = ReplicaGroups.of_urls(pool.discovery.urls)
+        self.canary = Canary(settings.canary)
+        self.shadow = Shadow(settings.shadow, registry, self._pick_in)
+        header = settings.sticky_header
+        self.sticky = Sticky(header.lower().encode()) if header else None
+        limits = settings.rate_limits
+        self.limits = RateLimiter(limits) if limits is not None and limits.enabled else None
+        self.llm_routing = LLMRouting(settings.llm_routing, registry)
+        self.model_counts = ModelCounts(registry, settings.max_model_series)
+        self.rate_limited = registry.counter(
+            "lockgate_router_rate_limited_total",
+            "Requests refused 429 by a rate limit ('requests') or a token quota ('tokens').",
+            ("limit",),
+        )
+        if self.limits is not None:
+            limiter = self.limits
+            clients = registry.gauge(
+                "lockgate_router_rate_limit_clients", "API keys whose buckets are tracked."
+            )
+            clients.set_function((), lambda: float(len(limiter.clients)))
         self.requests = registry.counter(
             "lockgate_router_requests_total",
             "Requests answered by the router, by status.",
@@ -129,7 +185,9 @@ class RouterApp:
         if path in ("/v2/health/live", "/health"):
             await _json(send, 200, {"live": True})
         elif path == "/v2/health/ready":
-            ready = self.pool.ready() and not self.draining
+            now = time.monotonic()
+            main = self.groups.members(self.pool.replicas, MAIN)
+            ready = any(r.usable(now) for r in main) and not self.draining
             await _json(send, 200 if ready else 503, {"ready": ready})
         elif path == "/metrics":
             accept = next((v for k, v in scope["headers"] if k.lower() == b"accept"), b"")
@@ -144,6 +202,7 @@ class RouterApp:
         now = time.monotonic()
         return {
             "url": r.url,
+            "group": self.groups.group(r) or "main",
             "usable": r.usable(now),
             "ready": r.ready,
             "ejected_for_s": max(0.0, r.ejected_until - now),
@@ -160,6 +219,7 @@ class RouterApp:
                 await self.pool.start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                await self.shadow.close()
                 await self.pool.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -172,17 +232,57 @@ class RouterApp:
         self.latency.observe((str(status),), time.monotonic() - arrived)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, arrived: float) -> int:
+        headers = [(k.lower(), v) for k, v in scope["headers"]]
+        client = self.limits.client(headers, arrived) if self.limits is not None else None
+        refusal = client.admit_request(arrived) if client is not None else None
+        if refusal is not None:
+            return await self._refuse(send, refusal)
         body = await _read_body(receive, self.settings.max_body_bytes)
         if body is None:
             return await _error(send, 413, f"body over {self.settings.max_body_bytes} bytes")
-        headers = [(k.lower(), v) for k, v in scope["headers"]]
         timeout = _timeout(headers)
         if timeout is False:
             return await _error(send, 400, "request-timeout must be a positive number of seconds")
-        path = scope["path"] + (
-            ("?" + scope["query_string"].decode()) if scope["query_string"] else ""
-        )
-        method = scope["method"]
+        route = self._route(scope, headers, body)
+        charge = 0
+        if client is not None and client.tokens is not None and route.llm is not None:
+            charge = route.llm.charge
+            refusal = client.admit_tokens(charge, time.monotonic())
+            if refusal is not None:
+                return await self._refuse(send, refusal)
+        meter = UsageMeter(route.llm.stream) if charge and route.llm is not None else None
+        mirror: Mirror | None = None
+        status = 0
+        try:
+            if route.target is not None and route.target.verb == "infer":
+                mirror = self.shadow.mirror(
+                    route.target.model, scope["method"], route.original, headers, body
+                )
+            taps: list[Tap] = [tap for tap in (meter, mirror) if tap is not None]
+            status = await self._forward(
+                scope["method"], route, headers, body, arrived, timeout, send, receive, taps
+            )
+            return status
+        finally:
+            if client is not None and meter is not None:
+                client.settle(charge, meter.used())
+            if mirror is not None:
+                mirror.close()
+            if status and route.model is not None:
+                self.model_counts.count(route.model, route.version, route.group, status)
+
+    async def _forward(
+        self,
+        method: str,
+        route: Route,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        arrived: float,
+        timeout: float | None,
+        send: Send,
+        receive: Receive,
+        taps: list[Tap],
+    ) -> int:
         now = time.monotonic()
         self.retries.request(now)
         self.hedges.request(now)
@@ -192,22 +292,70 @@ class RouterApp:
             self.shed.inc()
             retry = self.settings.shed_retry_after
             return await _error(send, 503, "every replica is full: retry later", retry)
-        model = _infer_model(method, scope["path"])
+        model = route.target.model if route.target and route.target.verb == "infer" else None
         try:
             response, replica = await self._answer(
-                method, path, headers, body, arrived, timeout, model
+                method, route, headers, body, arrived, timeout, model
             )
         except Failure as exc:
             wait = 1 if exc.status == 503 else None
             return await _error(send, exc.status, str(exc), wait)
         except TimeoutError:
             return await _error(send, 504, "deadline passed in the router")
-        return await self._pass(response, replica, send, receive)
+        return await self._pass(response, replica, send, receive, taps)
+
+    def _route(self, scope: Scope, headers: list[tuple[bytes, bytes]], body: bytes) -> Route:
+        """Where the request goes: its path after a canary, its group, what balancing reads."""
+        method, path = scope["method"], scope["path"]
+        query = scope["query_string"].decode("latin-1")
+        route = Route(path, path + ("?" + query if query else ""))
+        route.target = ModelPath.parse(method, path)
+        if route.target is not None:
+            route.version = route.target.version
+            rule = self.canary.choose(route.target.model, route.version is None)
+        elif method == "POST" and path in LLM_PATHS:
+            route.llm = LLMRequest.parse(body, self.settings.llm_routing.prefix_chars)
+            rule = self.canary.choose(route.llm.model, False) if route.llm.model else None
+        else:
+            rule = None
+        if rule is not None and rule.version is not None and route.target is not None:
+            route.path, route.version = route.target.at(rule.version), rule.version
+        elif rule is not None and rule.group is not None:
+            now = time.monotonic()
+            members = self.groups.members(self.pool.replicas, rule.group)
+            if any(r.usable(now) for r in members):  # else the main replicas take it
+                route.group = rule.group
+        if self.sticky is not None:
+            route.session = self.sticky.key(headers)
+        if query:
+            route.path += "?" + query
+        return route
+
+    def _pick(self, route: Route, now: float, exclude: Collection[Replica]) -> Replica | None:
+        """The replica for the next try of `route`, of those not in `exclude`."""
+        members = self.groups.members(self.pool.replicas, route.group)
+        usable = [r for r in members if r.usable(now) and r not in exclude]
+        choices = [r for r in usable if not r.full(now)] or usable
+        if not choices:
+            return None
+        if route.session is not None and self.sticky is not None:
+            return self.sticky.pick(route.session, choices)
+        if route.llm is not None:
+            return self.llm_routing.pick(route.llm.prefix, choices)
+        return self.balancer.pick(choices, now)
+
+    def _pick_in(self, group: str) -> Replica | None:
+        """A usable replica of `group` (for a shadow's copy)."""
+        return self._pick(Route("", "", group=group), time.monotonic(), ())
+
+    async def _refuse(self, send: Send, refusal: Refusal) -> int:
+        self.rate_limited.inc((refusal.limit,))
+        return await _error(send, 429, refusal.message, refusal.retry_after)
 
     async def _answer(
         self,
         method: str,
-        path: str,
+        route: Route,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         arrived: float,
@@ -222,7 +370,7 @@ class RouterApp:
             if attempt and not self.retries.try_spend(now):
                 self.retries_denied.inc()
                 break
-            replica = self.balancer.pick(self.pool.replicas, now, tried)
+            replica = self._pick(route, now, tried)
             if replica is None:
                 break
             if attempt:
@@ -232,10 +380,10 @@ class RouterApp:
             try:
                 if delay is not None:
                     response, replica = await self._hedged(
-                        replica, method, path, sent, body, delay, tried
+                        replica, method, route, sent, body, delay, tried
                     )
                 else:
-                    response = await self._attempt(replica, method, path, sent, body)
+                    response = await self._attempt(replica, method, route.path, sent, body)
             except Failure:
                 tried.append(replica)
                 continue
@@ -252,7 +400,8 @@ class RouterApp:
             return response, replica
         if last is not None:
             return last  # every replica tried refused: pass the last refusal on
-        if not any(r.usable(time.monotonic()) for r in self.pool.replicas):
+        members = self.groups.members(self.pool.replicas, route.group)
+        if not any(r.usable(time.monotonic()) for r in members):
             raise Failure("no replica is ready", 503)
         raise Failure("no replica answered")
 
@@ -304,18 +453,19 @@ class RouterApp:
         self,
         first: Replica,
         method: str,
-        path: str,
+        route: Route,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         delay: float,
         tried: list[Replica],
     ) -> tuple[Response, Replica]:
         """The first complete answer of two copies, the second sent after `delay` s."""
+        path = route.path
         one = asyncio.create_task(self._attempt(first, method, path, headers, body, True))
         done, _ = await asyncio.wait({one}, timeout=delay)
         if done:
             return one.result(), first
-        second = self.balancer.pick(self.pool.replicas, time.monotonic(), [*tried, first])
+        second = self._pick(route, time.monotonic(), [*tried, first])
         if second is None or not self.hedges.try_spend(time.monotonic()):
             return await one, first
         two = asyncio.create_task(self._attempt(second, method, path, headers, body, True))
@@ -335,8 +485,15 @@ class RouterApp:
                 task.cancel()  # its connection is aborted: the replica drops the work
 
     async def _pass(
-        self, response: Response, replica: Replica, send: Send, receive: Receive
+        self,
+        response: Response,
+        replica: Replica,
+        send: Send,
+        receive: Receive,
+        taps: Collection[Tap] = (),
     ) -> int:
+        for tap in taps:
+            tap.head(response)
         headers = [(k, v) for k, v in response.headers if k not in HOP_BY_HOP]
         length = response.header(b"content-length")
         if length is not None:
@@ -345,6 +502,8 @@ class RouterApp:
         watch = asyncio.create_task(_disconnected(receive, response))
         try:
             async for chunk in response.body():
+                for tap in taps:
+                    tap.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
             if watch.done():  # the client left: nothing more to do
@@ -356,6 +515,8 @@ class RouterApp:
             raise
         finally:
             watch.cancel()
+        for tap in taps:
+            tap.end()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return response.status
 
@@ -368,13 +529,6 @@ async def _disconnected(receive: Receive, response: Response) -> None:
         if message["type"] == "http.disconnect":
             response.abort()
             return
-
-
-def _infer_model(method: str, path: str) -> str | None:
-    """The model of a KServe v2 inference request (hedged), or None."""
-    if method != "POST" or not path.startswith("/v2/models/") or not path.endswith("/infer"):
-        return None
-    return path.split("/")[3]
 
 
 def _timeout(headers: list[tuple[bytes, bytes]]) -> float | bool | None:

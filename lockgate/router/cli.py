@@ -7,12 +7,18 @@ lockgate route --discover lockgate-replicas.default.svc.cluster.local:8000
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lockgate.router.app import RouterSettings
 from lockgate.router.hedge import HedgePolicy
 from lockgate.router.pool import Discovery, split_url
 from lockgate.router.replica import HealthSettings
+
+if TYPE_CHECKING:
+    from lockgate.router.grpc_proxy import GrpcFrontSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,11 +70,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-body-mb", type=float, default=64.0)
     p.add_argument(
+        "--grpc-port",
+        type=int,
+        help="serve KServe v2 gRPC here, passed through to the replicas' gRPC (default: off)",
+    )
+    p.add_argument(
+        "--replica-grpc-port",
+        default="+1",
+        metavar="PORT|+N",
+        help="where each replica serves gRPC: PORT on every replica, or +N for its HTTP port "
+        "plus N (default +1: 8000 -> 8001); a --replica URL may name its own: "
+        "http://host:8000?grpc=9001",
+    )
+    p.add_argument(
+        "--grpc-max-concurrent-rpcs",
+        type=int,
+        default=1024,
+        help="gRPC calls beyond this get RESOURCE_EXHAUSTED at once",
+    )
+    p.add_argument(
+        "--grpc-max-stream-inflight",
+        type=int,
+        default=64,
+        help="messages of one ModelStreamInfer stream sent to its replica and not yet answered; "
+        "past it the router stops reading the stream",
+    )
+    p.add_argument(
+        "--grpc-drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds gRPC calls in progress may run on once the router stops",
+    )
+    p.add_argument(
         "--drain-delay",
         type=float,
         default=0.0,
         help="seconds between a SIGTERM (readiness turns 503) and closing the port",
     )
+    _rollout_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--hedge-quantile must be between 0 and 1")
         if args.max_attempts < 1:
             raise ValueError("--max-attempts must be at least 1")
+        grpc = _grpc_front(args)
+        rollout = _rollout(args)
     except ValueError as exc:
         print(f"lockgate route: {exc}", file=sys.stderr)
         return 2
@@ -103,11 +144,157 @@ def run(args: argparse.Namespace) -> int:
         eject_for=args.eject_for,
         full_for=args.full_ms / 1000,
     )
-    settings = RouterSettings(
+    settings = dataclasses.replace(
+        rollout,
         max_body_bytes=int(args.max_body_mb * 2**20),
         retry_ratio=args.retry_budget,
         max_attempts=args.max_attempts,
         hedge=hedge,
         hedge_ratio=args.hedge_budget,
     )
-    return serve(build(discovery, health, settings), args.host, args.port, args.drain_delay)
+    app = build(discovery, health, settings)
+    return serve(app, args.host, args.port, args.drain_delay, grpc=grpc)
+
+
+def _grpc_front(args: argparse.Namespace) -> GrpcFrontSettings | None:
+    """The gRPC front's settings, or None without --grpc-port; ValueError names the flag."""
+    from lockgate.router.grpc_proxy import GrpcFrontSettings, ReplicaGrpcPort
+
+    if args.grpc_port is None:
+        return None
+    return GrpcFrontSettings(
+        host=args.host,
+        port=args.grpc_port,
+        replica_port=ReplicaGrpcPort.parse(args.replica_grpc_port, args.replica),
+        max_receive_bytes=int(args.max_body_mb * 2**20),
+        max_concurrent_rpcs=args.grpc_max_concurrent_rpcs,
+        max_stream_inflight=args.grpc_max_stream_inflight,
+        drain_timeout=args.grpc_drain_timeout,
+    )
+
+
+def _rollout_arguments(p: argparse.ArgumentParser) -> None:
+    from lockgate.router.llm_routing import MODES
+
+    g = p.add_argument_group("canaries, shadows, sessions, rate limits, language-model routing")
+    g.add_argument(
+        "--canary",
+        action="append",
+        default=[],
+        metavar="MODEL:VERSION=PERCENT",
+        help="send PERCENT of MODEL's unversioned v2 inference requests to VERSION; "
+        "MODEL:#GROUP=PERCENT sends PERCENT of every request for MODEL (v2 and OpenAI) to the "
+        "replicas given as URL#GROUP (repeatable)",
+    )
+    g.add_argument(
+        "--shadow",
+        action="append",
+        default=[],
+        metavar="MODEL=URL:PERCENT",
+        help="copy PERCENT of MODEL's v2 inference requests to URL (or #GROUP) and compare the "
+        "answers; the client's answer is never held up (repeatable)",
+    )
+    g.add_argument("--shadow-max-in-flight", type=int, default=16, help="copies under way")
+    g.add_argument("--shadow-timeout", type=float, default=10.0, help="seconds per copy")
+    g.add_argument(
+        "--shadow-compare-max-mb", type=float, default=1.0, help="larger answers: not compared"
+    )
+    g.add_argument(
+        "--shadow-tolerance", type=float, default=1e-5, help="relative and absolute, for numbers"
+    )
+    g.add_argument(
+        "--sticky-header",
+        metavar="NAME",
+        help="requests with the same value of this header go to the same replica (default off)",
+    )
+    g.add_argument(
+        "--rate-limit-rps", type=float, default=0.0, help="requests/s per API key (0: none)"
+    )
+    g.add_argument(
+        "--rate-limit-burst", type=float, default=0.0, help="requests at once (0: the rate, >= 1)"
+    )
+    g.add_argument(
+        "--rate-limit-tpm",
+        type=float,
+        default=0.0,
+        help="completion tokens/minute per API key (0: none)",
+    )
+    g.add_argument(
+        "--rate-limits", type=Path, metavar="FILE", help="YAML: limits per key (see docs)"
+    )
+    g.add_argument(
+        "--rate-limit-max-keys", type=int, default=10_000, help="API keys tracked at once"
+    )
+    g.add_argument(
+        "--rate-limit-key-header",
+        default="authorization",
+        metavar="NAME",
+        help="the header whose value is the API key (authorization: its Bearer key)",
+    )
+    g.add_argument(
+        "--llm-routing",
+        choices=MODES,
+        default="least-load",
+        help="completion requests: the least loaded replica, or the one the prompt prefers",
+    )
+    g.add_argument(
+        "--prefix-chars", type=int, default=512, help="characters of the prompt that route it"
+    )
+    g.add_argument(
+        "--prefix-load-margin",
+        type=int,
+        default=4,
+        help="requests in progress a prefix's replica may have above the least loaded one",
+    )
+    g.add_argument(
+        "--max-model-series",
+        type=int,
+        default=1000,
+        help="models counted by name in lockgate_router_model_requests_total",
+    )
+
+
+def _rollout(args: argparse.Namespace) -> RouterSettings:
+    """The settings of canaries, shadows, sticky sessions, rate limits and language-model
+    routing; ValueError names the flag."""
+    import re
+
+    from lockgate.router.canary import Canary, CanaryRule
+    from lockgate.router.groups import label_of
+    from lockgate.router.llm_routing import LLMRoutingSettings
+    from lockgate.router.rate_limits import Limit, load_limits
+    from lockgate.router.shadow import ShadowRule, ShadowSettings
+
+    labels = [label_of(url) for url in args.replica]
+    if labels and all(labels) and not args.discover:
+        raise ValueError("give at least one --replica without a #group: they take the traffic")
+    canary = tuple(CanaryRule.parse(text) for text in args.canary)
+    Canary(canary)  # the shares of each model add up to at most 100%
+    shadow = ShadowSettings(
+        tuple(ShadowRule.parse(text) for text in args.shadow),
+        max_in_flight=args.shadow_max_in_flight,
+        timeout=args.shadow_timeout,
+        compare_max_bytes=int(args.shadow_compare_max_mb * 2**20),
+        tolerance=args.shadow_tolerance,
+    )
+    for group in [r.group for r in canary] + [r.group for r in shadow.rules]:
+        if group is not None and group not in labels:
+            raise ValueError(f"#{group} names no replica: give --replica URL#{group}")
+    if args.sticky_header and not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", args.sticky_header):
+        raise ValueError(f"--sticky-header {args.sticky_header!r} is not a header name")
+    default = Limit(args.rate_limit_rps, args.rate_limit_burst, args.rate_limit_tpm)
+    limits = load_limits(
+        args.rate_limits, default, args.rate_limit_max_keys, args.rate_limit_key_header
+    )
+    if args.max_model_series < 1:
+        raise ValueError("--max-model-series must be at least 1")
+    return RouterSettings(
+        canary=canary,
+        shadow=shadow,
+        sticky_header=args.sticky_header or None,
+        rate_limits=limits,
+        llm_routing=LLMRoutingSettings(
+            args.llm_routing, args.prefix_chars, args.prefix_load_margin
+        ),
+        max_model_series=args.max_model_series,
+    )

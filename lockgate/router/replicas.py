@@ -1,16 +1,23 @@
 """`lockgate serve --replicas N`: N server processes on this machine and the router in front.
 
 Each replica is `lockgate serve` with the same arguments, on its own port on 127.0.0.1 (the
-router's port plus 1 to N unless `--replica-base-port` says otherwise), without gRPC, pinned
-to one core (replica i on core i modulo the cores this process may use). The router listens
-on the address asked for. A signal to the router drains it; the replicas then get SIGTERM
-and drain in turn. A replica that exits on its own is started again after a second.
+router's port plus 1 to N unless `--replica-base-port` says otherwise; gRPC, when the router
+serves it, on the N ports after those), pinned to one core (replica i on core i modulo the
+cores this process may use). The router listens on the address asked for. A signal to the
+router drains it; the replicas then get SIGTERM and drain in turn. A replica that exits on its
+own is started again after a second.
+
+`--replicas auto` (`auto_replicas`) is one replica per usable core when the repository holds
+classic models only, and one when it holds a language model that will be served: a language
+model's engine already spreads over the cores, and each replica would hold its own weights
+and KV cache.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -19,6 +26,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 log = logging.getLogger("lockgate.router")
 
@@ -26,8 +34,52 @@ log = logging.getLogger("lockgate.router")
 _OWN = {"--host", "--port", "--grpc-port", "--replicas", "--replica-base-port"}
 
 
-def replica_argv(argv: Sequence[str], port: int) -> list[str]:
-    """The `lockgate serve` arguments of one replica: `argv` without the options above."""
+def usable_cores() -> int:
+    """Cores this process may use: its CPU affinity, fewer when a cgroup (v2) CPU quota
+    allows less (a container's CPU limit)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = _cgroup_cpus(Path("/sys/fs/cgroup/cpu.max"))
+    return max(1, min(cores or 1, quota or cores or 1))
+
+
+def _cgroup_cpus(path: Path) -> int | None:
+    """`cpu.max` ("QUOTA PERIOD", or "max PERIOD") as whole CPUs, rounded up; None: no limit."""
+    try:
+        quota, period = path.read_text().split()[:2]
+        return math.ceil(int(quota) / int(period))
+    except (OSError, ValueError, ZeroDivisionError):
+        return None  # no such file, or "max": no quota
+
+
+def auto_replicas(
+    repository: Path, *, cores: int, llm_backend: str, language_models: bool = True
+) -> int:
+    """`--replicas auto`: `cores` replicas when `repository` holds classic models only; one
+    when it holds a model of `llm_backend` that will be served (`language_models`, that is
+    without --no-llm). A model whose config cannot be read counts as classic: the replica
+    reports its error."""
+    if language_models and llm_backend in _backends(repository):
+        return 1
+    return max(1, cores)
+
+
+def _backends(repository: Path) -> set[str]:
+    """The backends named by the model configs of a repository (unreadable ones left out)."""
+    from lockgate.core.config_files import load_model_config
+
+    found = set()
+    for folder in repository.iterdir() if repository.is_dir() else ():
+        if folder.is_dir() and not folder.name.startswith("."):
+            try:
+                found.add(load_model_config(folder).backend)
+            except Exception:  # unreadable: the replicas report it, as they start
+                continue
+    return found
+
+
+def replica_argv(argv: Sequence[str], port: int, grpc_port: int | None = None) -> list[str]:
+    """The `lockgate serve` arguments of one replica: `argv` without the options above, and
+    gRPC on `grpc_port` (None: off)."""
     out: list[str] = []
     skip = False
     for arg in argv:
@@ -39,7 +91,9 @@ def replica_argv(argv: Sequence[str], port: int) -> list[str]:
             skip = not eq
             continue
         out.append(arg)
-    return [*out, "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "off"]
+    grpc = "off" if grpc_port is None else str(grpc_port)
+    own = ["--host", "127.0.0.1", "--port", str(port), "--grpc-port", grpc, "--replicas", "1"]
+    return [*out, *own]
 
 
 @dataclass(slots=True)
@@ -48,6 +102,7 @@ class Replicas:
 
     argv: list[str]  # `lockgate serve ...` arguments, without the program
     ports: list[int]
+    grpc_ports: list[int] | None = None  # one per replica; None: the replicas serve no gRPC
     processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     stopping: bool = False
 
@@ -58,7 +113,13 @@ class Replicas:
 
     def _spawn(self, i: int) -> None:
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        command = [sys.executable, "-m", "lockgate.cli", *replica_argv(self.argv, self.ports[i])]
+        grpc = None if self.grpc_ports is None else self.grpc_ports[i]
+        command = [
+            sys.executable,
+            "-m",
+            "lockgate.cli",
+            *replica_argv(self.argv, self.ports[i], grpc),
+        ]
 
         def pin() -> None:
             if cores:

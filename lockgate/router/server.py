@@ -1,8 +1,10 @@
-"""Run the router: uvicorn (uvloop, httptools) in front of `RouterApp`.
+"""Run the router: uvicorn (uvloop, httptools) in front of `RouterApp`, and beside it on the
+same event loop the gRPC front (`grpc_proxy.py`) when a gRPC port is given.
 
-On SIGTERM or SIGINT readiness turns 503 at once, the port closes after `drain_delay`
-seconds (so a load balancer in front stops sending), and requests in progress finish
-within uvicorn's graceful shutdown."""
+On SIGTERM or SIGINT readiness turns 503 at once (gRPC: health NOT_SERVING, new calls
+UNAVAILABLE), the port closes after `drain_delay` seconds (so a load balancer in front stops
+sending), and requests in progress finish within uvicorn's graceful shutdown; gRPC calls in
+progress get the front's `drain_timeout`."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
 from lockgate.core.metrics import Registry
 from lockgate.router.app import RouterApp, RouterSettings
+from lockgate.router.grpc_proxy import GrpcFront, GrpcFrontSettings
 from lockgate.router.pool import Discovery, ReplicaPool
 from lockgate.router.replica import HealthSettings, Replica
 
@@ -33,10 +37,33 @@ def build(discovery: Discovery, health: HealthSettings, settings: RouterSettings
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app: RouterApp, drain_delay: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        app: RouterApp,
+        drain_delay: float,
+        grpc: GrpcFrontSettings | None = None,
+    ) -> None:
         super().__init__(config)
         self.router = app
         self.drain_delay = drain_delay
+        self.grpc = grpc
+        self.failed = False  # start-up failed (a gRPC port given that could not be bound)
+
+    async def serve(self, sockets: Any = None) -> None:
+        front = GrpcFront(self.router, self.grpc) if self.grpc is not None else None
+        try:
+            if front is not None:
+                await front.start()
+        except OSError as exc:
+            log.error("router: %s", exc)
+            self.failed = True
+            return
+        try:
+            await super().serve(sockets)
+        finally:
+            if front is not None:
+                await front.stop()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -63,8 +90,14 @@ class _Server(uvicorn.Server):
 
 
 def run(
-    app: RouterApp, host: str, port: int, drain_delay: float = 0.0, keep_alive: int = 75
+    app: RouterApp,
+    host: str,
+    port: int,
+    drain_delay: float = 0.0,
+    keep_alive: int = 75,
+    grpc: GrpcFrontSettings | None = None,
 ) -> int:
+    """Serve until a signal; 1 when start-up failed."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -77,7 +110,7 @@ def run(
         timeout_keep_alive=keep_alive,
         backlog=2048,
     )
-    server = _Server(config, app, drain_delay)
+    server = _Server(config, app, drain_delay, grpc)
     log.info("lockgate router listening on http://%s:%d", host, port)
     server.run()
-    return 0
+    return 1 if server.failed else 0

@@ -338,6 +338,12 @@ def test_serve_with_replicas_runs_a_router_over_them(tmp_path: Path) -> None:
         repository(tmp_path, 0), tmp_path, "--replicas", "2", "--replica-base-port", str(base)
     )
     try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # both replicas usable: each passed a probe
+            listed = httpx.get(server.url + "/router/replicas").json()["replicas"]
+            if len(listed) == 2 and all(r["usable"] for r in listed):
+                break
+            time.sleep(0.2)
         with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda _: who(client, server.url), range(60)))
         listed = httpx.get(server.url + "/router/replicas").json()["replicas"]

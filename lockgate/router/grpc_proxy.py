@@ -1,0 +1,577 @@
+"""The router's gRPC front: KServe v2 over gRPC (`inference.GRPCInferenceService`) passed to
+the replicas' gRPC servers as bytes, never decoded.
+
+grpc.aio's generic handlers take every call of the service with no (de)serializer: the
+request's bytes go to a replica picked by the router's balancer (power of two choices on load,
+over the same replicas, probes and ejections as HTTP), and the replica's answer, or its status
+code, message and trailing metadata, come back unchanged. One channel per replica.
+
+- Unary calls (ServerLive, ModelReady, metadata, ModelInfer, RepositoryIndex, ...): a call
+  that ended UNAVAILABLE (no connection, or the replica's admission refused) goes to a replica
+  not tried yet, at most `max_attempts` tries, within the router's retry budget (one budget
+  for HTTP and gRPC). The client's deadline is passed on less the time spent in the router;
+  once it is spent, DEADLINE_EXCEEDED. When every usable replica is full, UNAVAILABLE at once
+  with `retry-after`. Other codes (NOT_FOUND, INVALID_ARGUMENT, ...) are the replica's answer.
+- ModelStreamInfer: one bidirectional stream pinned to one replica, never retried nor hedged.
+  At most `max_stream_inflight` messages are passed to the replica and not yet answered back
+  to the client; past that the router stops reading the client's side, so a client that
+  writes and never reads holds bounded memory (HTTP/2 flow control then holds its writes).
+- `grpc.health.v1.Health`: service "" is the router (SERVING while a replica is usable and the
+  router is not draining); any other name (a model) is asked of a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import grpc
+from grpc.aio import ServicerContext as Context
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from lockgate.protocol.grpc import inference_pb2 as pb
+from lockgate.router.app import RouterApp
+from lockgate.router.groups import MAIN
+from lockgate.router.pool import split_url
+from lockgate.router.replica import Replica
+
+log = logging.getLogger("lockgate.router")
+
+SERVICE = "inference.GRPCInferenceService"
+PREFIX = f"/{SERVICE}/"
+_DESCRIBED = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods
+KNOWN = frozenset(PREFIX + m.name for m in _DESCRIBED)
+STREAMS = frozenset(PREFIX + m.name for m in _DESCRIBED if m.client_streaming)
+# the replica's own faults: counted towards ejection, as a 5xx on HTTP
+REPLICA_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+# metadata that belongs to the call or its connection, not to the request: never forwarded
+_OWN_KEYS = frozenset({"user-agent", "content-type", "te", "host", "content-length"})
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+WATCH_INTERVAL_S = 0.5
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaGrpcPort:
+    """Where each replica serves gRPC: `port` on every replica (as on Kubernetes), or else its
+    HTTP port plus `offset` (replicas on one host); `explicit` ports, by replica URL, first."""
+
+    port: int | None = None
+    offset: int = 1
+    explicit: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, rule: str, urls: Sequence[str] = ()) -> ReplicaGrpcPort:
+        """`rule` is '8001' (the same port on every replica) or '+2' (the HTTP port plus 2);
+        a replica URL may name its own port: 'http://10.0.0.5:8000?grpc=9001'."""
+        text = rule.strip()
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"replica gRPC port {rule!r}: give PORT or +OFFSET") from None
+        explicit = {_normal(url): port for url in urls if (port := _query_port(url))}
+        if text.startswith(("+", "-")):
+            return cls(offset=value, explicit=explicit)
+        return cls(port=_checked(value, rule), explicit=explicit)
+
+    def target(self, url: str) -> str:
+        host, http_port = split_url(url)
+        port = self.explicit.get(_normal(url))
+        if port is None:
+            port = self.port if self.port is not None else http_port + self.offset
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _normal(url: str) -> str:
+    """A replica's URL as the pool spells it: http://host:port."""
+    host, port = split_url(url)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _query_port(url: str) -> int | None:
+    """The `grpc=PORT` of a replica URL's query, or None."""
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
+    values = query.get("grpc")
+    if not values:
+        return None
+    try:
+        return _checked(int(values[-1]), url)
+    except ValueError:
+        raise ValueError(f"replica {url!r}: grpc= must be a port number") from None
+
+
+def _checked(port: int, source: str) -> int:
+    if not 0 < port < 65536:
+        raise ValueError(f"{source}: port {port} is outside 1-65535")
+    return port
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcFrontSettings:
+    host: str = "127.0.0.1"
+    port: int = 8001
+    required: bool = True  # False: a port that cannot be bound is logged, HTTP serves alone
+    replica_port: ReplicaGrpcPort = field(default_factory=ReplicaGrpcPort)
+    max_receive_bytes: int = 64 * 2**20  # a larger request gets RESOURCE_EXHAUSTED
+    max_concurrent_rpcs: int | None = 1024  # calls beyond this get RESOURCE_EXHAUSTED at once
+    max_stream_inflight: int = 64  # messages of one stream sent on and not yet answered
+    drain_timeout: float = 30.0  # seconds for calls in progress to end when the router stops
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--grpc-port {self.port} is outside 1-65535")
+        if self.max_stream_inflight < 1:
+            raise ValueError("--grpc-max-stream-inflight must be at least 1")
+        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
+            raise ValueError("--grpc-max-concurrent-rpcs must be at least 1")
+
+
+class _Status(Exception):
+    """How a call ends when it does not end with an answer."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> None:
+        super().__init__(details)
+        self.code, self.details, self.trailing = code, details, trailing
+
+    @classmethod
+    def of(cls, error: grpc.aio.AioRpcError) -> _Status:
+        return cls(error.code(), error.details() or "", _forwarded(error.trailing_metadata()))
+
+    @property
+    def refusal(self) -> bool:
+        """The replica's admission said no (it sends retry-after), not a lost connection."""
+        return self.code == grpc.StatusCode.UNAVAILABLE and any(
+            key == "retry-after" for key, _ in self.trailing
+        )
+
+
+class _Retry(Exception):
+    """An attempt worth sending to another replica; `status` is what it ended with."""
+
+    def __init__(self, status: _Status) -> None:
+        super().__init__(status.details)
+        self.status = status
+
+
+class _Link:
+    """One replica's channel, with a callable per method."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.channel = grpc.aio.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_send_message_length", -1),
+                ("grpc.max_receive_message_length", -1),  # the replica bounds its answers
+                # a replica that restarted is reached again within a second, not minutes
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
+        )
+        self.unaries: dict[str, grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = {}
+        self.health = self.channel.unary_unary(
+            HEALTH_CHECK,
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+
+    def unary(self, method: str) -> grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]:
+        call = self.unaries.get(method)
+        if call is None:
+            call = self.channel.unary_unary(method)
+            if method in KNOWN:  # a name a client made up is not kept
+                self.unaries[method] = call
+        return call
+
+    def stream(self, method: str) -> grpc.aio.StreamStreamMultiCallable[bytes, bytes]:
+        return self.channel.stream_stream(method)
+
+
+class _Links:
+    """A channel per replica, opened on first use; channels of replicas that left the pool
+    are closed when a new replica is first used."""
+
+    def __init__(self, ports: ReplicaGrpcPort) -> None:
+        self.ports = ports
+        self.links: dict[str, _Link] = {}
+        self.closing: set[asyncio.Task[None]] = set()
+
+    def get(self, replica: Replica, replicas: Sequence[Replica]) -> _Link:
+        link = self.links.get(replica.url)
+        if link is None:
+            self._prune({r.url for r in replicas})
+            link = self.links[replica.url] = _Link(self.ports.target(replica.url))
+        return link
+
+    def _prune(self, known: set[str]) -> None:
+        for url in [u for u in self.links if u not in known]:
+            task = asyncio.get_running_loop().create_task(self.links.pop(url).channel.close(5.0))
+            self.closing.add(task)
+            task.add_done_callback(self.closing.discard)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(link.channel.close() for link in self.links.values()))
+        self.links.clear()
+
+
+class _Window:
+    """The messages of one stream sent to the replica and not yet answered to the client,
+    counted on the replica's load too."""
+
+    def __init__(self, limit: int, replica: Replica) -> None:
+        self.slots = asyncio.Semaphore(limit)
+        self.replica = replica
+        self.held = 0
+
+    async def acquire(self) -> None:
+        await self.slots.acquire()
+        self.held += 1
+        self.replica.in_flight += 1
+
+    def release(self) -> None:
+        if self.held:  # an answer beyond one per request takes no slot back
+            self.held -= 1
+            self.replica.in_flight -= 1
+            self.slots.release()
+
+    def close(self) -> None:
+        self.replica.in_flight -= self.held
+        self.held = 0
+
+
+class GrpcFront:
+    """The gRPC server in front of the replicas, on the router's event loop."""
+
+    def __init__(self, router: RouterApp, settings: GrpcFrontSettings) -> None:
+        self.router = router
+        self.settings = settings
+        self.links = _Links(settings.replica_port)
+        self.server: grpc.aio.Server | None = None
+        self.latency = router.registry.histogram(
+            "lockgate_router_grpc_request_duration_seconds",
+            "Time from a gRPC call's arrival at the router to its end, by method and status "
+            "code (streams: the whole stream).",
+            ("method", "code"),
+        )
+
+    @property
+    def address(self) -> str:
+        host = self.settings.host
+        return f"[{host}]:{self.settings.port}" if ":" in host else f"{host}:{self.settings.port}"
+
+    async def start(self) -> bool:
+        """Serve on the running loop. False (logged) when the port cannot be bound and is not
+        required; OSError when it is."""
+        server = grpc.aio.server(
+            maximum_concurrent_rpcs=self.settings.max_concurrent_rpcs,
+            options=[
+                ("grpc.max_receive_message_length", self.settings.max_receive_bytes),
+                ("grpc.max_send_message_length", -1),
+                ("grpc.so_reuseport", 0),  # a second server on the port must fail, not share it
+            ],
+        )
+        server.add_generic_rpc_handlers((_Handler(self),))
+        health_pb2_grpc.add_HealthServicer_to_server(_Health(self), server)
+        try:
+            server.add_insecure_port(self.address)
+        except RuntimeError as exc:
+            if self.settings.required:
+                raise OSError(f"cannot serve gRPC on {self.address}: {exc}") from None
+            log.error("router: gRPC not served: cannot bind %s (%s)", self.address, exc)
+            return False
+        await server.start()
+        self.server = server
+        log.info("lockgate router gRPC listening on %s", self.address)
+        return True
+
+    async def stop(self) -> None:
+        """Refuse new calls, give those in progress `drain_timeout` seconds, close channels."""
+        if self.server is not None:
+            await self.server.stop(self.settings.drain_timeout)
+        await self.links.close()
+
+    # -- unary calls -----------------------------------------------------------------------
+    async def unary(self, method: str, request: bytes, context: Context) -> bytes:
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            return await self._unary(method, request, context)
+        except _Status as status:
+            code = status.code
+            await _abort(context, status)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self.latency.observe((_label(method), code.name), time.perf_counter() - start)
+
+    async def _unary(self, method: str, request: bytes, context: Context) -> bytes:
+        metadata = _forwarded(context.invocation_metadata())
+        self._admit()
+        router = self.router
+        tried: list[Replica] = []
+        refusal: _Status | None = None
+        for attempt in range(router.settings.max_attempts):
+            now = time.monotonic()
+            if attempt and not router.retries.try_spend(now):
+                router.retries_denied.inc()
+                break
+            replica = router.balancer.pick(
+                router.groups.members(router.pool.replicas, MAIN), now, tried
+            )
+            if replica is None:
+                break
+            if attempt:
+                router.retried.inc()
+            try:
+                return await self._attempt(replica, method, request, metadata, context)
+            except _Retry as retry:
+                tried.append(replica)
+                refusal = retry.status if retry.status.refusal else refusal
+        if refusal is not None:
+            raise refusal  # every replica tried refused: pass the last refusal on
+        raise self._unanswered()
+
+    async def _attempt(
+        self,
+        replica: Replica,
+        method: str,
+        request: bytes,
+        metadata: Metadata,
+        context: Context,
+    ) -> bytes:
+        """One try on one replica: its answer; _Retry for UNAVAILABLE, else its _Status."""
+        timeout = _time_left(context)
+        call = self.links.get(replica, self.router.pool.replicas).unary(method)
+        replica.in_flight += 1
+        try:
+            response = await call(request, timeout=timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as error:
+            raise self._failed(replica, _Status.of(error)) from None
+        finally:
+            replica.in_flight -= 1
+        self.router.attempts.inc((replica.url, "OK"))
+        replica.succeeded(None)
+        return response
+
+    def _failed(self, replica: Replica, status: _Status) -> Exception:
+        """What an attempt that ended with `status` raises; the replica's books updated."""
+        now = time.monotonic()
+        self.router.attempts.inc((replica.url, status.code.name))
+        if status.refusal:
+            replica.refused(now, self.router.pool.health)
+            return _Retry(status)
+        if status.code == grpc.StatusCode.UNAVAILABLE or status.code in REPLICA_FAULTS:
+            if replica.failed(now, self.router.pool.health):
+                log.warning("router: %s ejected after repeated failures", replica.url)
+            if status.code == grpc.StatusCode.UNAVAILABLE:
+                return _Retry(status)
+        elif status.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+            replica.succeeded(None)  # an answer: the request's own fault (NOT_FOUND, ...)
+        return status
+
+    def _admit(self) -> None:
+        """Count the call in the retry budget; refuse it while draining or all are full."""
+        router, now = self.router, time.monotonic()
+        router.retries.request(now)
+        if router.draining:
+            raise _Status(grpc.StatusCode.UNAVAILABLE, "router is shutting down", _retry_after())
+        if router.pool.all_full(now):
+            router.shed.inc()
+            wait = router.settings.shed_retry_after
+            message = "every replica is full: retry later"
+            raise _Status(grpc.StatusCode.UNAVAILABLE, message, _retry_after(wait))
+
+    def _unanswered(self) -> _Status:
+        if not self.router.pool.ready():
+            return _Status(grpc.StatusCode.UNAVAILABLE, "no replica is ready", _retry_after())
+        return _Status(grpc.StatusCode.UNAVAILABLE, "no replica answered", _retry_after())
+
+    # -- streams ---------------------------------------------------------------------------
+    async def stream(self, method: str, requests: AsyncIterator[bytes], context: Context) -> None:
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            await self._stream(method, requests, context)
+        except _Status as status:
+            code = status.code
+            await _abort(context, status)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self.latency.observe((_label(method), code.name), time.perf_counter() - start)
+
+    async def _stream(self, method: str, requests: AsyncIterator[bytes], context: Context) -> None:
+        metadata = _forwarded(context.invocation_metadata())
+        self._admit()
+        replica = self.router.balancer.pick(
+            self.router.groups.members(self.router.pool.replicas, MAIN), time.monotonic()
+        )
+        if replica is None:
+            raise self._unanswered()
+        link = self.links.get(replica, self.router.pool.replicas)
+        call = link.stream(method)(timeout=_time_left(context), metadata=metadata)
+        window = _Window(self.settings.max_stream_inflight, replica)
+        sender = asyncio.get_running_loop().create_task(_send(requests, call, window))
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                await context.write(message)  # resumes once the client can take more
+                window.release()
+            code = await call.code()
+        except grpc.aio.AioRpcError as error:
+            raise self._failed_stream(replica, _Status.of(error)) from None
+        finally:
+            sender.cancel()
+            call.cancel()
+            await asyncio.wait({sender})
+            if not sender.cancelled():
+                sender.exception()  # a write to a call that had ended: its end is the answer
+            window.close()
+        if code != grpc.StatusCode.OK:
+            details = await call.details()
+            trailing = _forwarded(await call.trailing_metadata())
+            raise self._failed_stream(replica, _Status(code, details or "", trailing))
+        self.router.attempts.inc((replica.url, "OK"))
+        replica.succeeded(None)
+
+    def _failed_stream(self, replica: Replica, status: _Status) -> _Status:
+        """A stream is never sent again: whatever it ended with is passed on."""
+        failed = self._failed(replica, status)
+        return failed.status if isinstance(failed, _Retry) else status
+
+    # -- health ----------------------------------------------------------------------------
+    def serving(self) -> bool:
+        return self.router.pool.ready() and not self.router.draining
+
+    async def model_health(self, service: str, metadata: Metadata) -> Any:
+        """A replica's status of `service` (a model); None when the replica knows no such name."""
+        replica = self.router.balancer.pick(
+            self.router.groups.members(self.router.pool.replicas, MAIN), time.monotonic()
+        )
+        if replica is None:
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        link = self.links.get(replica, self.router.pool.replicas)
+        request = health_pb2.HealthCheckRequest(service=service)
+        timeout = self.router.pool.health.probe_timeout
+        try:
+            answer = await link.health(request, timeout=timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        return answer.status
+
+
+async def _send(requests: AsyncIterator[bytes], call: Any, window: _Window) -> None:
+    """The client's messages to the replica, at most the window's bound unanswered."""
+    async for message in requests:
+        await window.acquire()
+        await call.write(message)
+    await call.done_writing()
+
+
+class _Method:
+    """One method of the service, as grpc.aio calls it: bound coroutines, bytes in and out."""
+
+    def __init__(self, front: GrpcFront, method: str) -> None:
+        self.front, self.method = front, method
+
+    async def unary(self, request: bytes, context: Context) -> bytes:
+        return await self.front.unary(self.method, request, context)
+
+    async def stream(self, requests: AsyncIterator[bytes], context: Context) -> None:
+        await self.front.stream(self.method, requests, context)
+
+    def handler(self) -> grpc.RpcMethodHandler:
+        if self.method in STREAMS:
+            return grpc.stream_stream_rpc_method_handler(self.stream)
+        return grpc.unary_unary_rpc_method_handler(self.unary)
+
+
+class _Handler(grpc.GenericRpcHandler):
+    """Every method of the KServe v2 service, passed through; other services are not served."""
+
+    def __init__(self, front: GrpcFront) -> None:
+        self.front = front
+        self.known = {method: _Method(front, method).handler() for method in KNOWN}
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method: str = details.method  # type: ignore[attr-defined]
+        found = self.known.get(method)
+        if found is None and method.startswith(PREFIX):
+            return _Method(self.front, method).handler()  # newer than this router: unary
+        return found
+
+
+class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+    def __init__(self, front: GrpcFront) -> None:
+        self.front = front
+
+    async def status(self, service: str, context: Context) -> Any:
+        if service == "":
+            serving = self.front.serving()
+            return health_pb2.HealthCheckResponse.SERVING if serving else _NOT_SERVING
+        return await self.front.model_health(service, _forwarded(context.invocation_metadata()))
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: Context
+    ) -> health_pb2.HealthCheckResponse:
+        status = await self.status(request.service, context)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: Context
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        last = None
+        while True:
+            status = await self.status(request.service, context)
+            status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN if status is None else status
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _forwarded(metadata: Any) -> Metadata:
+    """The request's own metadata (authorization, custom keys), without the call's."""
+    if not metadata:
+        return ()
+    return tuple(
+        (key, value)
+        for key, value in metadata
+        if key not in _OWN_KEYS and not key.startswith((":", "grpc-"))
+    )
+
+
+def _time_left(context: Context) -> float | None:
+    """The client's deadline less the time already spent; _Status once it is spent."""
+    left: float | None = context.time_remaining()
+    if left is not None and left <= 0:
+        raise _Status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed in the router")
+    return left
+
+
+def _retry_after(seconds: int = 1) -> Metadata:
+    return (("retry-after", str(seconds)),)
+
+
+def _label(method: str) -> str:
+    """The method's name for metrics; names a client made up share one label."""
+    return method[len(PREFIX) :] if method in KNOWN else "other"
+
+
+async def _abort(context: Context, status: _Status) -> NoReturn:
+    await context.abort(status.code, status.details, status.trailing)
+    raise AssertionError("grpc.aio's abort always raises")

@@ -1,0 +1,33 @@
+"""Inference requests counted by model, version, replica group and status: what a canary is
+judged by. An answer 404 (no such model or version) makes no series, and at most `max_models`
+model names get series of their own; later ones are counted as `_other`."""
+
+from __future__ import annotations
+
+from lockgate.core.metrics import Registry
+from lockgate.router.groups import MAIN
+
+OTHER = "_other"
+
+
+class ModelCounts:
+    def __init__(self, registry: Registry, max_models: int) -> None:
+        self.max_models = max_models
+        self.models: set[str] = set()
+        self.requests = registry.counter(
+            "lockgate_router_model_requests_total",
+            "Inference requests by model, version ('latest' when the path names none, and for "
+            "the OpenAI routes), replica group ('main' or a label) and status.",
+            ("model", "version", "group", "status"),
+        )
+
+    def count(self, model: str, version: str | None, group: str, status: int) -> None:
+        if status == 404:
+            return
+        if model not in self.models:
+            if len(self.models) >= self.max_models:
+                model = OTHER
+            else:
+                self.models.add(model)
+        labels = (model, version or "latest", group if group != MAIN else "main", str(status))
+        self.requests.inc(labels)

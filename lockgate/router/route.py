@@ -1,0 +1,29 @@
+"""Where one request goes, as the router decided before sending it: the path (a version canary
+rewrites it), the replica group, and what balancing reads (a sticky session, a prompt prefix)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lockgate.router.groups import MAIN
+from lockgate.router.llm_request import LLMRequest
+from lockgate.router.model_path import ModelPath
+
+
+@dataclass(slots=True)
+class Route:
+    path: str  # sent to the replica, query string included
+    original: str  # the client's path, query string included
+    target: ModelPath | None = None  # a KServe v2 inference request
+    llm: LLMRequest | None = None  # an OpenAI completion request
+    version: str | None = None  # the version it is sent to (None: the replica's newest)
+    group: str = MAIN  # the replicas that may take it
+    session: bytes | None = None  # its sticky session key
+
+    @property
+    def model(self) -> str | None:
+        if self.target is not None:
+            return self.target.model
+        if self.llm is not None and self.llm.model:
+            return self.llm.model
+        return None
