@@ -128,7 +128,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--otel-endpoint",
         default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
-        help="trace KServe v2 inference requests with OpenTelemetry, sent over OTLP/HTTP to this "
+        help="trace inference requests (KServe v2 REST and gRPC, the OpenAI API, generate) with "
+        "OpenTelemetry, sent over OTLP/HTTP to this "
         "base URL, e.g. http://127.0.0.1:4318 (default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: "
         "no tracing); needs lockgate[otel]",
     )

@@ -52,9 +52,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lockgate.frontend")
 
+# the paths that answer only GET (and HEAD): any other method gets 405 with Allow
+READ_ONLY_PATHS = frozenset(
+    {"/v2/health/live", "/v2/health/ready", "/health", "/metrics", "/openapi.json"}
+)
+TRACED_KINDS = ("infer", "generate", "openai")  # route kinds whose requests may be traced
 OpenAIHandler = Callable[[HttpRequest, list[str]], Awaitable[None]]
 # Triton's generate extension: (request, model, version, streamed)
 GenerateHandler = Callable[[HttpRequest, str, str | None, bool], Awaitable[None]]
+
+
+class MethodNotAllowed(ServingError):
+    """The path exists but does not take this method; `Allow` lists those it takes."""
+
+    status = 405
+    kind = "method_not_allowed"
+
+    def __init__(self, message: str, allow: str) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+    def headers(self) -> dict[str, str]:
+        return {"allow": self.allow}
 
 
 @dataclass(slots=True)
@@ -71,7 +90,7 @@ class ServerSettings:
     repository: Path | None = None
     access_log: bool = False  # one JSON line per request on the `lockgate.access` logger
     redis: RedisSettings | None = None  # the response cache's shared tier; None: in-process only
-    otel_endpoint: str = ""  # OTLP/HTTP base URL: trace v2 inference requests; "": no tracing
+    otel_endpoint: str = ""  # OTLP/HTTP base URL: trace inference requests; "": no tracing
     openai: OpenAILimits = field(default_factory=OpenAILimits)  # what one OpenAI request may ask
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
@@ -134,9 +153,9 @@ class App:
         rid = request_id(scope["headers"])
         entry: AccessEntry | None = None
         traced = None
-        if self.tracing is not None and route == "infer":
+        if self.tracing is not None and route in TRACED_KINDS:
             headers, method = scope["headers"], scope["method"]
-            traced = self.tracing.start(headers, rid.decode(), method, scope["path"], start)
+            traced = self.tracing.start_http(headers, rid.decode(), method, scope["path"], start)
         status = 0  # until a response starts
 
         async def timed_send(message: Message) -> None:
@@ -185,7 +204,7 @@ class App:
                 entry.bytes_in = request.bytes_read
                 self.access.write(entry)
             if traced is not None and self.tracing is not None:
-                self.tracing.finish(traced, status, time.monotonic())
+                self.tracing.finish_http(traced, status, time.monotonic())
 
     @staticmethod
     def _access_entry(scope: Scope, rid: bytes, status: int, elapsed: float) -> AccessEntry:
@@ -296,6 +315,8 @@ class App:
     # -- routing -----------------------------------------------------------------------
     async def _route(self, request: HttpRequest) -> None:
         path, method = request.path, request.method
+        if path in READ_ONLY_PATHS and method not in ("GET", "HEAD"):
+            raise MethodNotAllowed(f"{method[:20]} is not allowed on {path}", "GET, HEAD")
         parts = [p for p in path.split("/") if p]
         if parts == ["v2", "models", "stats"] and method == "GET":  # before model "stats"
             await v2_routes.document(request, self.v2.statistics(None, None))

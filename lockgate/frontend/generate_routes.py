@@ -3,26 +3,32 @@ answers `{"model_name", "model_version", "text_output"}`, and `.../generate_stre
 object as server-sent events, each with the text that is new since the last.
 
 Routes only. A request becomes the completion it amounts to (`protocol/generate.py`) and runs
-through the OpenAI routes' own steps: tokenizing off the event loop, the context and stop
-limits, the model's sampling defaults, priority, the completion cache and the engine's
-admission. The same prompt and parameters give the same text on both APIs.
+through the completion pipeline the OpenAI routes use (`frontend/completion_pipeline.py`):
+tokenizing off the event loop, the context and stop limits, the model's sampling defaults,
+priority, the completion cache and the engine's admission. The same prompt and parameters
+give the same text on both APIs, and share cache entries with /v1/completions.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lockgate.errors import BadRequest, ServingError
+from lockgate.frontend.completion_pipeline import (
+    TEXT_COMPLETION,
+    CompletionPipeline,
+    Generation,
+    send_event,
+)
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
-from lockgate.frontend.openai_routes import COMPLETION, OpenAIRoutes, _sse
 from lockgate.llm.service import LLMService
 from lockgate.protocol import generate
 from lockgate.protocol import openai as oa
 
 if TYPE_CHECKING:
+    from lockgate.frontend.openai_routes import OpenAIRoutes
     from lockgate.llm.engine import RequestOutput
 
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
@@ -30,16 +36,18 @@ DEFAULT_MAX_TOKENS = 16  # as /v1/completions and vLLM
 Reply = Callable[[str], dict[str, Any]]  # text_output -> the response object
 
 
-@dataclass(slots=True)
 class GenerateRoutes:
-    openai: OpenAIRoutes
+    def __init__(self, openai: OpenAIRoutes) -> None:
+        """Beside the OpenAI routes, sharing their completion pipeline (its tokenizer
+        threads, its limits and its completion cache)."""
+        self.pipeline: CompletionPipeline = openai.pipeline
 
     async def __call__(
         self, request: HttpRequest, name: str, version: str | None, stream: bool
     ) -> None:
         """Answer a /generate request, or a /generate_stream one when `stream`."""
-        routes = self.openai
-        served = routes.app.v2.served(name, version)  # 404 or 503 before the body is read
+        pipeline = self.pipeline
+        served = pipeline.app.v2.served(name, version)  # 404 or 503 before the body is read
         service = served.service
         if not isinstance(service, LLMService):
             raise BadRequest(
@@ -51,28 +59,36 @@ class GenerateRoutes:
             asked = "generate_stream" if body.stream else "generate"
             raise BadRequest(f"stream {str(body.stream).lower()} is answered by /{asked}")
         ask = body.completion
-        ids = await routes._tokenize(routes._prompt_ids, service, ask.prompt)
-        params = routes._sampling(service, ask, len(ids), ask.max_tokens, DEFAULT_MAX_TOKENS, None)
-        priority = routes._priority(request, service, ask.priority)
+        ids = await pipeline.tokenize(service, ask.prompt)
+        prepared = pipeline.prepare(
+            request,
+            service,
+            ask,
+            ids,
+            max_tokens=ask.max_tokens,
+            default_max=DEFAULT_MAX_TOKENS,
+            logprobs=None,
+            namespace=TEXT_COMPLETION,
+        )
         prefix = "" if body.exclude_input_in_output else body.text_input
         reply: Reply = functools.partial(generate.response, name, str(served.version))
-        key = routes._cache_key(service, COMPLETION, ids, params)
-        hit = await routes.completions.get(key) if key is not None else None
+        hit = await pipeline.cached(prepared)
         if hit is not None:
             cached = [(b"x-lockgate-cache", b"hit")]
             await _answer_whole(request, stream, reply(prefix + hit.text), cached)
             return
-        outputs = routes._submit(request, service, ids, params, oa.new_id("gen"), priority)
+        outputs = pipeline.submit(request, prepared, oa.new_id("gen"))
         if stream:
             text, last = await _stream(request, outputs, prefix, reply)
         else:
-            text, _, _, last = await routes._collect(request, outputs, service, legacy=True)
+            collected = await pipeline.collect(request, outputs)
+            text, last = collected.text, collected.last
             await respond_json(request.send, 200, reply(prefix + text))
-        routes._keep(key, text, last)
+        pipeline.keep(prepared, text, last)
 
 
 async def _stream(
-    request: HttpRequest, outputs: Any, prefix: str, reply: Reply
+    request: HttpRequest, outputs: Generation, prefix: str, reply: Reply
 ) -> tuple[str, RequestOutput | None]:
     """Send the prefix (if any), then each output's new text, as events; the generated text
     and the last output (None when an error cut the stream short)."""
@@ -87,14 +103,14 @@ async def _stream(
                     await send({"type": "http.response.start", "status": 200, "headers": SSE})
                     started = True
                     if prefix:
-                        await _sse(send, reply(prefix))
-                await _sse(send, reply(out.text))
+                        await send_event(send, reply(prefix))
+                await send_event(send, reply(out.text))
                 texts.append(out.text)
                 last = out
         except ServingError as exc:
             if not started:
                 raise  # answered with its status, as any refused request
-            await _sse(send, generate.error(exc.message))
+            await send_event(send, generate.error(exc.message))
             last = None
     if not started:
         await send({"type": "http.response.start", "status": 200, "headers": SSE})
@@ -110,5 +126,5 @@ async def _answer_whole(
         await respond_json(request.send, 200, payload, headers)
         return
     await request.send({"type": "http.response.start", "status": 200, "headers": SSE + headers})
-    await _sse(request.send, payload)
+    await send_event(request.send, payload)
     await request.send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 from grpc.aio import ServicerContext as Context
@@ -38,6 +38,9 @@ from lockgate.frontend.v2_service import SERVER_METADATA, Deadline
 from lockgate.protocol.grpc import codec
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from lockgate.frontend.otel import RequestTrace
 
 log = logging.getLogger("lockgate.grpc")
 
@@ -55,6 +58,16 @@ STATUS_CODES = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 PUBLIC_METHODS = frozenset({"ServerLive", "ServerReady"})  # as the REST health routes
+# the codes that mark a traced request's span as an error (as 5xx on HTTP)
+ERROR_CODES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +178,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: Context
     ) -> pb.ModelInferResponse:
-        return await self._run("ModelInfer", context, lambda: self._infer(request, context))
+        traced = self._trace("ModelInfer", request, context)
+        return await self._run(
+            "ModelInfer", context, lambda: self._infer(request, context, traced), traced
+        )
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
@@ -185,16 +201,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             stream.cancel()
 
     async def _infer(
-        self, request: pb.ModelInferRequest, context: Context
+        self, request: pb.ModelInferRequest, context: Context, traced: RequestTrace | None
     ) -> pb.ModelInferResponse:
-        received = time.monotonic()
+        received = traced.received if traced is not None else time.monotonic()
         name = request.model_name
         served = self.v2.served(name, request.model_version)
         check = functools.partial(self.v2.check_declared, served)  # before any data is decoded
         decoded = codec.decode_infer_request(request, check=check)
         deadline = Deadline(received, transport_seconds=context.time_remaining())
         granted = self.app.priority_granted(_bearer(context))
-        result = await self.v2.infer(name, served, decoded, deadline, granted)
+        trace_id = traced.trace_id if traced is not None else ""
+        result = await self.v2.infer(name, served, decoded, deadline, granted, trace_id)
+        if traced is not None and result.request is not None:
+            traced.requests.append(result.request)
         return codec.encode_infer_response(
             model_name=name,
             model_version=str(result.served.version),
@@ -205,9 +224,34 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             parameters=result.parameters,
         )
 
+    def _trace(
+        self, method: str, request: pb.ModelInferRequest, context: Context
+    ) -> RequestTrace | None:
+        """The trace of an inference request arriving now, when tracing is on."""
+        tracing = self.app.tracing
+        if tracing is None:
+            return None
+        metadata = context.invocation_metadata() or ()
+        at = time.monotonic()
+        return tracing.start_rpc(metadata, method, request.model_name, request.id, at)
+
+    def _end_trace(self, traced: RequestTrace | None, code: grpc.StatusCode) -> str:
+        """End a traced request's span, answered with `code`; its trace id ("": none)."""
+        if traced is None or self.app.tracing is None:
+            return ""
+        self.app.tracing.finish_rpc(traced, code.value[0], code in ERROR_CODES, time.monotonic())
+        return traced.trace_id
+
     # -- the frame around every method -------------------------------------------------
-    async def _run(self, method: str, context: Context, handler: Callable[[], Awaitable[T]]) -> T:
-        """Authenticate, run, time; a ServingError leaves as its gRPC status code."""
+    async def _run(
+        self,
+        method: str,
+        context: Context,
+        handler: Callable[[], Awaitable[T]],
+        traced: RequestTrace | None = None,
+    ) -> T:
+        """Authenticate, run, time (and end the span of a traced request); a ServingError
+        leaves as its gRPC status code."""
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
@@ -225,7 +269,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             code = grpc.StatusCode.INTERNAL
             await _abort(context, code, f"internal error: {type(exc).__name__}")
         finally:
-            self.latency.observe((method, code.name), time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            self.latency.observe((method, code.name), elapsed, self._end_trace(traced, code))
 
     def _authenticate(self, method: str, context: Context) -> None:
         keys = self.app.settings.api_keys
@@ -269,8 +314,9 @@ class _Stream:
     async def answer(self, request: pb.ModelInferRequest) -> None:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
+        traced = self.servicer._trace("ModelStreamInfer", request, self.context)
         try:
-            response = await self.servicer._infer(request, self.context)
+            response = await self.servicer._infer(request, self.context, traced)
             self.answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
         except ServingError as exc:
             code = status_code(exc)
@@ -279,10 +325,13 @@ class _Stream:
             log.exception("unhandled error in gRPC ModelStreamInfer")
             code = grpc.StatusCode.INTERNAL
             self.answers.put_nowait(_stream_error(request, f"internal error: {type(exc).__name__}"))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
         finally:
-            self.servicer.latency.observe(
-                ("ModelStreamInfer", code.name), time.perf_counter() - start
-            )
+            elapsed = time.perf_counter() - start
+            trace_id = self.servicer._end_trace(traced, code)
+            self.servicer.latency.observe(("ModelStreamInfer", code.name), elapsed, trace_id)
 
     def cancel(self) -> None:
         for task in list(self.pending):

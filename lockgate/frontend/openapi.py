@@ -1,9 +1,11 @@
 """The OpenAPI 3.1 document of lockgate's HTTP API, served at /openapi.json.
 
-Every route of `frontend/app.py` and `frontend/openai_routes.py` is here, with its answers and
-its errors. The schemas come from msgspec types (`msgspec.json.schema_components`): request
-bodies from the Structs that decode them (`protocol/v2_codec.py`, `protocol/openai.py`), so
-the document cannot drift from what the server accepts, and answers from
+Every route of `frontend/app.py`, `frontend/openai_routes.py` and `frontend/generate_routes.py`
+is here, with its answers and its errors. The schemas come from msgspec types
+(`msgspec.json.schema_components`): request bodies from the Structs that decode them
+(`protocol/v2_codec.py`, `protocol/openai.py`; Triton's generate body from the names
+`protocol/generate.py` takes, typed as the completion request they decode into), so the
+document cannot drift from what the server accepts, and answers from
 `frontend/openapi_schemas.py`, which the fuzz test holds a live server's answers to.
 """
 
@@ -18,8 +20,8 @@ from lockgate import __version__
 from lockgate.config import DATATYPES
 from lockgate.frontend import openapi_schemas as out
 from lockgate.frontend.v2_service import IndexEntry
+from lockgate.protocol import generate, v2_codec
 from lockgate.protocol import openai as oa
-from lockgate.protocol import v2_codec
 
 # --- schemas ------------------------------------------------------------------------------
 
@@ -111,7 +113,43 @@ def schema_components() -> dict[str, Any]:
         components[new] = {**components.pop(old), "title": new}
     for (component, field), schema in _HAND_CHECKED.items():
         components[component]["properties"][field] = schema
+    components["GenerateRequest"] = _generate_request(components["CompletionRequest"])
     return dict(sorted(components.items()))
+
+
+_GENERATE_OPTIONS = {
+    "stream": {
+        "anyOf": [{"type": "boolean"}, {"type": "null"}],
+        "description": "when given, must match the route: true for /generate_stream",
+    },
+    "exclude_input_in_output": {
+        "anyOf": [{"type": "boolean"}, {"type": "null"}],
+        "description": "false: text_output starts with text_input (default true)",
+    },
+}
+
+
+def _generate_request(completion: dict[str, Any]) -> dict[str, Any]:
+    """Triton's generate body as `protocol/generate.py` decodes it: `text_input`, and the
+    names it knows, typed as in the completion request they become, at the top level or in
+    `parameters` (not both); any other name is refused (400)."""
+    fields = {name: completion["properties"][name] for name in generate.SAMPLING}
+    fields["max_tokens"] = {**fields["max_tokens"], "description": "default 16"}
+    fields.update({name: _GENERATE_OPTIONS[name] for name in generate.OPTIONS})
+    parameters = {
+        "anyOf": [
+            {"type": "object", "properties": fields, "additionalProperties": False},
+            {"type": "null"},
+        ],
+        "description": "sampling parameters, with vLLM's names",
+    }
+    return {
+        "title": "GenerateRequest",
+        "type": "object",
+        "properties": {"text_input": _TEXT, "parameters": parameters, **fields},
+        "required": ["text_input"],
+        "additionalProperties": False,
+    }
 
 
 def _renamed(node: Any) -> Any:
@@ -205,6 +243,9 @@ def _parameter(
 
 
 _MODEL = _parameter("model", "path", "the model's name", {"type": "string"}, "minilm")
+_LLM_MODEL = _parameter(
+    "model", "path", "a language model's name in the repository", {"type": "string"}, "smollm2"
+)
 _VERSION = _parameter("version", "path", "a version number", {"type": "string"}, "1")
 _TIMEOUT = _parameter(
     "Request-Timeout",
@@ -236,6 +277,10 @@ _GENERATION_EXAMPLES = {
     },
 }
 _EMBEDDING_EXAMPLE = {"model": "minilm", "input": ["hello world"]}
+_GENERATE_EXAMPLE = {
+    "text_input": "The capital of France is",
+    "parameters": {"max_tokens": 8, "temperature": 0},
+}
 
 
 def _model_paths(prefix: str, params: tuple[dict[str, Any], ...], at: str) -> dict[str, Any]:
@@ -262,6 +307,8 @@ def _model_paths(prefix: str, params: tuple[dict[str, Any], ...], at: str) -> di
             )
         },
         f"{prefix}/infer": {"post": _infer(params, at)},
+        f"{prefix}/generate": {"post": _generate(params, at, stream=False)},
+        f"{prefix}/generate_stream": {"post": _generate(params, at, stream=True)},
     }
 
 
@@ -285,6 +332,45 @@ def _infer(params: tuple[dict[str, Any], ...], at: str) -> dict[str, Any]:
         (400, 403, 404, 408, 413, 500, 503, 504),
         tag="v2",
         params=(*params, _TIMEOUT, _HEADER_LENGTH),
+        body=body,
+    )
+
+
+def _generate(params: tuple[dict[str, Any], ...], at: str, stream: bool) -> dict[str, Any]:
+    """Triton's generate extension on a language model: the text whole, or as server-sent
+    events."""
+    if stream:
+        data = {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [_ref("GenerateResponse"), _ref("Error")]},
+        }
+        event = {
+            "type": "object",
+            "description": "`data: {GenerateResponse}` events, each with the text new since the"
+            " last (first text_input, with exclude_input_in_output false), and an Error event"
+            " last if the generation fails once started; no [DONE]",
+            "properties": {"data": data},
+            "required": ["data"],
+        }
+        ok = {
+            "200": {
+                "description": "The generated text as server-sent events",
+                "content": {"text/event-stream": {"schema": event}},
+            }
+        }
+        operation_id, summary = f"generate_stream{at}", "Generation, streamed (Triton)"
+    else:
+        ok = _ok("GenerateResponse")
+        operation_id, summary = f"generate{at}", "Generation (Triton)"
+    body = {"application/json": {"schema": _ref("GenerateRequest"), "example": _GENERATE_EXAMPLE}}
+    return _operation(
+        operation_id,
+        summary,
+        ok,
+        (400, 403, 404, 408, 413, 429, 503, 504),
+        tag="v2",
+        params=(_LLM_MODEL, *params[1:], _TIMEOUT),
         body=body,
     )
 

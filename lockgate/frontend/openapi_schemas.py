@@ -2,7 +2,7 @@
 OpenAPI document (`frontend/openapi.py`).
 
 The encoders build these answers as plain data (`protocol/v2_metadata.py`,
-`protocol/v2_codec.py`, `protocol/openai.py`); the fuzz test
+`protocol/v2_codec.py`, `protocol/openai.py`, `protocol/generate.py`); the fuzz test
 (`tests/frontend/test_openapi_fuzz.py`) holds every answer of a live server to these shapes.
 """
 
@@ -155,6 +155,15 @@ class InferResponse(msgspec.Struct):
 
 class Empty(msgspec.Struct):
     pass
+
+
+class GenerateResponse(msgspec.Struct):
+    """The answer of Triton's /generate, and each event of /generate_stream (whose
+    `text_output` is the text new since the last event)."""
+
+    model_name: str
+    model_version: str
+    text_output: str
 
 
 # --- OpenAI API ---------------------------------------------------------------------------

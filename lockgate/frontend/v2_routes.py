@@ -35,8 +35,8 @@ async def infer(
         result = await service.infer(
             name, served, decoded, deadline, priority_granted, traced.trace_id if traced else ""
         )
-    if traced is not None:
-        traced.request = result.request
+    if traced is not None and result.request is not None:
+        traced.requests.append(result.request)
     payload, header_length = v2_codec.encode_infer_response(
         model_name=name,
         model_version=str(result.served.version),

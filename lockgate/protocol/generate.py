@@ -45,37 +45,105 @@ class GenerateRequest:
     exclude_input_in_output: bool = True  # False: text_output starts with text_input
 
 
+_EMPTY = msgspec.Raw()
+_NESTED = object()  # a raw value that is an array or an object
+_PARAMETERS = msgspec.defstruct(
+    "GenerateParameters",
+    [(name, msgspec.Raw, _EMPTY) for name in sorted(KNOWN)],
+    forbid_unknown_fields=True,
+)
+_BODY = msgspec.defstruct(
+    "GenerateBody",
+    [("text_input", msgspec.Raw, _EMPTY), ("parameters", msgspec.Raw, _EMPTY)],
+    bases=(_PARAMETERS,),
+    forbid_unknown_fields=True,
+)
+_NAMES_READ_BELOW = 64 * 1024  # bytes: an object this small is read again to name every
+# unknown field; a larger one is refused naming the first (no object is built for its values)
+
+
 def decode(body: bytes) -> GenerateRequest:
-    """A checked generate request; BadRequest (400) naming what is wrong."""
-    fields: dict[str, Any] = oa.decode(body, dict[str, Any])
-    text = fields.pop("text_input", None)
+    """A checked generate request; BadRequest (400) naming what is wrong. Every value is kept
+    as raw JSON until it is known to belong, then decoded by its type: nothing the request
+    does not define is ever built."""
+    top = _typed(body, _BODY, inner=False)
+    text = _value(top.text_input, "text_input")
     if not isinstance(text, str):
         raise BadRequest("text_input is required: the prompt, as a string")
-    parameters = fields.pop("parameters", None)
-    parameters = {} if parameters is None else parameters
-    if not isinstance(parameters, dict):
+    raw_parameters = bytes(top.parameters)
+    if raw_parameters.strip() in (b"", b"null"):
+        parameters = _PARAMETERS()
+    elif raw_parameters.lstrip()[:1] != b"{":
         raise BadRequest("parameters must be an object of name/value pairs")
-    twice = sorted(set(fields) & set(parameters))
+    else:
+        parameters = _typed(raw_parameters, _PARAMETERS, inner=True)
+    given: dict[str, bytes] = {}
+    twice = []
+    for name in sorted(KNOWN):
+        outer, inner = bytes(getattr(top, name)), bytes(getattr(parameters, name))
+        if outer and inner:
+            twice.append(name)
+        if outer or inner:
+            given[name] = outer or inner
     if twice:
         raise BadRequest(f"given both at the top level and in parameters: {_names(twice)}")
-    fields.update(parameters)
-    unknown = sorted(set(fields) - KNOWN)
-    if unknown:
-        raise BadRequest(
-            f"unknown parameters: {_names(unknown)} (known: {', '.join(sorted(KNOWN))})"
-        )
-    stream = _flag(fields, "stream")
-    exclude = _flag(fields, "exclude_input_in_output") is not False
+    stream = _flag(given, "stream")
+    exclude = _flag(given, "exclude_input_in_output") is not False
+    fields = b",".join(b'"%s":%s' % (name.encode(), value) for name, value in given.items())
+    prompt = msgspec.json.encode(text)
     try:
-        completion = msgspec.convert({**fields, "prompt": text}, oa.CompletionRequest)
+        completion = msgspec.json.decode(
+            b'{"prompt":%s%s%s}' % (prompt, b"," if fields else b"", fields),
+            type=oa.CompletionRequest,
+        )
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid parameters: {exc}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise BadRequest(f"malformed JSON in parameters: {exc}") from None
     return GenerateRequest(text, completion, stream, exclude)
 
 
-def _flag(fields: dict[str, Any], name: str) -> bool | None:
+def _typed(data: bytes, kind: Any, *, inner: bool) -> Any:
+    try:
+        return oa.decode(data, kind)
+    except BadRequest as exc:
+        if "unknown field" not in exc.message:
+            raise
+    unknown = []
+    if len(data) < _NAMES_READ_BELOW:  # small: read its names, to name them all
+        names = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
+        unknown = sorted(set(names) - KNOWN - (set() if inner else {"text_input", "parameters"}))
+    else:
+        unknown = [_first_unknown(data, kind)]
+    raise BadRequest(f"unknown parameters: {_names(unknown)} (known: {', '.join(sorted(KNOWN))})")
+
+
+def _first_unknown(data: bytes, kind: Any) -> str:
+    try:
+        msgspec.json.decode(data, type=kind)
+    except msgspec.ValidationError as exc:
+        return str(exc).partition("`")[2].rpartition("`")[0]
+    return ""
+
+
+def _value(raw: msgspec.Raw, name: str) -> object:
+    """A raw field's value: None when it was not given. Only called on fields that hold a
+    scalar when valid; anything nested is refused by its caller's type check."""
+    data = bytes(raw)
+    if not data:
+        return None
+    if data.lstrip()[:1] in (b"[", b"{"):
+        return _NESTED  # not a scalar: the caller refuses it by its type
+    try:
+        return msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"malformed JSON in {name}: {exc}") from None
+
+
+def _flag(fields: dict[str, bytes], name: str) -> bool | None:
     """A boolean field, taken out of `fields`; None when not given."""
-    value = fields.pop(name, None)
+    raw = fields.pop(name, b"")
+    value = _value(msgspec.Raw(raw), name)
     if value is not None and not isinstance(value, bool):
         raise BadRequest(f"{name} must be true or false")
     return value

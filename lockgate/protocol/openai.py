@@ -14,7 +14,7 @@ from typing import Any, Literal
 import msgspec
 
 from lockgate.errors import BadRequest
-from lockgate.protocol.json_arrays import opening_depth, strings_at_least
+from lockgate.protocol.json_arrays import count_scalars, opening_depth, strings_at_least
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +125,7 @@ UNSUPPORTED = (
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: Any  # a string, token ids, or a list of one of those; checked by the route
+    prompt: msgspec.Raw  # a string, token ids, or a list of one of those: see `prompt_of`
     logprobs: int | None = None
     echo: bool = False
 
@@ -193,6 +193,54 @@ def embedding_texts(raw: msgspec.Raw, limits: OpenAILimits) -> list[str]:
                 f"{limits.max_embedding_chars}"
             )
     return texts
+
+
+_IDS = msgspec.json.Decoder(list[int])
+_ID_LISTS = msgspec.json.Decoder(list[list[int]])
+_NOT_PROMPT = "prompt must be a string, a list of token ids, or a list of one of those"
+Prompt = str | list[int]
+
+
+def prompt_of(raw: msgspec.Raw, most_ids: int) -> Prompt:
+    """The one prompt of a completion request: a string or token ids, given bare or as the
+    only item of a list. Token ids are counted from the raw bytes before a list is built, and
+    more than `most_ids` (the model's context) are refused, as is a second prompt."""
+    data = bytes(raw)
+    depth = opening_depth(data)
+    if depth == 0:
+        return _prompt_decoded(_TEXT, data)
+    head = data.lstrip(_SPACE)[depth:].lstrip(_SPACE)[:1]  # the first item's first character
+    if depth == 1 and head == b'"':
+        if strings_at_least(data) > 1:
+            raise BadRequest("prompt: one prompt per request is supported, not a list of them")
+        texts = _prompt_decoded(_TEXTS, data)
+        if len(texts) != 1:
+            raise BadRequest(_NOT_PROMPT)
+        return texts[0]
+    if depth > 2 or b'"' in data or b"{" in data:
+        raise BadRequest(_NOT_PROMPT)
+    counts = count_scalars(data)
+    if counts.lists > depth:
+        raise BadRequest("prompt: one prompt per request is supported, not a list of them")
+    if counts.leaves > most_ids:
+        raise BadRequest(
+            f"prompt has {counts.leaves} token ids, more than the model's context of "
+            f"{most_ids} tokens"
+        )
+    ids = _prompt_decoded(_IDS, data) if depth == 1 else _prompt_decoded(_ID_LISTS, data)[0]
+    if not ids:
+        raise BadRequest(f"{_NOT_PROMPT}: the list is empty")
+    return ids
+
+
+def _prompt_decoded(decoder: msgspec.json.Decoder[Any], data: bytes) -> Any:
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        where = str(exc).replace("`$", "`$.prompt")
+        raise BadRequest(f"{_NOT_PROMPT}: {where}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise BadRequest(f"malformed JSON in prompt: {exc}") from None
 
 
 def _decoded(decoder: msgspec.json.Decoder[Any], data: bytes) -> Any:

@@ -10,8 +10,8 @@ import schemathesis
 from openapi_spec_validator import validate
 
 from lockgate.frontend.openapi import openapi_document
+from lockgate.protocol import generate, v2_codec
 from lockgate.protocol import openai as oa
-from lockgate.protocol import v2_codec
 
 ROUTES = {
     ("get", "/v2"),
@@ -30,6 +30,8 @@ ROUTES = {
             ("get", "/config"),
             ("get", "/stats"),
             ("post", "/infer"),
+            ("post", "/generate"),
+            ("post", "/generate_stream"),
         )
     ),
     ("get", "/v1/models"),
@@ -90,3 +92,23 @@ def test_the_examples_decode() -> None:
         assert examples(media), path
         for body in examples(media):
             oa.decode(json.dumps(body).encode(), kind)
+    for path in ("/v2/models/{model}/generate", "/v2/models/{model}/generate_stream"):
+        media = paths[path]["post"]["requestBody"]["content"]["application/json"]
+        assert examples(media), path
+        for body in examples(media):
+            assert generate.decode(json.dumps(body).encode()).text_input
+
+
+def test_the_generate_body_names_what_the_decoder_takes() -> None:
+    """Every name `protocol/generate.py` knows is in the schema, typed as the completion
+    request's field it becomes, and nothing else is."""
+    schemas = openapi_document()["components"]["schemas"]
+    body, completion = schemas["GenerateRequest"], schemas["CompletionRequest"]["properties"]
+    names = set(body["properties"]) - {"text_input", "parameters"}
+    assert names == generate.KNOWN
+    (nested,) = [s for s in body["properties"]["parameters"]["anyOf"] if s["type"] == "object"]
+    assert set(nested["properties"]) == generate.KNOWN
+    for name in generate.SAMPLING:
+        typed = {k: v for k, v in body["properties"][name].items() if k != "description"}
+        assert typed == completion[name], name
+    assert body["additionalProperties"] is False and nested["additionalProperties"] is False

@@ -22,11 +22,12 @@ from lockgate.frontend.openapi import openapi_document
 from tests.conftest import RunningServer, smollm2_repository, start_server
 
 EXAMPLES = 15  # per operation (24 operations)
-LLM_EXAMPLES = 8  # per generating operation (2): each generates a few tokens
+LLM_EXAMPLES = 8  # per generating operation (6): each generates a few tokens
 MAX_TOKENS = 3  # what a fuzzed completion may generate at most
 MODELS = ("echo", "digits_onnx", "minilm", "smollm2")  # half the cases aim at one of these
 SPARE = "spare"  # the only model the fuzzed load and unload calls aim at
-GENERATION = r"^/v1/(chat/)?completions$"
+GENERATION = r"^/v1/(chat/)?completions$|/generate(_stream)?$"
+LLM = "smollm2"  # the repository name, as the generate routes take it
 
 
 @pytest.fixture(scope="module")
@@ -69,28 +70,48 @@ def aim(case: schemathesis.Case) -> None:
         if aimed or params["model"] in MODELS:
             params["model"] = SPARE
     elif "model" in params and params["model"] not in MODELS and aimed:
-        params["model"] = MODELS[choice]
+        generates = case.path.endswith(("/generate", "/generate_stream"))
+        params["model"] = LLM if generates else MODELS[choice]
         if "version" in params:
             params["version"] = "1"
     body = case.body
-    if not case.path.startswith("/v1/") or not isinstance(body, dict):
+    if not isinstance(body, dict):
+        return
+    if case.path.endswith(("/generate", "/generate_stream")):
+        parameters = body.get("parameters")
+        if aimed and isinstance(parameters, dict):  # a name in both places is a 400
+            for name in set(body) & set(parameters):
+                del body[name]
+        if "max_tokens" in body or not isinstance(parameters, dict):
+            shorten(body, ("max_tokens",))
+        else:
+            shorten(parameters, ("max_tokens",))
+        return
+    if not case.path.startswith("/v1/"):
         return
     if aimed and "model" in body:
         body["model"] = "minilm" if case.path == "/v1/embeddings" else SERVED_NAME
-    for field in ("max_tokens", "max_completion_tokens"):
-        value = body.get(field)
+    shorten(body, ("max_tokens", "max_completion_tokens"))
+
+
+def shorten(fields: dict[str, Any], names: tuple[str, ...]) -> None:
+    """Cap the tokens a fuzzed generation may ask for (none asked: the cap)."""
+    for name in names:
+        value = fields.get(name)
         if value is None or (isinstance(value, int) and value > MAX_TOKENS):
-            body[field] = MAX_TOKENS
+            fields[name] = MAX_TOKENS
 
 
 def check(case: schemathesis.Case, response: Any) -> None:
     """No 500, 5xx only when transient, and an answer as documented: each event of a stream
-    too (schemathesis checks events against the event schema), and a stream ends [DONE]."""
+    too (schemathesis checks events against the event schema), and an OpenAI stream ends
+    [DONE] (Triton's generate_stream has no such event)."""
     assert response.status_code != 500, (case.as_curl_command(), response.text[:500])
     assert response.status_code < 500 or response.status_code in (503, 504), response.text[:500]
     case.validate_response(response, checks=[status_code_conformance, response_schema_conformance])
     if response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
-        assert response.text.endswith("data: [DONE]\n\n"), response.text[-500:]
+        last = "data: [DONE]\n\n" if case.path.startswith("/v1/") else "}\n\n"
+        assert response.text.endswith(last), response.text[-500:]
 
 
 def fuzz(examples: int) -> settings:

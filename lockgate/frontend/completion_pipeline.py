@@ -1,0 +1,368 @@
+"""The completion pipeline: the steps of one completion on a language model, shared by every
+route that asks for one (`/v1/completions` and `/v1/chat/completions` in
+`frontend/openai_routes.py`, Triton's generate in `frontend/generate_routes.py`).
+
+A route decodes its body into the OpenAI completion request it amounts to, then:
+
+    tokenize  off the event loop, at most `tokenize_threads` at once (503 past the queue)
+    prepare   context and sampling limits, the model's sampling defaults, priority, cache key
+    cached    a completion the response cache already holds, or None
+    submit    admission by the engine; the outputs as they come (a `Generation`)
+    collect   (answers sent whole) the outputs joined
+    keep      cache a completion that finished
+
+and encodes the answer in its own wire format: nothing here knows one, except the framing of
+server-sent events that both streaming routes use (`send_event`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from lockgate.cache.completion import Completion, CompletionCache, CompletionKey
+from lockgate.core.metrics import Counter
+from lockgate.errors import BadRequest, Forbidden, ServingError, Unavailable
+from lockgate.frontend.app import App
+from lockgate.frontend.http import HttpRequest, Send, cancel_on_disconnect
+from lockgate.llm.sequence import SamplingParams
+from lockgate.llm.service import LLMService
+from lockgate.protocol import openai as oa
+
+if TYPE_CHECKING:
+    from lockgate.llm.async_engine import RequestStream
+    from lockgate.llm.engine import RequestOutput
+
+# the cache namespaces of completions: of a text prompt (/v1/completions and generate share
+# it: the same prompt and parameters give the same text), and of a chat
+TEXT_COMPLETION = "cmpl"
+CHAT_COMPLETION = "chatcmpl"
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedCompletion:
+    """A completion checked and ready to submit."""
+
+    service: LLMService
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int  # the engine's: 1 is the highest
+    key: CompletionKey | None  # its response-cache key; None: not cached
+
+
+@dataclass(slots=True)
+class Collected:
+    """The outputs of a completion answered whole, joined."""
+
+    text: str
+    logprobs: list[Any]  # one entry per generated token, when logprobs were asked
+    last: RequestOutput | None  # None: no output at all
+
+    @property
+    def finish_reason(self) -> str | None:
+        last = self.last
+        return last.finish_reason.value if last and last.finish_reason else None
+
+
+class Generation:
+    """The outputs of one submitted completion, as the engine makes them: an async iterator,
+    and an async context manager that aborts the request (freeing its KV blocks) on exit.
+    A traced request's trace gets the engine's timings of it."""
+
+    __slots__ = ("outputs", "request")
+
+    def __init__(self, outputs: RequestStream, request: HttpRequest) -> None:
+        self.outputs = outputs
+        self.request = request
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        out = await self.outputs.__anext__()
+        traced = self.request.trace
+        if traced is not None and traced.timings is None:
+            traced.timings = out.timings  # the engine's own record, filled in as it goes
+        return out
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.outputs.__aexit__(*exc_info)
+
+
+@dataclass(slots=True)
+class CompletionPipeline:
+    app: App
+    completions: CompletionCache = field(init=False)
+    rejected: Counter = field(init=False)  # refusals by the engine's admission
+    tokenizers: asyncio.Semaphore = field(init=False)
+    tokenizing: int = 0  # prompts being tokenized or waiting to be
+
+    def __post_init__(self) -> None:
+        self.tokenizers = asyncio.Semaphore(self.limits.tokenize_threads)
+        self.completions = CompletionCache(self.app.cache)
+        self.rejected = self.app.models.registry.counter(
+            "lockgate_llm_requests_rejected_total",
+            "Language-model requests refused before they queued, by reason (the error kind: "
+            "unavailable for a TTFT that would miss its budget, too_many_requests for a full "
+            "queue).",
+            ("model", "reason"),
+        )
+
+    @property
+    def limits(self) -> oa.OpenAILimits:
+        return self.app.settings.openai
+
+    # -- tokenize ----------------------------------------------------------------------
+    async def tokenize(self, service: LLMService, prompt: object) -> list[int]:
+        """The token ids of a prompt: a string, token ids, or a list of one of those (raw
+        JSON as /v1/completions decodes it, checked before a list is built)."""
+        if isinstance(prompt, msgspec.Raw):
+            prompt = oa.prompt_of(prompt, service.engine_config.max_model_len)
+        return await self._off_loop(self._prompt_ids, service, prompt)
+
+    async def tokenize_chat(self, service: LLMService, messages: list[dict[str, Any]]) -> list[int]:
+        """The token ids of chat messages ({"role", "content"}) through the model's chat
+        template, with the assistant's turn opened."""
+        chars = sum(len(m["content"] or "") for m in messages)
+        check_length(service, chars, self.limits.max_prompt_chars)
+        return await self._off_loop(_chat_ids, service, messages)
+
+    async def _off_loop(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+        """Tokenize off the event loop, at most `tokenize_threads` at once; past
+        `tokenize_waiting` requests waiting their turn, 503."""
+        if self.tokenizing >= self.limits.tokenize_threads + self.limits.tokenize_waiting:
+            raise Unavailable("too many prompts waiting to be tokenized", retry_after=1)
+        self.tokenizing += 1
+        try:
+            async with self.tokenizers:
+                return await asyncio.to_thread(fn, *args)
+        finally:
+            self.tokenizing -= 1
+
+    def _prompt_ids(self, service: LLMService, prompt: object) -> list[int]:
+        if isinstance(prompt, msgspec.Raw):  # counted, then decoded, off the event loop
+            prompt = oa.prompt_of(prompt, service.engine_config.max_model_len)
+        if isinstance(prompt, str):
+            check_length(service, len(prompt), self.limits.max_prompt_chars)
+            return service.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+            bad = [t for t in ids if not 0 <= t < service.vocab_size]
+            if bad:
+                raise BadRequest(
+                    f"prompt token id {bad[0]} is outside the vocabulary "
+                    f"(0..{service.vocab_size - 1})"
+                )
+            return ids
+        if isinstance(prompt, list) and len(prompt) == 1:
+            return self._prompt_ids(service, prompt[0])
+        raise BadRequest("prompt must be a string, a list of token ids, or a list of one of those")
+
+    # -- prepare -----------------------------------------------------------------------
+    def prepare(
+        self,
+        request: HttpRequest,
+        service: LLMService,
+        body: oa.CompletionRequest | oa.ChatRequest,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int | None,
+        default_max: int | None,
+        logprobs: int | None,
+        namespace: str,
+    ) -> PreparedCompletion:
+        """Check a completion against the model's context and the server's limits (400),
+        and its priority against the client's key (403). `default_max` is the max_tokens of
+        a request without one (None: the rest of the context); `namespace` is the cache's
+        (TEXT_COMPLETION or CHAT_COMPLETION)."""
+        params = self.sampling(service, body, len(prompt_ids), max_tokens, default_max, logprobs)
+        priority = self.priority(request, service, body.priority)
+        key = self.cache_key(service, namespace, prompt_ids, params)
+        if request.trace is not None and not request.trace.model:  # /v2 routes know it
+            request.trace.model = service.name
+        return PreparedCompletion(service, prompt_ids, params, priority, key)
+
+    def sampling(
+        self,
+        service: LLMService,
+        body: oa.CompletionRequest | oa.ChatRequest,
+        prompt_len: int,
+        max_tokens: int | None,
+        default_max: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        if body.n != 1:
+            raise BadRequest("n must be 1")
+        limit = service.engine_config.max_model_len
+        if prompt_len >= limit:
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {prompt_len} tokens. Please reduce the length of the prompt."
+            )
+        if max_tokens is None:
+            max_tokens = default_max or (limit - prompt_len)
+        if max_tokens < 1:
+            raise BadRequest("max_tokens must be at least 1")
+        if prompt_len + max_tokens > limit:
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+                "the completion). Please reduce the length of the prompt or max_tokens."
+            )
+        stop = self.limits.stop_strings(body.stop)
+        self.limits.check_stop_token_ids(body.stop_token_ids)
+        return SamplingParams(
+            **service.generation.fill(body.temperature, body.top_p, body.top_k, body.min_p),
+            seed=body.seed,
+            max_tokens=max_tokens,
+            stop=tuple(stop),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logprobs=logprobs,
+            logit_bias=_logit_bias(body.logit_bias, service.vocab_size, self.limits.max_logit_bias),
+        )
+
+    def priority(self, request: HttpRequest, service: LLMService, asked: int) -> int:
+        """The engine priority of a request that asked `asked` (0: the model's default)."""
+        if asked < 0:
+            raise BadRequest("priority must be a non-negative integer (1 is the highest)")
+        levels = max(1, service.config.batcher.priority_levels)
+        default = service.config.batcher.default_priority_level or levels
+        priority = min(asked or default, levels)
+        if priority < default and not self.app.priority_granted(request.bearer()):
+            raise Forbidden(
+                f"priority {priority} is above the model's default ({default}): "
+                "it needs a key that grants it"
+            )
+        return priority
+
+    def cache_key(
+        self, service: LLMService, namespace: str, prompt_ids: list[int], params: SamplingParams
+    ) -> CompletionKey | None:
+        """The cache key of a deterministic completion (greedy, no logprobs) of a model whose
+        response cache is on; None for any other."""
+        settings = service.config.response_cache
+        if not settings.enable or params.temperature != 0 or params.logprobs is not None:
+            return None
+        model = self.app.models.models.get(service.config.name)
+        versions = model.versions.items() if model is not None else ()
+        version = next((v for v, s in versions if s.service is service), 0)
+        return CompletionCache.key(
+            service.name, version, settings, namespace, prompt_ids, repr(params)
+        )
+
+    # -- run ---------------------------------------------------------------------------
+    async def cached(self, prepared: PreparedCompletion) -> Completion | None:
+        """The completion the response cache holds for it, or None."""
+        if prepared.key is None:
+            return None
+        return await self.completions.get(prepared.key)
+
+    def submit(self, request: HttpRequest, prepared: PreparedCompletion, rid: str) -> Generation:
+        """Hand the completion to the engine, whose admission refuses it here (429, 503)."""
+        if self.app.draining:
+            raise Unavailable("server is shutting down", retry_after=1)
+        service = prepared.service
+        try:
+            outputs = service.engine.generate(
+                prepared.prompt_ids, prepared.params, rid, deadline(request), prepared.priority
+            )
+        except ServingError as exc:
+            self.rejected.inc((service.name, exc.kind))
+            raise
+        return Generation(outputs, request)
+
+    async def collect(self, request: HttpRequest, outputs: Generation) -> Collected:
+        """Every output of a completion answered whole; the request ends if its client leaves."""
+        texts: list[str] = []
+        entries: list[Any] = []
+        last: RequestOutput | None = None
+        async with cancel_on_disconnect(request.receive), outputs:
+            async for out in outputs:
+                texts.append(out.text)
+                if out.logprobs:
+                    entries.extend(out.logprobs)
+                last = out
+        return Collected("".join(texts), entries, last)
+
+    def keep(self, prepared: PreparedCompletion, text: str, last: RequestOutput | None) -> None:
+        """Cache a completion that finished (not one cut short), when it has a key."""
+        key = prepared.key
+        if key is not None and last is not None and last.finish_reason is not None:
+            completion = Completion(
+                text, last.finish_reason.value, last.num_prompt_tokens, last.num_output_tokens
+            )
+            self.completions.put(key, completion)
+
+
+async def send_event(send: Send, payload: dict[str, Any]) -> None:
+    """One server-sent event, `data: <payload as JSON>`, of a streamed answer."""
+    body = b"data: " + _encode(payload) + b"\n\n"
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+def check_length(service: LLMService, chars: int, most: int) -> None:
+    """Refuse, before tokenizing, a prompt too long to fit the context whatever its tokens,
+    or longer than `most` characters (0: no bound of its own)."""
+    limit = service.engine_config.max_model_len * service.tokenizer.max_token_chars
+    if chars > limit:
+        raise BadRequest(
+            f"prompt of {chars} characters cannot fit the context of "
+            f"{service.engine_config.max_model_len} tokens (at most {limit} characters)"
+        )
+    if most and chars > most:
+        raise BadRequest(f"prompt of {chars} characters is over the limit of {most} characters")
+
+
+def deadline(request: HttpRequest) -> float | None:
+    """The deadline a Request-Timeout header sets, from the request's first byte; 400 when
+    malformed."""
+    header = request.header(b"request-timeout")
+    if header is None:
+        return None
+    try:
+        seconds = float(header)
+    except ValueError:
+        raise BadRequest("Request-Timeout header must be a number of seconds") from None
+    if not 0 < seconds < 1e7:
+        raise BadRequest("Request-Timeout header must be a positive number of seconds")
+    return request.received + seconds
+
+
+def _chat_ids(service: LLMService, messages: list[dict[str, Any]]) -> list[int]:
+    try:
+        return service.tokenizer.encode_chat(messages, add_generation_prompt=True)
+    except ServingError:
+        raise
+    except Exception as exc:
+        raise BadRequest(f"chat template failed: {exc}") from None
+
+
+def _logit_bias(
+    bias: dict[str, float] | None, vocab_size: int, most: int
+) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}) as checked (token id, bias) pairs."""
+    if not bias:
+        return ()
+    if len(bias) > most:
+        raise BadRequest(f"logit_bias takes at most {most} entries")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 9 and int(key) < vocab_size):
+            raise BadRequest(
+                f"logit_bias key {key[:20]!r} is not a token id in 0..{vocab_size - 1}"
+            )
+        if not -100.0 <= value <= 100.0:
+            raise BadRequest(f"logit_bias value {value} for token {key} is outside [-100, 100]")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
