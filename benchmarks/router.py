@@ -12,17 +12,24 @@
    model's recent p95, within a 10% budget); closed loop at concurrency 3, p99 of each and the
    extra copies the hedging router sent (`lockgate_router_hedges_total` over
    `lockgate_router_requests_total`).
-3. Replicas. `lockgate serve --replicas 2` (a router and two processes pinned to cores 0 and
-   1) against `--replicas 1` (one process) on digits_onnx: the highest closed-loop throughput
-   over a sweep of concurrencies whose p99 stays under 50 ms, and the ratio. On a machine with
-   two cores the router and the client share the replicas' cores, so this is the ratio the
-   same two cores give, not what a machine with spare cores would.
+3. Replicas. `lockgate serve --replicas 2` (two processes pinned to cores 0 and 1) against
+   `--replicas 1` (one process) on digits_onnx, both ways of balancing: `--balance kernel`
+   (the replicas share the port through SO_REUSEPORT, nothing in front: the target) and
+   `--balance router` (the router in front of them, shown beside it). Each figure is the
+   highest closed-loop throughput over a sweep of concurrencies whose p99 stays under 50 ms;
+   each connection of the closed loop is one the kernel places, so the sweep goes to many
+   connections. On a machine with two cores the client (and the router) share the replicas'
+   cores, so this is the ratio the same two cores give, not what a machine with spare cores
+   would; beside it, the CPU all of a set-up's processes spend per request (from /proc, warm-up
+   included), which shows what each way of balancing costs even when other work takes cores.
 
 The client is Triton's perf_analyzer (C++, synchronous HTTP, `count_windows` of `WINDOW`
 requests, three windows) when `.venv-perf` has it, else `RawLoop`: kept-alive sockets with
-prepared requests, in this process on the client core. The replicas comparison always uses
-`RawLoop`, because perf_analyzer reads the server's statistics before and after each window
-and, behind a router, those come from whichever replica answered. The servers run with the
+prepared requests, one connection per concurrent request, in this process on the client core.
+The replicas comparison always uses `RawLoop`: perf_analyzer reads the server's statistics
+before and after each window, and with several replicas (behind the router or sharing a
+port) those come from whichever replica answered, which fails its run ("failed to find the
+requested model version") at random. The servers run with the
 connection gate's saturation refusals off (`--max-loop-lag-ms 0 --queue-target-ms 0`) and
 digits without its 50 ms latency SLO, so a closed loop measures capacity and not refusals
 (perf_analyzer stops at the first error).
@@ -32,8 +39,11 @@ Repetitions alternate the systems compared; tables quote medians.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -69,6 +79,7 @@ from benchmarks.common import (
 from benchmarks.serving_overhead import PERF_ANALYZER, demo_model, digits_rows
 
 SUITE = "router"
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 T = TypeVar("T")
 DIGITS = "digits_onnx"
 STALLER = "staller"
@@ -82,6 +93,7 @@ TARGET_KEPT = 0.90
 TARGET_HEDGE_CUT = 3.0
 TARGET_HEDGE_EXTRA = 0.10
 TARGET_REPLICAS_RATIO = 1.6
+WARMUP_ROUNDS = 10  # RawLoop: requests per connection before it measures
 GATE_OFF = ("--max-loop-lag-ms", "0", "--queue-target-ms", "0")
 NO_GRPC = ("--grpc-port", "off")
 
@@ -220,7 +232,7 @@ class RawLoop:
         for _ in range(self.concurrency):
             _, connection = await loop.create_connection(_Connection, "127.0.0.1", self.port)
             connections.append(connection)
-        for i, connection in enumerate(connections * 10):  # warm-up
+        for i, connection in enumerate(connections * WARMUP_ROUNDS):  # warm-up
             await connection.send(requests[i % len(requests)])
         latencies: list[float] = []
         failed = 0
@@ -278,13 +290,53 @@ def start_router(work: Path, replicas: list[Server], *flags: str) -> Server:
     return start_server("router", _on(command, str(CLIENT_CORE)), port, work, pinned=False)
 
 
-def start_serve(repository: Path, work: Path, replicas: int) -> Server:
-    """`lockgate serve --replicas N` free to use both cores (it pins its replicas itself)."""
-    port = free_port()
+@dataclass(frozen=True, slots=True)
+class ServeSetup:
+    """One `lockgate serve` set-up of the replicas comparison."""
+
+    count: int
+    balance: str = ""  # --balance kernel or router; "" for one process
+
+    @property
+    def name(self) -> str:
+        return f"--replicas {self.count}" + (f" --balance {self.balance}" if self.balance else "")
+
+
+def start_serve(repository: Path, work: Path, setup: ServeSetup) -> Server:
+    """`lockgate serve --replicas N` free to use both cores (it pins its replicas itself),
+    once every replica is ready."""
+    port, base = free_port(), _free_run(setup.count)
     command = [sys.executable, "-m", "lockgate.cli", "serve", str(repository), "--no-llm"]
-    command += ["--port", str(port), "--replicas", str(replicas), *GATE_OFF, *NO_GRPC]
+    command += ["--port", str(port), "--replicas", str(setup.count), *GATE_OFF, *NO_GRPC]
+    command += ["--replica-base-port", str(base)]
+    if setup.balance:
+        command += ["--balance", setup.balance]
     both = f"{SERVER_CORE},{CLIENT_CORE}"
-    return start_server(f"serve-{replicas}", _on(command, both), port, work, pinned=False)
+    name = f"serve-{setup.count}{setup.balance}"
+    server = start_server(name, _on(command, both), port, work, pinned=False)
+    try:
+        if setup.balance == "router":
+            _wait_usable(server, setup.count)
+        elif setup.balance == "kernel":  # each on its private port
+            for i in range(setup.count):
+                _wait_ready(server, f"http://127.0.0.1:{base + i}")
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _free_run(count: int) -> int:
+    """A free port whose next `count - 1` ports are free too."""
+    while True:
+        base = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
 
 
 def digits_repository(ctx: Context) -> Path:
@@ -339,6 +391,7 @@ class Series:
     p99: list[float] = field(default_factory=list)
     rate: list[float] = field(default_factory=list)
     extra: list[float] = field(default_factory=list)  # hedging: extra copies per request
+    cpu: list[float] = field(default_factory=list)  # replicas: server CPU s per request
 
     def add(self, closed: Closed) -> None:
         self.p50.append(closed.p50)
@@ -426,30 +479,73 @@ def measure_hedging(ctx: Context, client: Client) -> dict[str, Series]:
 
 
 def measure_replicas(ctx: Context, client: Client, repository: Path) -> dict[str, Series]:
-    series = {"--replicas 1": Series(), "--replicas 2": Series()}
+    systems = [ServeSetup(1), ServeSetup(2, "kernel"), ServeSetup(2, "router")]
+    series = {system.name: Series() for system in systems}
     sweep = QUICK_SWEEP if ctx.quick else SWEEP
     for rep in range(1, ctx.repetitions + 1):
-        for count in alternate([1, 2], rep):
-            name = f"--replicas {count}"
-            with started(partial(start_serve, repository, ctx.work, count)) as (s,):
-                if count == 2:
-                    _wait_usable(s, 2)
+        for system in alternate(systems, rep):
+            name = system.name
+            with started(partial(start_serve, repository, ctx.work, system)) as (s,):
                 best = Closed(float("nan"), float("nan"), 0.0, 0)
+                best_cpu = float("nan")
                 for concurrency in sweep:
+                    before = _cpu_seconds(s.process.pid)
                     try:
                         closed = client.raw(s.port, DIGITS, concurrency)
                     except RuntimeError as exc:  # errors at this level: it does not count
                         ctx.say(SUITE, f"replicas rep {rep}: {name} c={concurrency}: {exc}")
                         continue
+                    sent = closed.requests + WARMUP_ROUNDS * concurrency
+                    cpu = (_cpu_seconds(s.process.pid) - before) / sent
                     ctx.say(
                         SUITE,
                         f"replicas rep {rep}: {name} c={concurrency} {closed.rate:,.0f} req/s "
-                        f"p99 {closed.p99 * 1e3:.2f} ms",
+                        f"p99 {closed.p99 * 1e3:.2f} ms, server CPU {cpu * 1e6:.0f} µs/request",
                     )
                     if closed.p99 < P99_BOUND_S and closed.rate > best.rate:
-                        best = closed
+                        best, best_cpu = closed, cpu
                 series[name].add(best)
+                series[name].cpu.append(best_cpu)
     return series
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) spent so far by process `pid` and its descendants,
+    from /proc (Linux; nan elsewhere). Descendants that exited are not counted."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return float("nan")
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+                parents[int(entry.name)] = int(fields[1])
+                times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / _TICKS
+    tree, grew = {pid}, True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sum(times.get(member, 0.0) for member in tree)
+
+
+def _wait_ready(server: Server, url: str, timeout: float = 120.0) -> None:
+    """Until `url` (a replica's private port) says it is ready."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with (
+            contextlib.suppress(urllib.error.URLError, OSError),
+            urllib.request.urlopen(url + "/v2/health/ready", timeout=1.0) as response,
+        ):
+            if response.status == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{server.name}: {url} not ready:\n{server.log_tail()}")
 
 
 def _wait_usable(server: Server, count: int, timeout: float = 120.0) -> None:
@@ -499,8 +595,10 @@ def report(
     kept = median(overhead["router"].rate) / median(overhead["direct"].rate)
     cut = median(hedging["no hedge"].p99) / median(hedging["hedge"].p99)
     extra = median(hedging["hedge"].extra)
-    two, one = median(replicas["--replicas 2"].rate), median(replicas["--replicas 1"].rate)
-    scaled = two / one if one > 0 else float("nan")
+    one = median(replicas[ServeSetup(1).name].rate)
+    kernel = median(replicas[ServeSetup(2, "kernel").name].rate)
+    router = median(replicas[ServeSetup(2, "router").name].rate)
+    scaled = kernel / one if one > 0 else float("nan")
     checks = [
         added <= TARGET_ADDED_P50_MS,
         kept >= TARGET_KEPT,
@@ -514,8 +612,8 @@ def report(
             f"through the router with one replica, c={c}: added p50 ≤ {TARGET_ADDED_P50_MS:g} ms "
             f"and throughput ≥ {TARGET_KEPT:.0%} of direct; hedging cuts p99 ≥ "
             f"{TARGET_HEDGE_CUT:g}x for ≤ {TARGET_HEDGE_EXTRA:.0%} extra requests; "
-            f"--replicas 2 ≥ {TARGET_REPLICAS_RATIO:g}x the throughput of 1 at p99 < "
-            f"{P99_BOUND_S * ms:g} ms"
+            f"--replicas 2 --balance kernel ≥ {TARGET_REPLICAS_RATIO:g}x the throughput of 1 "
+            f"at p99 < {P99_BOUND_S * ms:g} ms"
         ),
         met=all(checks),
         environment=environment(),
@@ -583,18 +681,35 @@ def report(
         note=f"target ≤ {TARGET_HEDGE_EXTRA:.0%}",
     )
     result.add(
-        f"--replicas 2, best throughput with p99 < {P99_BOUND_S * ms:g} ms",
-        two,
+        f"--replicas 2 --balance kernel, best throughput with p99 < {P99_BOUND_S * ms:g} ms",
+        kernel,
         "req/s",
         baseline_label="--replicas 1",
         baseline=one,
         note=f"target ≥ {TARGET_REPLICAS_RATIO:g}x",
     )
+    result.add(
+        f"--replicas 2 --balance router, best throughput with p99 < {P99_BOUND_S * ms:g} ms",
+        router,
+        "req/s",
+        baseline_label="--replicas 1",
+        baseline=one,
+        note="not a target: the router shares the two cores with the replicas",
+    )
+    for system in (ServeSetup(1), ServeSetup(2, "kernel"), ServeSetup(2, "router")):
+        result.add(
+            f"{system.name}: server CPU per request (all its processes)",
+            median(replicas[system.name].cpu) * 1e6,
+            "µs",
+            note="at the best throughput above; not a target: what each way of balancing "
+            "costs, whatever the machine's other load leaves it",
+        )
     result.notes += [
         f"client: {client.name}; the router runs on the client core in the overhead runs",
         "hedging: one of three replicas stalls 50 ms on 5% of its calls (about 1.7% of all "
         "requests before balancing steers around it)",
-        "replicas: two cores in all, shared by the replicas, the router and the client",
+        "replicas: two cores in all, shared by the replicas, the client and (with "
+        "--balance router) the router",
         "the machine was shared with other work while this ran: figures are noisy",
     ]
     result.raw = {
@@ -607,4 +722,6 @@ def report(
 
 def _raw(series: Series) -> dict[str, list[float]]:
     raw = {"p50_s": series.p50, "p99_s": series.p99, "req_per_s": series.rate}
+    if series.cpu:
+        raw["server_cpu_s_per_request"] = series.cpu
     return {**raw, "extra_copies": series.extra} if series.extra else raw

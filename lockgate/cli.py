@@ -153,15 +153,35 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--replicas",
         type=_replicas,
         default=1,
-        help="server processes behind a router on --port (gRPC: the router's gRPC front on "
-        "--grpc-port), each loading every model: a number (default 1), or auto: one per "
-        "usable core when every model is classic, 1 with a language model or explicit model "
-        "control",
+        help="server processes sharing --port and --grpc-port (see --balance), each loading "
+        "every model: a number (default 1), or auto: one per usable core when every model is "
+        "classic, 1 with a language model or explicit model control",
+    )
+    p.add_argument(
+        "--balance",
+        choices=("kernel", "router"),
+        help="with --replicas > 1, kernel: every replica binds --port (and --grpc-port) with "
+        "SO_REUSEPORT and the kernel spreads connections; router: lockgate's router on "
+        "--port in front of them (retries, hedging); default: kernel on Linux, else router",
     )
     p.add_argument(
         "--replica-base-port",
         type=int,
-        help="the replicas listen on 127.0.0.1, this port and up (default: --port + 1)",
+        help="replica i also serves HTTP on this port + i, its own (kernel: on --host, for "
+        "its metrics and health; router: on 127.0.0.1, the router's way in) "
+        "(default: --port + 1)",
+    )
+    p.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind --port and --grpc-port with SO_REUSEPORT, shared with other processes; "
+        "listen on --port once start-up is complete (set by --balance kernel)",
+    )
+    p.add_argument(
+        "--private-port",
+        type=int,
+        help="also serve HTTP on this port of --host, for this process alone (set by "
+        "--balance kernel)",
     )
     _add_openai_limits(p)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -255,6 +275,52 @@ def _replica_count(args: argparse.Namespace, repository: Path) -> int:
     )
 
 
+def _balance(args: argparse.Namespace) -> str:
+    """--balance, or its default: the kernel where it spreads a shared port's connections."""
+    from lockgate.router.replicas import reuse_port_balances
+
+    return str(args.balance or ("kernel" if reuse_port_balances() else "router"))
+
+
+def _replica_serve_argv(args: argparse.Namespace, repository: Path) -> list[str]:
+    """This command's arguments for its replicas: the demo is built once, not in each."""
+    argv = list(args.argv)
+    if args.repository is None:
+        argv.insert(argv.index("serve") + 1, str(repository))
+    return argv
+
+
+def _serve_shared_port(args: argparse.Namespace, repository: Path, count: int) -> int:
+    """`count` server processes sharing --port and --grpc-port (SO_REUSEPORT), replica i with
+    HTTP of its own on --replica-base-port + i; this process only supervises them."""
+    from lockgate.router.replicas import cannot_share, reuse_port_balances, shared_port_argv
+    from lockgate.router.supervisor import Supervisor
+
+    if not reuse_port_balances():
+        print("lockgate: --balance kernel needs Linux's SO_REUSEPORT", file=sys.stderr)
+        return 2
+    why = cannot_share(args.host, args.port)
+    if why is not None:
+        print(f"lockgate: {why}", file=sys.stderr)
+        return 1
+    base = args.replica_base_port or args.port + 1
+    private = range(base, base + count)
+    if private.stop - 1 > 65535 or args.port in private or args.grpc_port in private:
+        print(
+            f"lockgate: the replicas' ports {base}-{private.stop - 1} must be free port "
+            "numbers other than --port and --grpc-port",
+            file=sys.stderr,
+        )
+        return 2
+    argv = _replica_serve_argv(args, repository)
+    logging.getLogger("lockgate").info(
+        "serving with %d replicas sharing port %d (kernel balancing)", count, args.port
+    )
+    return Supervisor.of(
+        [shared_port_argv(argv, port) for port in private], args.drain_timeout
+    ).run()
+
+
 def _serve_replicas(args: argparse.Namespace, repository: Path, count: int) -> int:
     """The router on --port (and its gRPC front on --grpc-port), and `count` server
     processes behind it."""
@@ -265,9 +331,7 @@ def _serve_replicas(args: argparse.Namespace, repository: Path, count: int) -> i
     from lockgate.router.replicas import Replicas
     from lockgate.router.server import build, run
 
-    argv = list(args.argv)
-    if args.repository is None:  # the demo, built once, not in every replica
-        argv.insert(argv.index("serve") + 1, str(repository))
+    argv = _replica_serve_argv(args, repository)
     base = args.replica_base_port or args.port + 1
     ports = [base + i for i in range(count)]
     grpc = None
@@ -311,6 +375,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"lockgate: no model repository at {repository}", file=sys.stderr)
         return 2
     count = _replica_count(args, Path(repository))
+    if count > 1 and _balance(args) == "kernel":
+        return _serve_shared_port(args, Path(repository), count)
     if count > 1:
         return _serve_replicas(args, Path(repository), count)
     from lockgate.core.admission import AdmissionSettings
@@ -371,6 +437,8 @@ def _serve(args: argparse.Namespace) -> int:
         grpc_port_required=args.grpc_port is not None,
         grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs,
         grpc_max_stream_inflight=args.grpc_max_stream_inflight,
+        reuse_port=args.reuse_port,
+        private_port=args.private_port,
     )
     return run(options)
 

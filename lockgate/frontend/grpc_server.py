@@ -78,6 +78,7 @@ class GrpcSettings:
     max_concurrent_rpcs: int | None = 1024  # RPCs beyond this get RESOURCE_EXHAUSTED at once
     required: bool = False  # True: a port that cannot be bound stops start-up
     max_stream_inflight: int = 64  # requests of one stream read and not yet answered
+    reuse_port: bool = False  # True: share the port with other processes (SO_REUSEPORT)
 
 
 def status_code(error: ServingError) -> grpc.StatusCode:
@@ -368,7 +369,8 @@ async def start_grpc(app: App, settings: GrpcSettings) -> grpc.aio.Server | None
         options=[
             ("grpc.max_receive_message_length", settings.max_receive_bytes),
             ("grpc.max_send_message_length", -1),
-            ("grpc.so_reuseport", 0),  # a second server on the port must fail, not share it
+            # a second server on the port must fail, not share it, unless asked to share
+            ("grpc.so_reuseport", int(settings.reuse_port)),
         ],
     )
     servicer = InferenceServicer(app, settings.max_stream_inflight)

@@ -4,7 +4,9 @@ The HTTP port opens at once so liveness answers while models load; readiness tur
 the repository has been loaded and warmed up. SIGTERM or SIGINT starts the drain: the port
 stays open, readiness answers 503 and new inference requests get 503, while admitted
 requests finish within `drain_timeout`; then the port closes and the process exits with 0.
-A second signal ends the drain at once.
+A second signal ends the drain at once. With `reuse_port` the port is shared with other
+processes (SO_REUSEPORT) and listened on only once start-up is complete, so the kernel gives
+no connection to a process still loading; `private_port`, this process's alone, opens at once.
 
 The gRPC server (KServe v2 / Triton's GRPCInferenceService, `grpc_port`, 8001 by default)
 runs on the same loop and shares the app; on the drain it refuses new RPCs at once and
@@ -26,10 +28,12 @@ import array
 import asyncio
 import contextlib
 import fcntl
+import functools
 import logging
 import math
 import os
 import signal
+import socket
 import termios
 import threading
 import time
@@ -75,6 +79,10 @@ class ServeOptions:
     grpc_port_required: bool = False  # True: a port that cannot be bound stops start-up
     grpc_max_concurrent_rpcs: int | None = 1024
     grpc_max_stream_inflight: int = 64  # requests of one stream read and not yet answered
+    # share `port` (and the gRPC port) with other processes through SO_REUSEPORT: the kernel
+    # spreads new connections over those listening; this one listens once started
+    reuse_port: bool = False
+    private_port: int | None = None  # also serve HTTP here, on `host`, for this process alone
 
 
 class HeadTooLarge(httptools.HttpParserCallbackError):
@@ -464,10 +472,35 @@ class _Server(uvicorn.Server):
         self.grpc_server = grpc_server  # grpc.aio.Server, or None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.drainer: asyncio.Task[None] | None = None
+        self.shared: socket.socket | None = None  # bound with SO_REUSEPORT, listened on once
+        self.loading: asyncio.Task[None] | None = None  # `shared` waits for this start-up
+        self.joining: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: Any = None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.shared is not None and self.loading is not None:
+            self.joining = asyncio.get_running_loop().create_task(self._join(self.loading))
+
+    async def _join(self, loading: asyncio.Task[None]) -> None:
+        """Listen on the shared port once start-up is complete: until then the kernel gives
+        its new connections to the processes already serving it."""
+        await asyncio.wait([loading])
+        if self.shared is None or self.should_exit or self.lockgate_app.draining:
+            return
+        factory = functools.partial(  # as uvicorn's own start-up makes its protocols
+            self.config.http_protocol_class,  # type: ignore[call-arg]
+            config=self.config,
+            server_state=self.server_state,
+            app_state=self.lifespan.state,
+        )
+        loop = asyncio.get_running_loop()
+        listener = await loop.create_server(factory, sock=self.shared, backlog=self.config.backlog)
+        self.servers.append(listener)  # closed with the others on shutdown
+        log.info("listening on the shared port %d too", self.shared.getsockname()[1])
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -559,6 +592,12 @@ async def serve(options: ServeOptions) -> int:
         "connections, client_connections, head_timeout).",
         ("reason",),
     )
+    try:
+        shared = _bind(options.host, options.port, reuse_port=True) if options.reuse_port else None
+        sockets = _sockets_now(options)
+    except OSError as exc:
+        log.error("cannot listen: %s", exc)
+        return 1
     sentinel = _Sentinel(gate, asyncio.get_running_loop())
     sentinel.start()
     app.front_delay = gate.queue.observe
@@ -583,10 +622,13 @@ async def serve(options: ServeOptions) -> int:
         return 1
     server = _Server(config, app, options.drain_timeout, grpc_server)
     loader = asyncio.get_running_loop().create_task(load(app, options))
+    server.shared, server.loading = shared, loader
     log.info("lockgate listening on http://%s:%d", options.host, options.port)
-    await server.serve()
+    await server.serve(sockets)
     sentinel.stop()
     loader.cancel()
+    if shared is not None:
+        shared.close()  # when never listened on
     if grpc_server is not None:
         await grpc_server.stop(0)  # cancels RPCs still running after a second signal
     await _cancel_requests(server)
@@ -609,8 +651,39 @@ async def _start_grpc(app: App, options: ServeOptions) -> Any:
         max_concurrent_rpcs=options.grpc_max_concurrent_rpcs,
         max_stream_inflight=options.grpc_max_stream_inflight,
         required=options.grpc_port_required,
+        reuse_port=options.reuse_port,
     )
     return await start_grpc(app, settings)
+
+
+def _sockets_now(options: ServeOptions) -> list[socket.socket] | None:
+    """The sockets uvicorn serves from the start (None: it binds host:port itself). With
+    `reuse_port` the shared port is not among them: it is listened on once started."""
+    if not options.reuse_port and options.private_port is None:
+        return None
+    now = [] if options.reuse_port else [_bind(options.host, options.port)]
+    if options.private_port is not None:
+        now.append(_bind(options.host, options.private_port))
+    return now
+
+
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to host:port, not listening yet. With `reuse_port` (SO_REUSEPORT)
+    other processes of this user may bind the port too, and the kernel spreads new
+    connections over those that listen."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 async def _cancel_requests(server: uvicorn.Server) -> None:

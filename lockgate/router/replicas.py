@@ -1,11 +1,15 @@
-"""`lockgate serve --replicas N`: N server processes on this machine and the router in front.
+"""`lockgate serve --replicas N`: N server processes on this machine, each `lockgate serve` with
+the same arguments, pinned to one core (replica i on core i modulo the cores this process may
+use), balanced one of two ways:
 
-Each replica is `lockgate serve` with the same arguments, on its own port on 127.0.0.1 (the
-router's port plus 1 to N unless `--replica-base-port` says otherwise; gRPC, when the router
-serves it, on the N ports after those), pinned to one core (replica i on core i modulo the
-cores this process may use). The router listens on the address asked for. A signal to the
-router drains it; the replicas then get SIGTERM and drain in turn. A replica that exits on its
-own is started again after a second.
+- by the kernel (`--balance kernel`, `shared_port_argv`): every replica binds the public
+  address (and gRPC port) with SO_REUSEPORT and serves HTTP on a private port of its own
+  too; the parent process only supervises them (`supervisor.py`);
+- by the router (`--balance router`, `replica_argv`, `Replicas`): each replica on its own
+  port on 127.0.0.1 (the router's port plus 1 to N unless `--replica-base-port` says
+  otherwise; gRPC, when the router serves it, on the N ports after those), the router on the
+  address asked for. A signal to the router drains it; the replicas then get SIGTERM and
+  drain in turn. A replica that exits on its own is started again after a second.
 
 `--replicas auto` (`auto_replicas`) is one replica per usable core when the repository holds
 classic models only, and one when it holds a language model that will be served: a language
@@ -20,18 +24,54 @@ import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("lockgate.router")
 
 # options of `lockgate serve` that each replica gets its own value for (with their values)
-_OWN = {"--host", "--port", "--grpc-port", "--replicas", "--replica-base-port"}
+_BALANCING = {"--replicas", "--replica-base-port", "--balance", "--private-port"}
+_OWN = {"--host", "--port", "--grpc-port", *_BALANCING}
+_FLAGS = {"--reuse-port"}  # the same, without a value
+
+
+def reuse_port_balances() -> bool:
+    """Whether the kernel spreads a port's connections over the sockets that share it
+    (Linux's SO_REUSEPORT; elsewhere the option exists but one socket takes them all)."""
+    return sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+
+
+def cannot_share(host: str, port: int) -> str | None:
+    """Why `host`:`port` cannot be shared through SO_REUSEPORT (another process holds it
+    without the option, or as another user), or None when it can."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            probe.bind(address)
+    except OSError as exc:
+        return f"cannot share {host}:{port}: {exc}"
+    return None
+
+
+def pin_to_core(i: int) -> Callable[[], None]:
+    """For `preexec_fn`: run the child on core `i` modulo the cores this process may use."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+    def pin() -> None:
+        if cores:
+            os.sched_setaffinity(0, {cores[i % len(cores)]})
+
+    return pin
 
 
 def usable_cores() -> int:
@@ -78,8 +118,22 @@ def _backends(repository: Path) -> set[str]:
 
 
 def replica_argv(argv: Sequence[str], port: int, grpc_port: int | None = None) -> list[str]:
-    """The `lockgate serve` arguments of one replica: `argv` without the options above, and
-    gRPC on `grpc_port` (None: off)."""
+    """The `lockgate serve` arguments of one replica behind the router: `argv` without the
+    options above, on 127.0.0.1:`port`, and gRPC on `grpc_port` (None: off)."""
+    grpc = "off" if grpc_port is None else str(grpc_port)
+    own = ["--host", "127.0.0.1", "--port", str(port), "--grpc-port", grpc, "--replicas", "1"]
+    return [*_without(argv, _OWN), *own]
+
+
+def shared_port_argv(argv: Sequence[str], private_port: int) -> list[str]:
+    """The `lockgate serve` arguments of one replica balanced by the kernel: `argv`'s address
+    and gRPC port, shared (`--reuse-port`), and its own HTTP port `private_port`."""
+    own = ["--replicas", "1", "--reuse-port", "--private-port", str(private_port)]
+    return [*_without(argv, _BALANCING), *own]
+
+
+def _without(argv: Sequence[str], options: set[str]) -> list[str]:
+    """`argv` less `options` (with their values) and the flags of `_FLAGS`."""
     out: list[str] = []
     skip = False
     for arg in argv:
@@ -87,13 +141,11 @@ def replica_argv(argv: Sequence[str], port: int, grpc_port: int | None = None) -
             skip = False
             continue
         name, eq, _ = arg.partition("=")
-        if name in _OWN:
+        if name in options:
             skip = not eq
-            continue
-        out.append(arg)
-    grpc = "off" if grpc_port is None else str(grpc_port)
-    own = ["--host", "127.0.0.1", "--port", str(port), "--grpc-port", grpc, "--replicas", "1"]
-    return [*out, *own]
+        elif name not in _FLAGS:
+            out.append(arg)
+    return out
 
 
 @dataclass(slots=True)
@@ -112,7 +164,6 @@ class Replicas:
         threading.Thread(target=self._watch, name="lockgate-replicas", daemon=True).start()
 
     def _spawn(self, i: int) -> None:
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         grpc = None if self.grpc_ports is None else self.grpc_ports[i]
         command = [
             sys.executable,
@@ -120,12 +171,7 @@ class Replicas:
             "lockgate.cli",
             *replica_argv(self.argv, self.ports[i], grpc),
         ]
-
-        def pin() -> None:
-            if cores:
-                os.sched_setaffinity(0, {cores[i % len(cores)]})
-
-        self.processes[i] = subprocess.Popen(command, preexec_fn=pin)
+        self.processes[i] = subprocess.Popen(command, preexec_fn=pin_to_core(i))
         log.info("replica %d on port %d: pid %d", i, self.ports[i], self.processes[i].pid)
 
     def _watch(self) -> None:

@@ -1,12 +1,20 @@
 """`lockgate serve --replicas`: how many replicas `auto` chooses (no process started for that),
-each replica's arguments, and gRPC through the router in front of them."""
+each replica's arguments, gRPC through the router in front of them, and the replicas sharing
+one port balanced by the kernel (`--balance kernel`): spread, restarted, drained."""
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
+import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +25,17 @@ import tritonclient.grpc as grpcclient
 
 from lockgate.backends.base import LLM_BACKEND
 from lockgate.cli import _replica_count, _replicas
-from lockgate.router.replicas import _cgroup_cpus, auto_replicas, replica_argv, usable_cores
-from tests.conftest import RunningServer, free_port, start_server
+from lockgate.router.replicas import (
+    _cgroup_cpus,
+    auto_replicas,
+    cannot_share,
+    replica_argv,
+    reuse_port_balances,
+    shared_port_argv,
+    usable_cores,
+)
+from lockgate.router.supervisor import Backoff
+from tests.conftest import ROOT, RunningServer, free_port, start_server
 from tests.router.test_router import repository
 
 CLASSIC = """\
@@ -117,6 +134,50 @@ def test_each_replica_gets_its_own_address_and_one_process() -> None:
     assert replica_argv(["serve"], 9001)[-3:] == ["off", "--replicas", "1"]
 
 
+def test_kernel_balanced_replicas_keep_the_address_and_get_a_private_port() -> None:
+    argv = ["serve", "models", "--host", "0.0.0.0", "--port=8000", "--grpc-port", "8001"]
+    argv += ["--replicas", "2", "--balance", "kernel", "--replica-base-port", "9000"]
+    assert shared_port_argv([*argv, "--reuse-port", "--private-port", "7"], 9001) == [
+        "serve",
+        "models",
+        "--host",
+        "0.0.0.0",
+        "--port=8000",
+        "--grpc-port",
+        "8001",
+        "--replicas",
+        "1",
+        "--reuse-port",
+        "--private-port",
+        "9001",
+    ]
+
+
+def test_a_port_held_without_reuse_port_cannot_be_shared() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        why = cannot_share("127.0.0.1", held.getsockname()[1])
+        assert why is not None and "cannot share 127.0.0.1:" in why
+    with socket.socket() as shared:  # one that shares it: another may join
+        shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        shared.bind(("127.0.0.1", 0))
+        shared.listen()
+        assert cannot_share("127.0.0.1", shared.getsockname()[1]) is None
+
+
+def test_restart_backoff_doubles_on_quick_exits_and_resets_after_a_steady_run() -> None:
+    backoff = Backoff(first=1.0, longest=5.0, steady=60.0)
+    waits = [0.0]
+    for _ in range(5):  # each replica died within a second of its start
+        waits.append(backoff.after(waits[-1], ran=1.0))
+    assert waits[1:] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    assert backoff.after(5.0, ran=60.0) == 1.0  # it ran long enough: a fresh start
+    for bad in ({"first": 0.0}, {"first": 2.0, "longest": 1.0}, {"steady": 0.0}):
+        with pytest.raises(ValueError, match="backoff"):
+            Backoff(**bad)
+
+
 def _free_run(count: int) -> int:
     """A port whose next `count - 1` ports are free too."""
     while True:
@@ -142,6 +203,8 @@ def test_serve_with_replicas_serves_grpc_through_the_router(tmp_path: Path) -> N
         tmp_path,
         "--replicas",
         "2",
+        "--balance",
+        "router",
         "--replica-base-port",
         str(base),
         grpc_port=free_port(),
@@ -162,3 +225,201 @@ def test_serve_with_replicas_serves_grpc_through_the_router(tmp_path: Path) -> N
         assert all(r["answered"] > 0 for r in listed), listed  # both took gRPC calls
     finally:
         assert server.stop() == 0, server.log()[-2000:]
+
+
+# -- kernel balancing: the replicas share the port -----------------------------------------
+
+PID_MODEL = """
+import os
+import time
+
+import numpy as np
+
+
+class Model:
+    \"\"\"pid = the answering process's id; a value v >= 1000 sleeps v - 1000 seconds first.\"\"\"
+
+    def load(self, config, version_dir):
+        pass
+
+    def infer(self, inputs):
+        v = float(inputs["x"].flat[0])
+        if v >= 1000:
+            time.sleep(v - 1000)
+        return {"pid": np.full((inputs["x"].shape[0], 1), os.getpid(), dtype=np.int64)}
+"""
+
+PID_CONFIG = """\
+backend: python
+max_batch_size: 8
+inputs: [{name: x, datatype: FP32, dims: [1]}]
+outputs: [{name: pid, datatype: INT64, dims: [1]}]
+"""
+
+
+def pid_repository(root: Path) -> Path:
+    repo = root / "pid-repo"
+    (repo / "pid" / "1").mkdir(parents=True)
+    (repo / "pid" / "1" / "model.py").write_text(textwrap.dedent(PID_MODEL))
+    (repo / "pid" / "config.yaml").write_text(PID_CONFIG)
+    return repo
+
+
+def pid_of(url: str, sleep: float = 0.0) -> int:
+    """The pid of the process that answered, over a fresh connection."""
+    body = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [sleep]}]}
+    response = httpx.post(url + "/v2/models/pid/infer", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    return int(response.json()["outputs"][0]["data"][0])
+
+
+def grpc_pid_of(address: str) -> int:
+    """The pid that answered a gRPC call on a new channel (a new connection)."""
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        x = grpcclient.InferInput("x", [1, 1], "FP32")
+        x.set_data_from_numpy(np.zeros((1, 1), dtype=np.float32))
+        return int(client.infer("pid", [x], client_timeout=30).as_numpy("pid")[0, 0])
+    finally:
+        client.close()
+
+
+def answered(url: str) -> float:
+    """Successful inference requests counted on one replica's private /metrics."""
+    text = httpx.get(url + "/metrics").text
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("lockgate_requests_total{") and 'outcome="success"' in line
+    )
+
+
+class KernelBalanced:
+    """`serve --replicas 2 --balance kernel`: the shared URL and each replica's own."""
+
+    def __init__(self, server: RunningServer, base: int) -> None:
+        self.server = server
+        self.private = [f"http://127.0.0.1:{base + i}" for i in range(2)]
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until both replicas answer readiness on their private ports."""
+        deadline = time.monotonic() + timeout
+        for url in self.private:
+            while not _ready(url):
+                assert self.server.process.poll() is None, self.server.log()[-2000:]
+                assert time.monotonic() < deadline, self.server.log()[-2000:]
+                time.sleep(0.1)
+
+    def pids(self) -> list[int]:
+        """Replica i's pid, asked on its private port."""
+        return [pid_of(url) for url in self.private]
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def start_kernel_balanced(tmp: Path, grpc_port: int | None = None) -> KernelBalanced:
+    base = _free_run(2)
+    flags = ("--replicas", "2", "--balance", "kernel", "--replica-base-port", str(base))
+    server = start_server(pid_repository(tmp), tmp, *flags, grpc_port=grpc_port)
+    balanced = KernelBalanced(server, base)
+    balanced.wait_ready()
+    return balanced
+
+
+@pytest.fixture(scope="module")
+def kernel_balanced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelBalanced]:
+    if not reuse_port_balances():
+        pytest.skip("kernel balancing needs Linux's SO_REUSEPORT")
+    balanced = start_kernel_balanced(tmp_path_factory.mktemp("kernel"), grpc_port=free_port())
+    try:
+        yield balanced
+    finally:
+        assert balanced.server.stop() == 0, balanced.server.log()[-2000:]
+
+
+def test_kernel_balancing_spreads_fresh_connections_over_both_replicas(
+    kernel_balanced: KernelBalanced,
+) -> None:
+    replicas = kernel_balanced.pids()
+    assert len(set(replicas)) == 2
+    before = [answered(url) for url in kernel_balanced.private]
+    seen = [pid_of(kernel_balanced.server.url) for _ in range(40)]  # a connection each
+    assert set(seen) == set(replicas), seen
+    # each replica's private /metrics counts its own share, and the shares add up
+    grown = [answered(url) - b for url, b in zip(kernel_balanced.private, before, strict=True)]
+    assert grown == [seen.count(pid) for pid in replicas]
+    # the gRPC port is shared the same way: one channel per call
+    over_grpc = {grpc_pid_of(kernel_balanced.server.grpc_address) for _ in range(20)}
+    assert over_grpc == set(replicas)
+
+
+def test_a_killed_replica_is_restarted_and_the_shared_port_answers_meanwhile(
+    kernel_balanced: KernelBalanced,
+) -> None:
+    kernel_balanced.wait_ready()
+    killed, survivor = kernel_balanced.pids()
+    os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while _running(killed):  # gone (its sockets closed), or a zombie until reaped
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    seen: list[int] = []  # every request on a fresh connection, each answered 200
+    while set(seen) <= {survivor}:  # until the new replica 0 has joined the shared port
+        assert time.monotonic() < deadline, kernel_balanced.server.log()[-3000:]
+        seen.append(pid_of(kernel_balanced.server.url))
+    (restarted,) = set(seen) - {survivor}
+    after = [pid_of(kernel_balanced.server.url) for _ in range(20)]
+    assert set(after) == {restarted, survivor}, after  # both take connections again
+    assert kernel_balanced.pids() == [restarted, survivor]
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_sigterm_drains_every_replica_and_the_parent_exits_0(tmp_path: Path) -> None:
+    if not reuse_port_balances():
+        pytest.skip("kernel balancing needs Linux's SO_REUSEPORT")
+    balanced = start_kernel_balanced(tmp_path)
+    pids = balanced.pids()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        slow = [pool.submit(pid_of, url, 1003.0) for url in balanced.private]  # 3 s each
+        for url, future in zip(balanced.private, slow, strict=True):
+            while _inflight(url) < 1:  # until the request is in progress
+                assert not future.done(), "a slow request ended before the signal"
+                time.sleep(0.02)
+        balanced.server.process.send_signal(signal.SIGTERM)
+        assert [future.result() for future in slow] == pids  # each drained its request
+    assert balanced.server.process.wait(60) == 0, balanced.server.log()[-2000:]
+    assert not any(_running(pid) for pid in pids)
+    assert balanced.server.log().count("draining (readiness 503") == 2
+
+
+def _inflight(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("lockgate_inflight_requests{")
+    )
+
+
+def test_replicas_that_refuse_their_arguments_stop_the_parent_with_2(tmp_path: Path) -> None:
+    if not reuse_port_balances():
+        pytest.skip("kernel balancing needs Linux's SO_REUSEPORT")
+    command = [sys.executable, "-m", "lockgate.cli", "serve", str(pid_repository(tmp_path))]
+    command += ["--port", str(free_port()), "--replica-base-port", str(_free_run(2))]
+    command += ["--replicas", "2", "--balance", "kernel", "--max-stop", "-1"]  # bad: < 0
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--max-stop must be an integer of at least 0" in done.stderr
+    assert "refused its arguments: stopping them all" in done.stderr

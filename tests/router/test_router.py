@@ -335,7 +335,9 @@ def _free_pair() -> int:
 def test_serve_with_replicas_runs_a_router_over_them(tmp_path: Path) -> None:
     base = _free_pair()
     server = start_server(
-        repository(tmp_path, 0), tmp_path, "--replicas", "2", "--replica-base-port", str(base)
+        repository(tmp_path, 0),
+        tmp_path,
+        *("--replicas", "2", "--balance", "router", "--replica-base-port", str(base)),
     )
     try:
         deadline = time.monotonic() + 60
