@@ -11,7 +11,9 @@ medians of:
   and the rest (Python glue), in milliseconds per step.
 
 Not a suite of `benchmarks.run` (it defines no `run`); options: `--batches 1,8,32`,
-`--steps N`, `--threads N`, `--no-breakdown`, `--dtype float32|bfloat16`.
+`--steps N`, `--threads N`, `--no-breakdown`, `--dtype float32|bfloat16`,
+`--quantization auto|none|int8|int4` (several, comma-separated: each loaded and measured in
+turn, decode steps interleaved between them, medians over all rounds).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from lockgate.core.config_files import load_model_config
 from lockgate.demo.smollm2 import build_smollm2
-from lockgate.llm import runner
+from lockgate.llm import quantized_linear, runner
 from lockgate.llm.engine import LLMEngine
 from lockgate.llm.models import llama, packing
 from lockgate.llm.sequence import SamplingParams
@@ -50,8 +52,18 @@ class StepTimes:
     step_ms: float  # median wall time of LLMEngine.step
     forward_ms: float  # median model forward + logits (RunnerOutput.forward_time)
 
+    @classmethod
+    def median_of(cls, times: list[tuple[float, float]]) -> StepTimes:
+        """From (step seconds, forward seconds) pairs."""
+        return cls(
+            1e3 * statistics.median(t[0] for t in times),
+            1e3 * statistics.median(t[1] for t in times),
+        )
 
-def load_engine(dtype: str | None, threads: int | None) -> tuple[LLMEngine, float]:
+
+def load_engine(
+    dtype: str | None, threads: int | None, quantization: str | None = None
+) -> tuple[LLMEngine, float]:
     """The demo model folder, loaded by `load_service`; its async stepping thread stopped."""
     with tempfile.TemporaryDirectory(prefix="lockgate-profile-") as tmp:
         folder = Path(tmp) / "smollm2"
@@ -64,6 +76,8 @@ def load_engine(dtype: str | None, threads: int | None) -> tuple[LLMEngine, floa
             raw["parameters"]["dtype"] = dtype
         if threads is not None:
             raw["parameters"]["num_threads"] = str(threads)
+        if quantization is not None:
+            raw["parameters"]["quantization"] = quantization
         config_file.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
         start = time.perf_counter()
         service = load_service(load_model_config(folder), folder / "1")
@@ -84,16 +98,14 @@ def timed_step(engine: LLMEngine) -> tuple[float, float]:
     return time.perf_counter() - start, engine.counters.forward_time - before
 
 
-def measure_prefill(engine: LLMEngine, rng: random.Random, repeats: int) -> StepTimes:
-    steps, forwards = [], []
+def prefill_times(engine: LLMEngine, rng: random.Random, repeats: int) -> list[tuple[float, float]]:
+    times = []
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for _ in range(repeats):
         engine.add_request(random_prompt(rng, PREFILL_LEN), params)
-        step, forward = timed_step(engine)
-        steps.append(step)
-        forwards.append(forward)
+        times.append(timed_step(engine))
         drain(engine)
-    return StepTimes(1e3 * statistics.median(steps), 1e3 * statistics.median(forwards))
+    return times
 
 
 def drain(engine: LLMEngine) -> None:
@@ -112,13 +124,13 @@ def start_decodes(engine: LLMEngine, rng: random.Random, batch: int) -> None:
         engine.step()
 
 
-def measure_decode(engine: LLMEngine, rng: random.Random, batch: int, steps: int) -> StepTimes:
+def decode_times(
+    engine: LLMEngine, rng: random.Random, batch: int, steps: int
+) -> list[tuple[float, float]]:
     start_decodes(engine, rng, batch)
     times = [timed_step(engine) for _ in range(steps)]
     drain(engine)
-    return StepTimes(
-        1e3 * statistics.median(t[0] for t in times), 1e3 * statistics.median(t[1] for t in times)
-    )
+    return times
 
 
 # breakdown ------------------------------------------------------------------------------------
@@ -127,6 +139,7 @@ def measure_decode(engine: LLMEngine, rng: random.Random, batch: int, steps: int
 PATCHES: list[tuple[str, Any, str]] = [
     ("linear (incl. logits head)", nn.Linear, "forward"),
     ("linear (incl. logits head)", packing.PackedLinear, "forward"),
+    ("linear (incl. logits head)", quantized_linear.QuantizedLinear, "forward"),
     ("rmsnorm", llama.RMSNorm, "forward"),
     ("rope", llama, "apply_rope"),
     ("kv write", llama, "write_kv"),
@@ -188,33 +201,62 @@ def breakdown(engine: LLMEngine, rng: random.Random, batch: int, steps: int) -> 
     return per_step
 
 
+def measure(
+    engines: dict[str, LLMEngine], batches: list[int], steps: int, rounds: int
+) -> dict[str, dict[int, StepTimes]]:
+    """Per engine: batch (0: a prefill of PREFILL_LEN) -> medians. The engines take turns
+    in each round, so a slow spell of a shared machine falls on all of them."""
+    rng = random.Random(0)
+    raw: dict[str, dict[int, list[tuple[float, float]]]] = {
+        label: {b: [] for b in [0, *batches]} for label in engines
+    }
+    for _ in range(rounds):
+        for label, engine in engines.items():
+            raw[label][0] += prefill_times(engine, rng, repeats=max(2, 6 // rounds))
+            for batch in batches:
+                raw[label][batch] += decode_times(engine, rng, batch, max(1, steps // rounds))
+    return {
+        label: {b: StepTimes.median_of(times) for b, times in per_batch.items()}
+        for label, per_batch in raw.items()
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.llm_step_profile")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed per batch")
+    parser.add_argument("--rounds", type=int, default=1, help="turns the engines take")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"))
+    parser.add_argument("--quantization", help="auto, none, int8, int4; comma-separated")
     parser.add_argument("--no-breakdown", action="store_true")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    rng = random.Random(0)
-    engine, load_seconds = load_engine(args.dtype, args.threads)
-    print(f"loaded in {load_seconds:.2f} s; dtype {engine.config.dtype}, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
-    prefill = measure_prefill(engine, rng, repeats=5)
-    print(f"prefill {PREFILL_LEN} tokens: step {prefill.step_ms:.1f} ms, "
-          f"forward {prefill.forward_ms:.1f} ms")  # fmt: skip
-    for batch in batches:
-        t = measure_decode(engine, rng, batch, args.steps)
-        print(f"decode batch {batch:>2} (ctx ~{CONTEXT_LEN}): step {t.step_ms:.1f} ms, "
-              f"forward {t.forward_ms:.1f} ms, {1e3 * batch / t.step_ms:.0f} tok/s, "
-              f"overhead {1 - t.forward_ms / t.step_ms:.0%}")  # fmt: skip
+    engines: dict[str, LLMEngine] = {}
+    for quantization in args.quantization.split(",") if args.quantization else [None]:
+        engine, load_seconds = load_engine(args.dtype, args.threads, quantization)
+        label = quantization or "default"
+        engines[label] = engine
+        print(f"{label}: loaded in {load_seconds:.2f} s; dtype {engine.config.dtype}, "
+              f"{torch.get_num_threads()} threads")  # fmt: skip
+    results = measure(engines, batches, args.steps, args.rounds)
+    for label, per_batch in results.items():
+        prefill = per_batch[0]
+        print(f"{label}: prefill {PREFILL_LEN} tokens: step {prefill.step_ms:.1f} ms, "
+              f"forward {prefill.forward_ms:.1f} ms")  # fmt: skip
+        for batch in batches:
+            t = per_batch[batch]
+            print(f"{label}: decode batch {batch:>2} (ctx ~{CONTEXT_LEN}): step {t.step_ms:.1f} "
+                  f"ms, forward {t.forward_ms:.1f} ms, {1e3 * batch / t.step_ms:.0f} tok/s, "
+                  f"overhead {1 - t.forward_ms / t.step_ms:.0%}")  # fmt: skip
     if not args.no_breakdown:
-        for batch in [0, *batches]:
-            what = f"decode batch {batch}" if batch else f"prefill {PREFILL_LEN}"
-            print(f"breakdown, {what} (ms per step, profiler on):")
-            for label, ms in breakdown(engine, rng, batch, max(3, args.steps // 4)).items():
-                print(f"  {label:<34} {ms:8.2f}")
+        rng = random.Random(1)
+        for label, engine in engines.items():
+            for batch in [0, *batches]:
+                what = f"decode batch {batch}" if batch else f"prefill {PREFILL_LEN}"
+                print(f"{label}: breakdown, {what} (ms per step, profiler on):")
+                for name, ms in breakdown(engine, rng, batch, max(3, args.steps // 4)).items():
+                    print(f"  {name:<34} {ms:8.2f}")
     return 0
 
 

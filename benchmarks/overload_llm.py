@@ -6,7 +6,8 @@ The demo's SmolLM2 (bf16) with `ttft_slo_ms: 2000`, served by one lockgate pinne
 core (the client on the other). Each request streams a completion of 32 tokens
 (`ignore_eos`) for a prompt of about 100 tokens through `/v1/completions`:
 
-1. Warm-up at a light load.
+1. Warm-up at a light load, then at the saturating load (so that the engine has run the batch
+   shapes and admission has measured the step times of a busy engine); both discarded.
 2. Capacity: completions per second under an open-loop load far above what the engine serves
    (admission refuses what would miss the TTFT SLO), in the same run.
 3. Levels: open-loop Poisson arrivals at 0.5, 1, 1.5, 3 and 10 times that capacity, with
@@ -15,7 +16,9 @@ core (the client on the other). Each request streams a completion of 32 tokens
 Per level: completions per second, goodput (completions whose first token came inside the
 SLO, per second, and as a share of capacity), TTFT p50/p99 of admitted requests from the
 *scheduled* send time, refusals (503 before any token) and how fast they came, requests that
-failed otherwise, requests lost (sent - answered), and the liveness p99.
+failed otherwise, requests lost (sent - answered), the liveness p99, and the p50/p99 of the
+server's observed/predicted TTFT (`lockgate_llm_ttft_prediction_ratio`, to its bucket bounds:
+how well admission predicted the engine-side TTFT of what it admitted).
 
 Targets (at every level >= 1x): admitted TTFT p99 <= the SLO, goodput >= 90% of capacity,
 nothing lost, no failure other than a refusal, liveness p99 <= 50 ms.
@@ -44,6 +47,7 @@ from benchmarks.common import (
     free_port,
     percentile,
     running,
+    scrape_metrics,
     start_server,
 )
 from benchmarks.overload_real import (
@@ -55,7 +59,10 @@ from benchmarks.overload_real import (
 )
 
 SUITE = "overload_llm"
+MODEL = "SmolLM2-135M-Instruct"
+RATIO_METRIC = "lockgate_llm_ttft_prediction_ratio"
 LEVEL_S, QUICK_LEVEL_S = 20.0, 8.0
+WARM_SATURATED_S = 5.0
 TTFT_SLO_S = 2.0
 MAX_TOKENS = 32
 CLIENT_TIMEOUT_S = 120.0
@@ -114,6 +121,8 @@ class Level:
     sent: int = 0
     outcomes: list[Outcome] = field(default_factory=list)
     health: list[float] = field(default_factory=list)
+    ratio_p50: float = float("nan")  # observed / predicted TTFT, server side
+    ratio_p99: float = float("nan")
 
     def ttfts(self) -> list[float]:
         return [o.ttft for o in self.outcomes if o.status == 200]
@@ -138,7 +147,7 @@ async def _stream(
     session: aiohttp.ClientSession, url: str, prompt: str, scheduled: float, level: Level
 ) -> None:
     body = {
-        "model": "SmolLM2-135M-Instruct",
+        "model": MODEL,
         "prompt": prompt,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
@@ -184,10 +193,32 @@ async def open_loop(base: str, texts: list[str], rate: float, level: Level, seed
         await asyncio.gather(*pending)
 
 
+def ratio_buckets(url: str) -> dict[float, float]:
+    """The cumulative buckets of the model's observed/predicted TTFT histogram, by bound."""
+    label = f'model_name="{MODEL}"'
+    return {
+        float(key.split('le="')[1].split('"')[0]): value
+        for key, value in scrape_metrics(url).items()
+        if key.startswith(RATIO_METRIC + "_bucket{") and label in key
+    }
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The bound of the bucket that holds the q-th percentile of what was observed between
+    two scrapes; nan for nothing observed."""
+    counts = sorted((le, n - before.get(le, 0.0)) for le, n in after.items())
+    total = counts[-1][1] if counts else 0.0
+    return next((le for le, n in counts if total > 0 and n >= q / 100 * total), float("nan"))
+
+
 def measure(server: Server, level: Level, texts: list[str], rate: float, seed: int) -> Level:
+    before = ratio_buckets(server.url)
     prober = start_prober(server.url, level.seconds)
     asyncio.run(open_loop(server.url, texts, rate, level, seed))
     level.health = probes_of(prober)
+    after = ratio_buckets(server.url)
+    level.ratio_p50 = bucket_quantile(before, after, 50)
+    level.ratio_p99 = bucket_quantile(before, after, 99)
     return level
 
 
@@ -201,7 +232,8 @@ def describe(level: Level, capacity: float) -> str:
         f"{percentile(ttft, 50) * 1e3:.0f}/{percentile(ttft, 99) * 1e3:.0f} ms, refused "
         f"{len(refused)} (p99 {percentile(refused, 99) * 1e3:.0f} ms), other failures "
         f"{sum(1 for o in level.outcomes if o.status not in (200, 503))}, lost {level.lost}, "
-        f"liveness p99 {percentile(level.health, 99) * 1e3:.1f} ms"
+        f"liveness p99 {percentile(level.health, 99) * 1e3:.1f} ms, observed/predicted TTFT "
+        f"p50/p99 <= {level.ratio_p50:g}/{level.ratio_p99:g}"
     )
 
 
@@ -241,6 +273,8 @@ def run(ctx: Context) -> SuiteResult:
     levels: list[Level] = []
     with running(server):
         measure(server, Level("warm", 0, 5.0), texts, 0.5, 0)
+        measure(server, Level("warm-saturated", 0, WARM_SATURATED_S), texts, SATURATE_RATE, 2)
+        time.sleep(3.0)
         saturated = measure(server, Level("capacity", 0, seconds), texts, SATURATE_RATE, 1)
         capacity = saturated.completions
         ctx.say(SUITE, f"capacity {capacity:.2f} completions/s ({describe(saturated, capacity)})")
@@ -287,6 +321,8 @@ def run(ctx: Context) -> SuiteResult:
                 "ttft_p50_s": percentile(lv.ttfts(), 50),
                 "ttft_p99_s": percentile(lv.ttfts(), 99),
                 "liveness_p99_s": percentile(lv.health, 99),
+                "ttft_ratio_p50_le": lv.ratio_p50,
+                "ttft_ratio_p99_le": lv.ratio_p99,
             }
             for lv in levels
         ],

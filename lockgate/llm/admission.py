@@ -1,79 +1,336 @@
 """TTFT admission for language models: refuse at once what would wait too long for its
 first token. Pure bookkeeping: no tensors, no clock of its own.
 
-A new request's first token comes once every prompt token queued ahead of it is prefilled
-(waiting sequences of its priority or higher, and what is left of prompts being prefilled
-now), and then its own prompt. The engine measures its prefill rate as prompt tokens per
-second of step time, over the steps that prefilled anything, averaged over time (time
-constant `tau`, 0.5 s): decodes that share those steps slow the rate as they slow the
-prefills. The predicted TTFT is (tokens ahead + its own prompt tokens) / rate.
+The engine's step time is modelled as `decode part + prefill part`: a step that decodes `n`
+sequences costs `DecodeStep.seconds(n)` (a fixed overhead plus a cost per sequence, fitted on
+recent decode-only steps), and each prompt token it prefills costs `1 / PrefillRate.rate` more
+(fitted on the rest of the time of recent steps that prefilled). Both are measured on the wall
+clock of the engine thread, gaps between busy steps included, and weighted by recency (time
+constant `tau`, 0.5 s), so they follow the load the server is under now: a busy event loop or a
+busy machine slows them within about a second.
+
+A new sequence's first token comes once these are done (`TTFTAdmission.predict`):
+
+- the step running now ends: a new sequence can join only the next one;
+- a sequence slot is free for it: when `max_num_seqs` sequences run, it waits until the ones
+  ahead of it in the queue have taken the slots that free up first; a running sequence holds
+  its slot for at most the tokens it has left (`max_tokens`; an EOS frees it sooner);
+- every prompt token queued ahead of it (waiting sequences of its priority or higher, and what
+  is left of prompts being prefilled) and its own prompt are prefilled;
+- in steps that also decode the running sequences: each step's token budget
+  (`max_num_batched_tokens`) is shared with one decode per running sequence.
+
+So the modelled TTFT is `left of the step in flight + steps * DecodeStep.seconds(decodes) +
+prefill tokens / rate`, where `steps` is the larger of the steps its prefill needs at
+`budget - decodes` tokens per step and the steps until its slot frees plus its own prefill. The
+prediction is that times a `Calibration` factor: how much later than modelled the first tokens
+of recent requests came (a high quantile, at least 1).
 
 A request is refused with 503 and Retry-After when that prediction exceeds `slack` times its
 budget: the model's TTFT SLO (`ttft_slo_ms`) or the time left before its deadline, whichever
-is smaller; a request with nothing queued ahead is held to its deadline alone. With neither,
-or before the first prefill has been measured, nothing is refused.
-The prediction leaves out the wait for a free place when `max_num_seqs` sequences run.
+is smaller. A request that waits for nobody (no prompt token ahead, a free slot) is held to its
+deadline alone. An admitted request's first token is then due by its budget; a new request
+whose last prefill chunk may share a step with earlier ones is also refused when it would make
+that step end after one of their dues (chunked prefill batches every waiting prompt that fits,
+so a later arrival can delay an earlier one). With neither budget, or before the first prefill
+has been measured, nothing is refused.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from lockgate.errors import Unavailable
+from lockgate.llm.metrics import RequestTimings
+
+TAU_S = 0.5  # time constant of the step-time estimates
+SLOPE_SPREAD = 0.1  # batch sizes must spread this share of their mean to refit the slope
+MIN_PREFILL_SHARE = 0.5  # of a mixed step's token-proportional prefill share, at least
+CALIBRATION_QUANTILE = 0.9  # of recent observed/modelled TTFT ratios
+CALIBRATION_WINDOW = 64  # first tokens, at most
+CALIBRATION_MAX_AGE_S = 10.0
+CALIBRATION_MIN_SAMPLES = 8
+CALIBRATION_MAX = 4.0
+
+
+def _decay(at: float | None, now: float, tau: float) -> float:
+    """Weight left to what was observed at `at`; 0 for nothing observed yet."""
+    return 0.0 if at is None else math.exp(-max(0.0, now - at) / tau)
 
 
 @dataclass(slots=True)
 class PrefillRate:
-    """Prompt tokens prefilled per second of engine step time, averaged over time."""
+    """Prompt tokens prefilled per second of prefill time: recent steps' tokens over their
+    seconds, both weighted by exp(-age / tau)."""
 
-    tau: float = 0.5
-    rate: float = 0.0  # tokens per second; 0: not measured yet
+    tau: float = TAU_S
+    tokens: float = 0.0
+    seconds: float = 0.0
     at: float | None = None
 
-    def observe(self, prompt_tokens: int, step_seconds: float, now: float) -> None:
-        if prompt_tokens <= 0 or step_seconds <= 0:
+    @property
+    def rate(self) -> float:
+        """Tokens per second; 0 until measured."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def observe(self, prompt_tokens: int, seconds: float, now: float) -> None:
+        if prompt_tokens <= 0 or seconds <= 0:
             return
-        sample = prompt_tokens / step_seconds
-        weight = 1.0 if self.at is None else 1.0 - math.exp(-max(0.0, now - self.at) / self.tau)
-        self.rate += weight * (sample - self.rate)
+        keep = _decay(self.at, now, self.tau)
+        self.tokens = keep * self.tokens + prompt_tokens
+        self.seconds = keep * self.seconds + seconds
         self.at = now
+
+
+@dataclass(slots=True)
+class DecodeStep:
+    """Seconds of a step that decodes `n` sequences and prefills nothing, as
+    `overhead + per_seq * n`: a line through the recent steps' mean (weights exp(-age / tau)).
+    Its slope is refitted when the recent batch sizes spread, else kept in proportion, and
+    stays between flat (all overhead) and proportional (no overhead)."""
+
+    tau: float = TAU_S
+    overhead: float = 0.0
+    per_seq: float = 0.0
+    at: float | None = None
+    # sums over recent steps, weighted: 1, n, t, n*n, n*t
+    _weight: float = field(default=0.0, init=False, repr=False)
+    _n: float = field(default=0.0, init=False, repr=False)
+    _t: float = field(default=0.0, init=False, repr=False)
+    _nn: float = field(default=0.0, init=False, repr=False)
+    _nt: float = field(default=0.0, init=False, repr=False)
+
+    @property
+    def measured(self) -> bool:
+        return self.at is not None
+
+    def seconds(self, num_seqs: float) -> float:
+        """Predicted seconds of a step decoding `num_seqs` sequences; 0 until measured."""
+        return self.overhead + self.per_seq * num_seqs
+
+    def observe(self, num_seqs: int, seconds: float, now: float) -> None:
+        if num_seqs <= 0 or seconds <= 0:
+            return
+        keep = _decay(self.at, now, self.tau)
+        self._weight = keep * self._weight + 1.0
+        self._n = keep * self._n + num_seqs
+        self._t = keep * self._t + seconds
+        self._nn = keep * self._nn + num_seqs * num_seqs
+        self._nt = keep * self._nt + num_seqs * seconds
+        n, t = self._n / self._weight, self._t / self._weight
+        spread = self._nn / self._weight - n * n
+        if spread >= (SLOPE_SPREAD * n) ** 2:  # sizes vary: fit the slope
+            slope = (self._nt / self._weight - n * t) / spread
+        elif self.measured:  # keep the line's shape, scaled to the mean
+            slope = self.per_seq * t / max(self.seconds(n), 1e-9)
+        else:
+            slope = 0.0  # one size seen: nothing says how it grows
+        self.per_seq = min(max(slope, 0.0), t / n)
+        self.overhead = t - self.per_seq * n
+        self.at = now
+
+
+@dataclass(slots=True)
+class Calibration:
+    """How much later than modelled first tokens came lately: the `CALIBRATION_QUANTILE` of
+    observed/modelled TTFT over the last `CALIBRATION_WINDOW` requests that waited for others
+    (none older than `CALIBRATION_MAX_AGE_S`), between 1 and `CALIBRATION_MAX`; 1 with fewer
+    than `CALIBRATION_MIN_SAMPLES`. It covers what the step model cannot see: step times that
+    swing with other work on the machine, and arrivals that join a step after it was predicted."""
+
+    factor: float = 1.0
+    ratios: deque[tuple[float, float]] = field(default_factory=deque)  # (when, ratio)
+
+    def observe(self, ttft: float, modelled: float, now: float) -> None:
+        if modelled <= 0:
+            return
+        self.ratios.append((now, ttft / modelled))
+        while len(self.ratios) > CALIBRATION_WINDOW or (
+            self.ratios[0][0] < now - CALIBRATION_MAX_AGE_S
+        ):
+            self.ratios.popleft()
+        if len(self.ratios) < CALIBRATION_MIN_SAMPLES:
+            self.factor = 1.0
+            return
+        ordered = sorted(r for _, r in self.ratios)
+        high = ordered[min(len(ordered) - 1, int(CALIBRATION_QUANTILE * len(ordered)))]
+        self.factor = min(max(high, 1.0), CALIBRATION_MAX)
+
+
+@dataclass(slots=True, frozen=True)
+class QueuedPrefill:
+    """A sequence ahead of a new one whose first token has not come yet."""
+
+    tokens: int  # prompt tokens it has left to prefill after the step in flight
+    due: float | None  # when admission promised its first token by (monotonic s), if it did
+
+
+@dataclass(slots=True, frozen=True)
+class StepInFlight:
+    """The step the engine runs now: a new sequence can join only the next one."""
+
+    prefill_tokens: int
+    decodes: int
+    started: float  # monotonic s
+
+
+@dataclass(slots=True)
+class LoadAhead:
+    """What a new sequence waits behind, as the scheduler sees it when the sequence arrives."""
+
+    prompt_tokens: int  # its own, to prefill
+    ahead: list[QueuedPrefill]  # in the order the scheduler prefills them
+    running: list[int]  # per running sequence: steps it holds its slot, at most
+    waiting: list[int]  # per waiting sequence ahead of it, in order: likewise, once running
+    in_flight: StepInFlight | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class TTFTPrediction:
+    seconds: float  # modelled, times the calibration factor
+    modelled: float  # by the step model alone
+    calibration: float
+    tokens_ahead: int  # prompt tokens prefilled before its own (the step in flight included)
+    in_flight_seconds: float  # left of the step running now
+    slot_wait_steps: int  # decode steps until a sequence slot is free for it
+    steps: int  # steps after the one in flight until its first token
+    decodes: int  # sequences decoded in each of those steps, at most
+    step_seconds: float  # the decode part of each step
+    prefill_rate: float  # prompt tokens per second of prefill time
+    due_sharing: float | None  # earliest first-token due of the sequences in its last step
+
+    @property
+    def waits(self) -> bool:
+        """It waits for other sequences: prompt tokens ahead, or no free slot."""
+        return self.tokens_ahead > 0 or self.slot_wait_steps > 0
+
+
+def slot_wait_steps(running: list[int], waiting: list[int], max_num_seqs: int) -> int:
+    """Decode steps until a slot is free for a sequence queued behind `waiting`: each waiting
+    one takes the slot that frees first and holds it for its own steps."""
+    frees_at = running + [0] * max(0, max_num_seqs - len(running))  # step each slot frees
+    heapq.heapify(frees_at)
+    for steps in waiting:
+        heapq.heappush(frees_at, heapq.heappop(frees_at) + steps)
+    return frees_at[0]
+
+
+def due_sharing(ahead: list[QueuedPrefill], total: int, per_step: int) -> float | None:
+    """The earliest due among the sequences whose prefill ends within `per_step` tokens of
+    the end of `total` (they may share a step with the new sequence's last chunk, and wait
+    for it)."""
+    end, dues = 0, []
+    for queued in ahead:
+        end += queued.tokens
+        if queued.due is not None and end > total - per_step:
+            dues.append(queued.due)
+    return min(dues, default=None)
 
 
 @dataclass(slots=True)
 class TTFTAdmission:
     ttft_slo: float | None = None  # seconds; None: only deadlines count
     slack: float = 0.8
-    prefill: PrefillRate | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefill: PrefillRate = field(default_factory=PrefillRate)
+    decode: DecodeStep = field(default_factory=DecodeStep)
+    calibration: Calibration = field(default_factory=Calibration)
 
-    def __post_init__(self) -> None:
-        if self.prefill is None:
-            self.prefill = PrefillRate()
+    def observe_first_token(self, timings: RequestTimings, now: float) -> None:
+        """A sequence got its first token: calibrate on it if it waited for others."""
+        if timings.modelled_ttft is not None and timings.ttft is not None:
+            self.calibration.observe(timings.ttft, timings.modelled_ttft, now)
 
-    def predicted_ttft(self, tokens_ahead: int, prompt_tokens: int) -> float | None:
-        assert self.prefill is not None
-        if self.prefill.rate <= 0:
+    def observe(self, prefill_tokens: int, decodes: int, seconds: float, now: float) -> None:
+        """One engine step: `prefill_tokens` prompt (or recomputed) tokens and `decodes`
+        sequences decoded in `seconds` of the engine thread's time."""
+        if prefill_tokens <= 0:
+            self.decode.observe(decodes, seconds, now)
+            return
+        decode_part = self.decode.seconds(decodes) if self.decode.measured else 0.0
+        floor = MIN_PREFILL_SHARE * seconds * prefill_tokens / (prefill_tokens + decodes)
+        self.prefill.observe(prefill_tokens, max(seconds - decode_part, floor), now)
+
+    def step_seconds(self, prefill_tokens: int, decodes: int) -> float:
+        """Predicted seconds of one step; call only once the prefill rate is measured."""
+        return self.decode.seconds(decodes) + prefill_tokens / self.prefill.rate
+
+    def predict(self, load: LoadAhead, now: float) -> TTFTPrediction | None:
+        """Seconds until the first token of a sequence arriving behind `load` at `now`; None
+        until a prefill has been measured."""
+        rate = self.prefill.rate
+        if rate <= 0:
             return None
-        return (tokens_ahead + prompt_tokens) / self.prefill.rate
+        in_flight, in_flight_tokens = 0.0, 0
+        if load.in_flight is not None:
+            f = load.in_flight
+            in_flight = max(0.0, self.step_seconds(f.prefill_tokens, f.decodes) - (now - f.started))
+            in_flight_tokens = f.prefill_tokens
+        slot_wait = slot_wait_steps(load.running, load.waiting, self.max_num_seqs)
+        decodes = min(self.max_num_seqs, len(load.running) + len(load.waiting))
+        per_step = max(1, self.max_num_batched_tokens - decodes)
+        prefill = sum(q.tokens for q in load.ahead) + load.prompt_tokens
+        own_steps = math.ceil(load.prompt_tokens / per_step)
+        steps = max(math.ceil(prefill / per_step), slot_wait + own_steps)
+        step_seconds = self.decode.seconds(decodes)
+        modelled = in_flight + steps * step_seconds + prefill / rate
+        factor = self.calibration.factor
+        return TTFTPrediction(
+            seconds=modelled * factor,
+            modelled=modelled,
+            calibration=factor,
+            tokens_ahead=in_flight_tokens + prefill - load.prompt_tokens,
+            in_flight_seconds=in_flight,
+            slot_wait_steps=slot_wait,
+            steps=steps,
+            decodes=decodes,
+            step_seconds=step_seconds,
+            prefill_rate=rate,
+            due_sharing=due_sharing(load.ahead, prefill, per_step),
+        )
 
-    def check(
-        self, tokens_ahead: int, prompt_tokens: int, deadline: float | None, now: float
+    def budget(self, prediction: TTFTPrediction, deadline: float | None, now: float) -> float:
+        """Seconds it may wait for its first token; inf when nothing bounds it. A request
+        that waits for nobody is bounded by the model alone: only its own deadline counts
+        (and serving it measures the step times anew)."""
+        slo = self.ttft_slo if prediction.waits else None
+        budgets = [b for b in (slo, None if deadline is None else deadline - now) if b]
+        return min(budgets) * self.slack if budgets else math.inf
+
+    def refusal(
+        self, prediction: TTFTPrediction | None, deadline: float | None, now: float
     ) -> Unavailable | None:
         """None to admit, or the refusal to raise."""
-        # alone in the engine, a request waits for nobody: the SLO bounds waiting, so only
-        # its own deadline can refuse it (and serving it measures the prefill rate anew)
-        slo = self.ttft_slo if tokens_ahead else None
-        budgets = [b for b in (slo, None if deadline is None else deadline - now) if b]
-        if not budgets:
+        if prediction is None:
             return None
-        predicted = self.predicted_ttft(tokens_ahead, prompt_tokens)
-        budget = min(budgets)
-        if predicted is None or predicted <= budget * self.slack:
+        p, allowed = prediction, self.budget(prediction, deadline, now)
+        if p.seconds > allowed:
+            why = f"budget {allowed / self.slack * 1000:.0f} ms"
+        elif p.due_sharing is not None and now + p.seconds > p.due_sharing:
+            allowed = p.due_sharing - now
+            why = "it would delay the first token of requests admitted before it past their budget"
+        else:
             return None
-        assert self.prefill is not None
         return Unavailable(
-            f"request would miss its time to first token: predicted {predicted * 1000:.0f} ms "
-            f"for {tokens_ahead} prompt tokens queued ahead and {prompt_tokens} of its own at "
-            f"{self.prefill.rate:.0f} tokens/s, budget {budget * 1000:.0f} ms",
-            retry_after=max(1.0, tokens_ahead / self.prefill.rate),
+            f"request would miss its time to first token: predicted {p.seconds * 1000:.0f} ms "
+            f"({p.in_flight_seconds * 1000:.0f} ms left of the step running, then "
+            f"{p.tokens_ahead} prompt tokens queued ahead and its own at {p.prefill_rate:.0f} "
+            f"tokens/s; {p.steps} steps decoding {p.decodes} sequences at "
+            f"{p.step_seconds * 1000:.0f} ms, {p.slot_wait_steps} of them until a sequence "
+            f"slot frees; times {p.calibration:.2f} for recent misses); {why}",
+            retry_after=max(1.0, p.seconds - allowed),
         )
+
+    def due(
+        self, prediction: TTFTPrediction | None, deadline: float | None, now: float
+    ) -> float | None:
+        """When the first token of an admitted request is due: by its budget, or by its
+        prediction if that is later (a request that waits for nobody); None if unbounded."""
+        if prediction is None:
+            return None
+        allowed = self.budget(prediction, deadline, now)
+        return None if math.isinf(allowed) else now + max(allowed, prediction.seconds)

@@ -91,6 +91,7 @@ class LLMEngine:
         self._decoders: dict[str, TextDecoder] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._busy_until: float | None = None  # end of the last step, if it left work
 
     @property
     def has_unfinished(self) -> bool:
@@ -131,7 +132,7 @@ class LLMEngine:
         result = self.runner.run(out) if out.scheduled else None
         with self._lock:
             outputs = self._postprocess(out, result.sampled if result else SamplerOutput([], []))
-        self._record_step(out, result, time.perf_counter() - t0)
+        self._record_step(out, result, t0)
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -163,6 +164,10 @@ class LLMEngine:
                 forward_time=c.forward_time,
                 prepare_time=c.prepare_time,
                 sample_time=c.sample_time,
+                prefill_rate=self.scheduler.admission.prefill.rate,
+                decode_step_time=self.scheduler.admission.decode.seconds(
+                    len(self.scheduler.running)
+                ),
             )
 
     def check_invariants(self) -> None:
@@ -188,6 +193,8 @@ class LLMEngine:
     ) -> RequestOutput:
         seq.append_token(token)
         seq.timings.record_token(now)
+        if seq.timings.num_generation_tokens == 1:
+            self.scheduler.admission.observe_first_token(seq.timings, now)
         if self.observer is not None:
             self.observer.token(seq.timings)
         old_len = len(seq.output_text)
@@ -248,13 +255,23 @@ class LLMEngine:
         if self.observer is not None:
             self.observer.finished(seq.timings)
 
-    def _record_step(self, out: SchedulerOutput, result: RunnerOutput | None, total: float) -> None:
+    def _record_step(
+        self, out: SchedulerOutput, result: RunnerOutput | None, started: float
+    ) -> None:
+        end = time.perf_counter()
+        total = end - started
+        # admission's step times run from the end of the last step that left work: the gap
+        # (delivering outputs, waiting for the GIL) delays first tokens as the step does
+        busy = end - (started if self._busy_until is None else self._busy_until)
+        self._busy_until = end if self.has_unfinished else None
         prompt = sum(
             max(0, min(s.start + s.num_tokens, s.seq.num_prompt_tokens) - s.start)
             for s in out.scheduled
         )
+        decodes = out.num_decodes
         with self._lock:
-            self.scheduler.admission.prefill.observe(prompt, total, time.monotonic())  # type: ignore[union-attr]
+            admission = self.scheduler.admission
+            admission.observe(out.num_batched_tokens - decodes, decodes, busy, time.monotonic())
             c = self.counters
             c.num_steps += 1
             c.step_time += total

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from lockgate.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, of the linear projections
 _SOURCE = "EngineConfig"
 
 
@@ -32,6 +33,7 @@ class EngineConfig:
     dtype: str = "float32"
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
     pack_weights: bool = True  # bfloat16: reorder weights for oneDNN once, at load
+    quantization: str = "auto"  # auto: keep a GGUF's Q4_0/Q4_1 (int4) and Q8_0 (int8)
     ttft_slo_ms: float | None = None  # refuse what would wait longer for its first token
     admission_slack: float = 0.8  # admit when the predicted TTFT is within this share
 
@@ -58,10 +60,22 @@ class EngineConfig:
              "must be >= max_model_len when chunked prefill is off (a prompt runs whole)"),
             ("max_waiting", self.max_waiting >= 1, "must be >= 1"),
             ("dtype", self.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
+            ("quantization", self.quantization in QUANTIZATIONS,
+             f"{self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"),
+            ("quantization", self.quantization in ("auto", "none") or self.dtype == "bfloat16",
+             f"{self.quantization} needs dtype bfloat16 (the int8/int4 kernels run in it)"),
             ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1"),
             ("ttft_slo_ms", self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "must be > 0"),
             ("admission_slack", 0 < self.admission_slack <= 10, "must be in (0, 10]"),
         ]  # fmt: skip
+
+    @property
+    def weight_quantization(self) -> str:
+        """`quantization` as the loader applies it: auto keeps a float32 model dense, since
+        torch's int8/int4 CPU kernels are fast only with bfloat16 activations."""
+        if self.quantization == "auto" and self.dtype != "bfloat16":
+            return "none"
+        return self.quantization
 
     def num_kv_blocks(self, bytes_per_block: int) -> int:
         """Blocks in the cache: `kv_cache_blocks`, else as many as fit in `kv_cache_gib`."""

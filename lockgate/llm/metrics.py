@@ -26,6 +26,9 @@ class RequestTimings:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
+    predicted_ttft: float | None = None  # admission's prediction when it was queued
+    modelled_ttft: float | None = None  # of which the step model's, if it waited for others
+    first_token_due: float | None = None  # when admission promised its first token by
     inter_token_latencies: list[float] = field(default_factory=list)
 
     def record_scheduled(self, now: float) -> None:
@@ -47,6 +50,12 @@ class RequestTimings:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def ttft_prediction_ratio(self) -> float | None:
+        """Observed over predicted TTFT: above 1, the first token came later than predicted."""
+        ttft, predicted = self.ttft, self.predicted_ttft
+        return None if ttft is None or not predicted else ttft / predicted
 
     @property
     def tpot(self) -> float | None:
@@ -79,6 +88,8 @@ class EngineStats:
     forward_time: float  # of which seconds in model forward + logits
     prepare_time: float  # of which seconds building the step's tensors
     sample_time: float  # of which seconds sampling
+    prefill_rate: float  # admission's estimate: prompt tokens per second of prefill time
+    decode_step_time: float  # admission's estimate: seconds of a step decoding the running
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -8,8 +8,10 @@ blocks run out, the newest running sequence is preempted: its blocks are freed a
 recomputed later from the front of the queue.
 
 Admission (`llm/admission.py`) refuses a new sequence at once when its predicted time to first
-token misses its budget; a full waiting queue sheds its newest sequence of the lowest
-priority for a new one of higher priority, else refuses the new one (429).
+token misses its budget (the scheduler tells it what the sequence would wait behind: prompt
+tokens ahead, and the steps each running or waiting sequence ahead holds its slot); a full
+waiting queue sheds its newest sequence of the lowest priority for a new one of higher
+priority, else refuses the new one (429).
 
 Pure bookkeeping: no tensors here.
 """
@@ -20,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lockgate.errors import BadRequest, TooManyRequests
-from lockgate.llm.admission import TTFTAdmission
+from lockgate.llm.admission import LoadAhead, QueuedPrefill, StepInFlight, TTFTAdmission
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.kv_cache import BlockManager
 from lockgate.llm.sequence import FinishReason, Sequence, SequenceStatus
@@ -43,10 +45,22 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     expired: list[Sequence] = field(default_factory=list)  # finished by deadline this step
+    started: float = 0.0  # when it was scheduled
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_decodes(self) -> int:
+        """Sequences that compute one output token's successor (the rest is prefill)."""
+        return sum(
+            1 for s in self.scheduled if s.num_tokens == 1 and s.start >= s.seq.num_prompt_tokens
+        )
+
+    def in_flight(self) -> StepInFlight:
+        decodes = self.num_decodes
+        return StepInFlight(self.num_batched_tokens - decodes, decodes, self.started)
 
 
 @dataclass(slots=True)
@@ -66,8 +80,11 @@ class Scheduler:
         self.sequences: dict[str, Sequence] = {}  # unfinished, by id
         self.num_preemptions = 0
         slo = config.ttft_slo_ms / 1000 if config.ttft_slo_ms else None
-        self.admission = TTFTAdmission(slo, config.admission_slack)
+        self.admission = TTFTAdmission(
+            slo, config.admission_slack, config.max_num_seqs, config.max_num_batched_tokens
+        )
         self.shed: list[Sequence] = []  # shed since the last step, to be answered 503
+        self.in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
 
     @property
     def has_unfinished(self) -> bool:
@@ -85,10 +102,14 @@ class Scheduler:
                 f"{self.config.max_model_len - 1} (max_model_len {self.config.max_model_len})"
             )
         now = seq.arrival if now is None else now
-        ahead = self.tokens_ahead(seq.priority)
-        verdict = self.admission.check(ahead, seq.num_tokens, seq.deadline, now)
-        if verdict is not None:
-            raise verdict
+        prediction = self.admission.predict(self.load_ahead(seq), now)
+        refusal = self.admission.refusal(prediction, seq.deadline, now)
+        if refusal is not None:
+            raise refusal
+        if prediction is not None:
+            seq.timings.predicted_ttft = prediction.seconds
+            seq.timings.modelled_ttft = prediction.modelled if prediction.waits else None
+        seq.timings.first_token_due = self.admission.due(prediction, seq.deadline, now)
         if len(self.waiting) >= self.config.max_waiting:
             victim = self._lowest_below(seq.priority)
             if victim is None:
@@ -104,6 +125,37 @@ class Scheduler:
         """Prompt tokens to prefill before a new sequence of `priority` starts its own."""
         waiting = sum(s.num_uncomputed_tokens for s in self.waiting if s.priority <= priority)
         return waiting + sum(s.num_uncomputed_tokens for s in self.running if s.is_prefill)
+
+    def load_ahead(self, seq: Sequence) -> LoadAhead:
+        """What a new `seq` would wait behind if it were queued now."""
+        waiting = [s for s in self.waiting if s.priority <= seq.priority]
+        return LoadAhead(
+            prompt_tokens=seq.num_tokens,
+            ahead=self._prefills_ahead(waiting),
+            running=[self._steps_left(s) for s in self.running],
+            waiting=[self._steps_left(s) for s in waiting],
+            in_flight=None if self.in_flight is None else self.in_flight.in_flight(),
+        )
+
+    def _prefills_ahead(self, waiting: list[Sequence]) -> list[QueuedPrefill]:
+        """Prompts to prefill after the step in flight, in the order the scheduler takes them."""
+        flight = self.in_flight.scheduled if self.in_flight is not None else []
+        in_step = {s.seq.seq_id: s.num_tokens for s in flight}
+        ahead = []
+        for s in [*(r for r in self.running if r.is_prefill), *waiting]:
+            left = s.num_uncomputed_tokens - in_step.get(s.seq_id, 0)
+            due = s.timings.first_token_due if s.timings.first_token is None else None
+            if left > 0:
+                ahead.append(QueuedPrefill(left, due))
+        return ahead
+
+    def _steps_left(self, seq: Sequence) -> int:
+        """Steps `seq` holds its slot at most: one per output token it may still produce."""
+        tokens = min(
+            seq.params.max_tokens - seq.num_output_tokens,
+            self.config.max_model_len - seq.num_tokens,
+        )
+        return max(1, tokens)
 
     def _enqueue(self, seq: Sequence) -> None:
         """After the last waiting sequence of its priority or higher."""
@@ -139,7 +191,7 @@ class Scheduler:
         self.sequences.pop(seq.seq_id, None)
 
     def schedule(self, now: float) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(started=now)
         self._expire(now, out)
         may_admit = self.config.continuous_batching or not self.running
         budget = _Budget(self.config.max_num_batched_tokens, now)
@@ -147,10 +199,12 @@ class Scheduler:
         self._schedule_partial_prefills(budget, out)
         if may_admit:
             self._admit(budget, out)
+        self.in_flight = out
         return out
 
     def update(self, out: SchedulerOutput) -> None:
         """After the step ran: advance progress and publish newly full blocks."""
+        self.in_flight = None
         for s in out.scheduled:
             if not s.seq.is_finished:  # not aborted while the step ran
                 s.seq.num_computed_tokens += s.num_tokens

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from lockgate.llm.tokenizer import ChatTokenizer
 
 
+# observed / predicted TTFT: 1 is a perfect prediction
+RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
 @dataclass(slots=True)
 class LLMService:
     name: str
@@ -89,6 +93,20 @@ class LLMRequestMetrics:
             m,
             TOKEN_BUCKETS,
         )
+        self.predicted_ttft = registry.histogram(
+            "lockgate_llm_predicted_time_to_first_token_seconds",
+            "Time to first token that admission predicted when it queued the request, for the "
+            "requests observed in lockgate_llm_ttft_prediction_ratio.",
+            m,
+            LATENCY_BUCKETS,
+        )
+        self.ttft_ratio = registry.histogram(
+            "lockgate_llm_ttft_prediction_ratio",
+            "Observed over predicted time to first token of admitted requests (above 1: later "
+            "than predicted).",
+            m,
+            RATIO_BUCKETS,
+        )
 
     def observer(self, model: str) -> RequestObserver:
         return _ModelObserver(self, (model,))
@@ -105,10 +123,16 @@ class _ModelObserver:
         self.queue = metrics.queue.labels(labels)
         self.prompt = metrics.prompt.labels(labels)
         self.generation = metrics.generation.labels(labels)
+        self.predicted_ttft = metrics.predicted_ttft.labels(labels)
+        self.ttft_ratio = metrics.ttft_ratio.labels(labels)
 
     def token(self, timings: RequestTimings) -> None:
         if timings.num_generation_tokens == 1:
             self.ttft.observe(timings.ttft or 0.0)
+            ratio = timings.ttft_prediction_ratio
+            if ratio is not None and timings.predicted_ttft is not None:
+                self.predicted_ttft.observe(timings.predicted_ttft)
+                self.ttft_ratio.observe(ratio)
         else:
             self.itl.observe(timings.inter_token_latencies[-1])
 
@@ -145,6 +169,17 @@ _GAUGES: tuple[tuple[str, str, Read], ...] = (
         "lockgate_llm_step_overhead_ratio",
         "Share of engine step time spent outside the model forward.",
         lambda s: s.step_overhead_share,
+    ),
+    (
+        "lockgate_llm_admission_prefill_tokens_per_second",
+        "Prompt tokens per second of prefill time that TTFT admission predicts with (recent "
+        "steps; 0 until measured).",
+        lambda s: s.prefill_rate,
+    ),
+    (
+        "lockgate_llm_admission_decode_step_seconds",
+        "Seconds of a step decoding the running requests, as TTFT admission predicts it.",
+        lambda s: s.decode_step_time,
     ),
 )
 _COUNTERS: tuple[tuple[str, str, Read], ...] = (

@@ -18,6 +18,7 @@ A model folder whose config says `backend: llm` holds the weights in its version
 | enable_chunked_prefill | split long prompts across steps | true |
 | num_threads | torch intra-op threads | torch's default |
 | pack_weights | bfloat16: reorder the weights for oneDNN once, at load | true |
+| quantization | weight-only projections: auto, none, int8, int4 | auto |
 | ttft_slo_ms | refuse (503) a request predicted to wait longer for its first token | none |
 | generation_config | sampling defaults: auto, generation_config.json by the weights; none | auto |
 """
@@ -84,6 +85,7 @@ def engine_config_from(config: ModelConfig) -> EngineConfig:
         dtype=str(p.get("dtype", "bfloat16")),
         num_threads=number("num_threads", int, None),  # type: ignore[arg-type]
         pack_weights=flag("pack_weights", True),
+        quantization=str(p.get("quantization", "auto")),
         ttft_slo_ms=number("ttft_slo_ms", float, None),  # type: ignore[arg-type]
     )
 
@@ -130,8 +132,10 @@ def load_service(config: ModelConfig, version_dir: Path) -> LLMService:
     engine_config = engine_config_from(config)
     weights = _weights_path(config, version_dir)
     generation = _generation_defaults(config, weights)
-    checkpoint = load_checkpoint(weights)
-    model = build_llama(checkpoint.config, checkpoint.weights, engine_config.dtype)
+    checkpoint = load_checkpoint(weights, quantization=engine_config.weight_quantization)
+    model = build_llama(
+        checkpoint.config, checkpoint.weights, engine_config.dtype, checkpoint.quantized
+    )
     if engine_config.pack_weights:
         pack_linear_weights(model)
     per_block = kv_bytes_per_block(checkpoint.config, engine_config.block_size, engine_config.dtype)
@@ -149,11 +153,13 @@ def load_service(config: ModelConfig, version_dir: Path) -> LLMService:
     name = config.parameters.get("served_model_name", config.name)
     elapsed = time.monotonic() - start
     log.info(
-        "language model %s ready in %.2f s: %s, %s, KV cache %d blocks x %d tokens = %.2f GiB",
+        "language model %s ready in %.2f s: %s, %s, quantization %s, KV cache %d blocks x %d "
+        "tokens = %.2f GiB",
         name,
         elapsed,
         checkpoint.source,
         engine_config.dtype,
+        engine_config.weight_quantization,
         blocks,
         engine_config.block_size,
         blocks * per_block / 2**30,

@@ -3,11 +3,14 @@
 The model sees only tensors and `AttentionMetadata`. Q/K/V and gate/up projections are fused
 into one Linear each when the weights are loaded, so a decode step runs few, larger ops.
 Weights come in Hugging Face naming (`model.layers.N.self_attn.q_proj.weight`, ...).
+Projections given quantized become `QuantizedLinear`s, in a pass over the built model.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,7 @@ from lockgate.llm.attention import (
     write_kv,
 )
 from lockgate.llm.model_config import LlamaConfig
+from lockgate.llm.quantized_linear import QuantizedLinear, QuantizedWeight
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -215,45 +219,89 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
 
+# this module's projection -> the Hugging Face projections stacked into it, in order
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+@dataclass(slots=True)
+class FusedWeights:
+    """This module's names: the state dict (dense tensors) and the quantized projections
+    (module name -> weight), which the state dict does not hold."""
+
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+
+
 def fuse_weights(
-    config: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Hugging Face LlamaForCausalLM names -> this module's names, Q/K/V and gate/up fused."""
-    out: dict[str, torch.Tensor] = {}
+    config: LlamaConfig,
+    weights: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    quantized: Mapping[str, QuantizedWeight] | None = None,
+) -> FusedWeights:
+    """Hugging Face LlamaForCausalLM names -> this module's names, Q/K/V and gate/up fused.
+
+    A fused projection stays quantized when all its parts are, in one kind; otherwise the
+    quantized parts are dequantized and it is dense."""
+    quantized = quantized or {}
+    out = FusedWeights()
 
     def take(name: str) -> torch.Tensor:
-        if name not in weights:
-            raise ConfigError(config.source, name, "tensor missing from the checkpoint")
-        return weights[name].to(dtype)
+        if name in weights:
+            return weights[name].to(dtype)
+        if name in quantized:
+            return quantized[name].dequantize().to(dtype)
+        raise ConfigError(config.source, name, "tensor missing from the checkpoint")
 
-    out["embed_tokens.weight"] = take("model.embed_tokens.weight")
-    out["norm.weight"] = take("model.norm.weight")
+    out.dense["embed_tokens.weight"] = take("model.embed_tokens.weight")
+    out.dense["norm.weight"] = take("model.norm.weight")
     if not config.tie_word_embeddings:
-        out["lm_head.weight"] = take("lm_head.weight")
+        out.dense["lm_head.weight"] = take("lm_head.weight")
     for i in range(config.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn = [take(f"{src}self_attn.{p}_proj.weight") for p in ("q", "k", "v")]
-        out[f"{dst}self_attn.qkv_proj.weight"] = torch.cat(attn, dim=0)
-        out[f"{dst}self_attn.o_proj.weight"] = take(f"{src}self_attn.o_proj.weight")
-        mlp = [take(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]
-        out[f"{dst}mlp.gate_up_proj.weight"] = torch.cat(mlp, dim=0)
-        out[f"{dst}mlp.down_proj.weight"] = take(f"{src}mlp.down_proj.weight")
+        for target, parts in FUSED_PROJECTIONS.items():
+            names = [f"{src}{part}.weight" for part in parts]
+            found = [quantized.get(name) for name in names]
+            kinds = {w.kind if w is not None else None for w in found}
+            if len(kinds) == 1 and None not in kinds:
+                out.quantized[f"{dst}{target}"] = QuantizedWeight.cat(
+                    [w for w in found if w is not None]
+                )
+            else:
+                out.dense[f"{dst}{target}.weight"] = torch.cat([take(n) for n in names], dim=0)
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"{dst}{norm}.weight"] = take(f"{src}{norm}.weight")
+            out.dense[f"{dst}{norm}.weight"] = take(f"{src}{norm}.weight")
     return out
 
 
 def build_llama(
-    config: LlamaConfig, weights: dict[str, torch.Tensor], dtype: str | torch.dtype = "float32"
+    config: LlamaConfig,
+    weights: Mapping[str, torch.Tensor],
+    dtype: str | torch.dtype = "float32",
+    quantized: Mapping[str, QuantizedWeight] | None = None,
 ) -> LlamaForCausalLM:
-    """A ready-to-run model from Hugging Face-named weights, cast to `dtype`."""
+    """A ready-to-run model from Hugging Face-named weights, cast to `dtype`; the projections
+    in `quantized` (Hugging Face names too) run as `QuantizedLinear`s."""
     torch_dtype = resolve_dtype(dtype)
-    fused = fuse_weights(config, weights, torch_dtype)
+    fused = fuse_weights(config, weights, torch_dtype, quantized)
     rope = RotaryTable(config, torch_dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, rope)
+    for name, weight in fused.quantized.items():
+        parent, _, child = name.rpartition(".")
+        plain = model.get_submodule(name)
+        assert isinstance(plain, nn.Linear)
+        shape = (weight.out_features, weight.in_features)
+        if shape != (plain.out_features, plain.in_features):
+            raise ConfigError(config.source, name, f"quantized weight {shape}, expected "
+                              f"{(plain.out_features, plain.in_features)}")  # fmt: skip
+        setattr(model.get_submodule(parent), child, QuantizedLinear(weight, torch_dtype))
     try:
-        model.load_state_dict(fused, strict=True, assign=True)
+        model.load_state_dict(fused.dense, strict=True, assign=True)
     except RuntimeError as exc:
         raise ConfigError(config.source, "weights", str(exc).splitlines()[0]) from exc
     return model.eval().requires_grad_(False)
