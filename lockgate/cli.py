@@ -84,7 +84,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--refusal-pause-ms",
         type=float,
-        default=0.0,
+        default=100.0,
         help="when refusals outnumber admitted requests tenfold, a refused connection is not "
         "read again for this long (0: never)",
     )
