@@ -9,7 +9,7 @@ import sys
 
 from lockgate.errors import ServingError
 from lockgate.plan.planner import QUEUE_MODELS, Plan, PlanInputs, plan
-from lockgate.service_time import ServiceTime
+from lockgate.plan.profile import ReplicaProfile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,13 +25,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overhead-ms", type=float, help="latency outside the model (default: the profile's)"
     )
+    parser.add_argument(
+        "--service-cv", type=float, help="sd / mean of the service time (default: the profile's)"
+    )
+    parser.add_argument(
+        "--frontend-ms",
+        type=float,
+        help="CPU per request outside the model on the model's core (default: the profile's)",
+    )
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        help="batch model: the batcher's window (default: the SLO batcher's rule)",
+    )
     parser.add_argument("--queue-model", choices=QUEUE_MODELS, default="mm1")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        profile = ServiceTime.load(args.profile) if args.profile else None
+        profile = ReplicaProfile.load(args.profile) if args.profile else None
         inputs = PlanInputs(
             rate=args.rate,
             slo_p99_s=args.slo_ms / 1e3,
@@ -43,7 +56,10 @@ def run(args: argparse.Namespace) -> int:
             redundancy=args.redundancy,
             cost_per_hour=args.cost_per_hour,
             queue_model=args.queue_model,
-            overhead_s=args.overhead_ms / 1e3 if args.overhead_ms is not None else None,
+            overhead_s=_seconds(args.overhead_ms),
+            service_cv=args.service_cv,
+            frontend_s=_seconds(args.frontend_ms),
+            batch_window_s=_seconds(args.batch_window_ms),
         )
         result = plan(inputs)
     except ServingError as exc:
@@ -51,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(result.to_json(), indent=2) if args.json else render(result))
     return 0
+
+
+def _seconds(ms: float | None) -> float | None:
+    return ms / 1e3 if ms is not None else None
 
 
 def _ms(seconds: float) -> str:
@@ -65,6 +85,8 @@ def render(result: Plan) -> str:
         f"operating point: batch {result.batch_size}, service time {_ms(result.service_time_s)}, "
         f"capacity {result.capacity_per_replica:.1f} req/s per replica, "
         f"fixed overhead {_ms(result.overhead_s)}",
+        f"service: front end on the model's core {_ms(result.frontend_s)} per request, "
+        f"cv {result.service_cv:.2f}",
         f"batching: window {_ms(result.batch_window_s)}, L(B) {_ms(result.batch_latency_s)}, "
         f"largest batch cap within SLO {result.max_batch_within_slo}",
         "max safe utilization: "

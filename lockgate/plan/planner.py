@@ -1,19 +1,27 @@
 """Capacity planner: from a request rate, a p99 SLO and a replica's speed to a replica count.
 
 Time scaling. A replica is described by two numbers: the service time S a request sees once
-its batch runs (T(B)), and the capacity in requests per second (B / T(B)). Utilization is
+its batch runs, and the capacity in requests per second (B / S). Utilization is
 load / capacity. The queueing models then run in units of S at that utilization: with no
-batching, capacity = 1 / S and the models are exact; with batching, a batch behaves like one
-service of length S. So M/M/1 gives p99 = ln(100) S / (1 - rho), about 4.6 S / (1 - rho).
+batching, capacity = 1 / S and the models are exact; with batching, mm1, md1, mg1 and mmc
+treat a batch as one service of length S, while the batch model simulates the batcher
+itself (batching.BatchQueue). So M/M/1 gives p99 = ln(100) S / (1 - rho), about
+4.6 S / (1 - rho).
+
+The service time. A batch of B rows takes the model T(B) = a + b B. When the model computes
+on the CPU it shares one core with the front end (HTTP, JSON, the batcher), whose CPU per
+request f the profile measures: then S(B) = T(B) + f B, for the two take turns on the core.
+mg1 and batch also use how much S varies (the profile's cv of T(1)).
 
 Worked example: 5,000 req/s, S = 5 ms, p99 SLO 50 ms, 1,143 req/s per replica.
 4.6 * 5 ms / (1 - rho) <= 50 ms  =>  rho <= 0.54;  5000 / (1143 * 0.54) = 8.1  =>  9 replicas;
 30% headroom on those: ceil(9 * 1.3) = 12.
 
-Fixed overhead. Part of a request's latency occupies no replica: the HTTP round trip, parsing,
-the network, the client. `lockgate profile` through a server measures it as the round trip
-minus the model's compute time. It is added to every predicted p99 (p99 = overhead + the
-queue's p99), and the queue must meet what the SLO leaves: SLO - overhead.
+Fixed overhead. Part of a request's latency occupies no replica: the network, the client,
+waiting on the event loop. `lockgate profile` through a server measures the round trip minus
+the model's compute time, d; the front end's CPU f moves from it into S, leaving d - f. It is
+added to every predicted p99 (p99 = overhead + the queue's p99), and the queue must meet what
+the SLO leaves: SLO - overhead.
 
 The recommendation is the largest of: the SLO count with headroom, the SLO count plus k spare
 replicas (N + k), and the throughput count (utilization < 1). `binding` says which one won.
@@ -25,11 +33,25 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from lockgate.errors import BadRequest
-from lockgate.plan.batching import batch_latency, batch_window, max_batch_within_slo
-from lockgate.plan.queueing import MD1, P99, MMc, max_utilization, mm1_max_utilization
-from lockgate.service_time import ServiceTime
+from lockgate.plan.batching import (
+    BatchQueue,
+    batch_latency,
+    batch_window,
+    max_batch_within_slo,
+)
+from lockgate.plan.profile import ReplicaProfile, batch_sizes_up_to
+from lockgate.plan.queueing import (
+    MD1,
+    MG1,
+    P99,
+    MMc,
+    ServiceDistribution,
+    max_utilization,
+    mm1_max_utilization,
+)
 
-QUEUE_MODELS = ("mm1", "md1", "mmc")
+QUEUE_MODELS = ("mm1", "md1", "mg1", "mmc", "batch")
+ANALYTIC_MODELS = ("mm1", "md1", "mg1", "mmc")  # cheap enough to report beside any choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,13 +60,16 @@ class PlanInputs:
     slo_p99_s: float
     service_time_s: float | None = None  # T(B) of the batch a request rides in
     capacity_per_replica: float | None = None  # req/s; default batch / service_time
-    profile: ServiceTime | None = None  # T(B) = a + b B; chooses the batch size
+    profile: ReplicaProfile | None = None  # T(B) = a + b B; chooses the batch size
     max_batch_size: int | None = None  # with a profile; default the profile's largest
     headroom: float = 0.3
     redundancy: int = 1  # N + k: k spare replicas
     cost_per_hour: float | None = None  # per replica
     queue_model: str = "mm1"
     overhead_s: float | None = None  # latency outside the replica; default the profile's
+    service_cv: float | None = None  # sd / mean of the service time; default the profile's
+    frontend_s: float | None = None  # CPU per request on the model's core; default the profile's
+    batch_window_s: float | None = None  # batch model; default the SLO batcher's rule
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -57,10 +82,24 @@ class PlanInputs:
             raise BadRequest(f"capacity per replica must be > 0, got {self.capacity_per_replica}")
         if self.headroom < 0 or self.redundancy < 0:
             raise BadRequest("headroom and redundancy must be >= 0")
-        if self.overhead_s is not None and not 0 <= self.overhead_s < math.inf:
-            raise BadRequest(f"overhead must be a finite time >= 0, got {self.overhead_s}")
+        for name in ("overhead_s", "service_cv", "frontend_s", "batch_window_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < math.inf:
+                raise BadRequest(f"{name} must be a finite number >= 0, got {value}")
         if self.queue_model not in QUEUE_MODELS:
             raise BadRequest(f"queue model must be one of {QUEUE_MODELS}, got {self.queue_model}")
+
+    @property
+    def cv(self) -> float:
+        if self.service_cv is not None:
+            return self.service_cv
+        return self.profile.service_cv if self.profile else 0.0
+
+    @property
+    def frontend(self) -> float:
+        if self.frontend_s is not None:
+            return self.frontend_s
+        return self.profile.frontend_s if self.profile else 0.0
 
 
 @dataclass(slots=True)
@@ -69,9 +108,9 @@ class Plan:
     slo_p99_s: float
     queue_model: str
     batch_size: int
-    service_time_s: float
+    service_time_s: float  # S: one batch, front end included
     capacity_per_replica: float
-    max_utilization: dict[str, float]  # per queue model (mmc: at its replica count)
+    max_utilization: dict[str, float]  # per queue model (mmc, batch: at its replica count)
     replicas_by_model: dict[str, int]  # to meet the SLO, before headroom and spares
     replicas_throughput: int  # the fewest with utilization < 1
     replicas_slo: int  # by queue_model
@@ -88,6 +127,8 @@ class Plan:
     batch_window_s: float
     max_batch_within_slo: int
     overhead_s: float = 0.0  # added to every p99; the queue gets slo_p99_s - overhead_s
+    frontend_s: float = 0.0  # CPU per request that queues with the model (in S)
+    service_cv: float = 0.0  # of S: mg1 and batch
     cost_per_million: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -99,55 +140,121 @@ class Plan:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaQueue:
+    """One replica as its queue model sees it, at one batch size.
+
+    The model takes T(B) = a + b B for a batch of B rows. When the front end's CPU per request
+    shares the model's core, it queues with the model, so a batch occupies the replica for
+    S(B) = a + (b + frontend) B. `capacity` is in requests per second (B / S(B) unless given).
+    """
+
+    batch_size: int
+    a_s: float
+    b_s: float
+    capacity: float
+    frontend_s: float = 0.0
+    cv: float = 0.0
+    window_s: float | None = None  # batch model; None: the SLO batcher's rule
+    slo_s: float = math.inf  # for that rule
+
+    @property
+    def per_row_s(self) -> float:
+        return self.b_s + self.frontend_s
+
+    @property
+    def service_time_s(self) -> float:
+        """S at the batch size."""
+        return self.a_s + self.per_row_s * self.batch_size
+
+    def model_time(self, batch: int) -> float:
+        return self.a_s + self.b_s * batch
+
+    def window(self, arrival_rate: float) -> float:
+        """How long an idle replica holds a partial batch at this per-replica rate."""
+        if self.window_s is not None:
+            return self.window_s
+        t_cap = self.model_time(self.batch_size)
+        return batch_window(self.model_time(1), t_cap, arrival_rate, self.slo_s)
+
+    def p99(self, model: str, rho: float, replicas: int = 1) -> float:
+        """p99 response time of one replica (mm1, md1, mg1, batch) or of the pooled replicas
+        (mmc) at utilization rho; inf at rho >= 1."""
+        if rho >= 1:
+            return math.inf
+        s = self.service_time_s
+        if model == "mm1":
+            return -math.log1p(-P99) * s / (1 - rho)
+        if model == "md1":
+            return MD1(rho / s, s).response_quantile(P99)
+        if model == "mg1":
+            return MG1(rho / s, ServiceDistribution(s, self.cv)).response_quantile(P99)
+        if model == "batch":
+            rate = rho * self.capacity
+            if rate == 0:
+                return ServiceDistribution(self.a_s + self.per_row_s, self.cv).quantile(P99)
+            queue = BatchQueue(
+                rate, self.a_s, self.per_row_s, self.batch_size, self.cv, self.window(rate)
+            )
+            return queue.response_quantile(P99)
+        mu = 1.0 / s
+        return MMc(rho * replicas * mu, mu, replicas).response_quantile(P99)
+
+    def meets(self, model: str, rho: float, slo: float) -> bool:
+        if model == "md1":  # one CDF evaluation with at most slo / S terms
+            s = self.service_time_s
+            if rho == 0:
+                return s <= slo
+            return MD1(rho / s, s).wait_cdf(slo - s) >= P99
+        return self.p99(model, rho) <= slo
+
+
 def p99_at(model: str, rho: float, service_time: float, replicas: int) -> float:
-    """p99 response time of one replica (mm1, md1) or of the pooled replicas (mmc) at rho."""
-    if rho >= 1:
-        return math.inf
+    """p99 of a replica whose batch (or request) takes a fixed `service_time`, at rho."""
+    return ReplicaQueue(1, 0.0, service_time, 1.0 / service_time).p99(model, rho, replicas)
+
+
+def replicas_for(model: str, load: float, queue: ReplicaQueue, slo: float) -> tuple[int, float]:
+    """Fewest replicas for the SLO with `load` = rate / capacity, and rho_max for that model
+    (mmc and batch: the utilization at that count)."""
+    if model in ("mmc", "batch"):
+        return _pooled_replicas(model, load, queue, slo)
     if model == "mm1":
-        return -math.log1p(-P99) * service_time / (1 - rho)
-    if model == "md1":
-        return MD1(rho / service_time, service_time).response_quantile(P99)
-    mu = 1.0 / service_time
-    return MMc(rho * replicas * mu, mu, replicas).response_quantile(P99)
-
-
-def md1_meets(rho: float, service_time: float, slo: float) -> bool:
-    """P(W + S <= slo) >= 0.99: one CDF evaluation with at most slo / S terms."""
-    if rho == 0:
-        return service_time <= slo
-    return MD1(rho / service_time, service_time).wait_cdf(slo - service_time) >= P99
-
-
-def replicas_for(model: str, load: float, service_time: float, slo: float) -> tuple[int, float]:
-    """Fewest replicas for the SLO with `load` = rate / capacity, and rho_max for that model."""
-    if model == "mm1":
-        rho_max = mm1_max_utilization(service_time, slo)
-    elif model == "md1":
-        rho_max = max_utilization(lambda rho: md1_meets(rho, service_time, slo))
+        rho_max = mm1_max_utilization(queue.service_time_s, slo)
     else:
-        n = math.floor(load) + 1
-        while p99_at("mmc", load / n, service_time, n) > slo:
-            if n > 100 * (load + 1):
-                raise BadRequest(f"the SLO {slo * 1e3:g} ms cannot be met by adding replicas")
-            n += 1
-        return n, load / n
+        rho_max = max_utilization(lambda rho: queue.meets(model, rho, slo))
     if rho_max <= 0:
         raise BadRequest(
             f"the p99 SLO {slo * 1e3:g} ms cannot be met with a service time of "
-            f"{service_time * 1e3:g} ms under the {model} model, at any load"
+            f"{queue.service_time_s * 1e3:g} ms under the {model} model, at any load"
         )
     return math.ceil(load / rho_max - 1e-9), rho_max
+
+
+def _pooled_replicas(model: str, load: float, queue: ReplicaQueue, slo: float) -> tuple[int, float]:
+    """The fewest n with p99 <= slo, by doubling and then bisection (p99 falls as n grows)."""
+    low = math.floor(load)  # too few: utilization >= 1
+    high = low + 1
+    while queue.p99(model, load / high, high) > slo:
+        if high > 100 * (load + 1):
+            raise BadRequest(f"the SLO {slo * 1e3:g} ms cannot be met by adding replicas")
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if queue.p99(model, load / mid, mid) <= slo else (mid, high)
+    return high, load / high
 
 
 def plan(inputs: PlanInputs) -> Plan:
     """Choose the batch size (with a profile), then the replica count."""
     overhead, queue_budget = _split_slo(inputs)
-    batch, service_time, capacity = _operating_point(inputs, queue_budget)
-    load = inputs.rate / capacity  # replicas' worth of work at utilization 1
+    queue = _operating_point(inputs, queue_budget)
+    load = inputs.rate / queue.capacity  # replicas' worth of work at utilization 1
     by_model: dict[str, int] = {}
     rho_max: dict[str, float] = {}
-    for model in QUEUE_MODELS:
-        by_model[model], rho_max[model] = replicas_for(model, load, service_time, queue_budget)
+    models = ANALYTIC_MODELS + (("batch",) if inputs.queue_model == "batch" else ())
+    for model in models:
+        by_model[model], rho_max[model] = replicas_for(model, load, queue, queue_budget)
     n_slo = by_model[inputs.queue_model]
     n_throughput = math.floor(load) + 1
     with_headroom = math.ceil(n_slo * (1 + inputs.headroom) - 1e-9)
@@ -156,16 +263,15 @@ def plan(inputs: PlanInputs) -> Plan:
     binding = _binding(n_slo, n_throughput, with_headroom, with_redundancy)
     survivors = max(replicas - 1, 0)
     rho_fail = load / survivors if survivors else math.inf
-    p99_fail = overhead + p99_at(inputs.queue_model, rho_fail, service_time, survivors)
+    p99_fail = overhead + queue.p99(inputs.queue_model, rho_fail, survivors)
     per_replica_rate = inputs.rate / replicas
-    t_of_b = inputs.profile.service_time if inputs.profile else (lambda _b: service_time)
     result = Plan(
         rate=inputs.rate,
         slo_p99_s=inputs.slo_p99_s,
         queue_model=inputs.queue_model,
-        batch_size=batch,
-        service_time_s=service_time,
-        capacity_per_replica=capacity,
+        batch_size=queue.batch_size,
+        service_time_s=queue.service_time_s,
+        capacity_per_replica=queue.capacity,
         max_utilization=rho_max,
         replicas_by_model=by_model,
         replicas_throughput=n_throughput,
@@ -175,16 +281,21 @@ def plan(inputs: PlanInputs) -> Plan:
         replicas=replicas,
         binding=binding,
         utilization=load / replicas,
-        p99_s=overhead + p99_at(inputs.queue_model, load / replicas, service_time, replicas),
+        p99_s=overhead + queue.p99(inputs.queue_model, load / replicas, replicas),
         utilization_after_failure=rho_fail,
         p99_after_failure_s=p99_fail,
         slo_met_after_failure=p99_fail <= inputs.slo_p99_s,
-        batch_latency_s=batch_latency(batch, per_replica_rate, t_of_b),
-        batch_window_s=batch_window(service_time, per_replica_rate, queue_budget),
+        batch_latency_s=batch_latency(queue.batch_size, per_replica_rate, queue.model_time),
+        batch_window_s=queue.window(per_replica_rate),
         max_batch_within_slo=max_batch_within_slo(
-            t_of_b, per_replica_rate, queue_budget, inputs.max_batch_size or batch
+            queue.model_time,
+            per_replica_rate,
+            queue_budget,
+            inputs.max_batch_size or queue.batch_size,
         ),
         overhead_s=overhead,
+        frontend_s=inputs.frontend,
+        service_cv=queue.cv,
     )
     if inputs.cost_per_hour is not None:
         result.cost_per_million = replicas * inputs.cost_per_hour / (inputs.rate * 3600) * 1e6
@@ -200,10 +311,14 @@ def _binding(n_slo: int, n_throughput: int, with_headroom: int, with_redundancy:
 
 
 def _split_slo(inputs: PlanInputs) -> tuple[float, float]:
-    """(fixed overhead, what the SLO leaves for the queue and the service)."""
+    """(fixed overhead, what the SLO leaves for the queue and the service).
+
+    A profile's overhead is its one-row round trip less the compute time; the part of it that
+    is front-end CPU on the model's core moves into the service time, so it leaves here."""
     overhead = inputs.overhead_s
     if overhead is None:
-        overhead = inputs.profile.overhead_s if inputs.profile else 0.0
+        profiled = inputs.profile.service.overhead_s if inputs.profile else 0.0
+        overhead = max(0.0, profiled - inputs.frontend)
     budget = inputs.slo_p99_s - overhead
     if budget <= 0:
         raise BadRequest(
@@ -213,38 +328,55 @@ def _split_slo(inputs: PlanInputs) -> tuple[float, float]:
     return overhead, budget
 
 
-def _operating_point(inputs: PlanInputs, budget: float) -> tuple[int, float, float]:
-    """(batch size, service time, capacity per replica)."""
+def _operating_point(inputs: PlanInputs, budget: float) -> ReplicaQueue:
     if inputs.profile is None:
         assert inputs.service_time_s is not None
-        capacity = inputs.capacity_per_replica or 1.0 / inputs.service_time_s
-        return 1, inputs.service_time_s, capacity
+        service = inputs.service_time_s
+        capacity = inputs.capacity_per_replica or 1.0 / (service + inputs.frontend)
+        return ReplicaQueue(
+            1, 0.0, service, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, budget
+        )
     return choose_batch(inputs.profile, inputs, budget)
 
 
-def choose_batch(
-    profile: ServiceTime, inputs: PlanInputs, budget: float | None = None
-) -> tuple[int, float, float]:
-    """The batch cap needing the fewest replicas whose L(B) fits the SLO; ties go to smaller B.
+def _queue_at(profile: ReplicaProfile, inputs: PlanInputs, batch: int, slo: float) -> ReplicaQueue:
+    """The replica at batch size `batch`: S(B) = a + (b + front end) B."""
+    t = profile.service
+    capacity = inputs.capacity_per_replica or batch / (t.a_s + (t.b_s + inputs.frontend) * batch)
+    return ReplicaQueue(
+        batch, t.a_s, t.b_s, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, slo
+    )
 
-    `budget` is the part of the SLO left after the fixed overhead (default: all of it)."""
+
+def choose_batch(
+    profile: ReplicaProfile, inputs: PlanInputs, budget: float | None = None
+) -> ReplicaQueue:
+    """The batch size of the operating point.
+
+    batch: the cap itself (`max_batch_size`, default the profile's largest), since the batcher
+    takes what is queued up to it. The other models treat a batch as one service: the cap,
+    among 1, 2, 4, ... and the largest, that needs the fewest replicas while L(B) fits the
+    SLO; ties go to the smaller B. `budget` is the part of the SLO left after the fixed
+    overhead (default: all of it)."""
     budget = inputs.slo_p99_s if budget is None else budget
-    best: tuple[int, int, float, float] | None = None  # (replicas, B, T(B), capacity)
-    for batch in range(1, (inputs.max_batch_size or profile.max_batch_size) + 1):
-        service_time = profile.service_time(batch)
-        if service_time <= 0:
+    largest = inputs.max_batch_size or profile.service.max_batch_size
+    if inputs.queue_model == "batch":
+        return _queue_at(profile, inputs, largest, budget)
+    best: tuple[int, ReplicaQueue] | None = None
+    for batch in batch_sizes_up_to(largest):
+        queue = _queue_at(profile, inputs, batch, budget)
+        if queue.service_time_s <= 0:
             continue
-        capacity = batch / service_time
         try:
-            n, _ = replicas_for(inputs.queue_model, inputs.rate / capacity, service_time, budget)
+            n, _ = replicas_for(inputs.queue_model, inputs.rate / queue.capacity, queue, budget)
         except BadRequest:
             continue
-        fill = batch_latency(batch, inputs.rate / n, profile.service_time)
+        fill = batch_latency(batch, inputs.rate / n, queue.model_time)
         if fill <= budget and (best is None or n < best[0]):
-            best = (n, batch, service_time, capacity)
+            best = (n, queue)
     if best is None:
         raise BadRequest(
             f"no batch size meets the p99 SLO {inputs.slo_p99_s * 1e3:g} ms with this profile "
-            f"(T(1) = {profile.service_time(1) * 1e3:.3g} ms)"
+            f"(T(1) = {profile.service.service_time(1) * 1e3:.3g} ms)"
         )
-    return best[1], best[2], best[3]
+    return best[1]

@@ -1,7 +1,9 @@
 """Service-time profile T(B): measure a model at batch sizes 1, 2, 4, ... and fit a + b B.
 
 Two ways to measure: in-process through a callable `infer(batch_size)`, or through a running
-server by sending one KServe v2 request of B rows at a time, sequentially. Each batch size is
+server by sending one KServe v2 request of B rows at a time, sequentially, with 16 distinct
+synthesized bodies per size used in turn (a model whose cost depends on its input, text
+say, is timed over a spread of inputs, as load tests and clients send them). Each batch size is
 timed `repeats` times after `warmup` untimed calls, and the median is kept. The sizes are
 visited in rounds (1, 2, 4, ..., then again), so a machine whose load drifts during the
 profile slows every batch size alike instead of bending the line.
@@ -10,20 +12,98 @@ Through a server that keeps Triton-style statistics (`GET /v2/models/{m}/stats`)
 request's compute time is read from the server too. The model instance is the queue's server,
 so T(B) is fitted to the compute times, and the rest of the round trip (HTTP, parsing, the
 network, the client) becomes `overhead_s`: latency every request pays that occupies no
-instance. Without statistics, T(B) is the round trip and the overhead is 0.
+instance (measured on one-row requests, the size clients send). Without statistics, T(B) is
+the round trip and the overhead is 0.
+
+Two more numbers make the profile a description of the replica, not only of the model
+(`ReplicaProfile`):
+
+- How much T(1) varies: the coefficient of variation (sd / mean) of the one-row compute
+  times, a time above 3 times the median counted as 3 times the median (a stall of the
+  machine, not of the model). With `repeats` of 30 or more it is worth using.
+- The server's CPU per request. When the server publishes `process_cpu_seconds_total` on
+  `/metrics` (lockgate does), the profile sends one-row requests back to back for
+  `cpu_seconds` and divides the CPU the process used, less what it uses idle over the same
+  time, by the requests. The part of it beyond the model's mean compute time is the front
+  end's (HTTP, JSON, the batcher): on a CPU-bound model that shares its core, it queues with
+  the model; on a model that waits (a sleep, a GPU, another service) it runs beside it, and
+  the CPU per request stays under the compute time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import re
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lockgate.errors import BadRequest
 from lockgate.service_time import ServiceTime, fit_service_time
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from lockgate.bench.workload import V2Target
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaProfile:
+    """What `lockgate profile` measured: T(B) and the overhead, how much T(1) varies, and what
+    one request costs the server's CPU. Saved as the ServiceTime JSON plus three fields."""
+
+    service: ServiceTime
+    service_cv: float = 0.0  # sd / mean of the one-row compute time
+    cpu_per_request_s: float | None = None  # the server process's CPU per one-row request
+    compute_per_request_s: float | None = None  # mean compute time in the same requests
+
+    @property
+    def frontend_s(self) -> float:
+        """CPU per request beyond the model's compute: 0 when the model's time is not CPU."""
+        if self.cpu_per_request_s is None or self.compute_per_request_s is None:
+            return 0.0
+        return max(0.0, self.cpu_per_request_s - self.compute_per_request_s)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            **self.service.to_json(),
+            "service_cv": self.service_cv,
+            "cpu_per_request_s": self.cpu_per_request_s,
+            "compute_per_request_s": self.compute_per_request_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, object], source: str = "profile") -> ReplicaProfile:
+        service = ServiceTime.from_json(data, source)
+        fields = {}
+        for key in ("service_cv", "cpu_per_request_s", "compute_per_request_s"):
+            value = data.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise BadRequest(f"{source}: '{key}' must be a finite number >= 0, got {value!r}")
+            fields[key] = float(value)
+        return cls(service, **fields)  # type: ignore[arg-type]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ReplicaProfile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise BadRequest(f"cannot read profile {path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise BadRequest(f"{path}: a profile is a JSON object")
+        return cls.from_json(data, str(path))
 
 
 def batch_sizes_up_to(max_batch_size: int) -> tuple[int, ...]:
@@ -72,49 +152,84 @@ def profile_server(
     warmup: int = 1,
     timeout_s: float = 60.0,
     seed: int = 0,
-) -> ServiceTime:
-    """Time one B-row v2 request at a time against a running server, for each batch size."""
-    return asyncio.run(
-        _profile_server(url, model, max_batch_size, version, repeats, warmup, timeout_s, seed)
-    )
+    cpu_seconds: float = 2.0,
+) -> ReplicaProfile:
+    """Time one B-row v2 request at a time against a running server, for each batch size, then
+    (`cpu_seconds` > 0) the server's CPU per one-row request."""
+    if not 0 <= cpu_seconds < math.inf:
+        raise BadRequest(f"cpu seconds must be a finite number >= 0, got {cpu_seconds}")
+    settings = _Settings(url, model, version, max_batch_size, repeats, warmup, seed, cpu_seconds)
+    return asyncio.run(_profile_server(settings, timeout_s))
 
 
-async def _profile_server(
-    url: str,
-    model: str,
-    max_batch_size: int,
-    version: str | None,
-    repeats: int,
-    warmup: int,
-    timeout_s: float,
-    seed: int,
-) -> ServiceTime:
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    url: str
+    model: str
+    version: str | None
+    max_batch_size: int
+    repeats: int
+    warmup: int
+    seed: int
+    cpu_seconds: float
+
+
+@dataclass(slots=True)
+class _Samples:
+    """Seconds per request, by batch size."""
+
+    round_trip: dict[int, list[float]]
+    compute: dict[int, list[float]]
+
+
+async def _profile_server(settings: _Settings, timeout_s: float) -> ReplicaProfile:
     import aiohttp
 
     from lockgate.bench.workload import V2Target, fetch_v2_metadata, synthesize_v2_body
 
-    target = V2Target(url, model, version)
-    rng = np.random.default_rng(seed)
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    sizes = batch_sizes_up_to(max_batch_size)
-    round_trip: dict[int, list[float]] = {batch: [] for batch in sizes}
-    compute: dict[int, list[float]] = {batch: [] for batch in sizes}
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    target = V2Target(settings.url, settings.model, settings.version)
+    rng = np.random.default_rng(settings.seed)
+    sizes = batch_sizes_up_to(settings.max_batch_size)
+    samples = _Samples({batch: [] for batch in sizes}, {batch: [] for batch in sizes})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         metadata = await fetch_v2_metadata(session, target)
-        bodies = {batch: synthesize_v2_body(metadata, batch, rng) for batch in sizes}
-        for round_index in range(warmup + max(1, repeats)):
+        bodies = {b: [synthesize_v2_body(metadata, b, rng) for _ in range(BODIES)] for b in sizes}
+        for round_index in range(settings.warmup + max(1, settings.repeats)):
             for batch in sizes:
                 before = await _compute_ns(session, target.model_url)
                 start = time.perf_counter()
-                await _post_once(session, target.infer_url, bodies[batch])
+                await _post_once(session, target.infer_url, bodies[batch][round_index % BODIES])
                 elapsed = time.perf_counter() - start
                 after = await _compute_ns(session, target.model_url)
-                if round_index < warmup:
+                if round_index < settings.warmup:
                     continue
-                round_trip[batch].append(elapsed)
+                samples.round_trip[batch].append(elapsed)
                 if before is not None and after is not None and after > before:
-                    compute[batch].append((after - before) / 1e9)
-    return _server_profile(model, sizes, round_trip, compute)
+                    samples.compute[batch].append((after - before) / 1e9)
+        cpu = None
+        if settings.cpu_seconds > 0:
+            cpu = await _cpu_per_request(session, target, bodies[1], settings.cpu_seconds)
+    service = _server_profile(settings.model, sizes, samples.round_trip, samples.compute)
+    cv = variation(samples.compute[1] or samples.round_trip[1])
+    if cpu is None:
+        return ReplicaProfile(service, cv)
+    return ReplicaProfile(service, cv, cpu.cpu_s, cpu.compute_s)
+
+
+BODIES = 16  # distinct synthesized request bodies per batch size, used in turn
+STALL = 3.0  # variation(): a time above this multiple of the median is a stall of the machine
+
+
+def variation(times: list[float]) -> float:
+    """sd / mean of service times, each counted as at most STALL times the median.
+
+    One preempted request in thirty can triple the plain coefficient of variation; it says
+    how busy the machine was that second, not how the model's work varies."""
+    if len(times) < 2:
+        return 0.0
+    cap = STALL * statistics.median(times)
+    clipped = [min(t, cap) for t in times]
+    return statistics.stdev(clipped) / statistics.mean(clipped)
 
 
 def _server_profile(
@@ -123,13 +238,76 @@ def _server_profile(
     round_trip: dict[int, list[float]],
     compute: dict[int, list[float]],
 ) -> ServiceTime:
-    """Fit T(B) to compute times when every batch size has them, else to round trips."""
+    """Fit T(B) to compute times when every batch size has them, else to round trips; the
+    overhead is that of a one-row request."""
     trips = _medians(round_trip)
     if not all(compute.values()):
         return fit_service_time(model, sizes, trips)
     service = _medians(compute)
-    overhead = statistics.median(max(0.0, t - s) for t, s in zip(trips, service, strict=True))
-    return fit_service_time(model, sizes, service, overhead)
+    return fit_service_time(model, sizes, service, _one_row_overhead(round_trip[1], compute[1]))
+
+
+def _one_row_overhead(trips: list[float], computes: list[float]) -> float:
+    """median(round trip - compute) of the one-row requests; from the medians when a
+    statistic was missed and the samples do not pair up."""
+    if len(trips) != len(computes):
+        return max(0.0, statistics.median(trips) - statistics.median(computes))
+    return statistics.median(max(0.0, t - c) for t, c in zip(trips, computes, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class _Cpu:
+    """The server's CPU per one-row request, and its model's mean compute in the same requests."""
+
+    cpu_s: float
+    compute_s: float
+
+
+async def _cpu_per_request(
+    session: aiohttp.ClientSession, target: V2Target, bodies: list[bytes], seconds: float
+) -> _Cpu | None:
+    """Requests back to back for `seconds`, against half that time idle (scaled). None when
+    the server does not publish its CPU time or its statistics."""
+    idle_s = seconds / 2
+    idle_start = await _process_cpu_s(session, target.url)
+    if idle_start is None:
+        return None
+    await asyncio.sleep(idle_s)
+    idle_end = await _process_cpu_s(session, target.url)
+    compute_start = await _compute_ns(session, target.model_url)
+    cpu_start = await _process_cpu_s(session, target.url)
+    began, requests = time.perf_counter(), 0
+    while time.perf_counter() - began < seconds:
+        await _post_once(session, target.infer_url, bodies[requests % len(bodies)])
+        requests += 1
+    busy_s = time.perf_counter() - began
+    cpu_end = await _process_cpu_s(session, target.url)
+    compute_end = await _compute_ns(session, target.model_url)
+    readings = (idle_start, idle_end, cpu_start, cpu_end, compute_start, compute_end)
+    if any(r is None for r in readings):
+        return None
+    assert idle_end is not None and cpu_start is not None and cpu_end is not None  # for mypy
+    assert compute_start is not None and compute_end is not None
+    background = (idle_end - idle_start) * busy_s / idle_s
+    cpu = max(0.0, cpu_end - cpu_start - background) / requests
+    return _Cpu(cpu, (compute_end - compute_start) / 1e9 / requests)
+
+
+_CPU_LINE = re.compile(r"^process_cpu_seconds_total\s+(\S+)", re.MULTILINE)
+
+
+async def _process_cpu_s(session: aiohttp.ClientSession, url: str) -> float | None:
+    """The server process's CPU seconds from its /metrics; None without them."""
+    import aiohttp
+
+    try:
+        async with session.get(f"{url}/metrics") as response:
+            if response.status != 200:
+                return None
+            found = _CPU_LINE.search(await response.text())
+            return float(found[1]) if found else None
+    except (aiohttp.ClientError, UnicodeDecodeError, ValueError):
+        return None
 
 
 async def _compute_ns(session: object, model_url: str) -> int | None:

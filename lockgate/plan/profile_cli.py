@@ -6,8 +6,7 @@ import argparse
 import sys
 
 from lockgate.errors import ServingError
-from lockgate.plan.profile import profile_server
-from lockgate.service_time import ServiceTime
+from lockgate.plan.profile import ReplicaProfile, profile_server
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed requests per batch size")
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests per batch size")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    parser.add_argument(
+        "--cpu-seconds",
+        type=float,
+        default=2.0,
+        help="seconds of one-row requests to measure the server's CPU per request (0: skip)",
+    )
     parser.add_argument("--output", help="write the profile JSON here")
 
 
@@ -31,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             warmup=args.warmup,
             timeout_s=args.timeout,
+            cpu_seconds=args.cpu_seconds,
         )
     except ServingError as exc:
         print(f"lockgate profile: {exc.message}", file=sys.stderr)
@@ -41,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(profile: ServiceTime) -> str:
+def render(replica: ReplicaProfile) -> str:
+    profile = replica.service
     rows = [f"{'B':>6} {'median ms':>10} {'fit ms':>10}"]
     for batch, median in zip(profile.batch_sizes, profile.median_s, strict=True):
         rows.append(f"{batch:>6} {median * 1e3:>10.3f} {profile.service_time(batch) * 1e3:>10.3f}")
@@ -51,4 +58,11 @@ def render(profile: ServiceTime) -> str:
     )
     if profile.overhead_s:
         rows.append(f"fixed overhead outside the model: {profile.overhead_s * 1e3:.3f} ms")
+    rows.append(f"variation of T(1): cv {replica.service_cv:.2f}")
+    if replica.cpu_per_request_s is not None and replica.compute_per_request_s is not None:
+        rows.append(
+            f"server CPU per request: {replica.cpu_per_request_s * 1e3:.3f} ms "
+            f"(compute {replica.compute_per_request_s * 1e3:.3f} ms, "
+            f"front end on the model's core {replica.frontend_s * 1e3:.3f} ms)"
+        )
     return "\n".join(rows)

@@ -4,6 +4,7 @@ import pytest
 
 from lockgate.errors import BadRequest
 from lockgate.plan.planner import PlanInputs, plan
+from lockgate.plan.profile import ReplicaProfile
 from lockgate.service_time import fit_service_time
 
 
@@ -63,7 +64,7 @@ def test_profile_chooses_a_batch_that_saves_replicas() -> None:
     profile = fit_service_time(
         "m", (1, 2, 4, 8, 16), tuple(0.004 + 0.001 * b for b in (1, 2, 4, 8, 16))
     )
-    result = plan(PlanInputs(rate=2000, slo_p99_s=0.1, profile=profile))
+    result = plan(PlanInputs(rate=2000, slo_p99_s=0.1, profile=ReplicaProfile(profile)))
     single = plan(PlanInputs(rate=2000, slo_p99_s=0.1, service_time_s=0.005))
     assert result.batch_size > 1
     assert result.replicas < single.replicas
@@ -80,3 +81,63 @@ def test_impossible_slo_is_a_clear_error() -> None:
     with pytest.raises(BadRequest, match="service time"):
         PlanInputs(rate=10, slo_p99_s=0.1)
     assert math.isfinite(plan(PlanInputs(rate=10, slo_p99_s=0.1, service_time_s=0.005)).p99_s)
+
+
+def test_front_end_cpu_joins_the_service_time() -> None:
+    """A CPU-bound model shares its core with the front end: S = T(1) + front end, and the
+    front end leaves the fixed overhead."""
+    service = fit_service_time("m", (1,), (0.004,), overhead_s=0.0015)
+    profile = ReplicaProfile(service, 0.2, cpu_per_request_s=0.005, compute_per_request_s=0.004)
+    assert profile.frontend_s == pytest.approx(0.001)
+    inputs = PlanInputs(rate=100, slo_p99_s=0.5, profile=profile, queue_model="mg1")
+    result = plan(inputs)
+    assert result.service_time_s == pytest.approx(0.005)
+    assert result.capacity_per_replica == pytest.approx(200)
+    assert result.overhead_s == pytest.approx(0.0005)
+    assert result.frontend_s == pytest.approx(0.001) and result.service_cv == 0.2
+    # a model that waits rather than computes (CPU under its compute time) keeps S = T(1)
+    sleeper = ReplicaProfile(service, 0.0, cpu_per_request_s=0.0003, compute_per_request_s=0.004)
+    assert sleeper.frontend_s == 0.0
+    assert plan(PlanInputs(rate=100, slo_p99_s=0.5, profile=sleeper)).service_time_s == 0.004
+
+
+def test_mg1_sits_between_md1_and_mm1() -> None:
+    def p99(model: str, cv: float) -> float:
+        inputs = PlanInputs(
+            rate=70,
+            slo_p99_s=10.0,
+            service_time_s=0.01,
+            service_cv=cv,
+            queue_model=model,
+            headroom=0,
+            redundancy=0,
+        )
+        return plan(inputs).p99_s
+
+    assert p99("md1", 0.5) < p99("mg1", 0.5) < p99("mm1", 0.5)
+    assert p99("mg1", 0.0) == pytest.approx(p99("md1", 0.0), rel=1e-3)
+    assert p99("mg1", 1.0) == pytest.approx(p99("mm1", 1.0), rel=1e-3)
+
+
+def test_batch_model_plans_with_the_servers_cap() -> None:
+    """T(B) = 4 ms + 1 ms B, cap 8: batches absorb a load one-row service could not carry."""
+    service = fit_service_time("m", (1, 2, 4, 8), tuple(0.004 + 0.001 * b for b in (1, 2, 4, 8)))
+    profile = ReplicaProfile(service, 0.1)
+    inputs = PlanInputs(
+        rate=300, slo_p99_s=0.1, profile=profile, queue_model="batch", headroom=0, redundancy=0
+    )
+    result = plan(inputs)
+    assert result.batch_size == 8 and result.capacity_per_replica == pytest.approx(8 / 0.012)
+    assert result.replicas == 1  # 300/s is 1.5 times one-row capacity (200/s)
+    assert result.batch_window_s > 0  # lambda T(1) >= 1: the SLO batcher holds a window
+    assert result.p99_s <= 0.1 and result.replicas_by_model["batch"] == 1
+    one_row = plan(
+        PlanInputs(
+            rate=300,
+            slo_p99_s=0.1,
+            profile=ReplicaProfile(service, 0.1),
+            max_batch_size=1,
+            queue_model="batch",
+        )
+    )
+    assert one_row.replicas_throughput == 2  # without batches 300/s needs two replicas

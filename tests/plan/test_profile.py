@@ -3,7 +3,13 @@ import time
 import pytest
 
 from lockgate.errors import BadRequest
-from lockgate.plan.profile import batch_sizes_up_to, profile_callable, profile_server
+from lockgate.plan.profile import (
+    ReplicaProfile,
+    batch_sizes_up_to,
+    profile_callable,
+    profile_server,
+    variation,
+)
 from lockgate.service_time import ServiceTime, fit_service_time
 from tests.bench.fake_server import Behaviour, serve
 
@@ -42,7 +48,31 @@ def test_in_process_profile_recovers_the_slope() -> None:
 def test_profile_through_a_server() -> None:
     behaviour = Behaviour(rows_sleep=lambda rows: 0.002 + 0.002 * rows)
     with serve(behaviour) as (url, _):
-        profile = profile_server(url, "toy", 8, repeats=3)
+        replica = profile_server(url, "toy", 8, repeats=3)
+    profile = replica.service
     assert profile.batch_sizes == (1, 2, 4, 8)
     assert profile.median_s[-1] >= 0.018
     assert profile.b_s == pytest.approx(0.002, rel=0.5)
+    assert replica.service_cv >= 0
+    assert replica.cpu_per_request_s is None and replica.frontend_s == 0.0  # no /metrics there
+
+
+def test_variation_counts_a_stall_as_three_medians() -> None:
+    assert variation([0.01]) == 0.0
+    assert variation([0.01] * 10) == 0.0
+    steady = [0.009, 0.010, 0.011] * 10
+    assert variation(steady) == pytest.approx(0.0830, rel=0.01)  # sample sd 0.00083 / 0.01
+    stalled = [*steady[:-1], 1.0]  # one request of thirty preempted for a second
+    assert variation(stalled) == pytest.approx(variation([*steady[:-1], 0.030]))
+    assert variation(stalled) < 0.5
+
+
+def test_replica_profile_round_trips_and_reads_a_plain_service_time(tmp_path) -> None:
+    service = fit_service_time("m", (1, 2), (0.004, 0.006), overhead_s=0.001)
+    replica = ReplicaProfile(service, 0.3, 0.005, 0.004)
+    replica.save(tmp_path / "r.json")
+    assert ReplicaProfile.load(tmp_path / "r.json") == replica
+    assert ServiceTime.load(tmp_path / "r.json") == service  # older readers see T(B)
+    service.save(tmp_path / "s.json")
+    plain = ReplicaProfile.load(tmp_path / "s.json")  # a profile from before these fields
+    assert plain == ReplicaProfile(service) and plain.frontend_s == 0.0

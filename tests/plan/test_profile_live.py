@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lockgate.plan.profile import profile_server
+from lockgate.plan.profile import ReplicaProfile, profile_server
 from lockgate.service_time import ServiceTime, fit_service_time
 from tests.conftest import ROOT, RunningServer
 
@@ -29,8 +29,9 @@ def inference_counts(server: RunningServer, model: str) -> tuple[int, int]:
 
 def test_profile_digits_through_the_server(server: RunningServer) -> None:
     rows_before, batches_before = inference_counts(server, "digits_onnx")
-    profile = profile_server(server.url, "digits_onnx", 64, repeats=9, warmup=2)
+    replica = profile_server(server.url, "digits_onnx", 64, repeats=9, warmup=2, cpu_seconds=0)
     rows_after, batches_after = inference_counts(server, "digits_onnx")
+    profile = replica.service
     rounds = 2 + 9  # warmup and timed; one request of each batch size per round
     assert rows_after - rows_before == rounds * sum(profile.batch_sizes)
     assert batches_after - batches_before == rounds * len(profile.batch_sizes)
@@ -41,6 +42,18 @@ def test_profile_digits_through_the_server(server: RunningServer) -> None:
     # The digits model computes a batch in tens of microseconds, so the medians' order is the
     # machine's noise, not the model's: test_profile.py checks the shape of T(B) on slow models.
     assert profile.service_time(64) >= profile.service_time(1) > 0
+    assert replica.cpu_per_request_s is None  # cpu_seconds=0: not measured
+
+
+def test_profile_measures_the_servers_cpu_per_request(server: RunningServer) -> None:
+    """digits_onnx computes a row in well under a tenth of what HTTP and JSON cost the server,
+    so most of the CPU per request is the front end's: it shares the model's core."""
+    replica = profile_server(server.url, "digits_onnx", 1, repeats=5, cpu_seconds=1.0)
+    assert replica.cpu_per_request_s is not None and replica.compute_per_request_s is not None
+    assert 0 < replica.compute_per_request_s < replica.cpu_per_request_s
+    assert replica.frontend_s == pytest.approx(
+        replica.cpu_per_request_s - replica.compute_per_request_s
+    )
 
 
 def test_profile_cli_then_plan(server: RunningServer, tmp_path: Path) -> None:
@@ -51,10 +64,13 @@ def test_profile_cli_then_plan(server: RunningServer, tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "T(B) = " in done.stdout
-    profile = ServiceTime.load(path)
+    profile = ServiceTime.load(path)  # a replica profile is a ServiceTime with three more fields
     assert profile.batch_sizes == (1, 2, 4, 8, 16) and profile.b_s >= 0
-    rate = 0.5 / profile.service_time(1)  # half of one replica's batch-1 capacity
-    slo_ms = 50 * profile.service_time(16) * 1e3
+    replica = ReplicaProfile.load(path)
+    assert replica.cpu_per_request_s is not None
+    one_row = profile.service_time(1) + replica.frontend_s  # what a request occupies the core for
+    rate = 0.5 / one_row  # half of one replica's batch-1 capacity
+    slo_ms = (profile.overhead_s + 20 * one_row) * 1e3
     done = lockgate(
         *("plan", "--profile", str(path), "--rate", f"{rate:.3f}", "--slo-ms", f"{slo_ms:.3f}"),
         *("--queue-model", "md1", "--json"),

@@ -6,8 +6,10 @@ import pytest
 from lockgate.errors import BadRequest
 from lockgate.plan.queueing import (
     MD1,
+    MG1,
     MM1,
     MMc,
+    ServiceDistribution,
     erlang_c,
     littles_law,
     max_utilization,
@@ -111,3 +113,57 @@ def test_unstable_or_bad_inputs_are_refused() -> None:
         MD1(1.0, 0.0)
     with pytest.raises(BadRequest):
         MM1(1.0, 2.0).response_quantile(1.0)
+
+
+@pytest.mark.parametrize("rho", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_mg1_is_md1_and_mm1_at_the_ends(rho: float) -> None:
+    """cv 0 is deterministic service (Erlang's exact M/D/1), cv 1 exponential (M/M/1)."""
+    service = 0.01
+    deterministic = MG1(rho / service, ServiceDistribution(service, 0.0))
+    exact = MD1(rho / service, service)
+    assert deterministic.response_quantile(0.99) == pytest.approx(
+        exact.response_quantile(0.99), rel=1e-3
+    )
+    assert deterministic.wait_quantile(0.99) == pytest.approx(exact.wait_quantile(0.99), rel=1e-3)
+    exponential = MG1(rho / service, ServiceDistribution(service, 1.0))
+    mm1 = MM1(rho / service, 1 / service)
+    assert exponential.response_quantile(0.99) == pytest.approx(
+        mm1.response_quantile(0.99), rel=1e-4
+    )
+    assert exponential.wait_quantile(0.99) == pytest.approx(mm1.wait_quantile(0.99), rel=1e-4)
+
+
+@pytest.mark.parametrize("cv", [0.3, 0.6, 2.0])
+def test_mg1_matches_a_lindley_simulation(cv: float) -> None:
+    rng = np.random.default_rng(2)
+    lam, service = 0.6, ServiceDistribution(1.0, cv)
+    n = 400_000
+    gaps = rng.exponential(1 / lam, n)
+    work = service.sample(rng, n)
+    assert work.mean() == pytest.approx(1.0, rel=0.02)
+    assert work.std() / work.mean() == pytest.approx(cv, rel=0.05)
+    response = np.empty(n)
+    wait = 0.0
+    for i, (gap, s) in enumerate(zip(gaps.tolist(), work.tolist(), strict=True)):
+        response[i] = wait + s
+        wait = max(0.0, wait + s - gap)  # Lindley's recursion
+    queue = MG1(lam, service)
+    assert queue.response_quantile(0.99) == pytest.approx(np.quantile(response, 0.99), rel=0.05)
+    assert queue.mean_response == pytest.approx(response.mean(), rel=0.03)  # Pollaczek-Khinchine
+
+
+def test_service_distribution_moments_and_residual() -> None:
+    x = np.linspace(0, 40, 40_001)
+    for cv in (0.0, 0.5, 1.0, 1.5):
+        law = ServiceDistribution(2.0, cv)
+        survival = 1 - law.cdf(x)
+        assert np.trapezoid(survival, x) == pytest.approx(2.0, rel=1e-3)  # the mean
+        second = 2 * np.trapezoid(x * survival, x)  # E[S^2]
+        assert math.sqrt(max(0.0, second - 4.0)) / 2.0 == pytest.approx(cv, abs=0.01)
+        # the residual distribution's density is P(S > x) / mean (away from a jump of the CDF)
+        residual = np.gradient(law.residual_cdf(x), x)
+        smooth = np.abs(np.gradient(survival, x)) < 10
+        assert np.max(np.abs(residual - survival / 2.0)[smooth]) < 1e-3
+        assert law.quantile(0.99) == pytest.approx(x[np.searchsorted(law.cdf(x), 0.99)], abs=2e-3)
+    with pytest.raises(BadRequest):
+        ServiceDistribution(1.0, -0.1)
