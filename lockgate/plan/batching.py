@@ -71,9 +71,10 @@ class BatchQueue:
     holds the first row for at most `window_s` for more to come (0: it starts at once, as
     lockgate's SLO batcher does while one-row service keeps up with the arrivals). A batch of
     B rows occupies the instance for (base_s + per_row_s * B) times a random factor of mean 1
-    and coefficient of variation `cv`. The queue has no closed form with batch-size dependent
-    service, so its response times come from a simulation with a fixed seed: the same inputs
-    always give the same answer.
+    and coefficient of variation `cv`, plus `idle_start_s` when its first row found the
+    instance idle (waking it costs more than going on to the next batch). The queue has no
+    closed form with batch-size dependent service, so its response times come from a
+    simulation with a fixed seed: the same inputs always give the same answer.
     """
 
     arrival_rate: float
@@ -82,6 +83,7 @@ class BatchQueue:
     max_batch: int
     cv: float = 0.0
     window_s: float = 0.0
+    idle_start_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.arrival_rate > 0 and math.isfinite(self.arrival_rate)):
@@ -90,8 +92,8 @@ class BatchQueue:
             raise BadRequest("a batch's service time a + b B must be > 0 with a, b >= 0")
         if self.max_batch < 1:
             raise BadRequest(f"max batch must be >= 1, got {self.max_batch}")
-        if self.window_s < 0:
-            raise BadRequest(f"batch window must be >= 0, got {self.window_s}")
+        if self.window_s < 0 or self.idle_start_s < 0:
+            raise BadRequest("batch window and idle start must be >= 0")
         if self.utilization >= 1:
             raise BadRequest(
                 f"unstable queue: {self.arrival_rate:g} rows/s >= capacity "
@@ -114,22 +116,28 @@ class BatchQueue:
         """Seconds from arrival to the end of its batch, for each row after the first 2%: [n]."""
         rng = np.random.default_rng(seed)
         arrived = np.cumsum(rng.exponential(1 / self.arrival_rate, arrivals))  # [arrivals]
-        factors = ServiceDistribution(1.0, self.cv).sample(rng, arrivals).tolist()
+        return self.serve(arrived, rng)[arrivals // 50 :]
+
+    def serve(self, arrived: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Seconds from arrival to the end of its batch for rows arriving at `arrived` (sorted
+        seconds, [n]); the service factors are drawn from `rng`: [n]."""
+        count = len(arrived)
+        factors = ServiceDistribution(1.0, self.cv).sample(rng, count).tolist()
         times = arrived.tolist()
         ends: list[float] = []  # per batch
         sizes: list[int] = []
-        head, free, cap, window = 0, 0.0, self.max_batch, self.window_s
-        base, per_row = self.base_s, self.per_row_s
-        while head < arrivals:
-            last = min(head + cap, arrivals)
+        head, free, cap, window = 0, -math.inf, self.max_batch, self.window_s
+        base, per_row, wake = self.base_s, self.per_row_s, self.idle_start_s
+        while head < count:
+            last = min(head + cap, count)
             start = max(free, min(times[head] + window, times[last - 1]))  # last: batch full
             size = bisect.bisect_right(times, start, head, last) - head
-            free = start + (base + per_row * size) * factors[len(ends)]
+            extra = wake if times[head] > free else 0.0  # its first row found the instance idle
+            free = start + (base + per_row * size) * factors[len(ends)] + extra
             ends.append(free)
             sizes.append(size)
             head += size
-        done = np.repeat(np.asarray(ends), sizes)  # [arrivals]
-        return (done - arrived)[arrivals // 50 :]
+        return np.repeat(np.asarray(ends), sizes) - arrived  # [n]
 
     def response_quantile(self, p: float = 0.99) -> float:
         if not 0 < p < 1:

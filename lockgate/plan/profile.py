@@ -3,10 +3,13 @@
 Two ways to measure: in-process through a callable `infer(batch_size)`, or through a running
 server by sending one KServe v2 request of B rows at a time, sequentially, with 16 distinct
 synthesized bodies per size used in turn (a model whose cost depends on its input, text
-say, is timed over a spread of inputs, as load tests and clients send them). Each batch size is
-timed `repeats` times after `warmup` untimed calls, and the median is kept. The sizes are
-visited in rounds (1, 2, 4, ..., then again), so a machine whose load drifts during the
-profile slows every batch size alike instead of bending the line.
+say, is timed over a spread of inputs, as load tests and clients send them). Each batch size
+is timed `repeats` times after `warmup` untimed calls, and the median is kept. One-row
+requests are timed first, back to back: right after a large batch a small one runs slower
+(the large one's memory is still being released), which is not what a one-row request
+costs. The larger sizes are then visited in rounds (2, 4, ..., then again), so a machine
+whose load drifts during the profile slows every batch size alike instead of bending the
+line.
 
 Through a server that keeps Triton-style statistics (`GET /v2/models/{m}/stats`), each
 request's compute time is read from the server too. The model instance is the queue's server,
@@ -181,6 +184,25 @@ class _Samples:
     round_trip: dict[int, list[float]]
     compute: dict[int, list[float]]
 
+    def add(self, batch: int, round_trip: float, compute: float | None) -> None:
+        self.round_trip[batch].append(round_trip)
+        if compute is not None:
+            self.compute[batch].append(compute)
+
+
+async def _timed_request(
+    session: aiohttp.ClientSession, target: V2Target, body: bytes
+) -> tuple[float, float | None]:
+    """(round trip, the model's compute time by the server's statistics or None), seconds."""
+    before = await _compute_ns(session, target.model_url)
+    start = time.perf_counter()
+    await _post_once(session, target.infer_url, body)
+    elapsed = time.perf_counter() - start
+    after = await _compute_ns(session, target.model_url)
+    if before is None or after is None or after <= before:
+        return elapsed, None
+    return elapsed, (after - before) / 1e9
+
 
 async def _profile_server(settings: _Settings, timeout_s: float) -> ReplicaProfile:
     import aiohttp
@@ -194,18 +216,15 @@ async def _profile_server(settings: _Settings, timeout_s: float) -> ReplicaProfi
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         metadata = await fetch_v2_metadata(session, target)
         bodies = {b: [synthesize_v2_body(metadata, b, rng) for _ in range(BODIES)] for b in sizes}
-        for round_index in range(settings.warmup + max(1, settings.repeats)):
-            for batch in sizes:
-                before = await _compute_ns(session, target.model_url)
-                start = time.perf_counter()
-                await _post_once(session, target.infer_url, bodies[batch][round_index % BODIES])
-                elapsed = time.perf_counter() - start
-                after = await _compute_ns(session, target.model_url)
-                if round_index < settings.warmup:
-                    continue
-                samples.round_trip[batch].append(elapsed)
-                if before is not None and after is not None and after > before:
-                    samples.compute[batch].append((after - before) / 1e9)
+        # one-row requests first and apart: one right after a large batch runs slower (its
+        # allocations are still being cleaned up), which is not what a one-row request costs
+        for sizes_now in ((1,), sizes[1:]):
+            for round_index in range(settings.warmup + max(1, settings.repeats)):
+                for batch in sizes_now:
+                    body = bodies[batch][round_index % BODIES]
+                    timed = await _timed_request(session, target, body)
+                    if round_index >= settings.warmup:
+                        samples.add(batch, *timed)
         cpu = None
         if settings.cpu_seconds > 0:
             cpu = await _cpu_per_request(session, target, bodies[1], settings.cpu_seconds)

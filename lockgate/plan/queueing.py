@@ -378,35 +378,57 @@ GRID_POINTS = 1 << 14  # M/G/1: points on the time grid that carries the distrib
 
 @dataclass(frozen=True, slots=True)
 class MG1:
-    """Poisson arrivals, a general service time (mean and cv), one server, first come first served.
+    """Poisson arrivals, a general service time (mean and cv), one server, first come first
+    served; optionally an exceptional first service for a request that finds the server idle
+    (Welch, 1964): waking an idle server can cost more than taking the next queued request.
 
-    The waiting time is the Pollaczek-Khinchine compound geometric: with probability
-    (1 - rho) rho^n it is the sum of n independent residual service times, so its generating
-    function is (1 - rho) / (1 - rho R(z)) with R that of the residual distribution. Both
-    distributions are put on a grid of 65,536 points that reaches where P(W > t) ~ e^{-theta t}
-    has fallen below 1e-12 (theta: the root of lambda (E[e^{theta S}] - 1) = theta), and the
-    sums are taken by FFT. The response time is W plus an independent service time.
+    Without it, the waiting time is the Pollaczek-Khinchine compound geometric: with
+    probability (1 - rho) rho^n it is the sum of n independent residual service times, so its
+    transform is (1 - rho) / (1 - rho R(z)) with R that of the residual distribution. With it,
+    an arrival finds the server idle with probability p0 = (1 - rho) / (1 - rho + rho0)
+    (rho0 = lambda E[S0]) and then takes S0; otherwise it waits V, whose transform is
+    p0 rho0 R0(z) / (1 - rho R(z)), and takes S. The distributions are put on a grid of 16,384
+    points that reaches where P(W > t) ~ e^{-theta t} has fallen below 1e-12 (theta: the root
+    of lambda (E[e^{theta S}] - 1) = theta), and the sums are taken by FFT.
     """
 
     arrival_rate: float
     service: ServiceDistribution
+    first_service: ServiceDistribution | None = None  # S0; None: the same as `service`
 
     def __post_init__(self) -> None:
         _check_rates(self.arrival_rate, 1.0 / self.service.mean)
 
     @property
     def utilization(self) -> float:
+        """lambda E[S]: what decides stability."""
         return self.arrival_rate * self.service.mean
 
     @property
+    def _first(self) -> ServiceDistribution:
+        return self.first_service or self.service
+
+    @property
+    def idle_probability(self) -> float:
+        """p0: the share of arrivals (and of time) that find the server idle."""
+        rho, rho0 = self.utilization, self.arrival_rate * self._first.mean
+        return (1 - rho) / (1 - rho + rho0)
+
+    @property
     def mean_wait(self) -> float:
-        """Pollaczek-Khinchine: rho * mean * (1 + cv^2) / (2 (1 - rho))."""
-        rho, s = self.utilization, self.service
-        return rho * s.mean * (1 + s.cv**2) / (2 * (1 - rho))
+        """Pollaczek-Khinchine, with the first service apart:
+        p0 rho0 (E[R0] / (1 - rho) + rho E[R] / (1 - rho)^2), E[R] = E[S] (1 + cv^2) / 2."""
+        rho, s, s0 = self.utilization, self.service, self._first
+        residual, residual0 = s.mean * (1 + s.cv**2) / 2, s0.mean * (1 + s0.cv**2) / 2
+        rho0 = self.arrival_rate * s0.mean
+        return (
+            self.idle_probability * rho0 * (residual0 / (1 - rho) + rho * residual / (1 - rho) ** 2)
+        )
 
     @property
     def mean_response(self) -> float:
-        return self.mean_wait + self.service.mean
+        p0 = self.idle_probability
+        return p0 * self._first.mean + (1 - p0) * self.service.mean + self.mean_wait
 
     def tail_decay_rate(self) -> float:
         """theta > 0 with lambda (E[e^{theta S}] - 1) = theta: P(W > t) ~ C e^{-theta t}."""
@@ -427,23 +449,28 @@ class MG1:
         return (lo + hi) / 2
 
     def _grid(self) -> tuple[float, np.ndarray, np.ndarray]:
-        """(step h, P(W <= (k + 1/2) h), P(W + S <= (k + 1/2) h)) for k < 2 GRID_POINTS."""
-        s = self.service
-        span = s.mean * (1 + 30 * s.cv) + math.log(1e12) / self.tail_decay_rate()
-        step = span / GRID_POINTS
+        """(step h, P(W <= (k + 1/2) h), P(response <= (k + 1/2) h)) for k < 2 GRID_POINTS."""
+        s, s0 = self.service, self._first
+        longest = max(s.mean * (1 + 30 * s.cv), s0.mean * (1 + 30 * s0.cv))
+        step = (longest + math.log(1e12) / self.tail_decay_rate()) / GRID_POINTS
         edges = (np.arange(GRID_POINTS + 1) - 0.5).clip(min=0) * step  # [n + 1]
-        residual = np.diff(s.residual_cdf(edges))  # [n]: mass rounded to the nearest point
-        service = np.diff(s.cdf(edges))  # [n]
         size = 2 * GRID_POINTS  # room for W + S without wrapping around
-        rho = self.utilization
-        wait_z = (1 - rho) / (1 - rho * np.fft.rfft(residual, size))
-        wait = np.fft.irfft(wait_z, size)  # [size]
-        response = np.fft.irfft(wait_z * np.fft.rfft(service, size), size)  # [size]
+
+        def spectrum(cdf: np.ndarray) -> np.ndarray:  # mass rounded to the nearest point
+            return np.fft.rfft(np.diff(cdf), size)
+
+        residual, service = spectrum(s.residual_cdf(edges)), spectrum(s.cdf(edges))
+        residual0, service0 = spectrum(s0.residual_cdf(edges)), spectrum(s0.cdf(edges))
+        p0, rho = self.idle_probability, self.utilization
+        busy_z = p0 * self.arrival_rate * s0.mean * residual0 / (1 - rho * residual)  # V > 0
+        wait = np.fft.irfft(busy_z, size)  # [size]
+        wait[0] += p0
+        response = np.fft.irfft(p0 * service0 + busy_z * service, size)  # [size]
         return step, np.cumsum(wait), np.cumsum(response)
 
     def wait_quantile(self, p: float = P99) -> float:
         _check_quantile(p)
-        if self.arrival_rate == 0 or 1 - self.utilization >= p:
+        if self.arrival_rate == 0 or self.idle_probability >= p:
             return 0.0
         step, wait, _ = self._grid()
         return _grid_quantile(wait, step, p)
@@ -451,7 +478,7 @@ class MG1:
     def response_quantile(self, p: float = P99) -> float:
         _check_quantile(p)
         if self.arrival_rate == 0:
-            return self.service.quantile(p)
+            return self._first.quantile(p)
         step, _, response = self._grid()
         return _grid_quantile(response, step, p)
 

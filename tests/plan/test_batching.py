@@ -50,6 +50,13 @@ def test_batch_queue_without_batching_is_mg1(rho: float, cv: float) -> None:
     assert queue.response_quantile(0.99) == pytest.approx(exact, rel=0.05)
 
 
+def test_batch_queue_idle_start_is_mg1_with_an_exceptional_first_service() -> None:
+    queue = BatchQueue(60.0, 0.0, 0.01, 1, 0.3, idle_start_s=0.004)
+    first = ServiceDistribution(0.014, 0.3 * 0.01 / 0.014)  # the same stall, 4 ms more fixed
+    exact = MG1(60.0, ServiceDistribution(0.01, 0.3), first).response_quantile(0.99)
+    assert queue.response_quantile(0.99) == pytest.approx(exact, rel=0.05)
+
+
 def simulate_batcher(queue: BatchQueue, arrivals: int, seed: int) -> np.ndarray:
     """An event-driven batcher written apart from BatchQueue: events on a heap, a FIFO queue,
     an instance that takes up to max_batch queued rows when free (after the window)."""

@@ -167,3 +167,29 @@ def test_service_distribution_moments_and_residual() -> None:
         assert law.quantile(0.99) == pytest.approx(x[np.searchsorted(law.cdf(x), 0.99)], abs=2e-3)
     with pytest.raises(BadRequest):
         ServiceDistribution(1.0, -0.1)
+
+
+@pytest.mark.parametrize("rho", [0.3, 0.7])
+def test_mg1_with_an_exceptional_first_service_matches_a_simulation(rho: float) -> None:
+    """Waking an idle server costs 0.5 more than a queued request's service of 1 (cv 0.3)."""
+    service = ServiceDistribution(1.0, 0.3)
+    first = ServiceDistribution(1.5, 0.2)  # the same stall, a longer fixed part
+    queue = MG1(rho, service, first)
+    rng = np.random.default_rng(4)
+    n = 300_000
+    arrivals = np.cumsum(rng.exponential(1 / rho, n)).tolist()
+    work = service.sample(rng, n).tolist()
+    free, response = 0.0, np.empty(n)
+    for i, (t, s) in enumerate(zip(arrivals, work, strict=True)):
+        idle = t >= free
+        free = (t if idle else free) + s + (0.5 if idle else 0.0)
+        response[i] = free - t
+    assert queue.response_quantile(0.99) == pytest.approx(np.quantile(response, 0.99), rel=0.04)
+    assert queue.mean_response == pytest.approx(response.mean(), rel=0.02)
+    idle_share = np.mean(np.asarray(arrivals[1:]) >= np.asarray(arrivals[:-1]) + response[:-1])
+    assert queue.idle_probability == pytest.approx(idle_share, abs=0.01)
+    plain = MG1(rho, service)
+    assert plain.response_quantile(0.99) < queue.response_quantile(0.99)
+    assert MG1(rho, service, service).response_quantile(0.99) == pytest.approx(
+        plain.response_quantile(0.99), rel=1e-9
+    )
