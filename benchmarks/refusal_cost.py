@@ -138,7 +138,9 @@ def run(ctx: Context) -> SuiteResult:
     repo = write_repository(ctx.work)
     port = free_port()
     command = [sys.executable, "-m", "lockgate.cli", "serve", str(repo), "--port", str(port)]
-    command += ["--no-llm", "--grpc-port", "off"]
+    # no refusal pause: one client resending at once would be paused 100 ms per refusal, and
+    # this suite measures what each refusal costs, not how many there are
+    command += ["--no-llm", "--grpc-port", "off", "--refusal-pause-ms", "0"]
     server = start_server("lockgate", command, port, ctx.work)
     count = 2000 if ctx.quick else 10000
     rounds = 2 if ctx.quick else 5
