@@ -54,7 +54,10 @@ log = logging.getLogger("lockgate.frontend")
 
 # the paths that answer only GET (and HEAD): any other method gets 405 with Allow
 READ_ONLY_PATHS = frozenset(
-    {"/v2/health/live", "/v2/health/ready", "/health", "/metrics", "/openapi.json"}
+    {
+        *("/v2/health/live", "/v2/health/ready", "/health", "/metrics", "/openapi.json"),
+        *("/v2", "/dashboard", "/"),
+    }
 )
 TRACED_KINDS = ("infer", "generate", "openai")  # route kinds whose requests may be traced
 OpenAIHandler = Callable[[HttpRequest, list[str]], Awaitable[None]]
@@ -328,16 +331,16 @@ class App:
             await respond_json(request.send, 200, {"live": True})
         elif path == "/v2/health/ready":
             await self._ready(request)
-        elif path == "/v2" and method == "GET":
+        elif path == "/v2":
             await respond(request.send, 200, v2_routes.SERVER_METADATA_JSON)
         elif path == "/metrics":
             accept = request.header_str(b"accept") or ""
             body, content_type = self.models.registry.exposition(accept)
             await respond(request.send, 200, body, content_type.encode())
-        elif path == "/dashboard" and method == "GET":
+        elif path == "/dashboard":
             page = dashboard_page(self.settings.model_control, self.settings.repository)
             await respond(request.send, 200, page, b"text/html; charset=utf-8")
-        elif path == "/" and method == "GET":
+        elif path == "/":
             await respond(request.send, 302, b"", b"text/plain", [(b"location", b"/dashboard")])
         elif path == "/openapi.json":
             await respond_json(request.send, 200, openapi_document())

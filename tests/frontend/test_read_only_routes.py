@@ -8,7 +8,10 @@ import pytest
 
 from tests.conftest import RunningServer
 
-READ_ONLY = ("/v2/health/live", "/v2/health/ready", "/health", "/metrics", "/openapi.json")
+READ_ONLY = (
+    *("/v2/health/live", "/v2/health/ready", "/health", "/metrics", "/openapi.json"),
+    *("/v2", "/dashboard"),
+)
 
 
 @pytest.mark.parametrize("path", READ_ONLY)
@@ -22,6 +25,14 @@ def test_other_methods_get_405_with_allow(server: RunningServer, path: str) -> N
         assert client.get(path).status_code == 200
         head = client.head(path)
         assert head.status_code == 200 and head.content == b""
+
+
+def test_the_root_redirects_on_get_and_refuses_other_methods(server: RunningServer) -> None:
+    with httpx.Client(base_url=server.url) as client:
+        assert client.get("/").status_code == 302
+        assert client.get("/").headers["location"] == "/dashboard"
+        answer = client.post("/", content=b"{}")
+        assert answer.status_code == 405 and answer.headers["allow"] == "GET, HEAD"
 
 
 def test_a_405_is_not_a_404_elsewhere(server: RunningServer) -> None:
