@@ -296,11 +296,14 @@ def _answers(values: dict[str, float]) -> float:
 
 
 def _p99_200(before: dict[str, float], after: dict[str, float]) -> float:
-    prefix = 'lockgate_http_request_duration_seconds_bucket{route="infer",status="200",le="'
+    """The bound of the bucket holding the p99 of the 200s to inference routes between two
+    scrapes (the labels in any order)."""
+    name = "lockgate_http_request_duration_seconds_bucket{"
+    wanted = ('route="infer"', 'status="200"')
     buckets = sorted(
-        (float(k[len(prefix) :].split('"')[0]), v - before.get(k, 0.0))
+        (float(k.split('le="')[1].split('"')[0]), v - before.get(k, 0.0))
         for k, v in after.items()
-        if k.startswith(prefix)
+        if k.startswith(name) and all(label in k for label in wanted)
     )
     if not buckets or buckets[-1][1] <= 0:
         return float("nan")

@@ -13,6 +13,9 @@ These decisions are made per connection or request head, each before any body is
   decoded on the loop, does not refuse the requests after it, and a lasting lag does within a
   few firings), and how overdue the sentinel is right now, over four (the loop may be inside a
   long iteration that has not let it fire: requests read late in that iteration have waited).
+  The lag and the queue below refuse only while other requests are in progress: with none,
+  the lag comes from elsewhere (another process on the core, a model run inline), and
+  refusing the one request there frees nothing.
   Event-loop lag was chosen over an adaptive concurrency limit because it measures the one
   resource the gate protects (the loop) directly, needs no latency baseline to learn, and
   reacts within one loop iteration; the batcher's own admission already refuses what the
@@ -193,6 +196,8 @@ class Gate:
         s = self.settings
         if s.max_requests is not None and in_progress >= s.max_requests:
             return "requests"
+        if in_progress == 0:  # a lone request cannot be what saturates the loop
+            return None
         if s.max_lag > 0 and self.lag.current(now) > s.max_lag:
             return "loop_lag"
         if s.queue_target > 0 and self.queue.standing_at(now):

@@ -45,7 +45,8 @@ def test_gate_refuses_on_lag_and_on_requests_in_progress_but_never_probes() -> N
     now = fire_every(gate.lag, 0.0, 0.005, 10)
     assert gate.admit("/v2/models/m/infer", 3, now) is None
     assert gate.admit("/v2/models/m/infer", 4, now) == "requests"
-    assert gate.admit("/v2/models/m/infer", 0, now + 0.1) == "loop_lag"  # sentinel overdue
+    assert gate.admit("/v2/models/m/infer", 1, now + 0.1) == "loop_lag"  # sentinel overdue
+    assert gate.admit("/v2/models/m/infer", 0, now + 0.1) is None  # alone: nothing to free
     for path in EXEMPT_PATHS:
         assert gate.admit(path, 10_000, now + 0.1) is None
     assert gate.retry_after(now) == 1
@@ -107,8 +108,9 @@ def test_gate_refuses_on_a_standing_queue() -> None:
         now += 0.005
         gate.lag.fired(now)  # the loop keeps time: no lag
         gate.queue.observe(0.010, now)
-    assert gate.admit("/v2/models/m/infer", 0, now) == "queue_delay"
-    assert gate.admit("/v2/health/live", 0, now) is None
+    assert gate.admit("/v2/models/m/infer", 1, now) == "queue_delay"
+    assert gate.admit("/v2/models/m/infer", 0, now) is None
+    assert gate.admit("/v2/health/live", 1, now) is None
 
 
 def test_refused_connections_pause_only_when_refusals_swamp_admissions() -> None:
