@@ -3,11 +3,12 @@ replica.
 
 For each request, in order:
 1. Rate limits (`rate_limits.py`), when set: the client's request bucket before the body is
-   read, its token quota for a completion request after; past either, 429 with Retry-After.
+   read, its token quota for an OpenAI request after; past either, 429 with Retry-After.
 2. Shedding: when every usable replica refused (503) within the last moment, the router
    answers 503 with Retry-After at once, using the replicas' own admission as its signal.
-3. Routing: a canary may send the request to a version or a replica group (`canary.py`);
-   replicas labelled `URL#group` take only their group's traffic (`groups.py`).
+3. Routing: a canary may send the request to a version (a v2 path's, or for the OpenAI routes
+   the header `x-lockgate-model-version`) or a replica group (`canary.py`); replicas labelled
+   `URL#group` take only their group's traffic (`groups.py`).
 4. Balancing, over the usable replicas of the request's group: a sticky session's replica
    (`sticky.py`); for a completion request, the least loaded replica or the one its prompt's
    prefix prefers (`llm_routing.py`); otherwise power of two choices on load (`balancer.py`).
@@ -26,8 +27,9 @@ For each request, in order:
 Answers, server-sent events included, are passed through as they arrive. A shadow
 (`shadow.py`) may copy a v2 inference request to a candidate beside it; the client's answer is
 then also kept for the comparison, never held up. When the answer has passed, a token quota is
-settled with the tokens it used (`usage.py`), and the request is counted by model and version
-(`model_counts.py`).
+settled with the prompt and completion tokens it used (`usage.py`; a stream is sent asking for
+its usage chunk, which its client gets only if it asked too), and the request is counted by
+model and version (`model_counts.py`).
 """
 
 from __future__ import annotations
@@ -44,12 +46,13 @@ from typing import Any, Protocol
 import msgspec
 
 from lockgate.core.metrics import Registry
+from lockgate.protocol.openai import MODEL_VERSION_HEADER
 from lockgate.router.balancer import Balancer
 from lockgate.router.budget import Budget
 from lockgate.router.canary import Canary, CanaryRule
 from lockgate.router.groups import MAIN, ReplicaGroups
 from lockgate.router.hedge import HedgePolicy
-from lockgate.router.llm_request import LLM_PATHS, LLMRequest
+from lockgate.router.llm_request import EMBEDDINGS_PATH, OPENAI_PATHS, LLMRequest
 from lockgate.router.llm_routing import LLMRouting, LLMRoutingSettings
 from lockgate.router.model_counts import ModelCounts
 from lockgate.router.model_path import ModelPath
@@ -60,7 +63,7 @@ from lockgate.router.route import Route
 from lockgate.router.shadow import Mirror, Shadow, ShadowSettings
 from lockgate.router.sticky import Sticky
 from lockgate.router.upstream import HOP_BY_HOP, Response, UpstreamError
-from lockgate.router.usage import UsageMeter
+from lockgate.router.usage import HiddenUsage, Metered
 
 log = logging.getLogger("lockgate.router")
 
@@ -244,13 +247,15 @@ class RouterApp:
         if timeout is False:
             return await _error(send, 400, "request-timeout must be a positive number of seconds")
         route = self._route(scope, headers, body)
-        charge = 0
+        if route.pin is not None:
+            headers = [*headers, (MODEL_VERSION_HEADER, route.pin.encode())]
+        metered: Metered | None = None
         if client is not None and client.tokens is not None and route.llm is not None:
-            charge = route.llm.charge
-            refusal = client.admit_tokens(charge, time.monotonic())
+            refusal = client.admit_tokens(route.llm.charge, time.monotonic())
             if refusal is not None:
                 return await self._refuse(send, refusal)
-        meter = UsageMeter(route.llm.stream) if charge and route.llm is not None else None
+            metered = Metered.of(route.llm, body)
+            body = metered.body
         mirror: Mirror | None = None
         status = 0
         try:
@@ -258,14 +263,16 @@ class RouterApp:
                 mirror = self.shadow.mirror(
                     route.target.model, scope["method"], route.original, headers, body
                 )
+            meter = metered.meter if metered is not None else None
+            hidden = metered.hidden if metered is not None else None
             taps: list[Tap] = [tap for tap in (meter, mirror) if tap is not None]
             status = await self._forward(
-                scope["method"], route, headers, body, arrived, timeout, send, receive, taps
+                scope["method"], route, headers, body, arrived, timeout, send, receive, taps, hidden
             )
             return status
         finally:
-            if client is not None and meter is not None:
-                client.settle(charge, meter.used())
+            if client is not None and metered is not None:
+                client.settle(metered.charge, metered.meter.used())
             if mirror is not None:
                 mirror.close()
             if status and route.model is not None:
@@ -282,6 +289,7 @@ class RouterApp:
         send: Send,
         receive: Receive,
         taps: list[Tap],
+        hidden: HiddenUsage | None = None,
     ) -> int:
         now = time.monotonic()
         self.retries.request(now)
@@ -302,7 +310,7 @@ class RouterApp:
             return await _error(send, exc.status, str(exc), wait)
         except TimeoutError:
             return await _error(send, 504, "deadline passed in the router")
-        return await self._pass(response, replica, send, receive, taps)
+        return await self._pass(response, replica, send, receive, taps, hidden)
 
     def _route(self, scope: Scope, headers: list[tuple[bytes, bytes]], body: bytes) -> Route:
         """Where the request goes: its path after a canary, its group, what balancing reads."""
@@ -313,13 +321,20 @@ class RouterApp:
         if route.target is not None:
             route.version = route.target.version
             rule = self.canary.choose(route.target.model, route.version is None)
-        elif method == "POST" and path in LLM_PATHS:
-            route.llm = LLMRequest.parse(body, self.settings.llm_routing.prefix_chars)
-            rule = self.canary.choose(route.llm.model, False) if route.llm.model else None
+        elif method == "POST" and path in OPENAI_PATHS:
+            chars, generates = self.settings.llm_routing.prefix_chars, path != EMBEDDINGS_PATH
+            route.llm = LLMRequest.parse(body, chars, generates)
+            pinned = _header(headers, MODEL_VERSION_HEADER)  # the client names a version
+            route.version = _version(pinned)
+            rule = self.canary.choose(route.llm.model, pinned is None) if route.llm.model else None
         else:
             rule = None
-        if rule is not None and rule.version is not None and route.target is not None:
-            route.path, route.version = route.target.at(rule.version), rule.version
+        if rule is not None and rule.version is not None:
+            if route.target is not None:
+                route.path = route.target.at(rule.version)
+            else:
+                route.pin = rule.version
+            route.version = rule.version
         elif rule is not None and rule.group is not None:
             now = time.monotonic()
             members = self.groups.members(self.pool.replicas, rule.group)
@@ -340,7 +355,7 @@ class RouterApp:
             return None
         if route.session is not None and self.sticky is not None:
             return self.sticky.pick(route.session, choices)
-        if route.llm is not None:
+        if route.llm is not None and route.llm.generates:
             return self.llm_routing.pick(route.llm.prefix, choices)
         return self.balancer.pick(choices, now)
 
@@ -491,20 +506,29 @@ class RouterApp:
         send: Send,
         receive: Receive,
         taps: Collection[Tap] = (),
+        hidden: HiddenUsage | None = None,
     ) -> int:
+        """The answer to the client as it arrives, read by `taps`; `hidden`: a stream's usage
+        chunks that the router asked for, not the client, are taken out."""
         for tap in taps:
             tap.head(response)
         headers = [(k, v) for k, v in response.headers if k not in HOP_BY_HOP]
         length = response.header(b"content-length")
         if length is not None:
             headers.append((b"content-length", length))
+        if response.status != 200 or length is not None:
+            hidden = None  # not a stream: passed on as it is
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         watch = asyncio.create_task(_disconnected(receive, response))
         try:
             async for chunk in response.body():
                 for tap in taps:
                     tap.feed(chunk)
+                if hidden is not None and not (chunk := hidden.edit(chunk)):
+                    continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if hidden is not None and (rest := hidden.rest()):
+                await send({"type": "http.response.body", "body": rest, "more_body": True})
         except UpstreamError as exc:
             if watch.done():  # the client left: nothing more to do
                 return response.status
@@ -529,6 +553,18 @@ async def _disconnected(receive: Receive, response: Response) -> None:
         if message["type"] == "http.disconnect":
             response.abort()
             return
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    return next((value for key, value in headers if key == name), None)
+
+
+def _version(text: bytes | None) -> str | None:
+    """A version a header names, for counting; None when it names none (or no number: the
+    replica answers 400)."""
+    if text is None or not (text.isascii() and text.isdigit()) or len(text) > 18:
+        return None
+    return str(int(text)) if int(text) > 0 else None
 
 
 def _timeout(headers: list[tuple[bytes, bytes]]) -> float | bool | None:

@@ -3,16 +3,19 @@ KServe's `canaryTrafficPercent`, to a version or to a replica group:
 
 - `digits:2=10`: 10% of the unversioned v2 inference requests for `digits`
   (`POST /v2/models/digits/infer`, `generate`, `generate_stream`) go to
-  `/v2/models/digits/versions/2/...`; the rest keep the unversioned path.
+  `/v2/models/digits/versions/2/...`; the rest keep the unversioned path. An OpenAI request
+  (`/v1/completions`, `/v1/chat/completions`, `/v1/embeddings`) whose body's `model` names
+  `digits` is sent with the header `x-lockgate-model-version: 2` instead, which the replica
+  serves at that version.
 - `smollm:#canary=5`: 5% of every inference request for `smollm` (v2, and the OpenAI routes whose
   body names it) go to the replicas labelled `#canary` (`--replica URL#canary`); the rest go to
   the main replicas.
 
 Several rules of one model split its traffic as Envoy's weighted clusters do, at most 100% in
 all (`digits:1=90 --canary digits:2=10` pins every request to a version). One draw per request
-picks the rule. A request the drawn rule cannot apply to (a version rule and an OpenAI request,
-which has no versioned route, or a path that already names a version) stays where it was, so
-each rule's share is its percent of the requests it can apply to.
+picks the rule. A request the drawn rule cannot apply to (a version rule and a request that
+already names a version, in its path or in the header) stays where it was, so each rule's share
+is its percent of the requests it can apply to.
 """
 
 from __future__ import annotations
@@ -73,8 +76,8 @@ class Canary:
         self.random = rng or random.Random()
 
     def choose(self, model: str, can_version: bool) -> CanaryRule | None:
-        """The rule this request goes by, or None: it stays where it was. `can_version`: its
-        path names no version yet and has a versioned form (v2 inference)."""
+        """The rule this request goes by, or None: it stays where it was. `can_version`: it
+        names no version yet (in its v2 path, or in the OpenAI routes' version header)."""
         rules = self.rules.get(model)
         if not rules:
             return None

@@ -182,9 +182,9 @@ def _rollout_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="MODEL:VERSION=PERCENT",
-        help="send PERCENT of MODEL's unversioned v2 inference requests to VERSION; "
-        "MODEL:#GROUP=PERCENT sends PERCENT of every request for MODEL (v2 and OpenAI) to the "
-        "replicas given as URL#GROUP (repeatable)",
+        help="send PERCENT of MODEL's inference requests that name no version (v2 and OpenAI) "
+        "to VERSION; MODEL:#GROUP=PERCENT sends PERCENT of every request for MODEL (v2 and "
+        "OpenAI) to the replicas given as URL#GROUP (repeatable)",
     )
     g.add_argument(
         "--shadow",
@@ -217,7 +217,7 @@ def _rollout_arguments(p: argparse.ArgumentParser) -> None:
         "--rate-limit-tpm",
         type=float,
         default=0.0,
-        help="completion tokens/minute per API key (0: none)",
+        help="prompt + completion tokens/minute per API key, OpenAI routes (0: none)",
     )
     g.add_argument(
         "--rate-limits", type=Path, metavar="FILE", help="YAML: limits per key (see docs)"

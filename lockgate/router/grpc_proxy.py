@@ -12,6 +12,12 @@ code, message and trailing metadata, come back unchanged. One channel per replic
   for HTTP and gRPC). The client's deadline is passed on less the time spent in the router;
   once it is spent, DEADLINE_EXCEEDED. When every usable replica is full, UNAVAILABLE at once
   with `retry-after`. Other codes (NOT_FOUND, INVALID_ARGUMENT, ...) are the replica's answer.
+- ModelInfer is hedged as v2 inference over HTTP is, by the same policy, budget and metrics:
+  when a call has not ended after its model's delay (`HedgePolicy`: the model's recent 95th
+  percentile latency, over HTTP and gRPC answers alike), a second copy goes to another replica
+  within the hedge budget; the first to end with an answer or a status other than UNAVAILABLE
+  wins, and the other copy's call is cancelled, so its replica drops the work. The model is
+  read off the request's bytes (`grpc_model.py`); the tensors are not decoded.
 - ModelStreamInfer: one bidirectional stream pinned to one replica, never retried nor hedged.
   At most `max_stream_inflight` messages are passed to the replica and not yet answered back
   to the client; past that the router stops reading the client's side, so a client that
@@ -37,6 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.router.app import RouterApp
 from lockgate.router.groups import MAIN
+from lockgate.router.grpc_model import model_of
 from lockgate.router.pool import split_url
 from lockgate.router.replica import Replica
 
@@ -47,6 +54,7 @@ PREFIX = f"/{SERVICE}/"
 _DESCRIBED = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods
 KNOWN = frozenset(PREFIX + m.name for m in _DESCRIBED)
 STREAMS = frozenset(PREFIX + m.name for m in _DESCRIBED if m.client_streaming)
+MODEL_INFER = PREFIX + "ModelInfer"  # idempotent: hedged
 # the replica's own faults: counted towards ejection, as a 5xx on HTTP
 REPLICA_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 # metadata that belongs to the call or its connection, not to the request: never forwarded
@@ -148,6 +156,16 @@ class _Status(Exception):
         return self.code == grpc.StatusCode.UNAVAILABLE and any(
             key == "retry-after" for key, _ in self.trailing
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One unary call, as each copy of it is sent."""
+
+    method: str
+    request: bytes
+    metadata: Metadata
+    context: Context
 
 
 class _Retry(Exception):
@@ -312,9 +330,12 @@ class GrpcFront:
             self.latency.observe((_label(method), code.name), time.perf_counter() - start)
 
     async def _unary(self, method: str, request: bytes, context: Context) -> bytes:
+        arrived = time.monotonic()
         metadata = _forwarded(context.invocation_metadata())
         self._admit()
         router = self.router
+        model = model_of(request) if method == MODEL_INFER else None
+        call = _Call(method, request, metadata, context)
         tried: list[Replica] = []
         refusal: _Status | None = None
         for attempt in range(router.settings.max_attempts):
@@ -329,29 +350,30 @@ class GrpcFront:
                 break
             if attempt:
                 router.retried.inc()
+            delay = router.settings.hedge.delay(model) if model is not None else None
             try:
-                return await self._attempt(replica, method, request, metadata, context)
+                if delay is None:
+                    response = await self._attempt(replica, call)
+                else:
+                    response = await self._hedged(replica, call, delay, tried)
             except _Retry as retry:
                 tried.append(replica)
                 refusal = retry.status if retry.status.refusal else refusal
+                continue
+            if model is not None:
+                router.settings.hedge.observe(model, time.monotonic() - arrived)
+            return response
         if refusal is not None:
             raise refusal  # every replica tried refused: pass the last refusal on
         raise self._unanswered()
 
-    async def _attempt(
-        self,
-        replica: Replica,
-        method: str,
-        request: bytes,
-        metadata: Metadata,
-        context: Context,
-    ) -> bytes:
+    async def _attempt(self, replica: Replica, call: _Call) -> bytes:
         """One try on one replica: its answer; _Retry for UNAVAILABLE, else its _Status."""
-        timeout = _time_left(context)
-        call = self.links.get(replica, self.router.pool.replicas).unary(method)
+        timeout = _time_left(call.context)
+        send = self.links.get(replica, self.router.pool.replicas).unary(call.method)
         replica.in_flight += 1
         try:
-            response = await call(request, timeout=timeout, metadata=metadata)
+            response = await send(call.request, timeout=timeout, metadata=call.metadata)
         except grpc.aio.AioRpcError as error:
             raise self._failed(replica, _Status.of(error)) from None
         finally:
@@ -359,6 +381,44 @@ class GrpcFront:
         self.router.attempts.inc((replica.url, "OK"))
         replica.succeeded(None)
         return response
+
+    async def _hedged(
+        self, first: Replica, call: _Call, delay: float, tried: list[Replica]
+    ) -> bytes:
+        """The answer of the copy that ends first, of two: the second goes to another replica
+        after `delay` s, within the hedge budget. A copy that ends UNAVAILABLE does not win
+        (its replica joins `tried` when it was the second): the other copy goes on, and when
+        both end so, the first copy's _Retry is raised. The copy that did not win is
+        cancelled."""
+        router = self.router
+        loop = asyncio.get_running_loop()
+        one = loop.create_task(self._attempt(first, call))
+        copies = {one: first}
+        try:
+            await asyncio.wait({one}, timeout=delay)
+            if not one.done():
+                now = time.monotonic()
+                main = router.groups.members(router.pool.replicas, MAIN)
+                second = router.balancer.pick(main, now, [*tried, first])
+                if second is not None and router.hedges.try_spend(now):
+                    copies[loop.create_task(self._attempt(second, call))] = second
+            pending = set(copies)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if not isinstance(task.exception(), _Retry):
+                        if len(copies) > 1:
+                            router.hedged.inc(("first" if task is one else "second",))
+                        return task.result()  # an answer, or the status the replica gave
+                    if task is not one:
+                        tried.append(copies[task])
+            return one.result()  # both ended UNAVAILABLE: raises the first copy's _Retry
+        finally:
+            for task in copies:
+                if not task.done():
+                    task.cancel()  # the copy still running: its call is cancelled
+                elif not task.cancelled():
+                    task.exception()  # a copy that ended unread: its end is no news
 
     def _failed(self, replica: Replica, status: _Status) -> Exception:
         """What an attempt that ended with `status` raises; the replica's books updated."""
@@ -377,9 +437,11 @@ class GrpcFront:
         return status
 
     def _admit(self) -> None:
-        """Count the call in the retry budget; refuse it while draining or all are full."""
+        """Count the call in the retry and hedge budgets; refuse it while draining or all are
+        full."""
         router, now = self.router, time.monotonic()
         router.retries.request(now)
+        router.hedges.request(now)
         if router.draining:
             raise _Status(grpc.StatusCode.UNAVAILABLE, "router is shutting down", _retry_after())
         if router.pool.all_full(now):

@@ -1,6 +1,7 @@
-"""What the router reads off an OpenAI completion request's body (`POST /v1/completions` and
-`/v1/chat/completions`): the model it names, its token budget, whether it streams, and the start
-of its prompt, for prefix-aware routing.
+"""What the router reads off an OpenAI request's body (`POST /v1/completions`,
+`/v1/chat/completions` and `/v1/embeddings`): the model it names, its token budget, whether it
+streams and asks for a usage chunk, and the start of its prompt, for prefix-aware routing (an
+embeddings request: its model only).
 
 The body is already in memory (the router forwards it whole), and msgspec scans it once without
 building the prompt: `prompt` and each message's `content` stay raw until the first
@@ -15,7 +16,9 @@ from typing import Any
 
 import msgspec
 
-LLM_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+LLM_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # they generate tokens
+EMBEDDINGS_PATH = "/v1/embeddings"
+OPENAI_PATHS = LLM_PATHS | {EMBEDDINGS_PATH}
 DEFAULT_MAX_TOKENS = 16  # charged when a request names no budget (the replica's default)
 
 
@@ -29,6 +32,7 @@ class _Body(msgspec.Struct):
     max_tokens: Any = None
     max_completion_tokens: Any = None
     stream: Any = False
+    stream_options: Any = None
     prompt: msgspec.Raw = msgspec.Raw()
     messages: list[_Message] | None = None
 
@@ -43,19 +47,29 @@ class LLMRequest:
     max_tokens: int | None  # the completion budget it asks for
     stream: bool
     prefix: bytes  # the model, then the prompt's (or rendered messages') first characters
+    generates: bool = True  # False: an embeddings request (no completion, no prefix routing)
+    asks_usage: bool = False  # it streams with `stream_options.include_usage` true
 
     @property
     def charge(self) -> int:
-        """Tokens charged to a tokens-per-minute quota at admission."""
+        """Tokens charged to a tokens-per-minute quota at admission: the completion budget
+        (an embeddings request: none; its tokens are taken when its answer reports them)."""
+        if not self.generates:
+            return 0
         return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS
 
     @classmethod
-    def parse(cls, body: bytes, prefix_chars: int) -> LLMRequest:
+    def parse(cls, body: bytes, prefix_chars: int, generates: bool = True) -> LLMRequest:
+        """`generates`: a completion request; False: an embeddings request."""
         try:
             decoded = _decode_body(body)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return cls("", None, False, b"")
+            return cls("", None, False, b"", generates)
         model = decoded.model if isinstance(decoded.model, str) else ""
+        if not generates:
+            return cls(model, None, False, b"", generates=False)
+        options = decoded.stream_options
+        asks = isinstance(options, dict) and options.get("include_usage") is True
         budget = decoded.max_completion_tokens or decoded.max_tokens
         max_tokens = budget if isinstance(budget, int) and budget > 0 else None
         if decoded.messages is not None:
@@ -63,7 +77,8 @@ class LLMRequest:
         else:
             text = _text(decoded.prompt, prefix_chars)
         prefix = f"{model}\n{text[:prefix_chars]}".encode()
-        return cls(model, max_tokens, decoded.stream is True, prefix)
+        stream = decoded.stream is True
+        return cls(model, max_tokens, stream, prefix, asks_usage=stream and asks)
 
 
 def _rendered(messages: list[_Message], limit: int) -> str:

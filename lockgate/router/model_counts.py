@@ -16,8 +16,9 @@ class ModelCounts:
         self.models: set[str] = set()
         self.requests = registry.counter(
             "lockgate_router_model_requests_total",
-            "Inference requests by model, version ('latest' when the path names none, and for "
-            "the OpenAI routes), replica group ('main' or a label) and status.",
+            "Inference requests by model, version ('latest' when the path, or the OpenAI "
+            "routes' x-lockgate-model-version header, names none), replica group ('main' or a "
+            "label) and status.",
             ("model", "version", "group", "status"),
         )
 

@@ -5,12 +5,16 @@ header `--rate-limit-key-header` names. Clients without a key share one bucket, 
 Each client has up to two token buckets:
 
 - requests: `requests_per_second` flow in, up to `burst`; each request takes one.
-- tokens (language models): `tokens_per_minute` flow in, up to a minute's worth. A completion
-  request is charged its `max_tokens` (16, the replica's default, when it names none) at
-  admission; when its answer has passed, the charge is settled against the completion tokens it
-  reported in `usage` (or, for a stream without a usage chunk, one per streamed chunk), and an
-  answer other than 200 is refunded. A request is admitted while the bucket holds its charge
-  (at most a minute's worth), so the bucket may go below zero; the debt is paid by time.
+- tokens (the OpenAI routes): `tokens_per_minute` flow in, up to a minute's worth, and both
+  prompt and completion tokens are taken. A completion request is charged its `max_tokens`
+  (16, the replica's default, when it names none) at admission, an embeddings request nothing;
+  when its answer has passed, the charge is settled against the prompt plus completion tokens
+  the answer reported in `usage` (a stream's usage chunk, which the router asks for: see
+  `usage.py`; for a stream cut short before it, one per streamed chunk), and an answer other
+  than 200 is refunded. The router has no tokenizer: a prompt's tokens are known from the
+  answer only. A request is admitted while the bucket holds its charge, at least one token and
+  at most a minute's worth, so an empty bucket refuses every request before it is sent; the
+  bucket may go below zero (a long prompt), and the debt is paid by time.
 
 Past a limit the router answers 429 with `Retry-After` (whole seconds until the bucket has
 room) and a JSON error. The file gives limits per key; keys it does not list get `default`.
@@ -93,9 +97,10 @@ class Client:
         return None
 
     def admit_tokens(self, charge: int, now: float) -> Refusal | None:
+        """Take `charge` tokens if the bucket holds them, and at least one (it is not empty)."""
         if self.tokens is None:
             return None
-        wait = self.tokens.wait(charge, now)
+        wait = self.tokens.wait(max(1, charge), now)
         if wait > 0:
             quota = self.tokens.capacity
             return Refusal("tokens", _seconds(wait), f"token quota: {quota:g} tokens/minute")

@@ -1,5 +1,6 @@
 """Where one request goes, as the router decided before sending it: the path (a version canary
-rewrites it), the replica group, and what balancing reads (a sticky session, a prompt prefix)."""
+rewrites it, or for an OpenAI request names the version in `x-lockgate-model-version`), the
+replica group, and what balancing reads (a sticky session, a prompt prefix)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ class Route:
     path: str  # sent to the replica, query string included
     original: str  # the client's path, query string included
     target: ModelPath | None = None  # a KServe v2 inference request
-    llm: LLMRequest | None = None  # an OpenAI completion request
+    llm: LLMRequest | None = None  # an OpenAI completion or embeddings request
     version: str | None = None  # the version it is sent to (None: the replica's newest)
+    pin: str | None = None  # an OpenAI request's version canary: sent in a header
     group: str = MAIN  # the replicas that may take it
     session: bytes | None = None  # its sticky session key
 
