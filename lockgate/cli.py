@@ -199,6 +199,11 @@ _OPENAI_LIMITS = {
     "tokenize_waiting": "prompts waiting for a tokenizer thread (more: 503)",
     "max_embedding_inputs": "texts of one /v1/embeddings request (more: 400)",
     "max_embedding_chars": "characters of one text to embed (more: 400)",
+    "max_n": "choices (n) and candidates (best_of) of one completion (more: 400)",
+    "max_grammar_chars": "characters of a response_format JSON schema, guided_json, "
+    "guided_regex or guided_grammar (more: 400; 0: guided decoding refused)",
+    "max_grammar_mask_ms": "CPU milliseconds of one token mask of a guided request's grammar "
+    "(more: its output ends, finish_reason length; 0: no bound)",
 }
 
 

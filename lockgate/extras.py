@@ -13,7 +13,7 @@ from types import ModuleType
 
 # extra -> the top-level modules it brings
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "llm": ("torch", "gguf", "tokenizers", "jinja2", "safetensors"),
+    "llm": ("torch", "gguf", "tokenizers", "jinja2", "safetensors", "llguidance"),
     "sklearn": ("sklearn", "joblib", "scipy"),
     "torch": ("torch",),
     "bench": ("aiohttp", "matplotlib"),

@@ -5,10 +5,11 @@ route that asks for one (`/v1/completions` and `/v1/chat/completions` in
 A route decodes its body into the OpenAI completion request it amounts to, then:
 
     tokenize  off the event loop, at most `tokenize_threads` at once (503 past the queue)
-    prepare   context and sampling limits, the model's sampling defaults, priority, cache key
+    prepare   context and sampling limits, the model's sampling defaults, the grammar of
+              guided decoding (compiled), priority, cache key
     cached    a completion the response cache already holds, or None
     submit    admission by the engine; the outputs as they come (a `Generation`)
-    collect   (answers sent whole) the outputs joined
+    collect   (answers sent whole) the outputs joined, per choice; with best_of, the best
     keep      cache a completion that finished
 
 and encodes the answer in its own wire format: nothing here knows one, except the framing of
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -29,6 +30,7 @@ from lockgate.core.metrics import Counter
 from lockgate.errors import BadRequest, Forbidden, ServingError, Unavailable
 from lockgate.frontend.app import App
 from lockgate.frontend.http import HttpRequest, Send, cancel_on_disconnect
+from lockgate.llm.guided import Grammar
 from lockgate.llm.sequence import SamplingParams
 from lockgate.llm.service import LLMService
 from lockgate.protocol import openai as oa
@@ -53,6 +55,18 @@ class PreparedCompletion:
     params: SamplingParams
     priority: int  # the engine's: 1 is the highest
     key: CompletionKey | None  # its response-cache key; None: not cached
+    n: int = 1  # choices answered
+    best_of: int = 1  # sequences generated (at least n): the n of highest cumulative logprob
+
+    def candidates(self) -> list[SamplingParams]:
+        """The sampling of each sequence: a seeded request's sequence i draws with seed + i
+        (distinct, reproducible); with best_of > n each reports its logprobs, to be ranked."""
+        params = self.params
+        if self.best_of > self.n and params.logprobs is None:
+            params = replace(params, logprobs=0)
+        if self.best_of == 1 or params.seed is None:
+            return [params] * self.best_of
+        return [replace(params, seed=(params.seed + i) % 2**63) for i in range(self.best_of)]
 
 
 @dataclass(slots=True)
@@ -67,6 +81,10 @@ class Collected:
     def finish_reason(self) -> str | None:
         last = self.last
         return last.finish_reason.value if last and last.finish_reason else None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(entry.logprob for entry in self.logprobs)
 
 
 class Generation:
@@ -89,6 +107,10 @@ class Generation:
         if traced is not None and traced.timings is None:
             traced.timings = out.timings  # the engine's own record, filled in as it goes
         return out
+
+    def index(self, out: RequestOutput) -> int:
+        """The choice an output belongs to (0 to best_of - 1)."""
+        return self.outputs.index(out.request_id)
 
     async def __aenter__(self) -> Generation:
         return self
@@ -183,12 +205,16 @@ class CompletionPipeline:
         and its priority against the client's key (403). `default_max` is the max_tokens of
         a request without one (None: the rest of the context); `namespace` is the cache's
         (TEXT_COMPLETION or CHAT_COMPLETION)."""
+        best_of = body.best_of if isinstance(body, oa.CompletionRequest) else None
+        sequences = self.limits.sequences(body.n, best_of, body.stream)
         params = self.sampling(service, body, len(prompt_ids), max_tokens, default_max, logprobs)
         priority = self.priority(request, service, body.priority)
-        key = self.cache_key(service, namespace, prompt_ids, params)
+        key = self.cache_key(service, namespace, prompt_ids, params) if sequences == 1 else None
         if request.trace is not None and not request.trace.model:  # /v2 routes know it
             request.trace.model = service.name
-        return PreparedCompletion(service, prompt_ids, params, priority, key)
+        return PreparedCompletion(
+            service, prompt_ids, params, priority, key, n=body.n, best_of=sequences
+        )
 
     def sampling(
         self,
@@ -199,8 +225,6 @@ class CompletionPipeline:
         default_max: int | None,
         logprobs: int | None,
     ) -> SamplingParams:
-        if body.n != 1:
-            raise BadRequest("n must be 1")
         limit = service.engine_config.max_model_len
         if prompt_len >= limit:
             raise BadRequest(
@@ -230,6 +254,23 @@ class CompletionPipeline:
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,
             logit_bias=_logit_bias(body.logit_bias, service.vocab_size, self.limits.max_logit_bias),
+            grammar=self.grammar(service, body),
+        )
+
+    def grammar(
+        self, service: LLMService, body: oa.CompletionRequest | oa.ChatRequest
+    ) -> Grammar | None:
+        """The grammar a request holds its output to (response_format or vLLM's guided_*
+        fields), compiled for the model before admission: 400 naming what is wrong."""
+        constraint = body.output_constraint(self.limits)
+        if constraint is None:
+            return None
+        return service.tokenizer.grammars.compile(
+            constraint.kind,
+            constraint.source,
+            strict=constraint.strict,
+            where=constraint.field,
+            mask_budget=self.limits.max_grammar_mask_ms / 1000,
         )
 
     def priority(self, request: HttpRequest, service: LLMService, asked: int) -> int:
@@ -273,9 +314,13 @@ class CompletionPipeline:
         if self.app.draining:
             raise Unavailable("server is shutting down", retry_after=1)
         service = prepared.service
+        candidates = prepared.candidates()
+        ids: list[str | None] = (
+            [rid] if len(candidates) == 1 else [f"{rid}-{i}" for i in range(len(candidates))]
+        )
         try:
-            outputs = service.engine.generate(
-                prepared.prompt_ids, prepared.params, rid, deadline(request), prepared.priority
+            outputs = service.engine.generate_choices(
+                prepared.prompt_ids, candidates, ids, deadline(request), prepared.priority
             )
         except ServingError as exc:
             self.rejected.inc((service.name, exc.kind))
@@ -283,17 +328,38 @@ class CompletionPipeline:
         return Generation(outputs, request)
 
     async def collect(self, request: HttpRequest, outputs: Generation) -> Collected:
-        """Every output of a completion answered whole; the request ends if its client leaves."""
-        texts: list[str] = []
-        entries: list[Any] = []
-        last: RequestOutput | None = None
+        """Every output of a completion of one choice answered whole."""
+        return (await self.collect_choices(request, outputs, 1))[0]
+
+    async def collect_choices(
+        self, request: HttpRequest, outputs: Generation, sequences: int
+    ) -> list[Collected]:
+        """Every output of a completion answered whole, joined per sequence (in order); the
+        request ends, all its sequences with it, if its client leaves."""
+        texts: list[list[str]] = [[] for _ in range(sequences)]
+        joined = [Collected("", [], None) for _ in range(sequences)]
         async with cancel_on_disconnect(request.receive), outputs:
             async for out in outputs:
-                texts.append(out.text)
+                index = outputs.index(out)
+                texts[index].append(out.text)
                 if out.logprobs:
-                    entries.extend(out.logprobs)
-                last = out
-        return Collected("".join(texts), entries, last)
+                    joined[index].logprobs.extend(out.logprobs)
+                joined[index].last = out
+        for collected, pieces in zip(joined, texts, strict=True):
+            collected.text = "".join(pieces)
+        return joined
+
+    @staticmethod
+    def choose(prepared: PreparedCompletion, candidates: list[Collected]) -> list[Collected]:
+        """The n choices to answer: with best_of > n, the n candidates of highest cumulative
+        logprob, best first, their logprobs dropped unless asked for."""
+        if prepared.best_of <= prepared.n:
+            return candidates
+        best = sorted(candidates, key=lambda c: c.cumulative_logprob, reverse=True)
+        chosen = best[: prepared.n]
+        if prepared.params.logprobs is None:
+            chosen = [replace(c, logprobs=[]) for c in chosen]
+        return chosen
 
     def keep(self, prepared: PreparedCompletion, text: str, last: RequestOutput | None) -> None:
         """Cache a completion that finished (not one cut short), when it has a key."""

@@ -2,14 +2,15 @@
 streaming) and /v1/embeddings. Routes only: the model manager loads, reloads and unloads the
 language models (`backend: llm` entries of the repository) like every other model, and these
 routes serve whichever are ready. Embeddings come from any classic model with a BYTES input
-and an FP32 output."""
+and an FP32 output. A request with the header `x-lockgate-model-version: N` is served by
+version N of its model (the router's version canaries set it), else by the newest ready one."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from lockgate.frontend.app import App
 from lockgate.frontend.completion_pipeline import (
     CHAT_COMPLETION,
     TEXT_COMPLETION,
+    Collected,
     CompletionPipeline,
     Generation,
     PreparedCompletion,
@@ -96,19 +98,26 @@ class OpenAIRoutes:
         ]
         return {"object": "list", "data": data}
 
-    def _service(self, name: str) -> LLMService:
+    def _service(self, name: str, version: int | None) -> LLMService:
+        """The language model served as `name`, at `version` (None: its newest ready one)."""
         service = self.services.get(name)
         if service is None:
             if len(self.services) == 1 and not name:
-                return next(iter(self.services.values()))
-            known = ", ".join(sorted(self.services)) or "none"
-            raise NotFound(f"the model '{name}' does not exist (language models: {known})")
-        return service
+                service = next(iter(self.services.values()))
+            else:
+                known = ", ".join(sorted(self.services)) or "none"
+                raise NotFound(f"the model '{name}' does not exist (language models: {known})")
+        if version is None:
+            return service
+        served = self.app.models.get(service.config.name, version)  # 404 or 503
+        if not isinstance(served.service, LLMService):
+            raise NotFound(f"version {version} of model '{name}' is not a language model")
+        return served.service
 
     # -- completions -------------------------------------------------------------------
     async def _completions(self, request: HttpRequest) -> None:
         body = oa.decode(await request.body(), oa.CompletionRequest)
-        service = self._service(body.model)
+        service = self._service(body.model, _version(request))
         if body.echo:
             raise BadRequest("echo is not supported")
         _check_supported(body)
@@ -127,7 +136,7 @@ class OpenAIRoutes:
 
     async def _chat(self, request: HttpRequest) -> None:
         body = oa.decode(await request.body(), oa.ChatRequest)
-        service = self._service(body.model)
+        service = self._service(body.model, _version(request))
         _check_supported(body)
         messages = [{"role": m.role, "content": oa.message_text(m)} for m in body.messages]
         if not messages:
@@ -166,16 +175,11 @@ class OpenAIRoutes:
                 request, outputs, rid, service, kind.chunk_object, include_usage, piece
             )
         else:
-            collected = await self.pipeline.collect(request, outputs)
-            text, last = collected.text, collected.last
-            logprobs = None
-            if collected.logprobs:
-                logprobs = (_legacy_logprobs if kind.legacy else _chat_logprobs)(
-                    service, collected.logprobs
-                )
-            reason = _openai_reason(collected.finish_reason)
-            payload = kind.response(rid, service.name, text, reason, logprobs, _usage(last))
-            await respond_json(request.send, 200, payload)
+            candidates = await self.pipeline.collect_choices(request, outputs, prepared.best_of)
+            chosen = self.pipeline.choose(prepared, candidates)
+            usage = _usage([c.last for c in candidates])
+            await respond_json(request.send, 200, _answer(kind, service, rid, chosen, usage))
+            text, last = chosen[0].text, chosen[0].last
         self.pipeline.keep(prepared, text, last)
 
     async def _replay(
@@ -217,29 +221,32 @@ class OpenAIRoutes:
         include_usage: bool,
         piece: Callable[[str, str, RequestOutput, bool], dict[str, Any]],
     ) -> tuple[str, RequestOutput | None]:
-        """Send the completion as server-sent events; its text and last output."""
+        """Send the completion as server-sent events, each chunk of one choice; the text and
+        last output of choice 0."""
         send = request.send
-        first = True
-        last: RequestOutput | None = None
-        texts: list[str] = []
+        lasts: dict[int, RequestOutput] = {}  # by choice
+        texts: list[str] = []  # of choice 0
         async with cancel_on_disconnect(request.receive), stream:
             try:
                 async for out in stream:
-                    if first:
+                    index = stream.index(out)
+                    if not lasts:
                         await send({"type": "http.response.start", "status": 200, "headers": SSE})
-                    await send_event(send, piece(rid, service.name, out, first))
-                    texts.append(out.text)
-                    first = False
-                    last = out
+                    chunk = piece(rid, service.name, out, index not in lasts)
+                    await send_event(send, _as_choice(chunk, index))
+                    if index == 0:
+                        texts.append(out.text)
+                    lasts[index] = out
             except ServingError as exc:
-                if first:
+                if not lasts:
                     raise
                 await send_event(send, oa.error_body(exc.message, exc.kind, exc.status))
-                last = None  # cut short: nothing to keep
-            if include_usage and last is not None:
-                await send_event(send, oa.usage_chunk(rid, service.name, obj, _usage(last)))
+                lasts = {}  # cut short: nothing to keep
+            if include_usage and lasts:
+                usage = _usage(lasts.values())
+                await send_event(send, oa.usage_chunk(rid, service.name, obj, usage))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-        return "".join(texts), last
+        return "".join(texts), lasts.get(0)
 
     # -- embeddings --------------------------------------------------------------------
     def _embedding_models(self) -> list[str]:
@@ -267,7 +274,7 @@ class OpenAIRoutes:
                 f"(try: {', '.join(names) or 'none'})"
             )
         texts = oa.embedding_texts(body.input, self.limits)
-        served = self.app.models.get(name)
+        served = self.app.models.get(name, _version(request))
         _check_dimensions(served.config, body.dimensions)
         if request.trace is not None:
             request.trace.model = name
@@ -341,6 +348,17 @@ class Embedded:
 TOKEN_COUNT = "token_count"
 
 
+def _version(request: HttpRequest) -> int | None:
+    """The version the request's `x-lockgate-model-version` header names (None: none)."""
+    text = request.header(oa.MODEL_VERSION_HEADER)
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit()) or len(text) > 18 or int(text) < 1:
+        shown = text[:40].decode("latin-1")
+        raise BadRequest(f"header x-lockgate-model-version must be a version number, not {shown!r}")
+    return int(text)
+
+
 def _check_dimensions(config: ModelConfig, asked: int | None) -> None:
     """`dimensions` may only name the size of the model's own embeddings."""
     if asked is None:
@@ -379,10 +397,38 @@ def _openai_reason(reason: str | None) -> str | None:
     return {"deadline": "length", "abort": "abort"}.get(reason, reason) if reason else None
 
 
-def _usage(last: RequestOutput | None) -> dict[str, Any]:
-    if last is None:
+def _usage(lasts: Iterable[RequestOutput | None]) -> dict[str, Any]:
+    """The prompt once, and the tokens every sequence of the request generated (best_of's
+    candidates not chosen too: they were computed)."""
+    done = [last for last in lasts if last is not None]
+    if not done:
         return oa.usage(0, 0)
-    return oa.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+    generated = sum(last.num_output_tokens for last in done)
+    cached = min(last.num_cached_tokens for last in done)
+    return oa.usage(done[0].num_prompt_tokens, generated, cached)
+
+
+def _answer(
+    kind: _Kind, service: LLMService, rid: str, chosen: list[Collected], usage: dict[str, Any]
+) -> dict[str, Any]:
+    """The response of a completion answered whole: one choice per collected, in order."""
+    payloads = []
+    for index, collected in enumerate(chosen):
+        logprobs = None
+        if collected.logprobs:
+            logprobs = (_legacy_logprobs if kind.legacy else _chat_logprobs)(
+                service, collected.logprobs
+            )
+        reason = _openai_reason(collected.finish_reason)
+        payload = kind.response(rid, service.name, collected.text, reason, logprobs, usage)
+        payloads.append(_as_choice(payload, index))
+    return {**payloads[0], "choices": [p["choices"][0] for p in payloads]}
+
+
+def _as_choice(payload: dict[str, Any], index: int) -> dict[str, Any]:
+    """A response or chunk built for one choice, as choice `index` of the request's."""
+    payload["choices"][0]["index"] = index
+    return payload
 
 
 def _token_text(service: LLMService, token_id: int) -> str:

@@ -96,10 +96,12 @@ _HAND_CHECKED: dict[tuple[str, str], dict[str, Any]] = {
 }
 for _request in ("CompletionRequest", "ChatRequest"):
     for _field in oa.UNSUPPORTED:
+        if (_request, _field) == ("CompletionRequest", "best_of"):
+            continue  # the legacy completions API has it
         _HAND_CHECKED[_request, _field] = {
             "type": "null",
-            "description": "not implemented by lockgate: refused (400) when given, except "
-            "best_of 1 and response_format {'type': 'text'}",
+            "description": "not implemented by lockgate: refused (400) when given"
+            + (" (best_of: completions only)" if _field == "best_of" else ""),
         }
 
 

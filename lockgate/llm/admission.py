@@ -34,6 +34,11 @@ whose last prefill chunk may share a step with earlier ones is also refused when
 that step end after one of their dues (chunked prefill batches every waiting prompt that fits,
 so a later arrival can delay an earlier one). With neither budget, or before the first prefill
 has been measured, nothing is refused.
+
+A request of several sequences (the `n` choices or `best_of` candidates of an OpenAI request)
+is admitted one sequence at a time, each behind those before it (`generate_choices` in
+`llm/async_engine.py`): the last one's prediction counts the prompts and sequence slots of
+them all, and when any is refused, none of them is queued.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """`AsyncLLMEngine`: steps an `LLMEngine` on its own thread and streams each request's
-outputs to asyncio consumers, batched into one loop callback per step."""
+outputs to asyncio consumers, batched into one loop callback per step.
+
+A request may hold several sequences of one prompt (the `n` choices of an OpenAI request):
+they are submitted together, all or none, stream through one `RequestStream`, and are aborted
+together."""
 
 from __future__ import annotations
 
@@ -25,21 +29,34 @@ class _Delivery:
 
 
 class RequestStream:
-    """The outputs of one request as an async iterator. Closing it (or cancelling the task
-    that awaits it) aborts the request and frees its KV blocks."""
+    """The outputs of one request's sequences as an async iterator, in the order the engine
+    makes them. It ends when every sequence has finished; an error on any of them ends it for
+    all. Closing it (or cancelling the task that awaits it) aborts every sequence not yet
+    finished and frees its KV blocks."""
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
+    def __init__(
+        self, engine: AsyncLLMEngine, request_ids: list[str], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.request_ids = tuple(request_ids)
         self.loop = loop
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | ServingError] = asyncio.Queue()
-        self._done = False
+        self._indexes = {rid: i for i, rid in enumerate(request_ids)}
+        self._unfinished = dict.fromkeys(request_ids)  # ordered set
+
+    @property
+    def request_id(self) -> str:
+        return self.request_ids[0]
+
+    def index(self, request_id: str) -> int:
+        """The position of a sequence among the request's (its choice)."""
+        return self._indexes[request_id]
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._done:
+        if not self._unfinished:
             raise StopAsyncIteration
         try:
             item = await self._queue.get()
@@ -47,9 +64,10 @@ class RequestStream:
             self._abort()
             raise
         if isinstance(item, ServingError):
-            self._done = True
+            self._abort()  # the others of the request go with it
             raise item
-        self._done = item.finished
+        if item.finished:
+            self._unfinished.pop(item.request_id, None)
         return item
 
     async def aclose(self) -> None:
@@ -65,13 +83,13 @@ class RequestStream:
         self._queue.put_nowait(item)
 
     def _abort(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine.abort(self.request_id)
+        unfinished, self._unfinished = list(self._unfinished), {}
+        for request_id in unfinished:
+            self._engine.abort(request_id)
 
     def __del__(self) -> None:
-        if not self._done:
-            self._engine.abort_later(self.request_id)
+        for request_id in self._unfinished:
+            self._engine.abort_later(request_id)
 
 
 class AsyncLLMEngine:
@@ -97,15 +115,40 @@ class AsyncLLMEngine:
         priority: int = 1,
     ) -> RequestStream:
         """Submit now (refusals raise here) and stream the outputs."""
+        return self.generate_choices(prompt_token_ids, [params], [request_id], deadline, priority)
+
+    def generate_choices(
+        self,
+        prompt_token_ids: list[int],
+        params: list[SamplingParams],
+        request_ids: list[str | None],
+        deadline: float | None = None,
+        priority: int = 1,
+    ) -> RequestStream:
+        """Submit one sequence of the prompt per `params`, all or none, and stream the outputs
+        of all. Each is admitted behind the ones submitted before it, so admission counts the
+        work of them all: when it refuses one, those before it are withdrawn and the refusal
+        raises here."""
         if self._closing or self._draining:
             raise Unavailable("the language model is draining", retry_after=1)
         loop = asyncio.get_running_loop()
+        added: list[str] = []
         with self._wakeup:
-            request_id = self.engine.add_request(
-                prompt_token_ids, params, request_id, deadline, priority
-            )
-            stream = RequestStream(self, request_id, loop)
-            self._streams[request_id] = weakref.ref(stream)
+            try:
+                for choice, request_id in zip(params, request_ids, strict=True):
+                    added.append(
+                        self.engine.add_request(
+                            prompt_token_ids, choice, request_id, deadline, priority
+                        )
+                    )
+            except BaseException:
+                for request_id in added:
+                    self.engine.abort(request_id)
+                raise
+            stream = RequestStream(self, added, loop)
+            ref = weakref.ref(stream)
+            for request_id in added:
+                self._streams[request_id] = ref
             self._wakeup.notify()
         return stream
 
@@ -184,7 +227,8 @@ class AsyncLLMEngine:
             refs, self._streams = list(self._streams.items()), {}
         for request_id, _ in refs:
             self.engine.abort(request_id)
-        _send([_Delivery(stream, error) for _, ref in refs if (stream := ref()) is not None])
+        streams = {stream: None for _, ref in refs if (stream := ref()) is not None}  # once each
+        _send([_Delivery(stream, error) for stream in streams])
 
 
 def _send(deliveries: list[_Delivery]) -> None:

@@ -234,6 +234,8 @@ class LLMEngine:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
+        if (reason := seq.grammar_finish) is not None:
+            return reason
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None

@@ -113,6 +113,7 @@ class ModelRunner:
             [seq.output_token_ids if seq.params.has_penalties else [] for seq in rows],
             [seq.num_output_tokens for seq in rows],
             vocab_size=logits.shape[1],
+            matchers=[seq.matcher for seq in rows],
         )
         sampled = self.sampler(logits, batch)
         return RunnerOutput(sampled, t1 - t0, t2 - t1, time.perf_counter() - t2)

@@ -14,17 +14,23 @@ batch, nor on preemption and recompute.
 Top-p looks for the nucleus among each row's `TOP_P_WINDOW` largest logits and sorts the
 whole row only when the nucleus is larger than that.
 
+Rows under a grammar (guided decoding) have the tokens it does not allow next set to -inf,
+after the logit biases and before temperature and the filters; a batch without such rows
+computes no mask.
+
 Logprobs are the log_softmax of the processed logits, the distribution the token was drawn
 from (after penalties, temperature and filters; filtered tokens have -inf).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from lockgate.llm.guided import GrammarMatcher
 from lockgate.llm.sequence import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -74,6 +80,40 @@ class LogitBias:
 
 
 @dataclass(slots=True)
+class TokenMask:
+    """The tokens each grammar-constrained row may take next; other rows are left alone."""
+
+    rows: torch.Tensor  # [R] int64, the constrained rows
+    bits: torch.Tensor  # [R, W] int32; bit j of word w allows token 32w + j
+
+    @classmethod
+    def build(cls, matchers: Sequence[GrammarMatcher | None]) -> TokenMask | None:
+        constrained = [(row, m) for row, m in enumerate(matchers) if m is not None]
+        if not constrained:
+            return None
+        bits = torch.empty((len(constrained), constrained[0][1].mask_words), dtype=torch.int32)
+        for i, (_, matcher) in enumerate(constrained):
+            matcher.fill_mask(bits[i].data_ptr())
+        return cls(torch.tensor([row for row, _ in constrained], dtype=torch.int64), bits)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [N, V] with the tokens a constrained row may not take at -inf (a copy)."""
+        v = logits.shape[1]
+        # each byte of the (little-endian) words holds 8 tokens: looked up, not shifted
+        data = self.bits.view(torch.uint8).long()  # [R, 4W]
+        blocked = torch.nn.functional.embedding(data, _BYTE_PENALTY).flatten(1)  # [R, 32W]
+        if blocked.shape[1] < v:  # logits past the tokenizer's vocabulary: never allowed
+            blocked = torch.nn.functional.pad(blocked, (0, v - blocked.shape[1]), value=-math.inf)
+        return logits.index_add(0, self.rows, blocked[:, :v].to(logits.dtype))
+
+
+# byte value -> what its 8 tokens add to their logits: 0 where the bit is set, else -inf
+_BYTE_PENALTY = torch.where(
+    (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1 == 1, 0.0, -math.inf
+)  # [256, 8] float32
+
+
+@dataclass(slots=True)
 class SamplingBatch:
     """Per-row parameters as tensors; None for a process that no row uses."""
 
@@ -87,6 +127,7 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None  # [N] float32
     output_token_ids: torch.Tensor | None  # [N, L] int64, padded with V
     bias: LogitBias | None  # additions to chosen logits; None when no row has any
+    mask: TokenMask | None  # tokens allowed by grammars; None when no row has one
     seeds: dict[int, int]  # row -> seed for this token
     num_logprobs: list[int | None]  # [N]
 
@@ -97,9 +138,11 @@ class SamplingBatch:
         output_token_ids: Sequence[list[int]],
         num_output_tokens: Sequence[int],
         vocab_size: int,
+        matchers: Sequence[GrammarMatcher | None] = (),
     ) -> SamplingBatch:
         """Row i has generated `num_output_tokens[i]` tokens so far (seeds count them);
-        `output_token_ids[i]` lists them where the row has penalties (elsewhere unused)."""
+        `output_token_ids[i]` lists them where the row has penalties (elsewhere unused);
+        `matchers[i]` is its grammar's matcher, if any (none given: no row has one)."""
         greedy = [p.is_greedy for p in params]
         sampled = [p for p in params if not p.is_greedy]
         return cls(
@@ -118,6 +161,7 @@ class SamplingBatch:
                 p.has_penalties for p in params), torch.float32),
             output_token_ids=_padded_outputs(params, output_token_ids, vocab_size),
             bias=LogitBias.build(params),
+            mask=TokenMask.build(matchers),
             seeds={i: _row_seed(p.seed, n) for i, (p, n) in enumerate(
                 zip(params, num_output_tokens, strict=True)) if p.seed is not None
                 and not p.is_greedy},
@@ -163,6 +207,8 @@ class Sampler:
         logits = apply_penalties(logits.float(), batch)  # [N, V]
         if batch.bias is not None:
             logits = batch.bias.apply(logits)
+        if batch.mask is not None:
+            logits = batch.mask.apply(logits)
         if batch.all_greedy:
             processed, tokens = logits, logits.argmax(dim=-1)
         else:

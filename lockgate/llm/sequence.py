@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from lockgate.errors import BadRequest
+from lockgate.llm.guided import Grammar, GrammarMatcher
 from lockgate.llm.metrics import RequestTimings
 
 
@@ -24,7 +25,7 @@ class SequenceStatus(enum.Enum):
 
 
 class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS, a stop token or a stop string
+    STOP = "stop"  # EOS, a stop token, a stop string or the end of the grammar
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled or client disconnected
     DEADLINE = "deadline"  # deadline passed before the request finished
@@ -48,6 +49,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # number of top alternatives to report per token
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    grammar: Grammar | None = None  # what the output must match (guided decoding)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -105,11 +107,14 @@ class Sequence:
     output_text: str = ""
     num_emitted_chars: int = 0  # of output_text, already returned to the client
     timings: RequestTimings = field(init=False)
+    matcher: GrammarMatcher | None = field(init=False)  # where the output is in its grammar
 
     def __post_init__(self) -> None:
         self.timings = RequestTimings(
             arrival=self.arrival, num_prompt_tokens=self.num_prompt_tokens
         )
+        grammar = self.params.grammar
+        self.matcher = None if grammar is None else grammar.matcher()
 
     @classmethod
     def from_prompt(
@@ -157,8 +162,21 @@ class Sequence:
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
+    @property
+    def grammar_finish(self) -> FinishReason | None:
+        """STOP once the output matches its grammar whole (no further token fits); LENGTH
+        once the grammar's masks went over their budget (cut short, as by max_tokens)."""
+        matcher = self.matcher
+        if matcher is None:
+            return None
+        if matcher.is_complete:
+            return FinishReason.STOP
+        return FinishReason.LENGTH if matcher.over_budget else None
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.matcher is not None:
+            self.matcher.advance(token_id)
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline

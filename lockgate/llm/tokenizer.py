@@ -20,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from lockgate.errors import BadRequest, ConfigError
+from lockgate.llm.guided import GrammarCompiler
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 TOKEN_CONTROL = 3
@@ -219,6 +220,8 @@ class ChatTokenizer:
         self._template: jinja2.Template | None = None
         if spec.chat_template:
             self._template = _compile_template(spec.chat_template)
+        # the vocabulary as llguidance reads it, for guided decoding
+        self.grammars = GrammarCompiler(spec.tokenizer_json, spec.eos_token_ids)
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)

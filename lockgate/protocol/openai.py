@@ -16,6 +16,11 @@ import msgspec
 from lockgate.errors import BadRequest
 from lockgate.protocol.json_arrays import count_scalars, opening_depth, strings_at_least
 
+# The version of the model a request to /v1/completions, /v1/chat/completions or
+# /v1/embeddings is served at (a positive whole number; without it, the newest ready version).
+# The router sets it for a version canary; a client may set it to pin a version.
+MODEL_VERSION_HEADER = b"x-lockgate-model-version"
+
 
 @dataclass(frozen=True, slots=True)
 class OpenAILimits:
@@ -32,6 +37,9 @@ class OpenAILimits:
     tokenize_waiting: int = 64  # prompts waiting for a tokenizer thread; past it, 503
     max_embedding_inputs: int = 2048  # texts of one embeddings request, as the OpenAI API allows
     max_embedding_chars: int = 65536  # characters of one text to embed
+    max_n: int = 16  # choices (n) and candidates (best_of) of one completion
+    max_grammar_chars: int = 8192  # of a request's JSON schema, regex or grammar; 0: refused
+    max_grammar_mask_ms: int = 20  # CPU ms of one token mask of a grammar; past it, it ends
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -55,9 +63,34 @@ class OpenAILimits:
         if len(ids or ()) > self.max_stop_token_ids:
             raise BadRequest(f"stop_token_ids takes at most {self.max_stop_token_ids} token ids")
 
+    def check_constraint(self, constraint: OutputConstraint) -> None:
+        """A JSON schema, regex or grammar no longer than `max_grammar_chars` (it is compiled
+        before the request is admitted: its size bounds that work)."""
+        most = self.max_grammar_chars
+        if not most:
+            raise BadRequest(f"{constraint.field}: guided decoding is turned off on this server")
+        if len(constraint.source) > most:
+            raise BadRequest(
+                f"{constraint.field} has {len(constraint.source)} characters, more than the "
+                f"limit of {most}"
+            )
+
+    def sequences(self, n: int, best_of: int | None, stream: bool) -> int:
+        """The sequences a completion of `n` choices generates: `best_of` (at least n, not
+        streamed), else n; both at most `max_n`."""
+        if not 1 <= n <= self.max_n:
+            raise BadRequest(f"n must be between 1 and {self.max_n}, got {n}")
+        if best_of is None:
+            return n
+        if not n <= best_of <= self.max_n:
+            raise BadRequest(f"best_of must be between n ({n}) and {self.max_n}, got {best_of}")
+        if stream and best_of > n:
+            raise BadRequest("best_of cannot be used with stream: leave it out, or set it to n")
+        return best_of
+
 
 _AT_LEAST_ONE = frozenset(
-    {"max_stop_chars", "tokenize_threads", "max_embedding_inputs", "max_embedding_chars"}
+    {"max_stop_chars", "tokenize_threads", "max_embedding_inputs", "max_embedding_chars", "max_n"}
 )
 
 
@@ -84,9 +117,14 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    response_format: ResponseFormat | None = None
+    # vLLM's guided decoding: a JSON schema (an object or its JSON text), a regular
+    # expression (Rust's regex syntax), a Lark grammar (llguidance's syntax)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
     # known to the OpenAI API, not implemented by lockgate: refused by name when given
     best_of: Any = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -100,21 +138,90 @@ class _Sampling(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if value is None:
                 continue
-            if name == "best_of" and value == 1:
-                continue
-            if (
-                name == "response_format"
-                and isinstance(value, dict)
-                and value.get("type") == "text"
-            ):
-                continue
+            if name == "best_of" and (value == 1 or isinstance(self, CompletionRequest)):
+                continue  # the legacy completions API has it
             return name
         return None
+
+    def output_constraint(self, limits: OpenAILimits) -> OutputConstraint | None:
+        """What the request holds its output to, if anything: at most one of
+        `response_format` (json_object or json_schema) and vLLM's `guided_*` fields, within
+        `max_grammar_chars`."""
+        given = self._constraints()
+        if len(given) > 1:
+            names = ", ".join(c.field.partition(".")[0] for c in given)
+            raise BadRequest(
+                "give one of response_format (json_object or json_schema), guided_json, "
+                f"guided_regex and guided_grammar, not several: {names}"
+            )
+        if not given:
+            return None
+        limits.check_constraint(given[0])
+        return given[0]
+
+    def _constraints(self) -> list[OutputConstraint]:
+        found = []
+        form = self.response_format
+        if isinstance(form, JsonObjectFormat):
+            found.append(OutputConstraint("response_format", "json_schema", _ANY_OBJECT, False))
+        elif isinstance(form, JsonSchemaFormat):
+            spec = form.json_schema
+            where = "response_format.json_schema.schema"
+            text = _json_text(spec.schema)
+            found.append(OutputConstraint(where, "json_schema", text, spec.strict is True))
+        if self.guided_json is not None:
+            given = self.guided_json
+            text = given if isinstance(given, str) else _json_text(given)
+            found.append(OutputConstraint("guided_json", "json_schema", text, False))
+        if self.guided_regex is not None:
+            found.append(OutputConstraint("guided_regex", "regex", self.guided_regex))
+        if self.guided_grammar is not None:
+            found.append(OutputConstraint("guided_grammar", "lark", self.guided_grammar))
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConstraint:
+    """What a request holds its output to (guided decoding), as the request gave it."""
+
+    field: str  # the request field it came from, named in errors
+    kind: Literal["json_schema", "regex", "lark"]
+    source: str  # a JSON schema as JSON text, a regular expression or a Lark grammar
+    strict: bool = True  # a JSON schema's keywords that cannot be enforced: refused (else ignored)
+
+
+class TextFormat(msgspec.Struct, tag_field="type", tag="text"):
+    """response_format {"type": "text"}: no constraint."""
+
+
+class JsonObjectFormat(msgspec.Struct, tag_field="type", tag="json_object"):
+    """response_format {"type": "json_object"}: the output is a JSON object."""
+
+
+class JsonSchemaSpec(msgspec.Struct, kw_only=True):
+    name: str
+    schema: dict[str, Any]  # the JSON schema the output matches
+    description: str | None = None
+    strict: bool | None = None  # true: keywords lockgate cannot enforce are refused (400)
+
+
+class JsonSchemaFormat(msgspec.Struct, tag_field="type", tag="json_schema"):
+    """response_format {"type": "json_schema", "json_schema": {...}}: the output matches it."""
+
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+_ANY_OBJECT = '{"type":"object"}'
+
+
+def _json_text(schema: dict[str, Any]) -> str:
+    """A JSON schema given as an object, as JSON text (its keys in the order given)."""
+    return msgspec.json.encode(schema).decode()
 
 
 UNSUPPORTED = (
     "best_of",
-    "response_format",
     "tools",
     "tool_choice",
     "functions",
@@ -126,6 +233,7 @@ UNSUPPORTED = (
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: msgspec.Raw  # a string, token ids, or a list of one of those: see `prompt_of`
+    best_of: int | None = None  # candidates generated; the n of highest cumulative logprob win
     logprobs: int | None = None
     echo: bool = False
 

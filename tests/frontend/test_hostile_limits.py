@@ -127,7 +127,7 @@ def test_more_than_four_stop_strings_are_a_400(client: openai.OpenAI) -> None:
     "field",
     [
         {"best_of": 3},
-        {"response_format": {"type": "json_object"}},
+        {"suffix": "!"},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
     ],
 )
