@@ -48,6 +48,7 @@ SUITE = "refusal_cost"
 TARGET = 0.10  # refusal CPU / served CPU
 HOLD_S = 2.0  # each batch of `held` sleeps this long
 HELD_SLO_MS = 100
+MAX_NOT_SERVED = 0.01  # of the served rounds' requests: past it, the round measured noise
 
 HELD_CONFIG = f"""\
 name: held
@@ -146,13 +147,15 @@ def run(ctx: Context) -> SuiteResult:
     rounds = 2 if ctx.quick else 5
     served: list[float] = []
     refused: list[float] = []
+    not_served = 0
     with running(server):
         body = digits_body()
         for r in range(rounds):
             cost, ok = cpu_per_request(server, "/v2/models/digits_onnx/infer", body, count)
-            if ok != count:
+            if ok < count * (1 - MAX_NOT_SERVED):  # a busy machine can delay a few past 50 ms
                 raise RuntimeError(f"digits_onnx answered {ok} of {count} with 200")
             served.append(cost)
+            not_served += count - ok
             with Holder(server):
                 cost, ok = cpu_per_request(server, "/v2/models/held/infer", HELD_BODY, count)
             if ok > count // 100:
@@ -186,6 +189,12 @@ def run(ctx: Context) -> SuiteResult:
         "connection, server pinned to its core; CPU is the server process's user + system "
         "time from /proc, client excluded."
     )
+    if not_served:
+        result.notes.append(
+            f"{not_served} of the served rounds' {rounds * count} digits_onnx requests were "
+            "not answered 200 (refused or past the 50 ms SLO on a busy machine); their CPU "
+            "is in the served figure."
+        )
     result.raw = {"served_s": served, "refused_s": refused, "count": count}
     result.seconds = time.perf_counter() - started
     return result

@@ -118,14 +118,17 @@ class Admission:
         own = min(cap, max(request.rows, rows - (k - 1) * cap))
         return start + self.profile.service_time(own)
 
-    def check(self, request: InferRequest, now: float, queue: QueueState) -> Unavailable | None:
-        """None to admit, or the refusal to raise."""
+    def check(
+        self, request: InferRequest, now: float, queue: QueueState, delay: float = 0.0
+    ) -> Unavailable | None:
+        """None to admit, or the refusal to raise. `delay`: seconds before the request reaches
+        the queue (`queue` is the state it will find then)."""
         if not self.settings.deadline_aware or request.deadline is None:
             return None
         if not self.profile.known or not queue.free_at:
             return None
         margin = self.calibration.current(now)
-        predicted = self.predicted_finish(request, now, queue) - now + margin
+        predicted = self.predicted_finish(request, now + delay, queue) - now + margin
         budget = request.deadline - now
         idle = queue.rows_ahead == 0 and queue.free_at[0] <= now
         if predicted <= budget * self.settings.slack or (request.soft_deadline and idle):

@@ -255,12 +255,15 @@ class Batcher:
             self._reject("deadline_unmeetable", verdict)
 
     def early_refusal(
-        self, arrival: float, timeout: float | None, now: float
+        self, arrival: float, timeout: float | None, now: float, loop_wait: float = 0.0
     ) -> Unavailable | None:
         """The refusal a one-row request of the highest priority would get now, asked before
-        its body is read: None when the model is idle, has no deadline to go by (no `timeout`
-        and no SLO) or would admit it. A refusal is counted as admission would count it."""
-        if (not self.queued_rows and self.free) or not self.accepting:
+        its body is read: None when the model would admit it, or has no deadline to go by (no
+        `timeout` and no SLO). Its handler reaches the batcher after `loop_wait` seconds of
+        the event loop's work ahead of it; an idle model with none ahead always admits. A
+        refusal is counted as admission would count it."""
+        idle = not self.queued_rows and self.free
+        if (idle and loop_wait <= 0) or not self.accepting:
             return None
         budget = timeout if timeout is not None else self.slo
         if budget is None:
@@ -274,11 +277,14 @@ class Batcher:
             model=self.config.name,
             inputs={},
             deadline=arrival + budget,
-            soft_deadline=timeout is None,
+            # an idle model admits under its SLO whatever the prediction, but not when the
+            # loop's work ahead is what would make the request late
+            soft_deadline=timeout is None and loop_wait <= 0,
             priority=1,
             arrival=arrival,
         )
-        verdict = self.admission.check(probe, now, self.queue_state(1, now))
+        then = now + loop_wait  # when its handler reaches the batcher
+        verdict = self.admission.check(probe, now, self.queue_state(1, then), loop_wait)
         if verdict is not None:
             self._refused = EarlyRefusal(budget, now + EARLY_REFUSAL_REUSE_S, verdict)
             self.metrics.rejected.inc((*self.labels, "deadline_unmeetable"))

@@ -130,6 +130,7 @@ class App:
         self.closers: list[Callable[[], Awaitable[None]]] = [self.cache.close]  # at shutdown
         # told each request's delay from its first byte to its handler (the connection gate)
         self.front_delay: Callable[[float, float], None] | None = None
+        self.answered: Callable[[], None] | None = None  # told of each request answered
         self.in_flight = 0  # HTTP requests received and not yet answered
         self.tracing = _tracing(self.settings.otel_endpoint, self.closers)
         models.registry.gauge(
@@ -203,6 +204,8 @@ class App:
             )
         finally:
             self.in_flight -= 1
+            if self.answered is not None:
+                self.answered()
             if entry is not None:
                 entry.bytes_in = request.bytes_read
                 self.access.write(entry)
@@ -224,7 +227,12 @@ class App:
         )
 
     def early_refusal(
-        self, method: bytes, path: str, headers: list[tuple[bytes, bytes]], received: float
+        self,
+        method: bytes,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        received: float,
+        loop_wait: float = 0.0,
     ) -> ServingError | None:
         """Asked by the protocol once a request's head is in and before its body is read: the
         refusal a v2 inference request would certainly get from its model's admission, so a
@@ -260,7 +268,7 @@ class App:
                     return None  # the route answers 400 with its message
                 if not 0 < timeout < 1e7:
                     return None
-        return served.batcher.early_refusal(received, timeout, time.monotonic())
+        return served.batcher.early_refusal(received, timeout, time.monotonic(), loop_wait)
 
     async def _error(self, request: HttpRequest, exc: ServingError, openai: bool) -> None:
         if openai:

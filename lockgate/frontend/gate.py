@@ -139,6 +139,48 @@ class QueueDelay:
 
 
 @dataclass(slots=True)
+class LoopCost:
+    """The event loop's CPU seconds per answered request, over windows of `window` seconds with
+    at least `least` answers (an exponential average across windows, newest weight
+    `weight`). Pure: the caller gives the clock and the loop thread's CPU time.
+
+    Requests let through on arrival wait for the loop's work already taken on: their
+    handlers run after those of the requests in progress. Admission on arrival multiplies
+    this cost by the requests in progress to predict that wait. The CPU of refusals is
+    counted in it too, so under a storm of refusals the cost is high: the prediction errs
+    toward refusing."""
+
+    window: float = 0.1
+    least: int = 8
+    weight: float = 0.3
+    per_request: float = 0.0  # seconds; 0 until a window has been measured
+    started: float | None = None  # when the current window began
+    cpu_at_start: float = 0.0
+    answered: int = 0
+
+    def answer(self) -> None:
+        self.answered += 1
+
+    def sample(self, now: float, cpu: float) -> None:
+        if self.started is not None and now - self.started < self.window:
+            return
+        if self.started is not None and self.answered >= self.least:
+            cost = (cpu - self.cpu_at_start) / self.answered
+            old = self.per_request
+            self.per_request = cost if not old else old + self.weight * (cost - old)
+        if (
+            self.started is None
+            or self.answered >= self.least
+            or now - self.started > 10 * self.window
+        ):
+            self.started, self.cpu_at_start, self.answered = now, cpu, 0
+
+    def wait(self, in_progress: int) -> float:
+        """Seconds of loop work ahead of a request let through now."""
+        return in_progress * self.per_request
+
+
+@dataclass(slots=True)
 class Rate:
     """Events per second, decaying with time constant `tau` seconds. Pure."""
 
@@ -161,6 +203,7 @@ class Gate:
     settings: GateSettings = field(default_factory=GateSettings)
     lag: LoopLag = field(init=False)
     queue: QueueDelay = field(init=False)
+    loop_cost: LoopCost = field(default_factory=LoopCost)
     admitted: Rate = field(default_factory=Rate)  # heads let through, per second
     refusing: Rate = field(default_factory=Rate)  # heads refused, per second
     connections: Counter[str] = field(default_factory=Counter)  # open connections per address

@@ -229,7 +229,8 @@ class _Protocol(HttpToolsProtocol):
         why = self.gate.admit(path, len(self.tasks), now)
         error = None
         if why is None:
-            error = self.lockgate_app.early_refusal(b"POST", path, headers, received)
+            wait = self.gate.loop_cost.wait(len(self.tasks))
+            error = self.lockgate_app.early_refusal(b"POST", path, headers, received, wait)
             if error is None:
                 self.vetted = True  # the parser reads the same head next, in this same call
                 self.arrived = received
@@ -301,7 +302,8 @@ class _Protocol(HttpToolsProtocol):
                 self._refuse(_SATURATED, self.gate.retry_after(time.monotonic()), why, path)
                 return
             method = self.parser.get_method()
-            error = self.lockgate_app.early_refusal(method, path, self.headers, self.received)
+            wait = self.gate.loop_cost.wait(len(self.tasks))
+            error = self.lockgate_app.early_refusal(method, path, self.headers, self.received, wait)
             if error is not None:
                 self.refusals.inc(("model_admission",))
                 retry = max(1, math.ceil(error.retry_after or 1))
@@ -445,6 +447,7 @@ class _Sentinel:
 
     def __init__(self, gate: Gate, loop: asyncio.AbstractEventLoop) -> None:
         self.lag = gate.lag
+        self.cost = gate.loop_cost
         self.loop = loop
         self.handle: asyncio.TimerHandle | None = None
 
@@ -452,7 +455,9 @@ class _Sentinel:
         self._fire()
 
     def _fire(self) -> None:
-        delay = self.lag.fired(time.monotonic())
+        now = time.monotonic()
+        self.cost.sample(now, time.thread_time())  # on the loop's thread: the loop's CPU
+        delay = self.lag.fired(now)
         self.handle = self.loop.call_later(delay, self._fire)
 
     def stop(self) -> None:
@@ -601,6 +606,7 @@ async def serve(options: ServeOptions) -> int:
     sentinel = _Sentinel(gate, asyncio.get_running_loop())
     sentinel.start()
     app.front_delay = gate.queue.observe
+    app.answered = gate.loop_cost.answer
     config = uvicorn.Config(
         app,
         host=options.host,

@@ -492,3 +492,17 @@ def test_an_early_refusal_is_reused_only_until_a_batch_starts_or_ends() -> None:
         await held[1]
 
     run(lambda: closing(batcher, body))
+
+
+def test_an_idle_model_refuses_early_only_for_the_loop_work_ahead() -> None:
+    """Idle, a model admits a request under its SLO default whatever the prediction; with the
+    event loop's work ahead of its handler (requests in progress), the wait counts."""
+    profile = ServiceProfile(1)
+    profile.observe(1, 0.002)
+    batcher = make_batcher(CheapBackend(), make_config(max_batch_size=1, slo_ms=50), profile)
+    now = time.monotonic()
+    assert batcher.early_refusal(now, None, now) is None  # idle, nothing ahead
+    assert batcher.early_refusal(now, None, now, loop_wait=0.010) is None  # fits 50 ms
+    late = batcher.early_refusal(now, None, now, loop_wait=0.045)  # 45 + 2 ms > 80% of 50
+    assert late is not None and "would miss its deadline" in late.message
+    assert batcher.early_refusal(now, 1.0, now + 0.002, loop_wait=0.045) is None  # 1 s budget

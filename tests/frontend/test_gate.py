@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lockgate.frontend.gate import EXEMPT_PATHS, Gate, GateSettings, LoopLag
+from lockgate.frontend.gate import EXEMPT_PATHS, Gate, GateSettings, LoopCost, LoopLag
 
 
 def fire_every(lag: LoopLag, start: float, gap: float, count: int) -> float:
@@ -125,3 +125,23 @@ def test_refused_connections_pause_only_when_refusals_swamp_admissions() -> None
         pause = gate.refused(now)
     assert pause == 0.25
     assert Gate(GateSettings()).refused(now) == 0.0  # off by default
+
+
+def test_loop_cost_is_the_loop_cpu_per_answered_request() -> None:
+    cost = LoopCost(window=0.1, least=4, weight=0.5)
+    cost.sample(0.0, 10.0)  # starts the first window
+    for _ in range(10):
+        cost.answer()
+    cost.sample(0.05, 10.002)  # the window is not over: nothing yet
+    assert cost.per_request == 0.0
+    cost.sample(0.1, 10.004)  # 4 ms of loop CPU for 10 answers
+    assert cost.per_request == pytest.approx(0.0004)
+    for _ in range(2):
+        cost.answer()
+    cost.sample(0.2, 10.005)  # too few answers: the window goes on
+    assert cost.per_request == pytest.approx(0.0004)
+    for _ in range(8):
+        cost.answer()
+    cost.sample(0.3, 10.012)  # 8 ms for 10: 0.8 ms, half weight
+    assert cost.per_request == pytest.approx(0.0006)
+    assert cost.wait(5) == pytest.approx(0.003)
