@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from lockgate.cache.redis_tier import RedisSettings
 from lockgate.cache.response_cache import ResponseCache
 from lockgate.compose.executor import Executor
-from lockgate.core.manager import ModelManager
+from lockgate.core.manager import ModelManager, ServedVersion
 from lockgate.errors import (
     BadRequest,
     Forbidden,
@@ -63,6 +63,18 @@ TRACED_KINDS = ("infer", "generate", "openai")  # route kinds whose requests may
 OpenAIHandler = Callable[[HttpRequest, list[str]], Awaitable[None]]
 # Triton's generate extension: (request, model, version, streamed)
 GenerateHandler = Callable[[HttpRequest, str, str | None, bool], Awaitable[None]]
+
+
+def _request_timeout(headers: list[tuple[bytes, bytes]]) -> float | None:
+    """The `Request-Timeout` header in seconds, None when absent; ValueError when unusable
+    (the route answers 400 with its message)."""
+    for name, value in headers:
+        if name == b"request-timeout":
+            timeout = float(value)
+            if not 0 < timeout < 1e7:
+                raise ValueError(f"Request-Timeout out of range: {timeout}")
+            return timeout
+    return None
 
 
 class MethodNotAllowed(ServingError):
@@ -236,11 +248,39 @@ class App:
     ) -> ServingError | None:
         """Asked by the protocol once a request's head is in and before its body is read: the
         refusal a v2 inference request would certainly get from its model's admission, so a
-        saturated model refuses at the cost of a head, not of a decoded body.
+        saturated model refuses at the cost of a head, not of a decoded body. `loop_wait`:
+        the seconds of event-loop work (requests in progress) its handler will wait for.
 
         A model with a response cache or a fallback is never refused here: a cache hit skips
         admission, and a refused request goes to the fallback, and both need the body."""
-        if method != b"POST" or not path.endswith("/infer") or not path.startswith("/v2/models/"):
+        if method != b"POST":
+            return None
+        served = self._inference_target(path)
+        if served is None or served.batcher is None:
+            return None
+        if served.config.response_cache.enable or served.config.fallback:
+            return None
+        try:
+            timeout = _request_timeout(headers)
+        except ValueError:
+            return None  # the route answers 400 with its message
+        return served.batcher.early_refusal(received, timeout, time.monotonic(), loop_wait)
+
+    def budget(self, path: str, headers: list[tuple[bytes, bytes]]) -> float | None:
+        """Seconds a v2 inference request on `path` may take: its `Request-Timeout` header,
+        else its model's SLO; None when neither is known."""
+        served = self._inference_target(path)
+        if served is None or served.batcher is None:
+            return None
+        try:
+            timeout = _request_timeout(headers)
+        except ValueError:
+            return None
+        return timeout if timeout is not None else served.batcher.slo
+
+    def _inference_target(self, path: str) -> ServedVersion | None:
+        """The model version a `/v2/models/{m}[/versions/{v}]/infer` path names, if ready."""
+        if not path.endswith("/infer") or not path.startswith("/v2/models/"):
             return None
         parts = path.split("/")  # "", "v2", "models", name, ["versions", v,] "infer"
         if len(parts) == 5:
@@ -254,21 +294,7 @@ class App:
         model = self.models.models.get(parts[3])
         if model is None:
             return None
-        served = model.latest_ready() if version is None else model.versions.get(version)
-        if served is None or served.batcher is None:
-            return None
-        if served.config.response_cache.enable or served.config.fallback:
-            return None
-        timeout = None
-        for name, value in headers:
-            if name == b"request-timeout":
-                try:
-                    timeout = float(value)
-                except ValueError:
-                    return None  # the route answers 400 with its message
-                if not 0 < timeout < 1e7:
-                    return None
-        return served.batcher.early_refusal(received, timeout, time.monotonic(), loop_wait)
+        return model.latest_ready() if version is None else model.versions.get(version)
 
     async def _error(self, request: HttpRequest, exc: ServingError, openai: bool) -> None:
         if openai:

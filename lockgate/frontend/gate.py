@@ -38,7 +38,8 @@ These decisions are made per connection or request head, each before any body is
   moment it is refused, on many connections, turns that little into all of it, and the model
   starves. When refusals outnumber admitted requests by more than `penalty_ratio` (10) over
   the last second, a connection that was just refused is not read again for
-  `penalty_pause` seconds: its refusal is sent at once, its next request waits, and is taken
+  `penalty_pause` seconds, or a quarter of the refused request's budget (its timeout or its
+  model's SLO) if less: its refusal is sent at once, its next request waits, and is taken
   to have arrived when the pause began, so its deadline and its admission count that wait.
   Ordinary overload (a few refusals per served request) never triggers it. On by default at
   0.1 s: minilm pinned to one core, in a storm of 256 connections that resend at once, served
@@ -56,6 +57,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+PAUSE_SHARE = 0.25  # of a refused request's budget: the most a refusal pause takes of it
 OVERDUE_FACTOR = 4.0  # an overdue sentinel counts as this much less lag than it shows
 EXEMPT_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health", "/metrics"})
 
@@ -250,14 +252,17 @@ class Gate:
     def let_through(self, now: float) -> None:
         self.admitted.add(now)
 
-    def refused(self, now: float) -> float:
-        """Count a refusal; returns how long to leave its connection unread (0: not at all)."""
+    def refused(self, now: float, budget: float | None = None) -> float:
+        """Count a refusal; returns how long to leave its connection unread (0: not at all).
+        `budget`: the refused request's time budget (its timeout or its model's SLO), when
+        known: the pause is at most `PAUSE_SHARE` of it, so a request that waited the
+        pause out keeps the rest of its budget to be admitted."""
         self.refusing.add(now)
         s = self.settings
         if s.penalty_pause <= 0:
             return 0.0
         if self.refusing.current(now) > s.penalty_ratio * max(1.0, self.admitted.current(now)):
-            return s.penalty_pause
+            return s.penalty_pause if budget is None else min(s.penalty_pause, budget * PAUSE_SHARE)
         return 0.0
 
     def retry_after(self, now: float) -> int:

@@ -250,7 +250,7 @@ class _Protocol(HttpToolsProtocol):
         access = self.lockgate_app.access
         if access.enabled:
             access.refused(rid, b"POST", path, received, self.address, why)
-        pause = self.gate.refused(now)
+        pause = self.gate.refused(now, self.lockgate_app.budget(path, headers))
         if close:
             return len(data)
         if size > len(data):  # the body is still to come, within the head timeout
@@ -329,7 +329,7 @@ class _Protocol(HttpToolsProtocol):
         access = self.lockgate_app.access
         if access.enabled:
             access.refused(rid, self.parser.get_method(), path, self.received, self.address, reason)
-        pause = self.gate.refused(time.monotonic())
+        pause = self.gate.refused(time.monotonic(), self.lockgate_app.budget(path, self.headers))
         if keep:
             self._arm_head_timer()  # and must arrive within the head timeout
             if pause > 0:

@@ -124,7 +124,10 @@ def test_refused_connections_pause_only_when_refusals_swamp_admissions() -> None
         now += 0.0005
         pause = gate.refused(now)
     assert pause == 0.25
-    assert Gate(GateSettings()).refused(now) == 0.0  # off by default
+    assert gate.refused(now, budget=0.5) == pytest.approx(0.125)  # a quarter of the budget
+    assert gate.refused(now, budget=5.0) == 0.25
+    assert Gate(GateSettings()).refused(now) == 0.0  # one refusal is no storm
+    assert Gate(GateSettings(penalty_pause=0.0)).refused(now) == 0.0  # off
 
 
 def test_loop_cost_is_the_loop_cpu_per_answered_request() -> None:
