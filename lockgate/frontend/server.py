@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import fcntl
 import functools
+import gc
 import logging
 import math
 import os
@@ -583,8 +584,19 @@ async def load(app: App, options: ServeOptions) -> None:
             await extension(app)
     except Exception:
         log.exception("start-up failed")
+    freeze_heap()
     app.started = True
     log.info("start-up complete in %.2f s", time.monotonic() - start)
+
+
+def freeze_heap() -> None:
+    """Move every object alive after start-up (modules, models, their weights' wrappers) out
+    of the garbage collector's reach: a full collection otherwise walks them all with the
+    event loop stopped (about 250,000 objects and 110 ms with lockgate's imports on a 2-core
+    machine), and under load full collections come every few seconds. Objects made later
+    are collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 async def serve(options: ServeOptions) -> int:
