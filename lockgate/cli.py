@@ -204,6 +204,9 @@ _OPENAI_LIMITS = {
     "guided_regex or guided_grammar (more: 400; 0: guided decoding refused)",
     "max_grammar_mask_ms": "CPU milliseconds of one token mask of a guided request's grammar "
     "(more: its output ends, finish_reason length; 0: no bound)",
+    "max_tools": "function tools of one chat request (more: 400)",
+    "max_tool_chars": "characters of one chat request's tools, as JSON (more: 400; 0: tools "
+    "refused)",
 }
 
 

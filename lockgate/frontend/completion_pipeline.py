@@ -6,7 +6,7 @@ A route decodes its body into the OpenAI completion request it amounts to, then:
 
     tokenize  off the event loop, at most `tokenize_threads` at once (503 past the queue)
     prepare   context and sampling limits, the model's sampling defaults, the grammar of
-              guided decoding (compiled), priority, cache key
+              guided decoding or of a forced tool call (compiled), priority, cache key
     cached    a completion the response cache already holds, or None
     submit    admission by the engine; the outputs as they come (a `Generation`)
     collect   (answers sent whole) the outputs joined, per choice; with best_of, the best
@@ -34,6 +34,7 @@ from lockgate.llm.guided import Grammar
 from lockgate.llm.sequence import SamplingParams
 from lockgate.llm.service import LLMService
 from lockgate.protocol import openai as oa
+from lockgate.protocol import tool_calls
 
 if TYPE_CHECKING:
     from lockgate.llm.async_engine import RequestStream
@@ -150,12 +151,19 @@ class CompletionPipeline:
             prompt = oa.prompt_of(prompt, service.engine_config.max_model_len)
         return await self._off_loop(self._prompt_ids, service, prompt)
 
-    async def tokenize_chat(self, service: LLMService, messages: list[dict[str, Any]]) -> list[int]:
-        """The token ids of chat messages ({"role", "content"}) through the model's chat
-        template, with the assistant's turn opened."""
+    async def tokenize_chat(
+        self,
+        service: LLMService,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The token ids of chat messages ({"role", "content", ...}) through the model's chat
+        template, with the assistant's turn opened; `tools` for a template that takes them."""
         chars = sum(len(m["content"] or "") for m in messages)
+        if tools is not None:
+            chars += len(msgspec.json.encode(tools))
         check_length(service, chars, self.limits.max_prompt_chars)
-        return await self._off_loop(_chat_ids, service, messages)
+        return await self._off_loop(_chat_ids, service, messages, tools)
 
     async def _off_loop(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
         """Tokenize off the event loop, at most `tokenize_threads` at once; past
@@ -200,14 +208,17 @@ class CompletionPipeline:
         default_max: int | None,
         logprobs: int | None,
         namespace: str,
+        tools: oa.ToolUse | None = None,
     ) -> PreparedCompletion:
         """Check a completion against the model's context and the server's limits (400),
         and its priority against the client's key (403). `default_max` is the max_tokens of
         a request without one (None: the rest of the context); `namespace` is the cache's
-        (TEXT_COMPLETION or CHAT_COMPLETION)."""
+        (TEXT_COMPLETION or CHAT_COMPLETION); `tools`, a chat's tools offered."""
         best_of = body.best_of if isinstance(body, oa.CompletionRequest) else None
         sequences = self.limits.sequences(body.n, best_of, body.stream)
-        params = self.sampling(service, body, len(prompt_ids), max_tokens, default_max, logprobs)
+        params = self.sampling(
+            service, body, len(prompt_ids), max_tokens, default_max, logprobs, tools
+        )
         priority = self.priority(request, service, body.priority)
         key = self.cache_key(service, namespace, prompt_ids, params) if sequences == 1 else None
         if request.trace is not None and not request.trace.model:  # /v2 routes know it
@@ -224,6 +235,7 @@ class CompletionPipeline:
         max_tokens: int | None,
         default_max: int | None,
         logprobs: int | None,
+        tools: oa.ToolUse | None = None,
     ) -> SamplingParams:
         limit = service.engine_config.max_model_len
         if prompt_len >= limit:
@@ -254,15 +266,30 @@ class CompletionPipeline:
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,
             logit_bias=_logit_bias(body.logit_bias, service.vocab_size, self.limits.max_logit_bias),
-            grammar=self.grammar(service, body),
+            grammar=self.grammar(service, body, tools),
         )
 
     def grammar(
-        self, service: LLMService, body: oa.CompletionRequest | oa.ChatRequest
+        self,
+        service: LLMService,
+        body: oa.CompletionRequest | oa.ChatRequest,
+        tools: oa.ToolUse | None = None,
     ) -> Grammar | None:
         """The grammar a request holds its output to (response_format or vLLM's guided_*
-        fields), compiled for the model before admission: 400 naming what is wrong."""
+        fields, or the calls of a forced tool_choice), compiled for the model before
+        admission: 400 naming what is wrong. The tools of tool_choice "auto" are compiled
+        too, to check their schemas, but leave the output free."""
         constraint = body.output_constraint(self.limits)
+        if tools is not None:
+            if tools.forced and constraint is not None:
+                raise BadRequest(
+                    f"tool_choice {tools.choice_text} holds the output to tool calls: leave "
+                    f"{constraint.field.partition('.')[0]} out, or use tool_choice 'auto'"
+                )
+            if tools.forced or service.tokenizer.grammars.problem is None:
+                calls = self.tool_grammar(service, tools)
+                if tools.forced:
+                    return calls
         if constraint is None:
             return None
         return service.tokenizer.grammars.compile(
@@ -272,6 +299,25 @@ class CompletionPipeline:
             where=constraint.field,
             mask_budget=self.limits.max_grammar_mask_ms / 1000,
         )
+
+    def tool_grammar(self, service: LLMService, tools: oa.ToolUse) -> Grammar:
+        """The grammar of the calls `tools` allows, compiled; a schema llguidance refuses is a
+        400 naming its tool (each tool is compiled alone to find it)."""
+        compiler = service.tokenizer.grammars
+        budget = self.limits.max_grammar_mask_ms / 1000
+        functions = tools.callable if tools.forced else tools.tools
+        source = tool_calls.grammar(functions, tools.most_calls)
+        try:
+            return compiler.compile("lark", source, where="tools", mask_budget=budget)
+        except BadRequest:
+            for index, function in enumerate(tools.tools):
+                compiler.compile(
+                    "json_schema",
+                    _encode(tool_calls.call_schema(function)).decode(),
+                    strict=function.strict is True,
+                    where=f"tools[{index}].function.parameters",
+                )
+            raise
 
     def priority(self, request: HttpRequest, service: LLMService, asked: int) -> int:
         """The engine priority of a request that asked `asked` (0: the model's default)."""
@@ -405,9 +451,11 @@ def deadline(request: HttpRequest) -> float | None:
     return request.received + seconds
 
 
-def _chat_ids(service: LLMService, messages: list[dict[str, Any]]) -> list[int]:
+def _chat_ids(
+    service: LLMService, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[int]:
     try:
-        return service.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return service.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
     except ServingError:
         raise
     except Exception as exc:

@@ -1,9 +1,10 @@
 """The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (both with SSE
-streaming) and /v1/embeddings. Routes only: the model manager loads, reloads and unloads the
-language models (`backend: llm` entries of the repository) like every other model, and these
-routes serve whichever are ready. Embeddings come from any classic model with a BYTES input
-and an FP32 output. A request with the header `x-lockgate-model-version: N` is served by
-version N of its model (the router's version canaries set it), else by the newest ready one."""
+streaming; chat with tool calls) and /v1/embeddings. Routes only: the model manager loads,
+reloads and unloads the language models (`backend: llm` entries of the repository) like every
+other model, and these routes serve whichever are ready. Embeddings come from any classic model
+with a BYTES input and an FP32 output. A request with the header `x-lockgate-model-version: N`
+is served by version N of its model (the router's version canaries set it), else by the newest
+ready one."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from lockgate.frontend.completion_pipeline import (
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
 from lockgate.llm.service import LLMMetrics, LLMService
 from lockgate.protocol import openai as oa
+from lockgate.protocol import tool_calls
 
 if TYPE_CHECKING:
     from lockgate.frontend.otel import RequestTrace
@@ -138,10 +140,13 @@ class OpenAIRoutes:
         body = oa.decode(await request.body(), oa.ChatRequest)
         service = self._service(body.model, _version(request))
         _check_supported(body)
-        messages = [{"role": m.role, "content": oa.message_text(m)} for m in body.messages]
-        if not messages:
+        if not body.messages:
             raise BadRequest("messages must not be empty")
-        prompt_ids = await self.pipeline.tokenize_chat(service, messages)
+        tools = body.tool_use(self.limits)
+        takes_tools = service.tokenizer.takes_tools
+        messages = tool_calls.prompt_messages(body.messages, tools, takes_tools)
+        definitions = tools.definitions() if tools is not None and takes_tools else None
+        prompt_ids = await self.pipeline.tokenize_chat(service, messages, definitions)
         prepared = self.pipeline.prepare(
             request,
             service,
@@ -151,8 +156,9 @@ class OpenAIRoutes:
             default_max=None,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             namespace=CHAT.id_prefix,
+            tools=tools,
         )
-        await self._generate(request, prepared, body, CHAT)
+        await self._generate(request, prepared, body, CHAT, tools)
 
     async def _generate(
         self,
@@ -160,17 +166,20 @@ class OpenAIRoutes:
         prepared: PreparedCompletion,
         body: oa.CompletionRequest | oa.ChatRequest,
         kind: _Kind,
+        tools: oa.ToolUse | None = None,
     ) -> None:
+        """Run a prepared completion and answer it, whole or streamed; a chat's output is
+        split into content and calls when it was offered `tools`."""
         rid = oa.new_id(kind.id_prefix)
         service = prepared.service
         hit = await self.pipeline.cached(prepared)
         if hit is not None:
-            await self._replay(request, hit, rid, service, body, kind)
+            await self._replay(request, hit, rid, service, body, kind, tools)
             return
         outputs = self.pipeline.submit(request, prepared, rid)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            piece = kind.piece(service)
+            piece = kind.piece(service, tools)
             text, last = await self._stream(
                 request, outputs, rid, service, kind.chunk_object, include_usage, piece
             )
@@ -178,7 +187,8 @@ class OpenAIRoutes:
             candidates = await self.pipeline.collect_choices(request, outputs, prepared.best_of)
             chosen = self.pipeline.choose(prepared, candidates)
             usage = _usage([c.last for c in candidates])
-            await respond_json(request.send, 200, _answer(kind, service, rid, chosen, usage))
+            answer = _answer(kind, service, rid, chosen, usage, tools)
+            await respond_json(request.send, 200, answer)
             text, last = chosen[0].text, chosen[0].last
         self.pipeline.keep(prepared, text, last)
 
@@ -190,13 +200,17 @@ class OpenAIRoutes:
         service: LLMService,
         body: oa.CompletionRequest | oa.ChatRequest,
         kind: _Kind,
+        tools: oa.ToolUse | None = None,
     ) -> None:
         """Answer from the cache, streamed (one chunk with the whole text) or not."""
         usage = oa.usage(hit.prompt_tokens, hit.completion_tokens, hit.prompt_tokens)
         reason = _openai_reason(hit.finish_reason)
         marked = [(b"x-lockgate-cache", b"hit")]
         if not body.stream:
-            payload = kind.response(rid, service.name, hit.text, reason, None, usage)
+            if kind.legacy:
+                payload = kind.response(rid, service.name, hit.text, reason, None, usage)
+            else:
+                payload = _chat_answer(rid, service.name, hit.text, reason, None, usage, tools)
             await respond_json(request.send, 200, payload, marked)
             return
         send = request.send
@@ -205,6 +219,10 @@ class OpenAIRoutes:
             chunk = oa.completion_chunk(rid, service.name, hit.text, reason)
         else:
             delta = {"role": "assistant", "content": hit.text}
+            if tools is not None:
+                parsed = tool_calls.parse(hit.text, tools)
+                delta = {"role": "assistant", **_delta(parsed, 0)}
+                reason = _tool_reason(reason, len(parsed.calls))
             chunk = oa.chat_chunk(rid, service.name, delta, reason)
         await send_event(send, chunk)
         if body.stream_options and body.stream_options.include_usage:
@@ -219,7 +237,7 @@ class OpenAIRoutes:
         service: LLMService,
         obj: str,
         include_usage: bool,
-        piece: Callable[[str, str, RequestOutput, bool], dict[str, Any]],
+        piece: Piece,
     ) -> tuple[str, RequestOutput | None]:
         """Send the completion as server-sent events, each chunk of one choice; the text and
         last output of choice 0."""
@@ -232,8 +250,9 @@ class OpenAIRoutes:
                     index = stream.index(out)
                     if not lasts:
                         await send({"type": "http.response.start", "status": 200, "headers": SSE})
-                    chunk = piece(rid, service.name, out, index not in lasts)
-                    await send_event(send, _as_choice(chunk, index))
+                    chunk = piece(rid, service.name, out, index, index not in lasts)
+                    if chunk is not None:
+                        await send_event(send, _as_choice(chunk, index))
                     if index == 0:
                         texts.append(out.text)
                     lasts[index] = out
@@ -409,7 +428,12 @@ def _usage(lasts: Iterable[RequestOutput | None]) -> dict[str, Any]:
 
 
 def _answer(
-    kind: _Kind, service: LLMService, rid: str, chosen: list[Collected], usage: dict[str, Any]
+    kind: _Kind,
+    service: LLMService,
+    rid: str,
+    chosen: list[Collected],
+    usage: dict[str, Any],
+    tools: oa.ToolUse | None = None,
 ) -> dict[str, Any]:
     """The response of a completion answered whole: one choice per collected, in order."""
     payloads = []
@@ -420,9 +444,49 @@ def _answer(
                 service, collected.logprobs
             )
         reason = _openai_reason(collected.finish_reason)
-        payload = kind.response(rid, service.name, collected.text, reason, logprobs, usage)
+        text = collected.text
+        if kind.legacy:
+            payload = kind.response(rid, service.name, text, reason, logprobs, usage)
+        else:
+            payload = _chat_answer(rid, service.name, text, reason, logprobs, usage, tools)
         payloads.append(_as_choice(payload, index))
     return {**payloads[0], "choices": [p["choices"][0] for p in payloads]}
+
+
+def _chat_answer(
+    rid: str,
+    model: str,
+    text: str,
+    reason: str | None,
+    logprobs: Any,
+    usage: dict[str, Any],
+    tools: oa.ToolUse | None,
+) -> dict[str, Any]:
+    """A chat response; offered tools, the output split into content and calls (an output
+    with no valid call is all content)."""
+    if tools is None:
+        return oa.chat_response(rid, model, text, reason, logprobs, usage)
+    parsed = tool_calls.parse(text, tools)
+    if not parsed.calls:
+        return oa.chat_response(rid, model, parsed.content, reason, logprobs, usage)
+    reason = _tool_reason(reason, len(parsed.calls))
+    content = parsed.content or None
+    return oa.chat_response(rid, model, content, reason, logprobs, usage, parsed.calls)
+
+
+def _tool_reason(reason: str | None, calls: int) -> str | None:
+    """An output that made calls and stopped of itself finished with `tool_calls`."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _delta(parsed: tool_calls.Parsed, first_call: int) -> dict[str, Any]:
+    """A chunk's delta of a piece of output offered tools: its content, and its calls whole,
+    numbered from `first_call` (the calls of the choice's earlier chunks)."""
+    if not parsed.calls:
+        return {"content": parsed.content}
+    delta: dict[str, Any] = {"content": parsed.content} if parsed.content else {}
+    delta["tool_calls"] = [{"index": first_call + i, **call} for i, call in enumerate(parsed.calls)]
+    return delta
 
 
 def _as_choice(payload: dict[str, Any], index: int) -> dict[str, Any]:
@@ -473,10 +537,13 @@ def _chat_logprobs(service: LLMService, entries: list[Any]) -> dict[str, Any]:
     }
 
 
-def _completion_piece(
-    service: LLMService,
-) -> Callable[[str, str, RequestOutput, bool], dict[str, Any]]:
-    def piece(rid: str, model: str, out: RequestOutput, first: bool) -> dict[str, Any]:
+# the chunk of one output of a stream: (id, model, output, choice index, its first chunk);
+# None: nothing to send (text held back by the tool-call parser)
+Piece = Callable[[str, str, "RequestOutput", int, bool], dict[str, Any] | None]
+
+
+def _completion_piece(service: LLMService, tools: oa.ToolUse | None) -> Piece:
+    def piece(rid: str, model: str, out: RequestOutput, index: int, first: bool) -> dict[str, Any]:
         logprobs = _legacy_logprobs(service, out.logprobs) if out.logprobs else None
         reason = _openai_reason(out.finish_reason.value if out.finish_reason else None)
         return oa.completion_chunk(rid, model, out.text, reason, logprobs)
@@ -484,13 +551,32 @@ def _completion_piece(
     return piece
 
 
-def _chat_piece(service: LLMService) -> Callable[[str, str, RequestOutput, bool], dict[str, Any]]:
-    def piece(rid: str, model: str, out: RequestOutput, first: bool) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": out.text}
+def _chat_piece(service: LLMService, tools: oa.ToolUse | None) -> Piece:
+    """Each output's text as the delta's content; offered tools, split by one parser per
+    choice into content and calls, each call sent whole when it closes."""
+    parsers: dict[int, tool_calls.ToolCallParser] = {}
+
+    def piece(
+        rid: str, model: str, out: RequestOutput, index: int, first: bool
+    ) -> dict[str, Any] | None:
+        reason = _openai_reason(out.finish_reason.value if out.finish_reason else None)
+        if tools is None:
+            delta: dict[str, Any] = {"content": out.text}
+        else:
+            parser = parsers.get(index)
+            if parser is None:
+                parser = parsers[index] = tool_calls.ToolCallParser(tools)
+            made = parser.made
+            parsed = parser.feed(out.text)
+            if out.finish_reason is not None:
+                parsed.extend(parser.finish())
+            delta = _delta(parsed, made)
+            reason = _tool_reason(reason, parser.made)
+            if delta == {"content": ""} and not (first or reason or out.logprobs):
+                return None
         if first:
             delta["role"] = "assistant"
         logprobs = _chat_logprobs(service, out.logprobs) if out.logprobs else None
-        reason = _openai_reason(out.finish_reason.value if out.finish_reason else None)
         return oa.chat_chunk(rid, model, delta, reason, logprobs)
 
     return piece
@@ -503,7 +589,7 @@ class _Kind:
     id_prefix: str
     chunk_object: str
     legacy: bool  # logprobs in the completions format, else the chat format
-    piece: Callable[[LLMService], Callable[[str, str, RequestOutput, bool], dict[str, Any]]]
+    piece: Callable[[LLMService, oa.ToolUse | None], Piece]  # a stream's chunks
     response: Callable[..., dict[str, Any]]
 
 

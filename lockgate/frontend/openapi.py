@@ -76,6 +76,18 @@ _HAND_CHECKED: dict[tuple[str, str], dict[str, Any]] = {
         "additionalProperties": _SCALAR,
     },
     ("ChatRequest", "messages"): {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
+    ("ChatRequest", "tools"): {
+        "anyOf": [
+            {"type": "array", "items": _ref("ToolDefinition"), "minItems": 1},
+            {"type": "null"},
+        ],
+        "description": "at most --max-tools tools of at most --max-tool-chars characters in all",
+    },
+    ("FunctionDefinition", "name"): {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+    ("FunctionDefinition", "parameters"): {
+        "anyOf": [{"type": "object"}, {"type": "null"}],
+        "description": "the JSON schema of the arguments, an object; absent: no arguments",
+    },
     ("EmbeddingRequest", "input"): {
         "description": "a string or a list of strings (token ids are not supported), each of "
         "at most --max-embedding-chars characters, at most --max-embedding-inputs of them",
@@ -94,13 +106,11 @@ _HAND_CHECKED: dict[tuple[str, str], dict[str, Any]] = {
         ],
     },
 }
-for _request in ("CompletionRequest", "ChatRequest"):
-    for _field in oa.UNSUPPORTED:
-        if (_request, _field) == ("CompletionRequest", "best_of"):
-            continue  # the legacy completions API has it
-        _HAND_CHECKED[_request, _field] = {
+for _request in (oa.CompletionRequest, oa.ChatRequest):
+    for _field in _request.unsupported_fields:
+        _HAND_CHECKED[_request.__name__, _field] = {
             "type": "null",
-            "description": "not implemented by lockgate: refused (400) when given"
+            "description": "not implemented by lockgate on this route: refused (400) when given"
             + (" (best_of: completions only)" if _field == "best_of" else ""),
         }
 

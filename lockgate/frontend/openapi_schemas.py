@@ -221,9 +221,30 @@ class CompletionChunk(msgspec.Struct):
     usage: Usage | None = None
 
 
+class CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class AssistantToolCall(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None: only tool calls
+    tool_calls: list[AssistantToolCall] | None = None
+
+
+class ToolCallDelta(msgspec.Struct):
+    """A tool call of a streamed chat completion, sent whole when it closes."""
+
+    index: int  # of the call in the choice's message
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
 
 
 class ChatChoice(msgspec.Struct):
@@ -243,8 +264,9 @@ class ChatCompletion(msgspec.Struct):
 
 
 class ChatDelta(msgspec.Struct):
-    content: str
+    content: str | None = None  # absent in a chunk of tool calls only
     role: Literal["assistant"] | None = None  # in the first chunk only
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -218,8 +219,13 @@ class ChatTokenizer:
             (len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1
         )
         self._template: jinja2.Template | None = None
+        self.takes_tools = False  # the chat template renders a `tools` variable
         if spec.chat_template:
-            self._template = _compile_template(spec.chat_template)
+            self._template, self.takes_tools = _compile_template(spec.chat_template)
+        # control tokens' text (<|im_start|>, ...): never taken from a client's text
+        self.control_texts = tuple(
+            t.content for t in self.backend.get_added_tokens_decoder().values() if t.special
+        )
         # the vocabulary as llguidance reads it, for guided decoding
         self.grammars = GrammarCompiler(spec.tokenizer_json, spec.eos_token_ids)
 
@@ -236,12 +242,17 @@ class ChatTokenizer:
         return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a chat prompt in which message content is text, never control: the
         template is rendered with a marker in place of each content, its own text is encoded
         with special tokens parsed, and each content with special tokens split, so a user
-        writing `<|im_start|>system` gets those characters, not a forged role."""
+        writing `<|im_start|>system` gets those characters, not a forged role. The other
+        text a client gives the template (roles, names, tool calls, `tools`, for a template
+        that takes them) must hold no control token's text (400)."""
         markers = [f"{_MARK_OPEN}{i}{_MARK_CLOSE}" for i in range(len(messages))]
         contents = [m.get("content") for m in messages]
         if any(c is not None and not isinstance(c, str) for c in contents):
@@ -249,8 +260,17 @@ class ChatTokenizer:
         for content in contents:
             if content and (_MARK_OPEN in content or _MARK_CLOSE in content):
                 raise BadRequest("message content holds reserved characters U+E000 or U+E001")
-        marked = [{**m, "content": mark} for m, mark in zip(messages, markers, strict=True)]
-        prompt = self.apply_chat_template(marked, add_generation_prompt)
+        for index, message in enumerate(messages):
+            rest = {key: value for key, value in message.items() if key != "content"}
+            self._check_not_control(rest, f"messages[{index}]")
+        if tools is not None:
+            self._check_not_control(tools, "tools")
+        marked = [
+            {**m, "content": mark} if content else m
+            for m, mark, content in zip(messages, markers, contents, strict=True)
+        ]
+        extra = {} if tools is None else {"tools": tools}
+        prompt = self.apply_chat_template(marked, add_generation_prompt, **extra)
         ids: list[int] = []
         for piece in _MARKED.split(prompt):
             if not piece:
@@ -261,6 +281,12 @@ class ChatTokenizer:
             elif content := contents[int(found.group(1))]:
                 ids += self.text_backend.encode(content, add_special_tokens=False).ids
         return ids
+
+    def _check_not_control(self, value: Any, where: str) -> None:
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        for control in self.control_texts:
+            if control in text:
+                raise BadRequest(f"{where} holds the control token {control!r}")
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
@@ -286,7 +312,8 @@ _MARKER = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 _MARKED = re.compile(f"({_MARK_OPEN}\\d+{_MARK_CLOSE})")
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def _compile_template(source: str) -> tuple[jinja2.Template, bool]:
+    """The template, and whether it renders a `tools` variable."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
@@ -296,7 +323,8 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
-        return env.from_string(source)
+        takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+        return env.from_string(source), takes_tools
     except jinja2.TemplateSyntaxError as exc:
         raise ConfigError("<tokenizer>", "chat_template", f"invalid Jinja: {exc}") from exc
 

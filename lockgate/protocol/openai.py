@@ -6,10 +6,11 @@ Unknown request fields are ignored, as OpenAI does; fields of the wrong type are
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -40,6 +41,8 @@ class OpenAILimits:
     max_n: int = 16  # choices (n) and candidates (best_of) of one completion
     max_grammar_chars: int = 8192  # of a request's JSON schema, regex or grammar; 0: refused
     max_grammar_mask_ms: int = 20  # CPU ms of one token mask of a grammar; past it, it ends
+    max_tools: int = 128  # function tools of one chat request, as the OpenAI API allows
+    max_tool_chars: int = 16384  # of a request's tools, as JSON; 0: tools refused
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -75,6 +78,23 @@ class OpenAILimits:
                 f"limit of {most}"
             )
 
+    def check_tools(self, tools: list[ToolDefinition]) -> None:
+        """At most `max_tools` tools of at most `max_tool_chars` characters in all, as JSON
+        (their schemas are compiled before the request is admitted: their size bounds that
+        work, and the prompt they take)."""
+        if not self.max_tool_chars:
+            raise BadRequest("tools: tool calling is turned off on this server")
+        if len(tools) > self.max_tools:
+            raise BadRequest(
+                f"tools has {len(tools)} tools, more than the limit of {self.max_tools}"
+            )
+        chars = len(tools_json(tools))
+        if chars > self.max_tool_chars:
+            raise BadRequest(
+                f"tools has {chars} characters as JSON, more than the limit of "
+                f"{self.max_tool_chars}"
+            )
+
     def sequences(self, n: int, best_of: int | None, stream: bool) -> int:
         """The sequences a completion of `n` choices generates: `best_of` (at least n, not
         streamed), else n; both at most `max_n`."""
@@ -90,7 +110,14 @@ class OpenAILimits:
 
 
 _AT_LEAST_ONE = frozenset(
-    {"max_stop_chars", "tokenize_threads", "max_embedding_inputs", "max_embedding_chars", "max_n"}
+    {
+        "max_stop_chars",
+        "tokenize_threads",
+        "max_embedding_inputs",
+        "max_embedding_chars",
+        "max_n",
+        "max_tools",
+    }
 )
 
 
@@ -123,7 +150,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
-    # known to the OpenAI API, not implemented by lockgate: refused by name when given
+    # known to the OpenAI API, not implemented by lockgate (or not on this route): refused
+    # by name when given (`unsupported_fields`)
     best_of: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -131,15 +159,14 @@ class _Sampling(msgspec.Struct, kw_only=True):
     function_call: Any = None
     suffix: Any = None
     parallel_tool_calls: Any = None
+    unsupported_fields: ClassVar[tuple[str, ...]] = ()
 
     def unsupported(self) -> str | None:
-        """The first field given that lockgate does not implement, if any."""
-        for name in UNSUPPORTED:
+        """The first field given that lockgate does not implement on this route, if any."""
+        for name in self.unsupported_fields:
             value = getattr(self, name)
-            if value is None:
+            if value is None or (name == "best_of" and value == 1):
                 continue
-            if name == "best_of" and (value == 1 or isinstance(self, CompletionRequest)):
-                continue  # the legacy completions API has it
             return name
         return None
 
@@ -220,28 +247,144 @@ def _json_text(schema: dict[str, Any]) -> str:
     return msgspec.json.encode(schema).decode()
 
 
-UNSUPPORTED = (
-    "best_of",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "suffix",
-    "parallel_tool_calls",
-)
-
-
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: msgspec.Raw  # a string, token ids, or a list of one of those: see `prompt_of`
     best_of: int | None = None  # candidates generated; the n of highest cumulative logprob win
     logprobs: int | None = None
     echo: bool = False
+    unsupported_fields: ClassVar[tuple[str, ...]] = (
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "suffix",
+        "parallel_tool_calls",
+    )
+
+
+# -- tools -------------------------------------------------------------------------------------
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    """A function the model may call: its arguments are a JSON object matching `parameters`."""
+
+    name: str  # ^[a-zA-Z0-9_-]{1,64}$
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; None: no arguments
+    strict: bool | None = None  # true: schema keywords lockgate cannot enforce are refused
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """tool_choice {"type": "function", "function": {"name": ...}}: call that function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A call the model made, in an assistant message of the history."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """The tools a chat request offers the model, checked, and how it may call them."""
+
+    tools: tuple[FunctionDefinition, ...]
+    choice: Literal["auto", "required", "function"]  # function: the one named `function`
+    parallel: bool  # more than one call in an answer
+    function: str | None = None  # the function to call, with choice "function"
+
+    @property
+    def forced(self) -> bool:
+        """The answer is a tool call: its output is held to the calls' grammar."""
+        return self.choice != "auto"
+
+    @property
+    def callable(self) -> tuple[FunctionDefinition, ...]:
+        """The functions the answer may call: the one named, else all."""
+        if self.function is None:
+            return self.tools
+        return tuple(f for f in self.tools if f.name == self.function)
+
+    @property
+    def most_calls(self) -> int | None:
+        """The calls one answer may make (None: any number)."""
+        return None if self.parallel and self.function is None else 1
+
+    @property
+    def choice_text(self) -> str:
+        """tool_choice as the request gave it, for messages."""
+        return f"function {self.function!r}" if self.function else repr(self.choice)
+
+    def definitions(self) -> list[dict[str, Any]]:
+        """The tools as the OpenAI API gives them ({"type": "function", "function": ...}),
+        for a chat template or a system prompt."""
+        return [{"type": "function", "function": _function_dict(f)} for f in self.tools]
+
+
+def _function_dict(function: FunctionDefinition) -> dict[str, Any]:
+    found: dict[str, Any] = {"name": function.name}
+    if function.description is not None:
+        found["description"] = function.description
+    found["parameters"] = parameters_of(function)
+    return found
+
+
+def parameters_of(function: FunctionDefinition) -> dict[str, Any]:
+    """A function's parameters schema (no parameters: an empty object)."""
+    return NO_ARGUMENTS if function.parameters is None else function.parameters
+
+
+def tools_json(tools: list[ToolDefinition]) -> bytes:
+    return msgspec.json.encode(tools)
+
+
+def _check_tool(index: int, tool: ToolDefinition, seen: set[str]) -> None:
+    where = f"tools[{index}].function"
+    name = tool.function.name
+    if not TOOL_NAME.fullmatch(name):
+        raise BadRequest(
+            f"{where}.name {name[:80]!r} must be 1 to 64 letters, digits, underscores or dashes"
+        )
+    if name in seen:
+        raise BadRequest(f"{where}.name {name!r} is given twice: function names must be unique")
+    seen.add(name)
+    parameters = tool.function.parameters
+    if parameters is not None and parameters.get("type", "object") != "object":
+        raise BadRequest(
+            f"{where}.parameters must be the JSON schema of an object (the arguments), "
+            f"not of type {parameters.get('type')!r}"
+        )
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -249,6 +392,41 @@ class ChatRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true
+    unsupported_fields: ClassVar[tuple[str, ...]] = (
+        "best_of",
+        "functions",
+        "function_call",
+        "suffix",
+    )
+
+    def tool_use(self, limits: OpenAILimits) -> ToolUse | None:
+        """The tools the model is offered, checked (400 naming the problem), and how it may
+        call them; None when it calls none (no tools, or tool_choice "none")."""
+        choice = self.tool_choice
+        if not self.tools:
+            if self.tools is not None:
+                raise BadRequest("tools must not be an empty list: leave it out")
+            if choice not in (None, "none"):
+                raise BadRequest("tool_choice needs tools: give the functions it may call")
+            return None
+        limits.check_tools(self.tools)
+        seen: set[str] = set()
+        for index, tool in enumerate(self.tools):
+            _check_tool(index, tool, seen)
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.name
+            if name not in seen:
+                raise BadRequest(f"tool_choice names the function {name[:80]!r}, not in tools")
+        functions = tuple(tool.function for tool in self.tools)
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            return ToolUse(functions, "function", parallel, choice.function.name)
+        return ToolUse(functions, choice or "auto", parallel)
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
@@ -439,12 +617,15 @@ def completion_chunk(
 def chat_response(
     rid: str,
     model: str,
-    text: str,
+    text: str | None,
     finish_reason: str | None,
     logprobs: Any,
     usage_: dict[str, Any],
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**_envelope(rid, model, "chat.completion", [choice]), "usage": usage_}
 

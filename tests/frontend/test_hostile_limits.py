@@ -128,7 +128,7 @@ def test_more_than_four_stop_strings_are_a_400(client: openai.OpenAI) -> None:
     [
         {"best_of": 3},
         {"suffix": "!"},
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"functions": [{"name": "f"}]},
     ],
 )
 def test_fields_lockgate_does_not_implement_are_refused_by_name(
