@@ -75,9 +75,11 @@ class _Connection(asyncio.Protocol):
                 return
             head = bytes(self.buffer[:end]).lower()
             at = head.find(b"content-length:")
-            length = int(head[at + 15 : head.find(b"\r\n", at) if b"\r\n" in head[at:] else None])
             if at < 0:
-                length = 0
+                length = 0  # lockgate always sends one; a response without has no body here
+            else:
+                stop = head.find(b"\r\n", at)
+                length = int(head[at + 15 : stop if stop >= 0 else None])
             if len(self.buffer) < end + 4 + length:
                 return
             del self.buffer[: end + 4 + length]
