@@ -11,7 +11,8 @@ Shapes (T = tokens scheduled this step, S = sequences this step):
 - seq_lens: [S] int64, context length of each sequence after this step's tokens
 - block_tables: [S, max_blocks] int64, each sequence's block ids, padded with 0
 - logits_indices: [N] int64, indices into T whose hidden states need logits
-  (the last token of each sequence that finishes its prompt or decodes)
+  (the last token of each sequence that finishes its prompt or decodes, and each draft token
+  a decode verifies after it: speculative decoding runs those sequences with 1 + k queries)
 
 The KV cache of one layer is a pair of tensors [num_blocks, block_size, n_kv_heads, head_dim].
 

@@ -1,5 +1,9 @@
 """The step loop: schedule, run the model, append tokens, stop, free.
 
+With speculative decoding on, a decode step appends the drafts the target model sampled too and
+the token after them (`llm/speculative.py`), one at a time, so EOS, stop tokens, stop strings,
+max_tokens and max_model_len end a sequence where they would without speculation.
+
 `LLMEngine` is synchronous; `lockgate/llm/async_engine.py` steps it on its own thread and
 streams each request's tokens to asyncio consumers.
 """
@@ -22,8 +26,9 @@ from lockgate.llm.kv_cache import BlockManager
 from lockgate.llm.metrics import EngineStats, RequestObserver, RequestTimings, StepCounters
 from lockgate.llm.runner import CausalLM, ModelRunner, RunnerOutput
 from lockgate.llm.sampling import Sampler, SamplerOutput, TokenLogprobs
-from lockgate.llm.scheduler import Scheduler, SchedulerOutput
+from lockgate.llm.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from lockgate.llm.sequence import FinishReason, SamplingParams, Sequence
+from lockgate.llm.speculative import SpeculationStats, num_accepted
 
 
 class TextDecoder(Protocol):
@@ -87,6 +92,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(model, kv_caches, block_size, Sampler(seed))
         self.counters = StepCounters()
+        self.speculation = SpeculationStats()  # drafts verified and accepted
         self.observer: RequestObserver | None = None  # told of tokens and finishes
         self._decoders: dict[str, TextDecoder] = {}
         self._lock = threading.Lock()
@@ -168,6 +174,8 @@ class LLMEngine:
                 decode_step_time=self.scheduler.admission.decode.seconds(
                     len(self.scheduler.running)
                 ),
+                spec_draft_tokens=self.speculation.num_draft_tokens,
+                spec_accepted_tokens=self.speculation.num_accepted_tokens,
             )
 
     def check_invariants(self) -> None:
@@ -182,15 +190,35 @@ class LLMEngine:
         for seq in [*out.expired, *self.scheduler.take_shed()]:
             self._record_finished(seq, now)
             outputs.append(self._output(seq, [], "", None))
-        rows = [s.seq for s in out.scheduled if s.needs_logits]
-        for seq, token, lp in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
-            if not seq.is_finished:  # else aborted while the step ran
-                outputs.append(self._append_token(seq, token, lp, now))
+        rows = [s for s in out.scheduled if s.needs_logits]
+        parts = sampled.split([s.num_logits for s in rows])
+        for s, part in zip(rows, parts, strict=True):
+            if not s.seq.is_finished:  # else aborted while the step ran
+                outputs.append(self._append_sampled(s, part, now))
         return outputs
 
-    def _append_token(
-        self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float
+    def _append_sampled(
+        self, s: ScheduledSequence, sampled: SamplerOutput, now: float
     ) -> RequestOutput:
+        """Append the sampled token, or the accepted drafts and the token after them, up to
+        the first that finishes the sequence."""
+        seq, drafts = s.seq, s.draft_token_ids
+        accepted = num_accepted(drafts, sampled.token_ids)
+        tokens: list[int] = []
+        for token in sampled.token_ids[: accepted + 1]:
+            tokens.append(token)
+            self._append_token(seq, token, now)
+            if seq.is_finished:
+                break
+        if drafts:
+            self.speculation.record(len(drafts), accepted)
+            if not seq.is_finished:
+                self.scheduler.accept_drafts(seq, accepted)
+        self.counters.generation_tokens += len(tokens)
+        lps = [lp for lp in sampled.logprobs[: len(tokens)] if lp is not None]
+        return self._output(seq, tokens, self._emit_text(seq), lps or None)
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.append_token(token)
         seq.timings.record_token(now)
         if seq.timings.num_generation_tokens == 1:
@@ -208,7 +236,6 @@ class LLMEngine:
                 seq.output_text += decoder.flush()
             self.scheduler.finish(seq, reason)
             self._record_finished(seq, now)
-        return self._output(seq, [token], self._emit_text(seq), None if lp is None else [lp])
 
     def _cut_at_stop_string(self, seq: Sequence, old_len: int) -> bool:
         """If a stop string appears in the text added since `old_len`, cut the output text
@@ -270,16 +297,14 @@ class LLMEngine:
             max(0, min(s.start + s.num_tokens, s.seq.num_prompt_tokens) - s.start)
             for s in out.scheduled
         )
-        decodes = out.num_decodes
         with self._lock:
             admission = self.scheduler.admission
-            admission.observe(out.num_batched_tokens - decodes, decodes, busy, time.monotonic())
+            admission.observe(out.num_prefill_tokens, out.num_decodes, busy, time.monotonic())
             c = self.counters
             c.num_steps += 1
             c.step_time += total
             c.prompt_tokens += prompt
             if result is not None:
-                c.generation_tokens += len(result.sampled.token_ids)
                 c.forward_time += result.forward_time
                 c.prepare_time += result.prepare_time
                 c.sample_time += result.sample_time

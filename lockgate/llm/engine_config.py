@@ -8,6 +8,7 @@ from lockgate.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, of the linear projections
+SPECULATIVE_METHODS = ("none", "ngram")  # ngram: prompt lookup (`llm/speculative.py`)
 _SOURCE = "EngineConfig"
 
 
@@ -18,6 +19,11 @@ class EngineConfig:
     The KV cache size is given either as a block count (`kv_cache_blocks`) or as memory
     (`kv_cache_gib`, turned into blocks by `num_kv_blocks` once the model's bytes per block
     are known).
+
+    Speculative decoding (`speculative: ngram`, off by default) drafts up to
+    `num_speculative_tokens` tokens per decoding sequence and step by looking up its last
+    `prompt_lookup_max` down to `prompt_lookup_min` tokens earlier in its prompt and output,
+    and verifies them in the same forward pass as its last token.
     """
 
     max_model_len: int = 2048  # prompt + output tokens of one sequence
@@ -36,6 +42,10 @@ class EngineConfig:
     quantization: str = "auto"  # auto: keep a GGUF's Q4_0/Q4_1 (int4) and Q8_0 (int8)
     ttft_slo_ms: float | None = None  # refuse what would wait longer for its first token
     admission_slack: float = 0.8  # admit when the predicted TTFT is within this share
+    speculative: str = "none"  # none, or ngram: draft tokens by prompt lookup
+    num_speculative_tokens: int = 4  # drafts verified per sequence and step, at most
+    prompt_lookup_min: int = 2  # shortest suffix of a sequence looked up in it, in tokens
+    prompt_lookup_max: int = 4  # longest
 
     def __post_init__(self) -> None:
         for fld, ok, problem in self._checks():
@@ -67,6 +77,12 @@ class EngineConfig:
             ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1"),
             ("ttft_slo_ms", self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "must be > 0"),
             ("admission_slack", 0 < self.admission_slack <= 10, "must be in (0, 10]"),
+            ("speculative", self.speculative in SPECULATIVE_METHODS,
+             f"{self.speculative!r} is not one of {', '.join(SPECULATIVE_METHODS)}"),
+            ("num_speculative_tokens", self.num_speculative_tokens >= 1, "must be >= 1"),
+            ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
+            ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min,
+             "must be >= prompt_lookup_min"),
         ]  # fmt: skip
 
     @property

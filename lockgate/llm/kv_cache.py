@@ -102,25 +102,30 @@ class BlockManager:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += seq.num_cached_tokens
 
-    # append: room for the sequence's newest token (decode)
+    # append: room for the sequence's newest token (decode), and `lookahead` positions after
+    # it (draft tokens of speculative decoding)
 
-    def can_append(self, seq: Sequence) -> bool:
-        missing = self.blocks_needed(seq.num_tokens) - len(seq.block_table)
+    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        missing = self.blocks_needed(seq.num_tokens + lookahead) - len(seq.block_table)
         return missing <= len(self.free_blocks)
 
-    def may_append(self, seq: Sequence) -> None:
-        while len(seq.block_table) < self.blocks_needed(seq.num_tokens):
+    def may_append(self, seq: Sequence, lookahead: int = 0) -> None:
+        while len(seq.block_table) < self.blocks_needed(seq.num_tokens + lookahead):
             seq.block_table.append(self._take_free_block())
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the blocks that hold the sequence's first `num_tokens` positions and free the
+        rest, tail first (they held rejected draft tokens: never published, handed out first)."""
+        keep = self.blocks_needed(num_tokens)
+        if keep < seq.num_hashed_blocks:
+            raise InvariantError(f"sequence {seq.seq_id}: trimming published blocks")
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; the tail is freed first so it is evicted first."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-                if block.hash is None:  # nothing worth keeping: hand it out first
-                    self.free_blocks.move_to_end(block_id, last=False)
+            self._release(block_id)
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
@@ -171,6 +176,14 @@ class BlockManager:
         if hits and len(hits) * bs >= seq.num_tokens:
             hits.pop()  # the last token must be computed to produce logits
         return hits
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+            if block.hash is None:  # nothing worth keeping: hand it out first
+                self.free_blocks.move_to_end(block_id, last=False)
 
     def _reference(self, block_id: int) -> None:
         block = self.blocks[block_id]

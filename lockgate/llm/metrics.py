@@ -90,6 +90,8 @@ class EngineStats:
     sample_time: float  # of which seconds sampling
     prefill_rate: float  # admission's estimate: prompt tokens per second of prefill time
     decode_step_time: float  # admission's estimate: seconds of a step decoding the running
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    spec_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -13,8 +13,10 @@ from typing import Protocol
 import torch
 
 from lockgate.llm.attention import AttentionMetadata, KVCache
+from lockgate.llm.guided import GrammarMatcher
 from lockgate.llm.sampling import Sampler, SamplerOutput, SamplingBatch
-from lockgate.llm.scheduler import SchedulerOutput
+from lockgate.llm.scheduler import ScheduledSequence, SchedulerOutput
+from lockgate.llm.sequence import SamplingParams
 
 
 class CausalLM(Protocol):
@@ -38,7 +40,8 @@ class ModelInput:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    sampled: SamplerOutput  # one row per scheduled sequence with needs_logits, in order
+    sampled: SamplerOutput  # per scheduled sequence with needs_logits, in order: num_logits
+    # rows (its last token's, then one per draft token)
     prepare_time: float
     forward_time: float  # model forward + logits
     sample_time: float
@@ -65,14 +68,13 @@ class ModelRunner:
         tables: list[list[int]] = []
         for s in out.scheduled:
             start, end, table = s.start, s.start + s.num_tokens, s.seq.block_table
-            input_ids += s.seq.token_ids[start:end]
+            input_ids += s.input_token_ids
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_start.append(query_start[-1] + s.num_tokens)
             seq_lens.append(end)
             tables.append(table)
-            if s.needs_logits:
-                logits_indices.append(query_start[-1] - 1)
+            logits_indices += range(query_start[-1] - s.num_logits, query_start[-1])
         width = max(len(t) for t in tables)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
@@ -100,7 +102,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         inp = self.prepare(out)
         t1 = time.perf_counter()
-        rows = [s.seq for s in out.scheduled if s.needs_logits]
+        rows = [s for s in out.scheduled if s.needs_logits]
         hidden = self.model.forward(
             inp.input_ids, inp.positions, inp.meta, self.kv_caches
         )  # [T, H]
@@ -108,12 +110,24 @@ class ModelRunner:
             return RunnerOutput(SamplerOutput([], []), t1 - t0, time.perf_counter() - t1, 0.0)
         logits = self.model.compute_logits(hidden[inp.meta.logits_indices])  # [N, V] fp32
         t2 = time.perf_counter()
-        batch = SamplingBatch.build(
-            [seq.params for seq in rows],
-            [seq.output_token_ids if seq.params.has_penalties else [] for seq in rows],
-            [seq.num_output_tokens for seq in rows],
-            vocab_size=logits.shape[1],
-            matchers=[seq.matcher for seq in rows],
-        )
-        sampled = self.sampler(logits, batch)
+        sampled = self.sampler(logits, sampling_batch(rows, vocab_size=logits.shape[1]))
         return RunnerOutput(sampled, t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+
+def sampling_batch(rows: list[ScheduledSequence], vocab_size: int) -> SamplingBatch:
+    """One sampling row per logits row. A draft's row samples the token after it as if the
+    drafts up to it had been generated: its penalties count them and its seed is that
+    token's. Sequences under a grammar have no drafts (the scheduler gives them none)."""
+    params: list[SamplingParams] = []
+    outputs: list[list[int]] = []
+    counts: list[int] = []
+    matchers: list[GrammarMatcher | None] = []
+    for s in rows:
+        seq = s.seq
+        for i in range(s.num_logits):
+            params.append(seq.params)
+            drafts = s.draft_token_ids[:i]
+            outputs.append(seq.output_token_ids + drafts if seq.params.has_penalties else [])
+            counts.append(seq.num_output_tokens + i)
+            matchers.append(seq.matcher)
+    return SamplingBatch.build(params, outputs, counts, vocab_size, matchers)

@@ -24,6 +24,7 @@ from (after penalties, temperature and filters; filtered tokens have -inf).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,16 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: list[int]  # [N]
     logprobs: list[TokenLogprobs | None]  # [N]; None where the request asked for none
+
+    def split(self, sizes: list[int]) -> list[SamplerOutput]:
+        """Consecutive runs of `sizes` rows, which must add up to N."""
+        if sum(sizes) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} sampled rows split into {sum(sizes)}")
+        bounds = list(itertools.accumulate(sizes, initial=0))
+        return [
+            SamplerOutput(self.token_ids[a:b], self.logprobs[a:b])
+            for a, b in itertools.pairwise(bounds)
+        ]
 
 
 @dataclass(slots=True)

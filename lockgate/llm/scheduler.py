@@ -7,6 +7,11 @@ Long prompts are cut into chunks that fit the remaining budget (chunked prefill)
 blocks run out, the newest running sequence is preempted: its blocks are freed and it is
 recomputed later from the front of the queue.
 
+With speculative decoding on (`speculative: ngram`), the budget left after the decodes gives
+decoding sequences draft tokens (`llm/speculative.py`) to verify after their last token, as far
+as free KV blocks allow without preempting anyone; prompts get what remains. After the step,
+the accepted drafts count as computed and the blocks that held only rejected ones are freed.
+
 Admission (`llm/admission.py`) refuses a new sequence at once when its predicted time to first
 token misses its budget (the scheduler tells it what the sequence would wait behind: prompt
 tokens ahead, and the steps each running or waiting sequence ahead holds its slot); a full
@@ -26,6 +31,7 @@ from lockgate.llm.admission import LoadAhead, QueuedPrefill, StepInFlight, TTFTA
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.kv_cache import BlockManager
 from lockgate.llm.sequence import FinishReason, Sequence, SequenceStatus
+from lockgate.llm.speculative import NgramProposer
 
 
 class QueueFull(TooManyRequests):
@@ -36,8 +42,28 @@ class QueueFull(TooManyRequests):
 class ScheduledSequence:
     seq: Sequence
     start: int  # position of the first token computed this step
-    num_tokens: int  # tokens computed this step
+    num_tokens: int  # tokens computed this step, drafts included
     needs_logits: bool  # this step reaches the sequence's last token: sample the next one
+    draft_token_ids: list[int] = field(default_factory=list)  # verified after the last token
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """The tokens this step computes: the sequence's, then the drafts."""
+        end = self.start + self.num_tokens - len(self.draft_token_ids)
+        return self.seq.token_ids[self.start : end] + self.draft_token_ids
+
+    @property
+    def num_logits(self) -> int:
+        """Positions to sample at: the last token's, then one per draft."""
+        return 1 + len(self.draft_token_ids) if self.needs_logits else 0
+
+    @property
+    def is_decode(self) -> bool:
+        """Computes one output token (and its drafts) to sample its successor."""
+        return (
+            self.num_tokens - len(self.draft_token_ids) == 1
+            and self.start >= self.seq.num_prompt_tokens
+        )
 
 
 @dataclass(slots=True)
@@ -54,13 +80,14 @@ class SchedulerOutput:
     @property
     def num_decodes(self) -> int:
         """Sequences that compute one output token's successor (the rest is prefill)."""
-        return sum(
-            1 for s in self.scheduled if s.num_tokens == 1 and s.start >= s.seq.num_prompt_tokens
-        )
+        return sum(1 for s in self.scheduled if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if not s.is_decode)
 
     def in_flight(self) -> StepInFlight:
-        decodes = self.num_decodes
-        return StepInFlight(self.num_batched_tokens - decodes, decodes, self.started)
+        return StepInFlight(self.num_prefill_tokens, self.num_decodes, self.started)
 
 
 @dataclass(slots=True)
@@ -85,6 +112,13 @@ class Scheduler:
         )
         self.shed: list[Sequence] = []  # shed since the last step, to be answered 503
         self.in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
+        self.proposer = (
+            NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+            if config.speculative == "ngram"
+            else None
+        )
 
     @property
     def has_unfinished(self) -> bool:
@@ -196,6 +230,8 @@ class Scheduler:
         may_admit = self.config.continuous_batching or not self.running
         budget = _Budget(self.config.max_num_batched_tokens, now)
         self._schedule_decodes(budget, out)
+        if self.proposer is not None:
+            self._schedule_drafts(self.proposer, budget, out)
         self._schedule_partial_prefills(budget, out)
         if may_admit:
             self._admit(budget, out)
@@ -203,12 +239,20 @@ class Scheduler:
         return out
 
     def update(self, out: SchedulerOutput) -> None:
-        """After the step ran: advance progress and publish newly full blocks."""
+        """After the step ran: advance progress and publish newly full blocks (drafts count
+        once verified: `accept_drafts`)."""
         self.in_flight = None
         for s in out.scheduled:
             if not s.seq.is_finished:  # not aborted while the step ran
-                s.seq.num_computed_tokens += s.num_tokens
+                s.seq.num_computed_tokens += s.num_tokens - len(s.draft_token_ids)
                 self.block_manager.cache_blocks(s.seq)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After the engine appended a sequence's accepted drafts and the token after them:
+        the drafts' K/V are computed; the blocks past them held rejected drafts only."""
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.trim(seq, seq.num_computed_tokens)
+        self.block_manager.cache_blocks(seq)
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         for seq in [*self.running, *self.waiting]:
@@ -225,6 +269,31 @@ class Scheduler:
             if self._make_room(seq, out):
                 self.block_manager.may_append(seq)
                 self._schedule(seq, 1, budget, out)
+
+    def _schedule_drafts(
+        self, proposer: NgramProposer, budget: _Budget, out: SchedulerOutput
+    ) -> None:
+        """Drafts for the decodes scheduled so far, within the budget and the free blocks."""
+        for s in out.scheduled:
+            if budget.tokens == 0:
+                return
+            drafts = proposer.propose(s.seq.token_ids, self._max_drafts(s.seq, budget.tokens))
+            if drafts and self.block_manager.can_append(s.seq, len(drafts)):
+                self.block_manager.may_append(s.seq, len(drafts))
+                s.draft_token_ids = drafts
+                s.num_tokens += len(drafts)
+                budget.tokens -= len(drafts)
+
+    def _max_drafts(self, seq: Sequence, budget_tokens: int) -> int:
+        """Drafts that fit the budget, max_tokens and max_model_len with the token after them;
+        none under a grammar (its matcher follows accepted tokens only)."""
+        if seq.matcher is not None:
+            return 0
+        return min(
+            budget_tokens,
+            seq.params.max_tokens - seq.num_output_tokens - 1,
+            self.config.max_model_len - seq.num_tokens - 1,
+        )
 
     def _schedule_partial_prefills(self, budget: _Budget, out: SchedulerOutput) -> None:
         for seq in self.running:

@@ -200,6 +200,16 @@ _COUNTERS: tuple[tuple[str, str, Read], ...] = (
     ),
     ("lockgate_llm_prompt_tokens_total", "Prompt tokens computed.", lambda s: s.prompt_tokens),
     ("lockgate_llm_generation_tokens_total", "Tokens generated.", lambda s: s.generation_tokens),
+    (
+        "lockgate_llm_spec_decode_num_draft_tokens_total",
+        "Draft tokens verified by speculative decoding.",
+        lambda s: s.spec_draft_tokens,
+    ),
+    (
+        "lockgate_llm_spec_decode_num_accepted_tokens_total",
+        "Draft tokens accepted by speculative decoding.",
+        lambda s: s.spec_accepted_tokens,
+    ),
 )
 
 

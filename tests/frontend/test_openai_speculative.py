@@ -1,0 +1,100 @@
+"""Speculative decoding set in a model's `parameters`, through a real server and the `openai`
+client: greedy answers equal those of the same model served without it."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionChunk
+
+from tests.conftest import RunningServer, smollm2_repository, start_server
+
+MODEL = "SmolLM2-135M-Instruct"
+PARAGRAPH = (
+    "The old lighthouse stood at the edge of the cliff for more than two hundred years. Every "
+    "night its keeper climbed the narrow stairs, trimmed the wick and polished the great lens, "
+    "so that ships passing in the dark would know where the rocks were."
+)
+MESSAGES = [{"role": "user", "content": "Repeat this text exactly: " + PARAGRAPH}]
+
+
+@pytest.fixture(scope="module")
+def speculative_server(
+    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """SmolLM2 as `llm_server` serves it, plus `speculative: ngram` with 5 drafts a step."""
+    repo = tmp_path_factory.mktemp("llm-speculative-repo")
+    parameters = {
+        "kv_cache_gib": "0.05",
+        "max_model_len": "512",
+        "max_waiting": "256",
+        "dtype": "float32",
+        "speculative": "ngram",
+        "num_speculative_tokens": "5",
+    }
+    smollm2_repository(demo_repo, repo, parameters)
+    server = start_server(repo, tmp_path_factory.mktemp("llm-speculative"), ready_timeout=600)
+    yield server
+    assert server.stop() == 0, server.log()[-2000:]
+
+
+def client_of(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def counter(server: RunningServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    match = re.search(rf'^{name}{{model_name="{MODEL}"}} (\S+)$', text, re.MULTILINE)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_greedy_chat_equals_the_model_without_speculation(
+    speculative_server: RunningServer, llm_server: RunningServer
+) -> None:
+    drafts = "lockgate_llm_spec_decode_num_draft_tokens_total"
+    accepted = "lockgate_llm_spec_decode_num_accepted_tokens_total"
+    before = counter(speculative_server, drafts), counter(speculative_server, accepted)
+    answers = [
+        client_of(server).chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=80,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        for server in (llm_server, speculative_server)
+    ]
+    plain, spec = (a.choices[0] for a in answers)
+    assert spec.message.content == plain.message.content
+    assert spec.message.content and PARAGRAPH[:60] in spec.message.content
+    assert spec.finish_reason == plain.finish_reason == "stop"
+    assert answers[1].usage == answers[0].usage
+    assert plain.logprobs is not None and plain.logprobs.content is not None
+    assert spec.logprobs is not None and spec.logprobs.content is not None
+    for a, b in zip(plain.logprobs.content, spec.logprobs.content, strict=True):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-3)
+    # most of the copy came from accepted drafts; the server without speculation drafts nothing
+    new_drafts = counter(speculative_server, drafts) - before[0]
+    new_accepted = counter(speculative_server, accepted) - before[1]
+    assert answers[1].usage is not None
+    assert answers[1].usage.completion_tokens / 2 < new_accepted <= new_drafts
+    assert counter(llm_server, drafts) == 0
+    streamed = client_of(speculative_server).chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=30,
+        temperature=0,
+        stop=["narrow"],
+        stream=True,
+    )
+    assert isinstance(streamed, openai.Stream)
+    chunks: list[ChatCompletionChunk] = list(streamed)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.endswith("climbed the ") and "narrow" not in text
