@@ -89,6 +89,21 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "read again for this long (0: never)",
     )
     p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also answer /v2/health/live, /health and /v2/health/ready on this port, from a "
+        "thread of its own, so probes are answered at once however busy the server is "
+        "(0: any free port; default: off)",
+    )
+    p.add_argument(
+        "--health-stale-s",
+        type=float,
+        default=10.0,
+        help="on --health-port, liveness answers 503 once the event loop has made no "
+        "progress for this long",
+    )
+    p.add_argument(
         "--head-timeout",
         type=float,
         default=10.0,
@@ -383,6 +398,16 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"lockgate: no model repository at {repository}", file=sys.stderr)
         return 2
     count = _replica_count(args, Path(repository))
+    if count > 1 and args.health_port is not None:
+        print(
+            "lockgate: --health-port serves one process; with --replicas, probe the port "
+            "the replicas share",
+            file=sys.stderr,
+        )
+        return 2
+    if args.health_stale_s <= 0:
+        print("lockgate: --health-stale-s must be > 0", file=sys.stderr)
+        return 2
     if count > 1 and _balance(args) == "kernel":
         return _serve_shared_port(args, Path(repository), count)
     if count > 1:
@@ -447,6 +472,8 @@ def _serve(args: argparse.Namespace) -> int:
         grpc_max_stream_inflight=args.grpc_max_stream_inflight,
         reuse_port=args.reuse_port,
         private_port=args.private_port,
+        health_port=args.health_port,
+        health_stale_s=args.health_stale_s,
     )
     return run(options)
 

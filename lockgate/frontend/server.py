@@ -53,6 +53,7 @@ from lockgate.core.metrics import Counter, Registry
 from lockgate.frontend.access_log import request_id
 from lockgate.frontend.app import App, ServerSettings
 from lockgate.frontend.gate import Gate, GateSettings
+from lockgate.frontend.health_port import HealthPort, HealthState
 from lockgate.protocol.v2_codec import encode_error
 
 log = logging.getLogger("lockgate.server")
@@ -84,6 +85,8 @@ class ServeOptions:
     # spreads new connections over those listening; this one listens once started
     reuse_port: bool = False
     private_port: int | None = None  # also serve HTTP here, on `host`, for this process alone
+    health_port: int | None = None  # probes answered from a thread of their own (health_port.py)
+    health_stale_s: float = 10.0  # the loop silent this long: liveness on health_port says 503
 
 
 class HeadTooLarge(httptools.HttpParserCallbackError):
@@ -446,10 +449,13 @@ def _protocol_class(
 class _Sentinel:
     """Fires every `interval` on the loop and feeds the gate's lag."""
 
-    def __init__(self, gate: Gate, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, gate: Gate, loop: asyncio.AbstractEventLoop, beat: Callable[[float], None]
+    ) -> None:
         self.lag = gate.lag
         self.cost = gate.loop_cost
         self.loop = loop
+        self.beat = beat  # told of each firing (the health port's heartbeat)
         self.handle: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
@@ -458,6 +464,7 @@ class _Sentinel:
     def _fire(self) -> None:
         now = time.monotonic()
         self.cost.sample(now, time.thread_time())  # on the loop's thread: the loop's CPU
+        self.beat(now)
         delay = self.lag.fired(now)
         self.handle = self.loop.call_later(delay, self._fire)
 
@@ -615,7 +622,19 @@ async def serve(options: ServeOptions) -> int:
     except OSError as exc:
         log.error("cannot listen: %s", exc)
         return 1
-    sentinel = _Sentinel(gate, asyncio.get_running_loop())
+    health = HealthState(stale_s=options.health_stale_s)
+    health_port = None
+    if options.health_port is not None:
+        try:
+            health_port = HealthPort(options.host, options.health_port, health)
+        except OSError as exc:
+            log.error("cannot listen on the health port: %s", exc)
+            return 1
+        health_port.start()
+        log.info("health probes on http://%s:%d", options.host, health_port.port)
+    sentinel = _Sentinel(
+        gate, asyncio.get_running_loop(), lambda now: health.refresh(now, app.not_ready)
+    )
     sentinel.start()
     app.front_delay = gate.queue.observe
     app.answered = gate.loop_cost.answer
@@ -644,6 +663,8 @@ async def serve(options: ServeOptions) -> int:
     log.info("lockgate listening on http://%s:%d", options.host, options.port)
     await server.serve(sockets)
     sentinel.stop()
+    if health_port is not None:
+        health_port.stop()
     loader.cancel()
     if shared is not None:
         shared.close()  # when never listened on
