@@ -236,10 +236,14 @@ def test_deployments_probe_the_health_routes_and_outlast_the_drain(directory: st
     objects = render(directory)
     deployments = of_kind(objects, "Deployment")
     assert {d["metadata"]["name"] for d in deployments} == {"lockgate", "lockgate-router"}
+    server = next(d for d in deployments if d["metadata"]["name"] == "lockgate")
+    assert flag(containers(server)[0]["args"], "--health-port") is not None  # probes apart
     for deployment in deployments:
         name = deployment["metadata"]["name"]
         (container,) = containers(deployment)
-        http = port_number(container, "http")
+        # probes go to --health-port when the server has one (its own thread), else to http
+        health = flag(container["args"], "--health-port")
+        probed = int(health) if health is not None else port_number(container, "http")
         expected = {
             "startupProbe": "/v2/health/live",
             "readinessProbe": "/v2/health/ready",
@@ -249,7 +253,7 @@ def test_deployments_probe_the_health_routes_and_outlast_the_drain(directory: st
             probe = container.get(probe_name)
             assert probe is not None, f"{name}: no {probe_name}"
             assert probe["httpGet"]["path"] == path, f"{name}: {probe_name}"
-            assert port_number(container, probe["httpGet"]["port"]) == http, f"{name}"
+            assert port_number(container, probe["httpGet"]["port"]) == probed, f"{name}"
         liveness = container["livenessProbe"]
         assert liveness.get("timeoutSeconds", 1) >= 1
         assert liveness.get("failureThreshold", 3) == 3
@@ -561,7 +565,7 @@ def test_dockerfile_runs_lockgate_as_a_non_root_user() -> None:
     users = [rest for op, rest in final if op == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert users[-1].split(":")[0].isdigit()  # numeric, for runAsNonRoot
-    assert ("EXPOSE", "8000 8001") in final
+    assert ("EXPOSE", "8000 8001 8002") in final  # HTTP, gRPC, health probes
     assert ("ENTRYPOINT", '["lockgate"]') in final
     assert ("CMD", '["serve", "/models", "--host", "0.0.0.0"]') in final
     copies = [rest for op, rest in instructions if op == "COPY"]
