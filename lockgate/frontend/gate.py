@@ -57,6 +57,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+REFUSAL_SHARE = 0.1  # a refusal's loop CPU against an answer's (refusal_cost: 36 / 421 µs)
 PAUSE_SHARE = 0.25  # of a refused request's budget: the most a refusal pause takes of it
 OVERDUE_FACTOR = 4.0  # an overdue sentinel counts as this much less lag than it shows
 EXEMPT_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health", "/metrics"})
@@ -148,9 +149,11 @@ class LoopCost:
 
     Requests let through on arrival wait for the loop's work already taken on: their
     handlers run after those of the requests in progress. Admission on arrival multiplies
-    this cost by the requests in progress to predict that wait. The CPU of refusals is
-    counted in it too, so under a storm of refusals the cost is high: the prediction errs
-    toward refusing."""
+    this cost by the requests in progress to predict that wait. The loop's CPU also pays for
+    refusals, so each refusal counts as `REFUSAL_SHARE` of an answer (what a refusal costs
+    against a served request, measured by the refusal_cost benchmark): counted as nothing,
+    a storm of refusals would make every answer look costly, refuse more, and feed on
+    itself."""
 
     window: float = 0.1
     least: int = 8
@@ -158,10 +161,13 @@ class LoopCost:
     per_request: float = 0.0  # seconds; 0 until a window has been measured
     started: float | None = None  # when the current window began
     cpu_at_start: float = 0.0
-    answered: int = 0
+    answered: float = 0.0  # answers, and refusals at REFUSAL_SHARE each
 
     def answer(self) -> None:
         self.answered += 1
+
+    def refuse(self) -> None:
+        self.answered += REFUSAL_SHARE
 
     def sample(self, now: float, cpu: float) -> None:
         if self.started is not None and now - self.started < self.window:
@@ -175,7 +181,7 @@ class LoopCost:
             or self.answered >= self.least
             or now - self.started > 10 * self.window
         ):
-            self.started, self.cpu_at_start, self.answered = now, cpu, 0
+            self.started, self.cpu_at_start, self.answered = now, cpu, 0.0
 
     def wait(self, in_progress: int) -> float:
         """Seconds of loop work ahead of a request let through now."""
@@ -258,6 +264,7 @@ class Gate:
         known: the pause is at most `PAUSE_SHARE` of it, so a request that waited the
         pause out keeps the rest of its budget to be admitted."""
         self.refusing.add(now)
+        self.loop_cost.refuse()
         s = self.settings
         if s.penalty_pause <= 0:
             return 0.0

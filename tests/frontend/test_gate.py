@@ -148,3 +148,16 @@ def test_loop_cost_is_the_loop_cpu_per_answered_request() -> None:
     cost.sample(0.3, 10.012)  # 8 ms for 10: 0.8 ms, half weight
     assert cost.per_request == pytest.approx(0.0006)
     assert cost.wait(5) == pytest.approx(0.003)
+
+
+def test_refusals_count_in_the_loop_cost_at_their_share() -> None:
+    """A storm of refusals does not make each answer look as costly as all the loop's CPU."""
+    gate = Gate(GateSettings(penalty_pause=0.0))
+    cost = gate.loop_cost
+    cost.sample(0.0, 0.0)
+    for _ in range(10):
+        cost.answer()
+    for _ in range(400):
+        gate.refused(0.05)
+    cost.sample(0.1, 0.05)  # 50 ms of loop CPU: 10 answers and 400 refusals (40 answers' worth)
+    assert cost.per_request == pytest.approx(0.001)
