@@ -127,6 +127,9 @@ class ModelManager:
         # share the cores while timed, and start with a profile several times too slow,
         # which refuses their first requests
         self._profiling = threading.Lock()
+        # versions loading or warming up now: their threads hold the GIL in Python code for
+        # seconds, which lags the event loop without any request being the cause
+        self.loading = 0
 
     # -- lookup ------------------------------------------------------------------------
     def get(self, name: str, version: int | None = None) -> ServedVersion:
@@ -237,6 +240,7 @@ class ModelManager:
         model.versions[version] = served
         labels = (model.name, str(version))
         self.metrics.model_ready.set(labels, 0)
+        self.loading += 1
         try:
             await self._start(served)
         except Exception as exc:
@@ -244,6 +248,8 @@ class ModelManager:
             served.error = f"{type(exc).__name__}: {exc}"
             log.error("model %s version %d failed to load: %s", model.name, version, served.error)
             return
+        finally:
+            self.loading -= 1
         served.state = ModelState.READY
         self.metrics.model_ready.set(labels, 1)
         log.info(

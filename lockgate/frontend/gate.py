@@ -15,7 +15,10 @@ These decisions are made per connection or request head, each before any body is
   long iteration that has not let it fire: requests read late in that iteration have waited).
   The lag and the queue below refuse only while other requests are in progress: with none,
   the lag comes from elsewhere (another process on the core, a model run inline), and
-  refusing the one request there frees nothing.
+  refusing the one request there frees nothing. Nor do they refuse while a model loads or
+  warms up: its threads hold the interpreter for seconds, the loop lags for that, and a
+  reload must not refuse the requests it is meant to serve without a gap (the models'
+  own admission still refuses what they cannot finish in time).
   Event-loop lag was chosen over an adaptive concurrency limit because it measures the one
   resource the gate protects (the loop) directly, needs no latency baseline to learn, and
   reacts within one loop iteration; the batcher's own admission already refuses what the
@@ -240,14 +243,15 @@ class Gate:
             del self.connections[address]
         self.open_connections -= 1
 
-    def admit(self, path: str, in_progress: int, now: float) -> str | None:
-        """Whether a complete request head may go on to the app: None, or the refusal reason."""
+    def admit(self, path: str, in_progress: int, now: float, loading: bool = False) -> str | None:
+        """Whether a complete request head may go on to the app: None, or the refusal reason.
+        `loading`: a model is loading or warming up, whose threads lag the loop."""
         if path in EXEMPT_PATHS:
             return None
         s = self.settings
         if s.max_requests is not None and in_progress >= s.max_requests:
             return "requests"
-        if in_progress == 0:  # a lone request cannot be what saturates the loop
+        if in_progress == 0 or loading:  # the lag is not the requests' doing
             return None
         if s.max_lag > 0 and self.lag.current(now) > s.max_lag:
             return "loop_lag"

@@ -230,7 +230,7 @@ class _Protocol(HttpToolsProtocol):
         now = time.monotonic()
         received = self.arrived or now
         path = path_bytes.decode("latin-1")
-        why = self.gate.admit(path, len(self.tasks), now)
+        why = self.gate.admit(path, len(self.tasks), now, self.lockgate_app.models.loading > 0)
         error = None
         if why is None:
             wait = self.gate.loop_cost.wait(len(self.tasks))
@@ -300,7 +300,8 @@ class _Protocol(HttpToolsProtocol):
             self.gate.let_through(time.monotonic())
         elif self.cycle is None or self.cycle.response_complete:  # not behind a pipelined one
             path = self.url.partition(b"?")[0].decode("latin-1")
-            why = self.gate.admit(path, len(self.tasks), time.monotonic())
+            loading = self.lockgate_app.models.loading > 0
+            why = self.gate.admit(path, len(self.tasks), time.monotonic(), loading)
             if why is not None:
                 self.refusals.inc((why,))
                 self._refuse(_SATURATED, self.gate.retry_after(time.monotonic()), why, path)

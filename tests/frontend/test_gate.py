@@ -47,6 +47,8 @@ def test_gate_refuses_on_lag_and_on_requests_in_progress_but_never_probes() -> N
     assert gate.admit("/v2/models/m/infer", 4, now) == "requests"
     assert gate.admit("/v2/models/m/infer", 1, now + 0.1) == "loop_lag"  # sentinel overdue
     assert gate.admit("/v2/models/m/infer", 0, now + 0.1) is None  # alone: nothing to free
+    assert gate.admit("/v2/models/m/infer", 1, now + 0.1, loading=True) is None  # a load's lag
+    assert gate.admit("/v2/models/m/infer", 4, now, loading=True) == "requests"
     for path in EXEMPT_PATHS:
         assert gate.admit(path, 10_000, now + 0.1) is None
     assert gate.retry_after(now) == 1

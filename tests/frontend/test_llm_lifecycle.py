@@ -47,15 +47,18 @@ def index(server: RunningServer) -> list[dict[str, str]]:
 def stream_tokens(server: RunningServer, max_tokens: int) -> int:
     """Stream one greedy completion; the number of tokens the server says it generated."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    stream = client.completions.create(
-        model=SERVED_NAME,
-        prompt="Once upon a time",
-        max_tokens=max_tokens,
-        temperature=0.0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
+    try:
+        stream = client.completions.create(
+            model=SERVED_NAME,
+            prompt="Once upon a time",
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    except openai.InternalServerError as error:  # the server's reason, in the failure's message
+        raise AssertionError(f"{error.status_code}: {error.response.text}") from error
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
     return usage[-1].completion_tokens if usage else 0
 

@@ -243,16 +243,23 @@ def run_overload(server: RunningServer) -> tuple[float, LoadResult, dict[str, fl
     return capacity, result, server_timings(server)
 
 
-def server_p99(server: RunningServer, status: str, route: str = "infer") -> float:
-    """The server's own p99 (a bucket bound) from the first byte to the response."""
-    buckets: list[tuple[float, float]] = []
+Buckets = dict[float, float]  # the server's cumulative counts by upper bound (seconds)
+
+
+def server_buckets(server: RunningServer, status: str, route: str = "infer") -> Buckets:
+    """The server's histogram, from each request's first byte to its response, so far."""
     labels = f'route="{route}",status="{status}"'  # in name order, after le
     pattern = rf'^lockgate_http_request_duration_seconds_bucket{{le="([^"]+)",{labels}}} (\S+)$'
-    for bound, count in re.findall(pattern, httpx.get(server.url + "/metrics").text, re.M):
-        buckets.append((float(bound), float(count)))
-    assert buckets and buckets[-1][1] > 0, f"no {route} responses with status {status}"
-    total = buckets[-1][1]
-    return next(bound for bound, count in buckets if count >= 0.99 * total)
+    text = httpx.get(server.url + "/metrics").text
+    return {float(bound): float(count) for bound, count in re.findall(pattern, text, re.M)}
+
+
+def p99_since(now: Buckets, before: Buckets) -> float:
+    """The p99 (a bucket bound) of the responses counted between two readings."""
+    counts = sorted((bound, count - before.get(bound, 0.0)) for bound, count in now.items())
+    assert counts and counts[-1][1] > 0, "no responses since the last reading"
+    total = counts[-1][1]
+    return next(bound for bound, count in counts if count >= 0.99 * total)
 
 
 def server_timings(server: RunningServer) -> dict[str, float]:
@@ -268,9 +275,22 @@ def server_timings(server: RunningServer) -> dict[str, float]:
 
 
 def test_overload_keeps_slo_and_refuses_fast(steady_server: RunningServer) -> None:
+    series = {
+        "admitted": ("200", "infer"),
+        "refused": ("503", "infer"),
+        "health": ("200", "health"),
+    }
     for attempt in (1, 2):
+        before = {name: server_buckets(steady_server, *labels) for name, labels in series.items()}
         capacity, result, timings = run_overload(steady_server)
-        report = f"attempt {attempt}: capacity {capacity:.0f}/s; " + result.summary(SLO_S)
+        server = {
+            name: p99_since(server_buckets(steady_server, *labels), before[name])
+            for name, labels in series.items()
+        }
+        report = (
+            f"attempt {attempt}: capacity {capacity:.0f}/s; {result.summary(SLO_S)}; server p99 "
+            + ", ".join(f"{name} {p99 * 1000:.1f} ms" for name, p99 in server.items())
+        )
         print(report, timings)
         expected = MAX_BATCH / SERVICE_S
         assert 0.25 * expected < capacity < 1.1 * expected, report  # a noisy machine is slower
@@ -281,23 +301,24 @@ def test_overload_keeps_slo_and_refuses_fast(steady_server: RunningServer) -> No
         assert result.count(503) > result.sent / 3, report  # the overload was real
         # admitted requests meet the SLO at p99: as the server measures them (arrival to
         # answer), and as the client sees them, less the client's own delays (the health-check
-        # p99)
-        assert server_p99(steady_server, "200") <= SLO_S, report
-        if result.p99(200) <= SLO_S + result.control_p99():
+        # p99); refusals are fast: the server answers one within 10 ms of its first byte at
+        # p99, or as fast as it answers health checks when the machine itself stalls (the
+        # client-side figure, in the report, adds the client's own scheduling delays)
+        timely = [
+            server["admitted"] <= SLO_S,
+            result.p99(200) <= SLO_S + result.control_p99(),
+            server["refused"] <= max(0.010, server["health"]),
+            result.goodput(SLO_S) >= 0.8 * capacity,
+        ]
+        if all(timely):
             break
-        # one repeat, and only of the client's view: a connection the client opens mid-run can
-        # wait in the server's accept queue, before the server's clock starts, while the
-        # machine is busy with other tests (a known gap: see README, operating under load)
+        # one repeat of the timings, each attempt measured on its own: other tests share the
+        # machine, and a stall of it (seen in the health checks' p99) shows in every figure;
+        # a connection the client opens mid-run can also wait in the server's accept queue,
+        # before the server's clock starts (a known gap: see README, operating under load)
+    assert server["admitted"] <= SLO_S, report
     assert result.p99(200) <= SLO_S + result.control_p99(), report
-    # fast: the server answers a refusal within 10 ms of the request's first byte at p99, or
-    # as fast as it answers health checks when the machine itself stalls (the client-side
-    # figure, in the report, adds the client's own scheduling delays)
-    refusal_p99 = server_p99(steady_server, "503")
-    health_p99 = server_p99(steady_server, "200", route="health")
-    assert refusal_p99 <= max(0.010, health_p99), (
-        f"server-side refusal p99 <= {refusal_p99 * 1000} ms, health {health_p99 * 1000} ms; "
-        f"{report}"
-    )
+    assert server["refused"] <= max(0.010, server["health"]), report
     assert result.goodput(SLO_S) >= 0.8 * capacity, report
 
 
