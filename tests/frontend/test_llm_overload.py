@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from lockgate.demo.smollm2 import SERVED_NAME
+from lockgate.llm.admission import TTFTAdmission
 from tests.conftest import RunningServer, smollm2_repository, start_server
 
 TTFT_SLO_S = 2.0
@@ -65,6 +66,7 @@ def slo_llm_server(
 class Stream:
     status: int  # 200, or the refusal's status
     ttft: float  # seconds to the first token, or to the refusal
+    reason: str = ""  # the refusal's message
 
 
 async def one_stream(client: openai.AsyncOpenAI, prompt: str) -> Stream:
@@ -79,7 +81,7 @@ async def one_stream(client: openai.AsyncOpenAI, prompt: str) -> Stream:
                 pass
             return Stream(200, return_ttft)
     except openai.APIStatusError as exc:
-        return Stream(exc.status_code, time.monotonic() - started)
+        return Stream(exc.status_code, time.monotonic() - started, exc.response.text)
     return Stream(200, time.monotonic() - started)
 
 
@@ -109,7 +111,8 @@ def test_streams_past_the_ttft_slo_are_refused_at_once_and_the_rest_meet_it(
     report = (
         f"{len(admitted)} admitted, TTFT {sorted(round(s.ttft, 2) for s in admitted)}; "
         f"{len(refused)} refused {sorted({s.status for s in refused})} within "
-        f"{max((s.ttft for s in refused), default=0):.2f} s; burst took {elapsed:.1f} s"
+        f"{max((s.ttft for s in refused), default=0):.2f} s; burst took {elapsed:.1f} s; "
+        f"reasons {sorted({s.reason for s in refused})}"
     )
     print(report)
     assert len(admitted) + len(refused) == 30, report  # nothing lost
@@ -142,10 +145,16 @@ def test_a_burst_as_the_first_traffic_after_start_is_admitted_up_to_the_slo(
     finally:
         server.stop()
     admitted = [s for s in burst if s.status == 200]
-    report = f"statuses {[s.status for s in burst]}, TTFT {[round(s.ttft, 2) for s in burst]}"
+    report = (
+        f"statuses {[s.status for s in burst]}, TTFT {[round(s.ttft, 2) for s in burst]}, "
+        f"reasons {sorted({s.reason for s in burst if s.reason})}"
+    )
     print(report)
     assert {s.status for s in burst} <= {200, 503}, report
-    # twelve 150-word prompts are about 2,000 prompt tokens: at this machine's prefill rate
-    # (hundreds to thousands of tokens/s) at least four fit in the 2 s SLO
-    assert len(admitted) >= 4, report
+    assert admitted, report
+    # as many as fit: the prompts are alike, so the first admitted one's TTFT is what one
+    # prefill takes on this machine now, and admission plans within `slack` of the SLO (one
+    # less for the steps they share); a rate measured too low at warmup would admit fewer
+    fit = int(TTFTAdmission().slack * TTFT_SLO_S / min(s.ttft for s in admitted))
+    assert len(admitted) >= min(4, fit - 1), f"{fit} fit; {report}"
     assert max(s.ttft for s in admitted) <= TTFT_SLO_S * 1.25, report

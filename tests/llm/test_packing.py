@@ -39,9 +39,15 @@ def test_packed_model_gives_the_plain_models_logits(checkpoint: Checkpoint) -> N
     assert not any(isinstance(m, nn.Linear) for m in packed.layers.modules())
     prompt = list(range(100, 140))
     logits = []
+    token = None  # the decode step feeds both models the plain model's greedy token
     for m in (plain, packed):
         loop = PagedLoop(m, num_blocks=16)
         first = loop.step([(0, prompt)])  # prefill: [1, V]
-        logits.append(torch.cat([first, loop.step([(0, [int(first.argmax())])])]))  # + decode
-    torch.testing.assert_close(logits[1], logits[0], atol=0.05, rtol=0.02)
+        token = int(first.argmax()) if token is None else token
+        logits.append(torch.cat([first, loop.step([(0, [token])])]))  # + decode
+    # bfloat16 kernels for one row and for many accumulate differently (on some CPUs the
+    # decode row of either model is about 1% off float32's, and 2% off the other's): each
+    # row within 3% of the plain model's, by norm, and the same greedy tokens
+    for packed_row, plain_row in zip(logits[1].float(), logits[0].float(), strict=True):
+        assert float((packed_row - plain_row).norm() / plain_row.norm()) <= 0.03
     assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
