@@ -28,18 +28,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import yaml
-
-from lockgate.core.config_files import load_model_config
-from lockgate.demo.smollm2 import build_smollm2
+from benchmarks.llm_step_profile import load_demo_service
 from lockgate.llm.engine import LLMEngine
 from lockgate.llm.sequence import SamplingParams
-from lockgate.llm.startup import load_service
 from lockgate.llm.tokenizer import ChatTokenizer
 
 PARAGRAPH = (
@@ -83,26 +77,19 @@ def load_engines(
     quantization: str, threads: int, k: int, dtype: str = "bfloat16", lookup: str = "2,4"
 ) -> tuple[LLMEngine, LLMEngine, ChatTokenizer]:
     """(without, with speculation): one model and KV cache, loaded by `load_service`."""
-    with tempfile.TemporaryDirectory(prefix="lockgate-speculative-") as tmp:
-        folder = Path(tmp) / "smollm2"
-        folder.mkdir()
-        build_smollm2(folder, lambda message: print(f"  build: {message}"))
-        config_file = folder / "config.yaml"
-        raw = yaml.safe_load(config_file.read_text(encoding="utf-8"))
-        raw["parameters"].update(
-            quantization=quantization,
-            dtype=dtype,
-            num_threads=str(threads),
-            kv_cache_gib="0.25",
-            enable_prefix_caching="false",  # the two engines share the KV cache's tensors
-            speculative="ngram",
-            num_speculative_tokens=str(k),
-            prompt_lookup_min=lookup.split(",")[0],
-            prompt_lookup_max=lookup.split(",")[1],
-        )
-        config_file.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
-        service = load_service(load_model_config(folder), folder / "1")
-    service.close()
+    low, high = lookup.split(",")
+    parameters = {
+        "quantization": quantization,
+        "dtype": dtype,
+        "num_threads": str(threads),
+        "kv_cache_gib": "0.25",
+        "enable_prefix_caching": "false",  # the two engines share the KV cache's tensors
+        "speculative": "ngram",
+        "num_speculative_tokens": str(k),
+        "prompt_lookup_min": low,
+        "prompt_lookup_max": high,
+    }
+    service, _ = load_demo_service(parameters, "speculative")
     spec = service.engine.engine
     plain_config = dataclasses.replace(spec.config, speculative="none")
     plain = LLMEngine(

@@ -40,6 +40,7 @@ from lockgate.llm import quantized_linear, runner
 from lockgate.llm.engine import LLMEngine
 from lockgate.llm.models import llama, packing
 from lockgate.llm.sequence import SamplingParams
+from lockgate.llm.service import LLMService
 from lockgate.llm.startup import load_service
 
 PREFILL_LEN = 250
@@ -61,28 +62,36 @@ class StepTimes:
         )
 
 
-def load_engine(
-    dtype: str | None, threads: int | None, quantization: str | None = None
-) -> tuple[LLMEngine, float]:
-    """The demo model folder, loaded by `load_service`; its async stepping thread stopped."""
-    with tempfile.TemporaryDirectory(prefix="lockgate-profile-") as tmp:
+def load_demo_service(parameters: dict[str, str], tag: str = "profile") -> tuple[LLMService, float]:
+    """The demo model folder with its config's `parameters` updated, loaded by
+    `load_service`, and the seconds that took; its async stepping thread stopped."""
+    with tempfile.TemporaryDirectory(prefix=f"lockgate-{tag}-") as tmp:
         folder = Path(tmp) / "smollm2"
         folder.mkdir()
         build_smollm2(folder, lambda message: print(f"  build: {message}"))
         config_file = folder / "config.yaml"
         raw = yaml.safe_load(config_file.read_text(encoding="utf-8"))
-        raw["parameters"]["enable_prefix_caching"] = "false"  # every prompt computes in full
-        if dtype is not None:
-            raw["parameters"]["dtype"] = dtype
-        if threads is not None:
-            raw["parameters"]["num_threads"] = str(threads)
-        if quantization is not None:
-            raw["parameters"]["quantization"] = quantization
+        raw["parameters"].update(parameters)
         config_file.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
         start = time.perf_counter()
         service = load_service(load_model_config(folder), folder / "1")
         load_seconds = time.perf_counter() - start
     service.close()
+    return service, load_seconds
+
+
+def load_engine(
+    dtype: str | None, threads: int | None, quantization: str | None = None
+) -> tuple[LLMEngine, float]:
+    """The demo model's engine, every prompt computed in full (no prefix cache)."""
+    parameters = {"enable_prefix_caching": "false"}
+    if dtype is not None:
+        parameters["dtype"] = dtype
+    if threads is not None:
+        parameters["num_threads"] = str(threads)
+    if quantization is not None:
+        parameters["quantization"] = quantization
+    service, load_seconds = load_demo_service(parameters)
     return service.engine.engine, load_seconds
 
 

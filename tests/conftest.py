@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +52,20 @@ class RunningServer:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def openai_client(self) -> openai.OpenAI:
+        """The official client on this server's /v1, with no retries: a refusal fails."""
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def metric(self, name: str, labels: str | None = None) -> float:
+        """A metric's value from /metrics: the series with exactly `labels` (as written
+        between the braces), or the sum of all its series."""
+        text = httpx.get(self.url + "/metrics").text
+        braces = rf"{{{re.escape(labels)}}}" if labels is not None else r"(?:{[^}]*})?"
+        pattern = rf"^{re.escape(name)}{braces} (\S+)$"
+        values = [float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE)]
+        assert values, f"{name} {labels or ''} is not on /metrics"
+        return sum(values)
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.process.poll() is None:

@@ -4,7 +4,6 @@ official `openai` client."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,13 +32,7 @@ def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def metric(server: RunningServer, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
-    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE))
+    return server.openai_client()
 
 
 def test_greedy_completion_is_answered_from_the_cache(
@@ -47,7 +40,7 @@ def test_greedy_completion_is_answered_from_the_cache(
 ) -> None:
     ask = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 10}
     first = client.completions.with_raw_response.create(**ask, temperature=0)
-    generated = metric(server, "lockgate_llm_request_success_total")
+    generated = server.metric("lockgate_llm_request_success_total")
     second = client.completions.with_raw_response.create(**ask, temperature=0)
     assert first.headers.get("x-lockgate-cache") is None
     assert second.headers.get("x-lockgate-cache") == "hit"
@@ -60,8 +53,8 @@ def test_greedy_completion_is_answered_from_the_cache(
         b.usage.completion_tokens,
     )
     # the engine ran once: the second answer generated nothing
-    assert metric(server, "lockgate_llm_request_success_total") == generated
-    assert metric(server, "lockgate_cache_hits_total") >= 1
+    assert server.metric("lockgate_llm_request_success_total") == generated
+    assert server.metric("lockgate_cache_hits_total") >= 1
 
 
 def test_a_streamed_hit_gives_the_text_the_model_gave(client: openai.OpenAI) -> None:
@@ -104,7 +97,7 @@ def test_streamed_completion_fills_the_cache(client: openai.OpenAI) -> None:
 def test_sampled_and_logprob_completions_are_not_cached(
     client: openai.OpenAI, server: RunningServer
 ) -> None:
-    hits = metric(server, "lockgate_cache_hits_total")
+    hits = server.metric("lockgate_cache_hits_total")
     for _ in range(2):
         sampled = client.completions.with_raw_response.create(
             model=MODEL, prompt="A story:", max_tokens=6, temperature=0.8, seed=3
@@ -115,7 +108,7 @@ def test_sampled_and_logprob_completions_are_not_cached(
         )
         assert with_logprobs.headers.get("x-lockgate-cache") is None
         assert with_logprobs.parse().choices[0].logprobs is not None
-    assert metric(server, "lockgate_cache_hits_total") == hits
+    assert server.metric("lockgate_cache_hits_total") == hits
 
 
 def test_different_parameters_do_not_share_an_entry(client: openai.OpenAI) -> None:

@@ -35,7 +35,7 @@ def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.openai_client()
 
 
 def generate(server: RunningServer, body: object, route: str = "generate") -> httpx.Response:

@@ -74,7 +74,7 @@ def test_classification_of_a_bytes_output_is_a_400() -> None:
 
 @pytest.fixture(scope="module")
 def client(llm_server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=llm_server.url + "/v1", api_key="unused", max_retries=0)
+    return llm_server.openai_client()
 
 
 def bad_request(call: object, *args: object, **kwargs: object) -> str:

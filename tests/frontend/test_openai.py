@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import socket
 import time
 
@@ -18,14 +17,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def client(llm_server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=llm_server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def metric(server: RunningServer, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
-    assert match, name
-    return float(match.group(1))
+    return llm_server.openai_client()
 
 
 def test_models_list(client: openai.OpenAI) -> None:
@@ -161,12 +153,12 @@ def test_disconnect_mid_stream_frees_kv_blocks(llm_server: RunningServer) -> Non
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if (
-            metric(llm_server, "lockgate_llm_num_requests_running") == 0
-            and metric(llm_server, "lockgate_llm_kv_cache_usage_perc") == 0
+            llm_server.metric("lockgate_llm_num_requests_running") == 0
+            and llm_server.metric("lockgate_llm_kv_cache_usage_perc") == 0
         ):
             break
         time.sleep(0.1)
-    assert metric(llm_server, "lockgate_llm_num_requests_running") == 0
-    assert metric(llm_server, "lockgate_llm_kv_cache_usage_perc") == 0
+    assert llm_server.metric("lockgate_llm_num_requests_running") == 0
+    assert llm_server.metric("lockgate_llm_kv_cache_usage_perc") == 0
     text = httpx.get(llm_server.url + "/metrics").text
     assert 'finished_reason="abort"' in text

@@ -30,7 +30,7 @@ PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 
 @pytest.fixture(scope="module")
 def client(llm_server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=llm_server.url + "/v1", api_key="unused", max_retries=0)
+    return llm_server.openai_client()
 
 
 def chat(client: openai.OpenAI, content: str, max_tokens: int, **extra: Any) -> Any:

@@ -21,7 +21,7 @@ FIXED = {"ignore_eos": True}  # every choice generates exactly max_tokens
 
 @pytest.fixture(scope="module")
 def client(llm_server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=llm_server.url + "/v1", api_key="unused", max_retries=0)
+    return llm_server.openai_client()
 
 
 def complete(client: openai.OpenAI, **kwargs: Any) -> Any:

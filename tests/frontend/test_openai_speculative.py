@@ -3,11 +3,9 @@ client: greedy answers equal those of the same model served without it."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk
@@ -43,15 +41,8 @@ def speculative_server(
     assert server.stop() == 0, server.log()[-2000:]
 
 
-def client_of(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
 def counter(server: RunningServer, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    match = re.search(rf'^{name}{{model_name="{MODEL}"}} (\S+)$', text, re.MULTILINE)
-    assert match, name
-    return float(match.group(1))
+    return server.metric(name, f'model_name="{MODEL}"')
 
 
 def test_greedy_chat_equals_the_model_without_speculation(
@@ -61,7 +52,7 @@ def test_greedy_chat_equals_the_model_without_speculation(
     accepted = "lockgate_llm_spec_decode_num_accepted_tokens_total"
     before = counter(speculative_server, drafts), counter(speculative_server, accepted)
     answers = [
-        client_of(server).chat.completions.create(
+        server.openai_client().chat.completions.create(
             model=MODEL,
             messages=MESSAGES,  # type: ignore[arg-type]
             max_tokens=80,
@@ -90,7 +81,7 @@ def test_greedy_chat_equals_the_model_without_speculation(
     assert answers[1].usage is not None
     assert answers[1].usage.completion_tokens / 2 < new_accepted <= new_drafts
     assert counter(llm_server, drafts) == 0
-    streamed = client_of(speculative_server).chat.completions.create(
+    streamed = speculative_server.openai_client().chat.completions.create(
         model=MODEL,
         messages=MESSAGES,  # type: ignore[arg-type]
         max_tokens=30,

@@ -53,7 +53,7 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client(llm_server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=llm_server.url + "/v1", api_key="unused", max_retries=0)
+    return llm_server.openai_client()
 
 
 def chat(
@@ -341,7 +341,7 @@ def cached(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def test_a_cached_answer_is_read_for_calls_as_a_generated_one(cached: RunningServer) -> None:
-    client = openai.OpenAI(base_url=cached.url + "/v1", api_key="unused", max_retries=0)
+    client = cached.openai_client()
     asked = {"tools": [WEATHER], "extra_body": written(WRITTEN), "max_tokens": 80}
     first = chat(client, **asked)
     again = client.chat.completions.with_raw_response.create(

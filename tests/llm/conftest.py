@@ -13,10 +13,13 @@ import pytest
 import torch
 
 from lockgate.llm.attention import AttentionMetadata, KVCache
+from lockgate.llm.engine import LLMEngine
+from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.loader import Checkpoint, load_checkpoint
 from lockgate.llm.model_config import LlamaConfig
 from lockgate.llm.models import LlamaForCausalLM, allocate_kv_cache, build_llama
-from lockgate.llm.tokenizer import ChatTokenizer
+from lockgate.llm.runner import CausalLM
+from lockgate.llm.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -88,6 +91,29 @@ def hf_model(checkpoint: Checkpoint) -> Any:
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     hf.tie_weights()
     return hf.eval()
+
+
+@pytest.fixture()
+def one_thread() -> Iterator[None]:
+    """One torch thread: a loaded 2-core machine makes two spinning threads far slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def smollm2_engine(
+    checkpoint: Checkpoint, model: CausalLM, tokenizer: ChatTokenizer, config: EngineConfig
+) -> LLMEngine:
+    """The engine over SmolLM2, with a float32 cache of `config`'s blocks."""
+    blocks, block_size = config.kv_cache_blocks, config.block_size
+    return LLMEngine(
+        model,
+        allocate_kv_cache(checkpoint.config, blocks, block_size, "float32"),
+        config,
+        eos_token_ids=tokenizer.eos_token_ids,
+        decoder_factory=lambda _prompt: IncrementalDetokenizer(tokenizer),
+    )
 
 
 class PagedLoop:

@@ -45,18 +45,34 @@ class FakeModel:
             stored_pos = v_cache[blocks].reshape(-1)[:s]
             if not torch.equal(stored_pos, torch.arange(s, dtype=torch.float32)):
                 raise AssertionError(f"sequence {i}: cache positions {stored_pos.tolist()}")
-            weights = torch.arange(1, s + 1, dtype=torch.float64)
-            acc = torch.cumsum(keys.double() * weights, 0)  # [s]
-            lengths = torch.arange(1, s + 1, dtype=torch.float64)
-            preds = torch.remainder(acc + 7 * lengths, self.vocab_size)  # [s]
-            hidden[starts[i] : starts[i] + q, 0] = preds[s - q :].float()
+            hidden[starts[i] : starts[i] + q, 0] = self.predict(keys, q)
         return hidden
+
+    def predict(self, keys: torch.Tensor, q: int) -> torch.Tensor:
+        """The next token after each of the last `q` prefixes of the context `keys` ([s] token
+        ids read back from the cache): [q] floats."""
+        s = keys.shape[0]
+        weights = torch.arange(1, s + 1, dtype=torch.float64)
+        acc = torch.cumsum(keys.double() * weights, 0)  # [s]
+        lengths = torch.arange(1, s + 1, dtype=torch.float64)
+        preds = torch.remainder(acc + 7 * lengths, self.vocab_size)  # [s]
+        return preds[s - q :].float()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, 1] -> [N, V], peaked at the predicted token, falling off with distance
         vocab = torch.arange(self.vocab_size, dtype=torch.float32)
         distance = torch.remainder(vocab[None, :] - hidden, self.vocab_size)  # [N, V]
         return -0.5 * torch.minimum(distance, self.vocab_size - distance)
+
+
+class LetterDecoder:
+    """Token t is the letter chr(97 + t % 26)."""
+
+    def add(self, token_id: int) -> str:
+        return chr(97 + token_id % 26)
+
+    def flush(self) -> str:
+        return ""
 
 
 def allocate_kv_cache(num_blocks: int, block_size: int) -> KVCache:

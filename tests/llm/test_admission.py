@@ -25,7 +25,7 @@ from lockgate.llm.scheduler import QueueFull
 from lockgate.llm.sequence import FinishReason, SamplingParams, Sequence
 from lockgate.llm.service import LLMRequestMetrics
 from lockgate.llm.tokenizer import ChatTokenizer
-from tests.llm.test_engine import make_engine, one_thread  # noqa: F401 (a fixture)
+from tests.llm.test_engine import make_engine
 from tests.llm.test_scheduler import make_scheduler, run_step
 
 

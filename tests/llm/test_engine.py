@@ -4,7 +4,6 @@ import asyncio
 import gc
 import random
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,7 +20,8 @@ from lockgate.llm.runner import CausalLM
 from lockgate.llm.scheduler import QueueFull
 from lockgate.llm.sequence import FinishReason, SamplingParams
 from lockgate.llm.tokenizer import ChatTokenizer, IncrementalDetokenizer
-from tests.llm.fake_model import VOCAB, FakeModel, allocate_kv_cache, next_token
+from tests.llm.conftest import smollm2_engine
+from tests.llm.fake_model import VOCAB, FakeModel, LetterDecoder, allocate_kv_cache, next_token
 
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -148,16 +148,6 @@ def test_context_limit_finishes_with_length() -> None:
     last = outputs[-1]
     assert last.request_id == rid and last.finished and last.finish_reason is FinishReason.LENGTH
     assert last.num_prompt_tokens + last.num_output_tokens == 16
-
-
-class LetterDecoder:
-    """Token t is the letter chr(97 + t % 26)."""
-
-    def add(self, token_id: int) -> str:
-        return chr(97 + token_id % 26)
-
-    def flush(self) -> str:
-        return ""
 
 
 def test_stop_strings_cut_the_text_before_the_stop() -> None:
@@ -363,6 +353,8 @@ def real_engine(
         max_num_batched_tokens=48,
         max_num_seqs=8,
     )
+    return smollm2_engine(checkpoint, model, tokenizer, config)
+
     kv = allocate_llama_kv_cache(checkpoint.config, blocks, 4, "float32")
     return LLMEngine(
         model,
@@ -371,15 +363,6 @@ def real_engine(
         eos_token_ids=tokenizer.eos_token_ids,
         decoder_factory=lambda _prompt: IncrementalDetokenizer(tokenizer),
     )
-
-
-@pytest.fixture()
-def one_thread() -> Iterator[None]:
-    """One torch thread: a loaded 2-core machine makes two spinning threads far slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 REAL_PROMPTS = [

@@ -4,11 +4,9 @@ greedy tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from lockgate.llm.engine import LLMEngine
 from lockgate.llm.engine_config import EngineConfig
@@ -31,14 +29,6 @@ PROMPTS = [
     "Once upon a time, in a small village at the edge of a great forest, there lived an old "
     "clockmaker who repaired every clock in the valley. One winter morning a stranger knocked",
 ]
-
-
-@pytest.fixture()
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

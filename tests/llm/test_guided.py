@@ -7,7 +7,6 @@ import json
 import re
 import statistics
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,19 +21,11 @@ from lockgate.llm.runner import CausalLM
 from lockgate.llm.sampling import SamplingBatch, TokenMask
 from lockgate.llm.sequence import FinishReason, SamplingParams, Sequence
 from lockgate.llm.tokenizer import ChatTokenizer, IncrementalDetokenizer
+from tests.llm.conftest import smollm2_engine
 
 DIGITS = r"[0-9]+"
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 SKY = ("red", "green", "blue")
-
-
-@pytest.fixture()
-def one_thread() -> Iterator[None]:
-    """One torch thread: a loaded 2-core machine makes two spinning threads far slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_grammar_errors_name_the_field_and_the_problem(tokenizer: ChatTokenizer) -> None:
@@ -111,6 +102,8 @@ def real_engine(checkpoint: Checkpoint, model: CausalLM, tokenizer: ChatTokenize
         max_num_batched_tokens=256,
         max_num_seqs=8,
     )
+    return smollm2_engine(checkpoint, model, tokenizer, config)
+
     kv = allocate_kv_cache(checkpoint.config, 64, 16, "float32")
     return LLMEngine(
         model,

@@ -4,14 +4,13 @@ outputs with speculation against the same engine without it (fake models, then S
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from lockgate.config import ModelConfig
 from lockgate.errors import ConfigError
-from lockgate.llm.attention import AttentionMetadata, KVCache
 from lockgate.llm.engine import LLMEngine, RequestOutput
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.kv_cache import BlockManager
@@ -24,7 +23,8 @@ from lockgate.llm.sequence import FinishReason, SamplingParams, Sequence
 from lockgate.llm.speculative import NgramProposer, num_accepted
 from lockgate.llm.startup import engine_config_from
 from lockgate.llm.tokenizer import ChatTokenizer, IncrementalDetokenizer
-from tests.llm.fake_model import VOCAB, FakeModel, allocate_kv_cache
+from tests.llm.conftest import smollm2_engine
+from tests.llm.fake_model import VOCAB, FakeModel, LetterDecoder, allocate_kv_cache
 
 BS = 4
 PERIOD = 9  # the copy model repeats the token PERIOD positions back
@@ -43,28 +43,10 @@ class CopyModel(FakeModel):
     read) with `copy_next` as its rule, applied to the context read back from the cache: a
     rejected draft left in the cache where a later token belongs changes the output."""
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: KVCache,
-    ) -> torch.Tensor:
-        self.num_forward_calls += 1
-        k_cache, v_cache = kv_caches[0]  # [num_blocks, block_size, 1, 1]
-        k_cache.view(-1).index_copy_(0, meta.slot_mapping, input_ids.float())
-        v_cache.view(-1).index_copy_(0, meta.slot_mapping, positions.float())
-        hidden = torch.empty(input_ids.shape[0], 1)  # [T, 1]
-        starts = meta.query_start_loc.tolist()
-        for i, (q, s) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
-            blocks = meta.block_tables[i, : -(-s // meta.block_size)]
-            stored_pos = v_cache[blocks].reshape(-1)[:s]
-            if not torch.equal(stored_pos, torch.arange(s, dtype=torch.float32)):
-                raise AssertionError(f"sequence {i}: cache positions {stored_pos.tolist()}")
-            context = [int(t) for t in k_cache[blocks].reshape(-1)[:s].tolist()]
-            for j in range(q):
-                hidden[starts[i] + j, 0] = float(copy_next(context[: s - q + j + 1]))
-        return hidden
+    def predict(self, keys: torch.Tensor, q: int) -> torch.Tensor:
+        context = [int(t) for t in keys.tolist()]
+        s = len(context)
+        return torch.tensor([float(copy_next(context[: s - q + j + 1])) for j in range(q)])
 
 
 def reference(rule: Callable[[list[int]], int], prompt: list[int], n: int) -> list[int]:
@@ -265,16 +247,6 @@ def test_eos_stop_tokens_and_context_limit_end_where_they_do_without() -> None:
             assert engine.speculation.num_accepted_tokens > 0 or not speculative
 
 
-class LetterDecoder:
-    """Token t is the letter chr(97 + t % 26)."""
-
-    def add(self, token_id: int) -> str:
-        return chr(97 + token_id % 26)
-
-    def flush(self) -> str:
-        return ""
-
-
 def test_stop_strings_cut_the_same_text() -> None:
     prompt = copy_prompts(1, seed=9)[0]
     letters = "".join(chr(97 + t % 26) for t in reference(copy_next, prompt, 60))
@@ -366,15 +338,6 @@ COPY = "Repeat this text exactly: " + PARAGRAPH
 FREE = "Explain how photosynthesis works in plants."
 
 
-@pytest.fixture()
-def one_thread() -> Iterator[None]:
-    """One torch thread: a loaded 2-core machine makes two spinning threads far slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def real_engine(
     checkpoint: Checkpoint, model: CausalLM, tokenizer: ChatTokenizer, speculative: bool
 ) -> LLMEngine:
@@ -384,6 +347,8 @@ def real_engine(
         max_model_len=384,
         speculative="ngram" if speculative else "none",
     )
+    return smollm2_engine(checkpoint, model, tokenizer, config)
+
     kv = allocate_llama_kv_cache(checkpoint.config, 24, 16, "float32")
     return LLMEngine(
         model,
