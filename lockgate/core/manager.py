@@ -79,6 +79,9 @@ class ServedModel:
     error: str = ""
 
     def latest_ready(self) -> ServedVersion | None:
+        if len(self.versions) == 1:  # the common case, on every request: no sort
+            (served,) = self.versions.values()
+            return served if served.serving else None
         for version in sorted(self.versions, reverse=True):
             if self.versions[version].serving:
                 return self.versions[version]

@@ -384,7 +384,7 @@ class CompletionPipeline:
         request ends, all its sequences with it, if its client leaves."""
         texts: list[list[str]] = [[] for _ in range(sequences)]
         joined = [Collected("", [], None) for _ in range(sequences)]
-        async with cancel_on_disconnect(request.receive), outputs:
+        async with cancel_on_disconnect(request), outputs:
             async for out in outputs:
                 index = outputs.index(out)
                 texts[index].append(out.text)

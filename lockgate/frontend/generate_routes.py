@@ -96,7 +96,7 @@ async def _stream(
     started = False
     texts: list[str] = []
     last: RequestOutput | None = None
-    async with cancel_on_disconnect(request.receive), outputs:
+    async with cancel_on_disconnect(request), outputs:
         try:
             async for out in outputs:
                 if not started:

@@ -33,6 +33,29 @@ class ClientDisconnected(Exception):
     """The client went away before its request was read or answered."""
 
 
+class Disconnect:
+    """A connection's close, told to the handlers running on it: lockgate's HTTP protocol
+    puts one on each request's scope (`lockgate.disconnect`), so a handler learns of a
+    disconnect without a task of its own waiting on `receive`."""
+
+    __slots__ = ("_callbacks", "closed")
+
+    def __init__(self) -> None:
+        self.closed = False
+        self._callbacks: set[Callable[[], None]] = set()
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        self._callbacks.add(callback)
+
+    def unsubscribe(self, callback: Callable[[], None]) -> None:
+        self._callbacks.discard(callback)
+
+    def close(self) -> None:
+        self.closed = True
+        for callback in list(self._callbacks):
+            callback()
+
+
 @dataclass(slots=True)
 class HttpRequest:
     scope: Scope
@@ -89,6 +112,9 @@ class HttpRequest:
                 raise BadRequest("Content-Length is not an integer") from None
             if size > self.max_body:
                 raise PayloadTooLarge(f"body of {size} bytes is over the limit of {self.max_body}")
+        if self.scope.get("lockgate.body_complete"):  # all in already: nothing to wait for
+            chunks = await self._read_chunks()
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         try:
             async with asyncio.timeout(self.body_timeout):
                 chunks = await self._read_chunks()
@@ -143,26 +169,38 @@ def error_headers(error: ServingError) -> list[tuple[bytes, bytes]]:
 
 
 @contextlib.asynccontextmanager
-async def cancel_on_disconnect(receive: Receive) -> Any:
+async def cancel_on_disconnect(request: HttpRequest) -> Any:
     """Cancel the current task if the client disconnects while the block runs; the block then
     ends with ClientDisconnected.
 
-    Use after the body has been read: the only message left to receive is the disconnect.
+    Use after the body has been read. Told by the protocol's `Disconnect` when the scope has
+    one; otherwise a task waits on `receive`, where the only message left is the disconnect.
     """
     task = asyncio.current_task()
     assert task is not None
     fired = False
 
-    async def watch() -> None:
+    def cancel() -> None:
         nonlocal fired
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                fired = True
-                task.cancel("client disconnected")
-                return
+        if not fired:
+            fired = True
+            task.cancel("client disconnected")
 
-    watcher = asyncio.get_running_loop().create_task(watch())
+    disconnect = request.scope.get("lockgate.disconnect")
+    watcher: asyncio.Task[None] | None = None
+    if isinstance(disconnect, Disconnect):
+        if disconnect.closed:
+            raise ClientDisconnected()
+        disconnect.subscribe(cancel)
+    else:
+        receive = request.receive
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
     try:
         yield
     except asyncio.CancelledError:
@@ -171,4 +209,7 @@ async def cancel_on_disconnect(receive: Receive) -> Any:
         task.uncancel()  # our own cancellation: the request ends, quietly
         raise ClientDisconnected from None
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        elif isinstance(disconnect, Disconnect):
+            disconnect.unsubscribe(cancel)

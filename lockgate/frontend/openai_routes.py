@@ -244,7 +244,7 @@ class OpenAIRoutes:
         send = request.send
         lasts: dict[int, RequestOutput] = {}  # by choice
         texts: list[str] = []  # of choice 0
-        async with cancel_on_disconnect(request.receive), stream:
+        async with cancel_on_disconnect(request), stream:
             try:
                 async for out in stream:
                     index = stream.index(out)
@@ -297,7 +297,7 @@ class OpenAIRoutes:
         _check_dimensions(served.config, body.dimensions)
         if request.trace is not None:
             request.trace.model = name
-        async with cancel_on_disconnect(request.receive):
+        async with cancel_on_disconnect(request):
             embedded = await self._embed(served, [t.encode() for t in texts], request.trace)
         data = [
             {"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}

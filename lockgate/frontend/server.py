@@ -54,6 +54,7 @@ from lockgate.frontend.access_log import request_id
 from lockgate.frontend.app import App, ServerSettings
 from lockgate.frontend.gate import Gate, GateSettings
 from lockgate.frontend.health_port import HealthPort, HealthState
+from lockgate.frontend.http import Disconnect
 from lockgate.protocol.v2_codec import encode_error
 
 log = logging.getLogger("lockgate.server")
@@ -122,6 +123,7 @@ class _Protocol(HttpToolsProtocol):
         self.between = True  # the parser is between messages: a new head may be read here
         self.skip = 0  # body bytes of a request refused on arrival still to be dropped
         self.vetted = False  # the head being parsed was already let through on arrival
+        self.disconnect = Disconnect()  # tells the handlers on this connection it closed
 
     # -- connections -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -136,6 +138,7 @@ class _Protocol(HttpToolsProtocol):
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.disconnect.close()
         if self.counted:
             self.counted = False
             self.gate.disconnect(self.address)
@@ -280,6 +283,7 @@ class _Protocol(HttpToolsProtocol):
         self.received = self.arrived or time.monotonic()
         self.arrived = 0.0
         self.scope["lockgate.received"] = self.received  # type: ignore[typeddict-unknown-key]
+        self.scope["lockgate.disconnect"] = self.disconnect  # type: ignore[typeddict-unknown-key]
         self.head_bytes = 0
         self.in_head = True
         self._arm_head_timer()
@@ -365,6 +369,8 @@ class _Protocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self.between = True
+        # the body is all in: reading it needs no timer (`HttpRequest.body`)
+        self.scope["lockgate.body_complete"] = True  # type: ignore[typeddict-unknown-key]
         if self.refusing:  # the refused request's body is all skipped: the next may come
             self.refusing = False
             self._cancel_head_timer()

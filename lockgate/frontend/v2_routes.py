@@ -31,7 +31,7 @@ async def infer(
         request.received, header_seconds=timeout_header(request.header_str(b"request-timeout"))
     )
     traced = request.trace
-    async with cancel_on_disconnect(request.receive):
+    async with cancel_on_disconnect(request):
         result = await service.infer(
             name, served, decoded, deadline, priority_granted, traced.trace_id if traced else ""
         )
