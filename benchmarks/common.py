@@ -451,6 +451,7 @@ class RawClient:
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.path, self.content_type = parts.path, content_type
         self.sock = socket.create_connection((self.host, self.port))
+        self.last_body = b""  # the body of the last answer
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buffer = b""
 
@@ -473,6 +474,7 @@ class RawClient:
             self.buffer = rest
             self._fill()
             rest = self.buffer
+        self.last_body = bytes(rest[:length])
         self.buffer = rest[length:]
         return int(head[9:12])
 
@@ -497,7 +499,8 @@ def raw_latencies(target: Target, count: int, warmup: int = 20) -> list[float]:
             status = client.send(requests[i % len(requests)])
             elapsed = time.perf_counter() - t0
             if status != 200:
-                raise RuntimeError(f"{target.url}: HTTP {status}")
+                said = client.last_body[:300].decode(errors="replace")
+                raise RuntimeError(f"{target.url}: HTTP {status}: {said}")
             if i >= warmup:
                 times.append(elapsed)
         return times
