@@ -329,6 +329,8 @@ class App:
         )
 
     def _authenticate(self, request: HttpRequest) -> None:
+        if not (self.settings.api_keys or self.settings.admin_keys):
+            return  # no keys: every route is open
         parts = [p for p in request.path.split("/") if p]  # as `_route` splits it
         admin = _is_model_control(request.method, parts)
         keys = (
@@ -393,7 +395,7 @@ class App:
             raise NotFound(f"no route for {request.method} {request.path[:200]}")
         method = request.method
         if action == "infer" and method == "POST":
-            granted = self.priority_granted(request.bearer())
+            granted = not self.settings.priority_keys or self.priority_granted(request.bearer())
             await v2_routes.infer(request, self.v2, name, version, granted)
         elif action in ("generate", "generate_stream") and method == "POST":
             if self.generate is None:
