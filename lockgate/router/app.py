@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import time
@@ -50,6 +51,7 @@ from lockgate.protocol.openai import MODEL_VERSION_HEADER
 from lockgate.router.balancer import Balancer
 from lockgate.router.budget import Budget
 from lockgate.router.canary import Canary, CanaryRule
+from lockgate.router.client_connection import HOLD
 from lockgate.router.groups import MAIN, ReplicaGroups
 from lockgate.router.hedge import HedgePolicy
 from lockgate.router.llm_request import EMBEDDINGS_PATH, OPENAI_PATHS, LLMRequest
@@ -62,6 +64,7 @@ from lockgate.router.replica import Replica
 from lockgate.router.route import Route
 from lockgate.router.shadow import Mirror, Shadow, ShadowSettings
 from lockgate.router.sticky import Sticky
+from lockgate.router.tally import Tally
 from lockgate.router.upstream import HOP_BY_HOP, Response, UpstreamError
 from lockgate.router.usage import HiddenUsage, Metered
 
@@ -72,6 +75,11 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 _encode = msgspec.json.Encoder().encode
+# the paths the router answers itself
+_OWN_PATHS = frozenset(
+    {"/v2/health/live", "/health", "/v2/health/ready", "/metrics", "/router/replicas"}
+)
+_STATUS = {status: (str(status),) for status in range(100, 600)}  # label values, made once
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,16 +144,20 @@ class RouterApp:
                 "lockgate_router_rate_limit_clients", "API keys whose buckets are tracked."
             )
             clients.set_function((), lambda: float(len(limiter.clients)))
-        self.requests = registry.counter(
-            "lockgate_router_requests_total",
-            "Requests answered by the router, by status.",
-            ("status",),
+        self.requests = Tally(
+            registry.counter(
+                "lockgate_router_requests_total",
+                "Requests answered by the router, by status.",
+                ("status",),
+            )
         )
-        self.attempts = registry.counter(
-            "lockgate_router_attempts_total",
-            "Requests sent to replicas, by replica and outcome (the replica's status, or "
-            "'error' for no answer).",
-            ("replica", "outcome"),
+        self.attempts = Tally(
+            registry.counter(
+                "lockgate_router_attempts_total",
+                "Requests sent to replicas, by replica and outcome (the replica's status, or "
+                "'error' for no answer).",
+                ("replica", "outcome"),
+            )
         )
         self.retried = registry.counter(
             "lockgate_router_retries_total", "Attempts sent again to another replica."
@@ -185,7 +197,13 @@ class RouterApp:
         if scope["type"] != "http":
             return
         path = scope["path"]
-        if path in ("/v2/health/live", "/health"):
+        if path not in _OWN_PATHS:  # the request goes to a replica
+            arrived = time.monotonic()
+            status = await self._serve(scope, receive, send, arrived)
+            labels = _STATUS.get(status) or (str(status),)
+            self.requests.inc(labels)
+            self.latency.observe(labels, time.monotonic() - arrived)
+        elif path in ("/v2/health/live", "/health"):
             await _json(send, 200, {"live": True})
         elif path == "/v2/health/ready":
             now = time.monotonic()
@@ -194,12 +212,12 @@ class RouterApp:
             await _json(send, 200 if ready else 503, {"ready": ready})
         elif path == "/metrics":
             accept = next((v for k, v in scope["headers"] if k.lower() == b"accept"), b"")
+            for tally in (self.requests, self.attempts, self.model_counts.requests):
+                tally.flush()
             body, content_type = self.registry.exposition(accept.decode("latin-1"))
             await _respond(send, 200, body, content_type.encode())
-        elif path == "/router/replicas":
-            await _json(send, 200, {"replicas": [self._describe(r) for r in self.pool.replicas]})
         else:
-            await self._proxy(scope, receive, send)
+            await _json(send, 200, {"replicas": [self._describe(r) for r in self.pool.replicas]})
 
     def _describe(self, r: Replica) -> dict[str, Any]:
         now = time.monotonic()
@@ -220,6 +238,7 @@ class RouterApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 await self.pool.start()
+                _freeze_heap()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.shadow.close()
@@ -228,14 +247,8 @@ class RouterApp:
                 return
 
     # -- proxying --------------------------------------------------------------------------
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
-        arrived = time.monotonic()
-        status = await self._serve(scope, receive, send, arrived)
-        self.requests.inc((str(status),))
-        self.latency.observe((str(status),), time.monotonic() - arrived)
-
     async def _serve(self, scope: Scope, receive: Receive, send: Send, arrived: float) -> int:
-        headers = [(k.lower(), v) for k, v in scope["headers"]]
+        headers: list[tuple[bytes, bytes]] = scope["headers"]  # names in lower case (ASGI)
         client = self.limits.client(headers, arrived) if self.limits is not None else None
         refusal = client.admit_request(arrived) if client is not None else None
         if refusal is not None:
@@ -293,7 +306,8 @@ class RouterApp:
     ) -> int:
         now = time.monotonic()
         self.retries.request(now)
-        self.hedges.request(now)
+        if self.settings.hedge.enabled:  # the hedge budget is spent only by hedging
+            self.hedges.request(now)
         if self.draining:
             return await _error(send, 503, "router is shutting down", retry_after=1)
         if self.pool.all_full(now):
@@ -348,16 +362,19 @@ class RouterApp:
 
     def _pick(self, route: Route, now: float, exclude: Collection[Replica]) -> Replica | None:
         """The replica for the next try of `route`, of those not in `exclude`."""
-        members = self.groups.members(self.pool.replicas, route.group)
-        usable = [r for r in members if r.usable(now) and r not in exclude]
-        choices = [r for r in usable if not r.full(now)] or usable
+        choices: list[Replica] = []
+        full: list[Replica] = []  # taken only when no other is left
+        for r in self.groups.members(self.pool.replicas, route.group):
+            if r.usable(now) and r not in exclude:
+                (full if r.full(now) else choices).append(r)
+        choices = choices or full
         if not choices:
             return None
         if route.session is not None and self.sticky is not None:
             return self.sticky.pick(route.session, choices)
         if route.llm is not None and route.llm.generates:
             return self.llm_routing.pick(route.llm.prefix, choices)
-        return self.balancer.pick(choices, now)
+        return self.balancer.choose(choices)
 
     def _pick_in(self, group: str) -> Replica | None:
         """A usable replica of `group` (for a shadow's copy)."""
@@ -408,7 +425,7 @@ class RouterApp:
                     last[0].abort()
                 last = (response, replica)
                 continue
-            if model is not None and response.status == 200:
+            if model is not None and response.status == 200 and self.settings.hedge.enabled:
                 self.settings.hedge.observe(model, time.monotonic() - arrived)
             if last is not None:
                 last[0].abort()
@@ -440,8 +457,8 @@ class RouterApp:
                     except BaseException:
                         response.abort()
                         raise
-                    response.chunks.put_nowait(data)
-                    response.chunks.put_nowait(None)
+                    response.put(data)
+                    response.put(None)
             except UpstreamError as exc:
                 self.attempts.inc((replica.url, "error"))
                 self._failed(replica)
@@ -449,8 +466,7 @@ class RouterApp:
         finally:
             replica.in_flight -= 1
         now = time.monotonic()
-        outcome = str(response.status)
-        self.attempts.inc((replica.url, outcome))
+        self.attempts.inc((replica.url, str(response.status)))
         if response.status == 503:
             replica.refused(now, self.pool.health)
         elif response.status >= 500 and response.status != 504:
@@ -518,19 +534,34 @@ class RouterApp:
             headers.append((b"content-length", length))
         if response.status != 200 or length is not None:
             hidden = None  # not a stream: passed on as it is
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        watch = asyncio.create_task(_disconnected(receive, response))
+        start = {"type": "http.response.start", "status": response.status, "headers": headers}
+        if hidden is None and response.at_hand:
+            start[HOLD] = True
+        await send(start)
+        # The client's disconnect is watched only while the answer waits for the replica: an
+        # answer already here whole (most of them) passes on without a task of its own.
+        watch: asyncio.Task[None] | None = None
         try:
-            async for chunk in response.body():
+            while True:
+                if watch is None and response.waiting:
+                    watch = asyncio.create_task(_disconnected(receive, response))
+                chunk = await response.next()
+                if chunk is None:
+                    break
                 for tap in taps:
                     tap.feed(chunk)
                 if hidden is not None and not (chunk := hidden.edit(chunk)):
                     continue
+                if hidden is None and response.ending:  # the last chunk ends the answer too
+                    for tap in taps:
+                        tap.end()
+                    await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                    return response.status
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if hidden is not None and (rest := hidden.rest()):
                 await send({"type": "http.response.body", "body": rest, "more_body": True})
         except UpstreamError as exc:
-            if watch.done():  # the client left: nothing more to do
+            if watch is not None and watch.done():  # the client left: nothing more to do
                 return response.status
             log.warning("router: %s broke off an answer: %s", replica.url, exc)
             raise  # the client's connection closes: it sees the answer cut short
@@ -538,7 +569,8 @@ class RouterApp:
             response.abort()
             raise
         finally:
-            watch.cancel()
+            if watch is not None:
+                watch.cancel()
         for tap in taps:
             tap.end()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -553,6 +585,14 @@ async def _disconnected(receive: Receive, response: Response) -> None:
         if message["type"] == "http.disconnect":
             response.abort()
             return
+
+
+def _freeze_heap() -> None:
+    """Move every object alive after start-up (modules, settings) out of the garbage
+    collector's reach: a full collection would otherwise walk them all with the event loop
+    stopped, and each request leaves a few hundred objects that bring collections on."""
+    gc.collect()
+    gc.freeze()
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
@@ -614,9 +654,8 @@ async def _respond(
     extra: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
-    await send(
-        {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
-    )
+    headers += extra or []
+    await send({"type": "http.response.start", "status": status, "headers": headers, HOLD: True})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -18,9 +18,10 @@ class Balancer:
     ) -> Replica | None:
         usable = [r for r in replicas if r.usable(now) and r not in exclude]
         open_ = [r for r in usable if not r.full(now)]
-        choices = open_ or usable
-        if not choices:
-            return None
+        return self.choose(open_ or usable) if usable else None
+
+    def choose(self, choices: Sequence[Replica]) -> Replica:
+        """Of `choices` (not empty, each usable), the less loaded of two drawn at random."""
         if len(choices) == 1:
             return choices[0]
         a, b = self.random.sample(choices, 2)

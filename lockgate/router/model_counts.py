@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from lockgate.core.metrics import Registry
 from lockgate.router.groups import MAIN
+from lockgate.router.tally import Tally
 
 OTHER = "_other"
 
@@ -14,12 +15,14 @@ class ModelCounts:
     def __init__(self, registry: Registry, max_models: int) -> None:
         self.max_models = max_models
         self.models: set[str] = set()
-        self.requests = registry.counter(
-            "lockgate_router_model_requests_total",
-            "Inference requests by model, version ('latest' when the path, or the OpenAI "
-            "routes' x-lockgate-model-version header, names none), replica group ('main' or a "
-            "label) and status.",
-            ("model", "version", "group", "status"),
+        self.requests = Tally(
+            registry.counter(
+                "lockgate_router_model_requests_total",
+                "Inference requests by model, version ('latest' when the path, or the OpenAI "
+                "routes' x-lockgate-model-version header, names none), replica group ('main' or a "
+                "label) and status.",
+                ("model", "version", "group", "status"),
+            )
         )
 
     def count(self, model: str, version: str | None, group: str, status: int) -> None:

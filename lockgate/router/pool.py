@@ -68,8 +68,13 @@ class ReplicaPool:
 
     def all_full(self, now: float) -> bool:
         """Every usable replica refused within the last moment: shed at once."""
-        usable = [r for r in self.replicas if r.usable(now)]
-        return bool(usable) and all(r.full(now) for r in usable)
+        usable = False
+        for r in self.replicas:
+            if r.usable(now):
+                if not r.full(now):
+                    return False
+                usable = True
+        return usable
 
     async def start(self) -> None:
         if self.discovery.dns:

@@ -1,5 +1,6 @@
-"""Run the router: uvicorn (uvloop, httptools) in front of `RouterApp`, and beside it on the
-same event loop the gRPC front (`grpc_proxy.py`) when a gRPC port is given.
+"""Run the router: uvicorn (uvloop, each connection a `ClientConnection`) in front of
+`RouterApp`, and beside it on the same event loop the gRPC front (`grpc_proxy.py`) when a gRPC
+port is given.
 
 On SIGTERM or SIGINT readiness turns 503 at once (gRPC: health NOT_SERVING, new calls
 UNAVAILABLE), the port closes after `drain_delay` seconds (so a load balancer in front stops
@@ -21,6 +22,7 @@ import uvicorn
 
 from lockgate.core.metrics import Registry
 from lockgate.router.app import RouterApp, RouterSettings
+from lockgate.router.client_connection import ClientConnection
 from lockgate.router.grpc_proxy import GrpcFront, GrpcFrontSettings
 from lockgate.router.pool import Discovery, ReplicaPool
 from lockgate.router.replica import HealthSettings, Replica
@@ -103,7 +105,8 @@ def run(
         host=host,
         port=port,
         loop="uvloop",
-        http="httptools",
+        http=ClientConnection,  # uvicorn's protocol cut to what the router needs
+        proxy_headers=False,  # the router reads no client address: no middleware to pass
         lifespan="on",
         log_level="warning",
         access_log=False,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
         b"host",
         b"content-length",
+        b"expect",  # the body goes with the head; a 100 Continue would pass for the answer
     }
 )
 
@@ -43,12 +45,15 @@ class UpstreamError(Exception):
 
 @dataclass(slots=True)
 class Response:
-    """An answer whose head has arrived; its body arrives in `chunks` (None ends it)."""
+    """An answer whose head has arrived; its body arrives in `parts` (None ends it, an
+    exception breaks it off). A deque and one future, not an `asyncio.Queue`: each answer
+    makes one, and a queue's getters, putters and locks are more than one reader needs."""
 
     status: int
     headers: list[tuple[bytes, bytes]]
-    chunks: asyncio.Queue[bytes | Exception | None] = field(default_factory=asyncio.Queue)
     connection: _Connection | None = None
+    parts: deque[bytes | Exception | None] = field(default_factory=deque)
+    waiter: asyncio.Future[None] | None = None  # the reader, waiting for the next part
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -56,18 +61,51 @@ class Response:
                 return value
         return None
 
+    def put(self, part: bytes | Exception | None) -> None:
+        """The next part of the body (None: the end; an exception: the connection broke)."""
+        self.parts.append(part)
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    @property
+    def waiting(self) -> bool:
+        """Nothing of the body is here to read: the next read waits for the replica."""
+        return not self.parts
+
+    @property
+    def at_hand(self) -> bool:
+        """The body's next part is here, and it is not a broken connection."""
+        return bool(self.parts) and not isinstance(self.parts[0], Exception)
+
+    @property
+    def ending(self) -> bool:
+        """The next part is the end: the body has all been read."""
+        return len(self.parts) == 1 and self.parts[0] is None
+
+    async def next(self) -> bytes | None:
+        """The body's next chunk as it arrives, None at its end; UpstreamError if the
+        connection breaks first."""
+        while not self.parts:
+            waiter = self.waiter = asyncio.get_running_loop().create_future()
+            await waiter
+        part = self.parts.popleft()
+        if isinstance(part, Exception):
+            raise part
+        return part
+
     async def body(self) -> AsyncIterator[bytes]:
         """The body's chunks as they arrive; UpstreamError if the connection breaks first."""
-        while True:
-            chunk = await self.chunks.get()
-            if chunk is None:
-                return
-            if isinstance(chunk, Exception):
-                raise chunk
+        while (chunk := await self.next()) is not None:
             yield chunk
 
     async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self.body()])
+        parts: list[bytes] = []
+        while (chunk := await self.next()) is not None:
+            parts.append(chunk)
+        return b"".join(parts)
 
     def abort(self) -> None:
         """Give up on the rest of the body: the connection closes."""
@@ -117,12 +155,12 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None:
-            self.response.chunks.put_nowait(body)
+            self.response.put(body)
 
     def on_message_complete(self) -> None:
         response, self.response, self.head = self.response, None, None
         if response is not None:
-            response.chunks.put_nowait(None)
+            response.put(None)
             response.connection = None
         if self.parser.should_keep_alive() and not self.closed:
             self.upstream.release(self)
@@ -147,7 +185,7 @@ class _Connection(asyncio.Protocol):
         if self.head is not None and not self.head.done():
             self.head.set_exception(error)
         if self.response is not None:
-            self.response.chunks.put_nowait(error)
+            self.response.put(error)
         self.head = self.response = None
 
 
@@ -174,15 +212,18 @@ class Upstream:
         message = _encode(method, path, self.name, headers, body)
         reused = bool(self.idle)
         connection = self.idle.pop() if reused else await self._connect(connect_timeout)
+        self.busy.add(connection)
         try:
-            return await self._send(connection, message)
+            return await connection.send(message)
         except UpstreamError:
+            connection.abort()
             if not reused or connection.received:
                 raise
+        except BaseException:
+            connection.abort()
+            raise
         # the replica had closed the idle connection: once more, on a new one
-        return await self._send(await self._connect(connect_timeout), message)
-
-    async def _send(self, connection: _Connection, message: bytes) -> Response:
+        connection = await self._connect(connect_timeout)
         self.busy.add(connection)
         try:
             return await connection.send(message)
