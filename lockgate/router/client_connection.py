@@ -10,7 +10,8 @@ writes that wait while the client does not read, `http.disconnect` when the clie
 400 on a request the parser rejects, 500 when the app fails before answering, and uvicorn's
 graceful shutdown (`shutdown`, the server's table of connections and tasks).
 
-Answers carry uvicorn's default headers (`date`, `server`) and are framed as uvicorn frames
+Answers carry uvicorn's default headers (`date`, `server`) unless they bring their own (a
+replica's answer does: each header is sent once), and are framed as uvicorn frames
 them: by their `content-length`, else chunked. An answer's head written with `HOLD` waits for
 the body's first bytes, which the app sends next: both leave in one write (one send on the
 socket, one wake-up of the client, not two). Its headers are checked with two searches in all:
@@ -44,7 +45,7 @@ _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 _BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"date", b"server"})
 
 
 def _status_line(status: int) -> bytes:
@@ -406,10 +407,13 @@ class _Exchange:
         """The status line and headers (ASGI's names are in lower case), framed as uvicorn
         frames them."""
         close = False  # the app's own `connection: close`
+        own: set[bytes] = set()  # default headers the answer brings itself (a replica's)
         for name, value in headers:
             if name not in _FRAMING:
                 continue
-            if name == b"content-length" and self.chunked is None:
+            if name in (b"date", b"server"):
+                own.add(name)
+            elif name == b"content-length" and self.chunked is None:
                 self.left = int(value)
                 self.chunked = False
             elif name == b"transfer-encoding" and value.lower() == b"chunked":
@@ -424,7 +428,12 @@ class _Exchange:
             b"".join([value for _, value in headers])
         ):
             raise RuntimeError("invalid header name or value in the answer")
-        lines = [_STATUS_LINE[status], _DEFAULT_HEAD.of(self.connection.state.default_headers)]
+        defaults = self.connection.state.default_headers
+        if own:  # each header once: the answer's own date and server, not the router's too
+            default = b"".join([b"%s: %s\r\n" % h for h in defaults if h[0] not in own])
+        else:
+            default = _DEFAULT_HEAD.of(defaults)
+        lines = [_STATUS_LINE[status], default]
         lines += [b"%s: %s\r\n" % header for header in headers]
         if not self.keep_alive and not close:
             lines.append(b"connection: close\r\n")

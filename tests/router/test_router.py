@@ -150,6 +150,9 @@ def test_errors_and_metadata_pass_through(router: RunningServer) -> None:
     assert meta.status_code == 200 and meta.json()["name"] == "who"
     replicas = httpx.get(router.url + "/router/replicas").json()["replicas"]
     assert len(replicas) == 3 and all(r["usable"] for r in replicas)
+    for answer in (meta, httpx.get(router.url + "/v2/health/ready")):  # passed on; its own
+        assert len(answer.headers.get_list("date")) == 1, answer.headers
+        assert len(answer.headers.get_list("server")) == 1, answer.headers
 
 
 def test_deadline_is_passed_on(
