@@ -112,16 +112,16 @@ class HttpRequest:
                 raise BadRequest("Content-Length is not an integer") from None
             if size > self.max_body:
                 raise PayloadTooLarge(f"body of {size} bytes is over the limit of {self.max_body}")
-        if self.scope.get("lockgate.body_complete"):  # all in already: nothing to wait for
+        if self.scope.get("lockgate.body_complete"):  # all in already: no timer to wait on
             chunks = await self._read_chunks()
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        try:
-            async with asyncio.timeout(self.body_timeout):
-                chunks = await self._read_chunks()
-        except TimeoutError:
-            raise RequestTimeout(
-                f"request body not received within {self.body_timeout:g} s"
-            ) from None
+        else:
+            try:
+                async with asyncio.timeout(self.body_timeout):
+                    chunks = await self._read_chunks()
+            except TimeoutError:
+                raise RequestTimeout(
+                    f"request body not received within {self.body_timeout:g} s"
+                ) from None
         if len(chunks) == 1:
             return chunks[0]
         return b"".join(chunks)

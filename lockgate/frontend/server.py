@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import fcntl
 import functools
-import gc
 import logging
 import math
 import os
@@ -48,6 +47,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from lockgate.core.heap import freeze_heap
 from lockgate.core.manager import ModelManager, ServingSettings
 from lockgate.core.metrics import Counter, Registry
 from lockgate.frontend.access_log import request_id
@@ -601,16 +601,6 @@ async def load(app: App, options: ServeOptions) -> None:
     freeze_heap()
     app.started = True
     log.info("start-up complete in %.2f s", time.monotonic() - start)
-
-
-def freeze_heap() -> None:
-    """Move every object alive after start-up (modules, models, their weights' wrappers) out
-    of the garbage collector's reach: a full collection otherwise walks them all with the
-    event loop stopped (about 250,000 objects and 110 ms with lockgate's imports on a 2-core
-    machine), and under load full collections come every few seconds. Objects made later
-    are collected as usual."""
-    gc.collect()
-    gc.freeze()
 
 
 async def serve(options: ServeOptions) -> int:

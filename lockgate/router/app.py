@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import math
 import time
@@ -46,6 +45,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from lockgate.core.heap import freeze_heap
 from lockgate.core.metrics import Registry
 from lockgate.protocol.openai import MODEL_VERSION_HEADER
 from lockgate.router.balancer import Balancer
@@ -238,7 +238,7 @@ class RouterApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 await self.pool.start()
-                _freeze_heap()
+                freeze_heap()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.shadow.close()
@@ -585,14 +585,6 @@ async def _disconnected(receive: Receive, response: Response) -> None:
         if message["type"] == "http.disconnect":
             response.abort()
             return
-
-
-def _freeze_heap() -> None:
-    """Move every object alive after start-up (modules, settings) out of the garbage
-    collector's reach: a full collection would otherwise walk them all with the event loop
-    stopped, and each request leaves a few hundred objects that bring collections on."""
-    gc.collect()
-    gc.freeze()
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:

@@ -212,18 +212,15 @@ class Upstream:
         message = _encode(method, path, self.name, headers, body)
         reused = bool(self.idle)
         connection = self.idle.pop() if reused else await self._connect(connect_timeout)
-        self.busy.add(connection)
         try:
-            return await connection.send(message)
+            return await self._send(connection, message)
         except UpstreamError:
-            connection.abort()
             if not reused or connection.received:
                 raise
-        except BaseException:
-            connection.abort()
-            raise
         # the replica had closed the idle connection: once more, on a new one
-        connection = await self._connect(connect_timeout)
+        return await self._send(await self._connect(connect_timeout), message)
+
+    async def _send(self, connection: _Connection, message: bytes) -> Response:
         self.busy.add(connection)
         try:
             return await connection.send(message)
