@@ -11,10 +11,12 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from lockgate.cache.redis_tier import RedisSettings
 from lockgate.cache.response_cache import ResponseCache
@@ -36,12 +38,16 @@ from lockgate.frontend.http import (
     HttpRequest,
     Message,
     Receive,
+    Reply,
     Scope,
     Send,
+    bearer_of,
     error_headers,
+    error_reply,
     respond,
     respond_json,
 )
+from lockgate.frontend.lane import LaneRequest
 from lockgate.frontend.openapi import openapi_document
 from lockgate.frontend.v2_service import V2Service
 from lockgate.protocol import v2_codec
@@ -148,6 +154,8 @@ class App:
         models.registry.gauge(
             "lockgate_http_requests_in_progress", "HTTP requests received and not yet answered."
         ).set_function((), lambda: float(self.in_flight))
+        self.lane_answered = 0  # v2 inference requests answered from the protocol's lane
+        models.registry.register(_LaneCount(self))
         self.http_latency = models.registry.histogram(
             "lockgate_http_request_duration_seconds",
             "Time from the request's first byte to its response headers, by route kind and status.",
@@ -223,6 +231,57 @@ class App:
                 self.access.write(entry)
             if traced is not None and self.tracing is not None:
                 self.tracing.finish_http(traced, status, time.monotonic())
+
+    @property
+    def lane_open(self) -> bool:
+        """Whether v2 inference requests may be answered from the protocol's lane
+        (`frontend/lane.py`): not while each request must leave an access-log line or a
+        trace, which the ASGI path writes."""
+        return not self.access.enabled and self.tracing is None
+
+    async def infer_lane(self, request: LaneRequest) -> Reply:
+        """Answer a v2 inference request from the protocol's lane, as `__call__` would:
+        authentication, priority keys, the same handler core, the same error answers,
+        metrics and headers. Its delay in front (`front_delay`) was told when its head was
+        let through, as for the ASGI path, whose handler starts before the body is read."""
+        self.in_flight += 1
+        self.lane_answered += 1
+        try:
+            reply = await self._lane_reply(request)
+            elapsed = time.monotonic() - request.received
+            self.http_latency.observe(("infer", str(reply.status)), elapsed)
+            rid = request_id(request.headers)
+            load = b"%d" % self.in_flight
+            reply.headers += [(b"x-request-id", rid), (b"x-lockgate-inflight", load)]
+            return reply
+        finally:
+            self.in_flight -= 1
+            if self.answered is not None:
+                self.answered()
+
+    async def _lane_reply(self, request: LaneRequest) -> Reply:
+        def bearer() -> bytes | None:
+            return bearer_of(request.header(b"authorization"))
+
+        try:
+            self.authenticate("POST", request.path, bearer)
+            served = self.v2.served(request.name, request.version)
+            granted = not self.settings.priority_keys or self.priority_granted(bearer())
+            return await v2_routes.infer_reply(
+                self.v2,
+                served,
+                request.name,
+                request.body,
+                request.header(b"inference-header-content-length"),
+                request.header(b"request-timeout"),
+                request.received,
+                granted,
+            )
+        except ServingError as exc:
+            return error_reply(exc)
+        except Exception as exc:
+            log.exception("unhandled error on POST %s", request.path)
+            return error_reply(ServingError(f"internal error: {type(exc).__name__}"))
 
     @staticmethod
     def _access_entry(scope: Scope, rid: bytes, status: int, elapsed: float) -> AccessEntry:
@@ -329,10 +388,15 @@ class App:
         )
 
     def _authenticate(self, request: HttpRequest) -> None:
+        if self.settings.api_keys or self.settings.admin_keys:
+            self.authenticate(request.method, request.path, request.bearer)
+
+    def authenticate(self, method: str, path: str, bearer: Callable[[], bytes | None]) -> None:
+        """Raise 401 or 403 unless the request may use `path`; `bearer` gives its key."""
         if not (self.settings.api_keys or self.settings.admin_keys):
             return  # no keys: every route is open
-        parts = [p for p in request.path.split("/") if p]  # as `_route` splits it
-        admin = _is_model_control(request.method, parts)
+        parts = [p for p in path.split("/") if p]  # as `_route` splits it
+        admin = _is_model_control(method, parts)
         keys = (
             self.settings.admin_keys
             if admin and self.settings.admin_keys
@@ -340,12 +404,12 @@ class App:
         )
         if not keys:
             return
-        public = request.path in self.settings.public_paths
-        if request.path == "/metrics":
+        public = path in self.settings.public_paths
+        if path == "/metrics":
             public = self.settings.metrics_public
         if public and not admin:
             return
-        presented = request.bearer()
+        presented = bearer()
         if presented is None:
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
         if not any(hmac.compare_digest(presented, k.encode()) for k in keys):
@@ -479,6 +543,22 @@ class App:
         if model.latest_ready() is None:
             reason = model.error or self.models._why_not_ready(model)
             raise BadRequest(f"model '{name}' failed to load: {reason}")
+
+
+class _LaneCount:
+    """The lane's count as a Prometheus counter, read at scrape time: the request path adds
+    one to an integer."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+
+    def collect(self) -> Iterable[Metric]:
+        yield CounterMetricFamily(
+            "lockgate_http_lane_requests",
+            "v2 inference requests answered from the HTTP protocol itself, below ASGI "
+            "(their head came whole in one read); the others took the ASGI path.",
+            value=self.app.lane_answered,
+        )
 
 
 def _is_model_control(method: str, parts: list[str]) -> bool:

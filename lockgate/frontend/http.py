@@ -10,12 +10,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from lockgate.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServingError
+from lockgate.protocol.v2_codec import encode_error
 
 if TYPE_CHECKING:
     from lockgate.frontend.otel import RequestTrace
@@ -84,13 +85,7 @@ class HttpRequest:
     def bearer(self) -> bytes | None:
         """The raw token of an `Authorization: Bearer` header (bytes: compared in constant
         time), or None."""
-        value = self.header(b"authorization")
-        if value is None:
-            return None
-        scheme, _, token = value.partition(b" ")
-        if scheme.lower() != b"bearer" or not token.strip():
-            return None
-        return token.strip()
+        return bearer_of(self.header(b"authorization"))
 
     def header_str(self, name: bytes) -> str | None:
         value = self.header(name)
@@ -142,6 +137,36 @@ class HttpRequest:
                 chunks.append(chunk)
             if not message.get("more_body", False):
                 return chunks
+
+
+def bearer_of(authorization: bytes | None) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header's value, or None."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(b" ")
+    if scheme.lower() != b"bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+@dataclass(slots=True)
+class Reply:
+    """A whole response, before any transport has it: what a handler that does not stream
+    answers, written by ASGI (`respond_reply`) or by the protocol's lane (`frontend/lane.py`)."""
+
+    status: int
+    body: bytes
+    content_type: bytes = JSON
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+async def respond_reply(send: Send, reply: Reply) -> None:
+    await respond(send, reply.status, reply.body, reply.content_type, reply.headers)
+
+
+def error_reply(error: ServingError) -> Reply:
+    """A v2 error answer: `{"error": message}` with the error's status and headers."""
+    return Reply(error.status, encode_error(error.message), JSON, error_headers(error))
 
 
 async def respond(

@@ -55,6 +55,7 @@ from lockgate.frontend.app import App, ServerSettings
 from lockgate.frontend.gate import Gate, GateSettings
 from lockgate.frontend.health_port import HealthPort, HealthState
 from lockgate.frontend.http import Disconnect
+from lockgate.frontend.lane import BodiesArriving, Lane, LaneRequest, lane_target, reply_bytes
 from lockgate.protocol.v2_codec import encode_error
 
 log = logging.getLogger("lockgate.server")
@@ -106,6 +107,8 @@ class _Protocol(HttpToolsProtocol):
     gate: Gate
     refusals: Counter
     lockgate_app: App
+    lane_open = False  # v2 inference may be answered below ASGI (`frontend/lane.py`)
+    lane_bodies = BodiesArriving()  # the server's lane requests whose body is still to come
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -124,6 +127,7 @@ class _Protocol(HttpToolsProtocol):
         self.skip = 0  # body bytes of a request refused on arrival still to be dropped
         self.vetted = False  # the head being parsed was already let through on arrival
         self.disconnect = Disconnect()  # tells the handlers on this connection it closed
+        self.lane = Lane()  # the inference request answered below ASGI (`frontend/lane.py`)
 
     # -- connections -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -139,6 +143,9 @@ class _Protocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disconnect.close()
+        if self.lane.task is not None:
+            self.lane.task.cancel("client disconnected")
+        self._lane_body_ended()
         if self.counted:
             self.counted = False
             self.gate.disconnect(self.address)
@@ -174,6 +181,13 @@ class _Protocol(HttpToolsProtocol):
         judged here from the raw bytes (`_arrival`), before the HTTP parser sees any of it: a
         refused one costs a split of its head and a canned answer, and its body is dropped
         as it arrives. Everything else goes to the parser."""
+        if self.lane.task is not None:  # answers leave in order: this waits for the lane's
+            self.lane.held += data
+            self.flow.pause_reading()
+            return
+        if self.lane.waiting is not None:  # the body of the lane's next request
+            self._lane_body(data)
+            return
         if self.skip:
             dropped = min(self.skip, len(data))
             self.skip -= dropped
@@ -233,12 +247,17 @@ class _Protocol(HttpToolsProtocol):
         now = time.monotonic()
         received = self.arrived or now
         path = path_bytes.decode("latin-1")
-        why = self.gate.admit(path, len(self.tasks), now, self.lockgate_app.models.loading > 0)
+        why = self.gate.admit(path, self._in_progress(), now, self.lockgate_app.models.loading > 0)
         error = None
         if why is None:
-            wait = self.gate.loop_cost.wait(len(self.tasks))
+            wait = self.gate.loop_cost.wait(self._in_progress())
             error = self.lockgate_app.early_refusal(b"POST", path, headers, received, wait)
             if error is None:
+                target = lane_target(path) if self.lane_open else None
+                if target is not None and length <= self.lockgate_app.settings.max_body_bytes:
+                    request = LaneRequest(*target, path, headers, b"", received, not close)
+                    self._take_lane(request, length, data[end + 4 :], now)
+                    return len(data)
                 self.vetted = True  # the parser reads the same head next, in this same call
                 self.arrived = received
                 return 0
@@ -268,6 +287,89 @@ class _Protocol(HttpToolsProtocol):
         if pause > 0:
             self._penalize(pause, now)
         return size
+
+    def _in_progress(self) -> int:
+        """Requests let through and not yet answered: ASGI and lane tasks, and lane requests
+        whose body is still arriving."""
+        return len(self.tasks) + self.lane_bodies.count
+
+    # -- the lane ------------------------------------------------------------------------
+    def _take_lane(self, request: LaneRequest, length: int, after_head: bytes, now: float) -> None:
+        """Answer `request` from this protocol (`frontend/lane.py`): at once when its body is
+        in `after_head`, else once the rest of it has arrived."""
+        self.gate.let_through(now)
+        front_delay = self.lockgate_app.front_delay
+        if front_delay is not None:
+            front_delay(now - request.received, now)
+        self._cancel_head_timer()
+        self._unset_keepalive_if_required()
+        self.arrived = 0.0
+        self.lane.wait_for_body(request, length, b"")
+        self._lane_body(after_head)
+        if self.lane.waiting is not None:  # the rest of the body must come in time
+            self.lane_bodies.count += 1
+            timeout = self.lockgate_app.settings.body_timeout_s
+            self.lane.body_timer = self.loop.call_later(timeout, self._lane_body_timed_out)
+
+    def _lane_body(self, data: bytes) -> None:
+        whole, rest = self.lane.feed(data)
+        if whole is None:
+            return
+        self._lane_body_ended()
+        if rest:  # pipelined: read once this one is answered
+            self.lane.held += rest
+            self.flow.pause_reading()
+        self._run_lane(whole)
+
+    def _lane_body_ended(self) -> None:
+        if self.lane.body_timer is not None:  # it was waited for
+            self.lane.body_timer.cancel()
+            self.lane.body_timer = None
+            self.lane_bodies.count -= 1
+
+    def _lane_body_timed_out(self) -> None:
+        self.lane.body_timer = None
+        self.lane.waiting = None
+        self.lane_bodies.count -= 1
+        if not self.transport.is_closing():
+            timeout = self.lockgate_app.settings.body_timeout_s
+            self._write_error(408, f"request body not received within {timeout:g} s", True)
+
+    def _run_lane(self, request: LaneRequest) -> None:
+        """Run `request` in a task of its own, counted with the ASGI ones (the gate's
+        requests in progress, the graceful shutdown)."""
+        task = self.loop.create_task(self._lane(request))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+        self.lane.task = task
+
+    async def _lane(self, request: LaneRequest) -> None:
+        try:
+            reply = await self.lockgate_app.infer_lane(request)
+        finally:
+            self.lane.task = None
+        if self.transport.is_closing():
+            return
+        keep = request.keep_alive and not self.lane.closing
+        self.transport.write(reply_bytes(reply, self.server_state.default_headers, keep))
+        self.server_state.total_requests += 1
+        if not keep:
+            self.transport.close()
+            return
+        held = self.lane.take_held()
+        self.flow.resume_reading()
+        if held:
+            self.data_received(held)
+        else:
+            self._keep_alive()
+
+    def shutdown(self) -> None:
+        """The server is stopping: a connection whose request is on the lane (its body
+        arriving, or running) closes once it is answered; others as uvicorn closes them."""
+        if self.lane.task is not None or self.lane.waiting is not None:
+            self.lane.closing = True
+            return
+        super().shutdown()
 
     def _keep_alive(self) -> None:
         """An idle keep-alive connection closes after uvicorn's keep-alive timeout."""
@@ -305,13 +407,13 @@ class _Protocol(HttpToolsProtocol):
         elif self.cycle is None or self.cycle.response_complete:  # not behind a pipelined one
             path = self.url.partition(b"?")[0].decode("latin-1")
             loading = self.lockgate_app.models.loading > 0
-            why = self.gate.admit(path, len(self.tasks), time.monotonic(), loading)
+            why = self.gate.admit(path, self._in_progress(), time.monotonic(), loading)
             if why is not None:
                 self.refusals.inc((why,))
                 self._refuse(_SATURATED, self.gate.retry_after(time.monotonic()), why, path)
                 return
             method = self.parser.get_method()
-            wait = self.gate.loop_cost.wait(len(self.tasks))
+            wait = self.gate.loop_cost.wait(self._in_progress())
             error = self.lockgate_app.early_refusal(method, path, self.headers, self.received, wait)
             if error is not None:
                 self.refusals.inc(("model_admission",))
@@ -449,6 +551,8 @@ def _protocol_class(
         "gate": gate,
         "refusals": refusals,
         "lockgate_app": app,
+        "lane_open": app.lane_open,
+        "lane_bodies": BodiesArriving(),
     }
     return type("LockgateHttpProtocol", (_Protocol,), attributes)
 

@@ -5,10 +5,23 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
-from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond, respond_json
+from lockgate.core.manager import ServedVersion
+from lockgate.frontend.http import (
+    JSON,
+    HttpRequest,
+    Reply,
+    cancel_on_disconnect,
+    respond,
+    respond_json,
+    respond_reply,
+)
 from lockgate.frontend.v2_service import SERVER_METADATA, Deadline, V2Service, timeout_header
 from lockgate.protocol import v2_codec, v2_metadata
+
+if TYPE_CHECKING:
+    from lockgate.frontend.otel import RequestTrace
 
 SERVER_METADATA_JSON = v2_metadata.encode(SERVER_METADATA)
 
@@ -22,22 +35,47 @@ async def infer(
 ) -> None:
     served = service.served(name, version_text)  # 404 before the body is read
     body = await request.body()
+    async with cancel_on_disconnect(request):
+        reply = await infer_reply(
+            service,
+            served,
+            name,
+            body,
+            request.header(b"inference-header-content-length"),
+            request.header(b"request-timeout"),
+            request.received,
+            priority_granted,
+            request.trace,
+        )
+    await respond_reply(request.send, reply)
+
+
+async def infer_reply(
+    service: V2Service,
+    served: ServedVersion,
+    name: str,
+    body: bytes,
+    header_length: bytes | None,
+    timeout: bytes | None,
+    received: float,
+    priority_granted: bool = True,
+    traced: RequestTrace | None = None,
+) -> Reply:
+    """Decode, run and encode one v2 inference request whose body is in: the answer of both
+    the ASGI route above and the protocol's lane (`frontend/lane.py`). `header_length` and
+    `timeout` are the raw `Inference-Header-Content-Length` and `Request-Timeout` headers."""
     decoded = v2_codec.decode_infer_request(
         body,
-        request.header_str(b"inference-header-content-length"),
+        None if header_length is None else header_length.decode("latin-1"),
         check=functools.partial(service.check_declared, served),  # before any data is decoded
     )
-    deadline = Deadline(
-        request.received, header_seconds=timeout_header(request.header_str(b"request-timeout"))
-    )
-    traced = request.trace
-    async with cancel_on_disconnect(request):
-        result = await service.infer(
-            name, served, decoded, deadline, priority_granted, traced.trace_id if traced else ""
-        )
+    seconds = timeout_header(None if timeout is None else timeout.decode("latin-1"))
+    deadline = Deadline(received, header_seconds=seconds)
+    trace_id = traced.trace_id if traced else ""
+    result = await service.infer(name, served, decoded, deadline, priority_granted, trace_id)
     if traced is not None and result.request is not None:
         traced.requests.append(result.request)
-    payload, header_length = v2_codec.encode_infer_response(
+    payload, json_length = v2_codec.encode_infer_response(
         model_name=name,
         model_version=str(result.served.version),
         request_id=decoded.id,
@@ -47,11 +85,10 @@ async def infer(
         datatypes=result.output_datatypes,
         parameters=result.parameters,
     )
-    if header_length is None:
-        await respond(request.send, 200, payload, headers=result.headers)
-        return
-    headers = [(b"inference-header-content-length", str(header_length).encode())]
-    await respond(request.send, 200, payload, b"application/octet-stream", headers + result.headers)
+    if json_length is None:
+        return Reply(200, payload, JSON, result.headers)
+    headers = [(b"inference-header-content-length", b"%d" % json_length), *result.headers]
+    return Reply(200, payload, b"application/octet-stream", headers)
 
 
 async def model_ready(
