@@ -219,15 +219,23 @@ class Batcher:
 
     def _dispatch_now(self, request: InferRequest, now: float) -> bool:
         """The fast path: nothing queued, an instance idle and no window to wait for. The
-        request runs at once, on the event loop when the model is cheap enough."""
+        request starts at once on the instance's thread.
+
+        A batch cheap enough to run on the event loop is queued instead, for the batcher's
+        task to form on the loop's next turn: with no window it waits for nothing, yet takes
+        every request that arrived in the same turn. Run at once, each would be a batch of its
+        own, and under load the per-batch cost then takes the core: digits_onnx at 32
+        connections ran batches of 1 row at about 255 µs of CPU per request, against about
+        170 µs for batches of 11 formed on the next turn (README, "Operating under load")."""
         if self.queued_rows or not self.free or self._task is None:
             return False
         cap, window = self.cap_and_window(now)
         if window > 0 and request.rows < cap:
             return False
-        instance = self.free.popleft()
         batch = Batch([request], request.rows)
-        self._start(instance, batch)
+        if request.rows < cap and self._inline(self.free[0], batch):
+            return False
+        self._start(self.free.popleft(), batch)
         return True
 
     def _admit(self, request: InferRequest, now: float) -> None:
