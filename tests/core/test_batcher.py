@@ -506,3 +506,50 @@ def test_an_idle_model_refuses_early_only_for_the_loop_work_ahead() -> None:
     late = batcher.early_refusal(now, None, now, loop_wait=0.045)  # 45 + 2 ms > 80% of 50
     assert late is not None and "would miss its deadline" in late.message
     assert batcher.early_refusal(now, 1.0, now + 0.002, loop_wait=0.045) is None  # 1 s budget
+
+
+@dataclass
+class CountingCheapBackend(CheapBackend):
+    """CheapBackend that also records each batch's rows."""
+
+    sizes: list[int] = field(default_factory=list)
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        self.sizes.append(len(inputs["x"]))
+        return super().infer(inputs)
+
+
+def test_requests_of_one_loop_turn_share_an_inline_batch_with_no_window() -> None:
+    """With no window to wait for (an SLO at light load), a model cheap enough for the loop
+    still batches: requests submitted in the same turn of the event loop form one batch on
+    the next turn, and a request alone is not held for company."""
+    backend = CountingCheapBackend()
+    profile = ServiceProfile(8)
+    for rows in (1, 2, 4, 8):
+        profile.observe(rows, 0.00002 * rows)
+    batcher = Batcher(
+        make_config(max_batch_size=8, slo_ms=50),
+        1,
+        [Instance("m-1-0", backend)],
+        ServingMetrics.create(Registry()),
+        profile,
+        AdmissionSettings(),
+    )
+    loop_thread = threading.current_thread().name
+
+    async def body() -> None:
+        for rows in range(1, 9):  # each size timed once on the thread: then it may run inline
+            await batcher.submit(request(0.0, rows=rows))
+        assert batcher.cap_and_window(time.monotonic())[1] == 0.0  # no window
+        backend.sizes.clear()
+        backend.threads.clear()
+        started = time.monotonic()
+        await batcher.submit(request(1.0))  # alone: runs on the next turn, not after a window
+        assert time.monotonic() - started < 0.005
+        assert backend.sizes == [1]
+        answers = await asyncio.gather(*(batcher.submit(request(float(v))) for v in range(6)))
+        assert backend.sizes == [1, 6]  # one batch for the six submitted in one turn
+        assert [float(a["y"][0, 0]) for a in answers] == [2.0 * v for v in range(6)]
+        assert set(backend.threads) == {loop_thread}
+
+    run(lambda: closing(batcher, body))
