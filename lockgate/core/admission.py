@@ -24,6 +24,7 @@ around it.)
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -51,6 +52,9 @@ class QueueState:
     cap: int  # the batch cap B* in rows
     free_at: tuple[float, ...]  # when each healthy instance takes its next batch, ascending
     capacity: float  # rows per second all instances serve at the cap
+
+
+_ERROR = operator.itemgetter(1)  # of a calibration entry (when, error)
 
 
 @dataclass(slots=True)
@@ -89,7 +93,7 @@ class Calibration:
         if not self.errors:
             self.margin = 0.0
             return
-        ordered = sorted(error for _, error in self.errors)
+        ordered = sorted(map(_ERROR, self.errors))  # (map: no Python frame per error)
         q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
         self.margin = max(0.0, q)
 

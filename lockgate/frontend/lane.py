@@ -20,15 +20,15 @@ every request while the access log or tracing is on, take the ASGI path.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from lockgate.frontend.http import Reply
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LaneRequest:
-    """A v2 inference request whose head and body are in, as split on arrival."""
+    """A v2 inference request as split on arrival; `body` is set once it is all in."""
 
     name: str  # the model
     version: str | None  # from /versions/{v}/, else None
@@ -78,10 +78,10 @@ class Lane:
         if len(self.body) < self.length:
             return None, b""
         request, rest = self.waiting, bytes(self.body[self.length :])
-        body = bytes(self.body[: self.length])
+        request.body = bytes(self.body[: self.length])
         self.waiting = None
         self.body.clear()
-        return replace(request, body=body), rest
+        return request, rest
 
     def take_held(self) -> bytes:
         held = bytes(self.held)

@@ -304,22 +304,26 @@ class _Protocol(HttpToolsProtocol):
         self._cancel_head_timer()
         self._unset_keepalive_if_required()
         self.arrived = 0.0
-        self.lane.wait_for_body(request, length, b"")
-        self._lane_body(after_head)
-        if self.lane.waiting is not None:  # the rest of the body must come in time
-            self.lane_bodies.count += 1
-            timeout = self.lockgate_app.settings.body_timeout_s
-            self.lane.body_timer = self.loop.call_later(timeout, self._lane_body_timed_out)
+        if len(after_head) >= length:  # the body came with its head (the common case)
+            request.body = after_head[:length]
+            self._start_lane(request, after_head[length:])
+            return
+        self.lane.wait_for_body(request, length, after_head)
+        self.lane_bodies.count += 1
+        timeout = self.lockgate_app.settings.body_timeout_s
+        self.lane.body_timer = self.loop.call_later(timeout, self._lane_body_timed_out)
 
     def _lane_body(self, data: bytes) -> None:
         whole, rest = self.lane.feed(data)
-        if whole is None:
-            return
-        self._lane_body_ended()
+        if whole is not None:
+            self._lane_body_ended()
+            self._start_lane(whole, rest)
+
+    def _start_lane(self, request: LaneRequest, rest: bytes) -> None:
         if rest:  # pipelined: read once this one is answered
             self.lane.held += rest
             self.flow.pause_reading()
-        self._run_lane(whole)
+        self._run_lane(request)
 
     def _lane_body_ended(self) -> None:
         if self.lane.body_timer is not None:  # it was waited for
