@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -83,6 +84,42 @@ class Batch:
         return parts
 
 
+@dataclass(slots=True)
+class NextTurn:
+    """Whether a batch cheap enough for the event loop is worth forming on the loop's next
+    turn rather than at once. Pure: the caller gives times.
+
+    Formed on the next turn, a batch takes every request that arrived in the same turn and
+    shares the per-batch cost; it also waits for the rest of the turn and the next one's
+    reads. With 32 connections on digits_onnx that wait is a millisecond or two and the batch
+    holds about 11 rows; in a retry storm a turn is thousands of refusals, and waiting for it
+    made the admitted requests late, so admission refused nearly everything. So the wait is
+    measured, and the next turn is taken only while it stays under `share` of the SLO. A
+    measure older than `stale_s` is taken again (one request waits a turn to tell)."""
+
+    share: float = 0.1  # of the SLO a turn's wait may take
+    stale_s: float = 1.0
+    weight: float = 0.3  # of a new measure in the running average
+    wait: float = 0.0  # seconds from a deferred request to its batch's start, on average
+    measured: float = -math.inf  # when `wait` was last measured
+    since: float | None = None  # when the oldest request now deferred was
+
+    def worth_it(self, now: float, slo: float | None) -> bool:
+        if slo is None:  # no SLO to spend: a batch at once, as `max_queue_delay_us: 0` asks
+            return False
+        return now - self.measured > self.stale_s or self.wait <= self.share * slo
+
+    def deferred(self, now: float) -> None:
+        if self.since is None:
+            self.since = now
+
+    def formed(self, now: float) -> None:
+        """A batch is formed: what the deferred request at its head waited."""
+        if self.since is not None:
+            self.wait += self.weight * (now - self.since - self.wait)
+            self.measured, self.since = now, None
+
+
 EARLY_REFUSAL_REUSE_S = 0.001
 
 
@@ -142,6 +179,7 @@ class Batcher:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._refused: EarlyRefusal | None = None  # the last early refusal, while it holds
+        self.next_turn = NextTurn()  # whether a cheap batch waits for the loop's next turn
         self._idle.set()
         self._depth_fn = lambda: float(self.queued_rows)
         self._inflight_fn = lambda: float(self._inflight)
@@ -219,21 +257,27 @@ class Batcher:
 
     def _dispatch_now(self, request: InferRequest, now: float) -> bool:
         """The fast path: nothing queued, an instance idle and no window to wait for. The
-        request starts at once on the instance's thread.
+        request starts at once.
 
-        A batch cheap enough to run on the event loop is queued instead, for the batcher's
-        task to form on the loop's next turn: with no window it waits for nothing, yet takes
-        every request that arrived in the same turn. Run at once, each would be a batch of its
-        own, and under load the per-batch cost then takes the core: digits_onnx at 32
-        connections ran batches of 1 row at about 255 µs of CPU per request, against about
-        170 µs for batches of 11 formed on the next turn (README, "Operating under load")."""
+        A batch cheap enough to run on the event loop is queued instead while the loop's
+        turns are short (`NextTurn`), for the batcher's task to form on the loop's next turn:
+        with no window it waits for nothing, yet takes every request that arrived in the same
+        turn. Run at once, each would be a batch of its own, and under load the per-batch cost
+        then takes the core: digits_onnx at 32 connections ran batches of 1 row at about
+        255 µs of CPU per request, against about 170 µs for batches of 11 formed on the next
+        turn (docs/dynamic-batching.md)."""
         if self.queued_rows or not self.free or self._task is None:
             return False
         cap, window = self.cap_and_window(now)
         if window > 0 and request.rows < cap:
             return False
         batch = Batch([request], request.rows)
-        if request.rows < cap and self._inline(self.free[0], batch):
+        if (
+            request.rows < cap
+            and self.next_turn.worth_it(now, self.slo)
+            and self._inline(self.free[0], batch)
+        ):
+            self.next_turn.deferred(now)
             return False
         self._start(self.free.popleft(), batch)
         return True
@@ -378,6 +422,7 @@ class Batcher:
                         await asyncio.wait_for(self._wake.wait(), wait)
                     continue  # look again: the batch may be full, or the window spent
             batch = self._form(cap, now)
+            self.next_turn.formed(now)
             if batch is not None:
                 self._start(self.free.popleft(), batch)
 

@@ -14,7 +14,7 @@ import pytest
 from lockgate.backends.base import Arrays
 from lockgate.config import DynamicBatching, ModelConfig, TensorSpec
 from lockgate.core.admission import AdmissionSettings
-from lockgate.core.batcher import Batcher
+from lockgate.core.batcher import Batcher, NextTurn
 from lockgate.core.metrics import Registry
 from lockgate.core.request import InferRequest
 from lockgate.core.runner import Instance
@@ -553,3 +553,23 @@ def test_requests_of_one_loop_turn_share_an_inline_batch_with_no_window() -> Non
         assert set(backend.threads) == {loop_thread}
 
     run(lambda: closing(batcher, body))
+
+
+def test_the_next_turn_is_taken_only_while_turns_are_short() -> None:
+    """A turn that kept deferred requests waiting over a tenth of the SLO (a loop busy with a
+    storm of refusals) sends the next cheap batch at once; a stale measure is taken again."""
+    turn = NextTurn()
+    assert not turn.worth_it(0.0, None)  # no SLO: at once, as max_queue_delay_us 0 asks
+    assert turn.worth_it(0.0, 0.050)  # nothing measured yet: measure
+    turn.deferred(10.0)
+    turn.deferred(10.001)  # the oldest deferred request counts
+    turn.formed(10.030)  # it waited 30 ms for its batch
+    assert turn.wait == pytest.approx(0.3 * 0.030)
+    for start in (10.1, 10.2, 10.3):
+        turn.deferred(start)
+        turn.formed(start + 0.030)
+    assert not turn.worth_it(10.4, 0.050)  # about 23 ms on average: over 5 ms
+    assert turn.worth_it(10.4, 0.500)  # a tenth of a 500 ms SLO allows it
+    assert turn.worth_it(11.5, 0.050)  # over a second old: measured again
+    turn.formed(11.6)  # a batch formed with nothing deferred measures nothing
+    assert turn.measured == pytest.approx(10.33)
