@@ -260,6 +260,27 @@ def llm_server(
     assert server.stop() == 0, server.log()[-2000:]
 
 
+CACHED_LLM = "SmolLM2-cached"  # the served name of `cached_llm_server`'s SmolLM2
+
+
+@pytest.fixture(scope="session")
+def cached_llm_server(
+    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """SmolLM2 with its response cache on, served as CACHED_LLM: one server for the cache's
+    tests, each of which asks prompts of its own and reads counters as deltas."""
+    parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", "dtype": "float32"}
+    repo = smollm2_repository(
+        demo_repo,
+        tmp_path_factory.mktemp("cached-llm-repo"),
+        {**parameters, "served_model_name": CACHED_LLM},
+        {"response_cache": {"enable": True, "ttl_s": 600}},
+    )
+    running = start_server(repo, tmp_path_factory.mktemp("cached-llm"), ready_timeout=600)
+    yield running
+    assert running.stop() == 0, running.log()[-2000:]
+
+
 def digits_rows(n: int) -> np.ndarray:
     from sklearn.datasets import load_digits
 

@@ -8,6 +8,7 @@ the line that broke the rule.
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,13 +78,15 @@ def imports_of(path: Path) -> list[Import]:
     return [i for i in found if i.target.startswith("lockgate")]
 
 
-def all_imports() -> list[Import]:
-    return [
+@functools.cache
+def all_imports() -> tuple[Import, ...]:
+    """Every lockgate import in the package, read once for all the tests below."""
+    return tuple(
         i
         for path in sorted(ROOT.rglob("*.py"))
         if module_name(path) not in GENERATED
         for i in imports_of(path)
-    ]
+    )
 
 
 def package_of(module: str) -> str:

@@ -4,30 +4,19 @@ official `openai` client."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import RunningServer, smollm2_repository, start_server
+from tests.conftest import CACHED_LLM, RunningServer
 
-MODEL = "SmolLM2-cached"
+MODEL = CACHED_LLM  # a served name of its own: the generate routes take the repository's
 
 
 @pytest.fixture(scope="module")
-def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", "dtype": "float32"}
-    repo = smollm2_repository(
-        demo_repo,
-        tmp_path_factory.mktemp("cached-llm-repo"),
-        {**parameters, "served_model_name": MODEL},
-        {"response_cache": {"enable": True, "ttl_s": 600}},
-    )
-    running = start_server(repo, tmp_path_factory.mktemp("cached-llm"), ready_timeout=600)
-    yield running
-    assert running.stop() == 0, running.log()[-2000:]
+def server(cached_llm_server: RunningServer) -> RunningServer:
+    return cached_llm_server
 
 
 @pytest.fixture(scope="module")

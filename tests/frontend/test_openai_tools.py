@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
-from tests.conftest import RunningServer, smollm2_repository, start_server
+from tests.conftest import CACHED_LLM, RunningServer
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER: dict[str, Any] = {
@@ -60,10 +58,11 @@ def chat(
     client: openai.OpenAI,
     messages: list[dict[str, Any]] = ASK,
     max_tokens: int = 48,
+    model: str = MODEL,
     **extra: Any,
 ) -> Any:
     return client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, **extra
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, **extra
     )
 
 
@@ -140,7 +139,11 @@ def test_none_answers_content_and_leaves_the_tools_out_of_the_prompt(
 
 
 def test_streamed_calls_reassemble_to_the_whole_answers_calls(client: openai.OpenAI) -> None:
-    asked = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    asked: dict[str, Any] = {
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+    }
     whole = chat(client, **asked)
     chunks = list(chat(client, stream=True, **asked))
     content, calls, reason = reassembled(chunks)
@@ -325,34 +328,22 @@ def test_tools_are_refused_on_completions(client: openai.OpenAI) -> None:
         )
 
 
-@pytest.fixture(scope="module")
-def cached(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """SmolLM2 with its response cache on."""
-    parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", "dtype": "float32"}
-    repo = smollm2_repository(
-        demo_repo,
-        tmp_path_factory.mktemp("tools-cached-repo"),
-        parameters,
-        {"response_cache": {"enable": True, "ttl_s": 600}},
-    )
-    running = start_server(repo, tmp_path_factory.mktemp("tools-cached"), ready_timeout=600)
-    yield running
-    assert running.stop() == 0, running.log()[-2000:]
-
-
-def test_a_cached_answer_is_read_for_calls_as_a_generated_one(cached: RunningServer) -> None:
-    client = cached.openai_client()
-    asked = {"tools": [WEATHER], "extra_body": written(WRITTEN), "max_tokens": 80}
-    first = chat(client, **asked)
+def test_a_cached_answer_is_read_for_calls_as_a_generated_one(
+    cached_llm_server: RunningServer,
+) -> None:
+    """On SmolLM2 with its response cache on."""
+    client = cached_llm_server.openai_client()
+    asked: dict[str, Any] = {"tools": [WEATHER], "extra_body": written(WRITTEN), "max_tokens": 80}
+    first = chat(client, model=CACHED_LLM, **asked)
     again = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=ASK, temperature=0, **asked
+        model=CACHED_LLM, messages=ASK, temperature=0, **asked
     )
     assert again.headers.get("x-lockgate-cache") == "hit"
     hit = again.parse().choices[0]
     assert calls_of(hit.message) == calls_of(first.choices[0].message) != []
     assert (hit.message.content, hit.finish_reason) == ("Let me check.", "tool_calls")
     streamed = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=ASK, temperature=0, stream=True, **asked
+        model=CACHED_LLM, messages=ASK, temperature=0, stream=True, **asked
     )
     assert streamed.headers.get("x-lockgate-cache") == "hit"
     chunks = list(streamed.parse())
