@@ -46,11 +46,11 @@ from lockgate.frontend.http import (
     error_reply,
     respond,
     respond_json,
+    respond_reply,
 )
 from lockgate.frontend.lane import LaneRequest
 from lockgate.frontend.openapi import openapi_document
 from lockgate.frontend.v2_service import V2Service
-from lockgate.protocol import v2_codec
 from lockgate.protocol.openai import OpenAILimits
 
 if TYPE_CHECKING:
@@ -360,12 +360,7 @@ class App:
             payload = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
             await respond_json(request.send, exc.status, payload, error_headers(exc))
         else:
-            await respond(
-                request.send,
-                exc.status,
-                v2_codec.encode_error(exc.message),
-                headers=error_headers(exc),
-            )
+            await respond_reply(request.send, error_reply(exc))
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -50,19 +50,29 @@ def exchange(server: RunningServer, data: bytes, *, half_close: bool = False) ->
 
 
 def read_response(sock: socket.socket) -> RawResponse:
+    return read_responses(sock, 1)[0]
+
+
+def read_responses(sock: socket.socket, count: int) -> list[RawResponse]:
+    """`count` answers from one connection, read in order from the same buffer."""
     buffer = b""
-    while b"\r\n\r\n" not in buffer:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed without a response (got {buffer[:200]!r})"
-        buffer += chunk
-    head, _, body = buffer.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
-    while len(body) < int(headers.get("content-length", "0")):
-        chunk = sock.recv(65536)
-        assert chunk, "connection closed in the middle of the response body"
-        body += chunk
-    return RawResponse(int(lines[0].split()[1]), headers, body)
+    answers = []
+    while len(answers) < count:
+        while b"\r\n\r\n" not in buffer:
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed without a response (got {buffer[:200]!r})"
+            buffer += chunk
+        head, _, body = buffer.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        length = int(headers.get("content-length", "0"))
+        while len(body) < length:
+            chunk = sock.recv(65536)
+            assert chunk, "connection closed in the middle of the response body"
+            body += chunk
+        answers.append(RawResponse(int(lines[0].split()[1]), headers, body[:length]))
+        buffer = body[length:]
+    return answers
 
 
 def request_bytes(method: str, path: str, body: bytes = b"", *extra: str) -> bytes:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import RunningServer, digits_rows, start_server
-from tests.frontend.test_hostile_input import RawResponse, read_response
+from tests.frontend.test_hostile_input import RawResponse, read_response, read_responses
 
 INFER = "/v2/models/digits_onnx/infer"
 PAUSE = 0.05  # between writes, so the server reads them apart
@@ -166,28 +166,6 @@ def test_a_body_in_pieces_and_pipelined_requests_keep_their_order(
     assert [a.status for a in answers] == [200] * len(ids), [a.body[:200] for a in answers]
     assert [json.loads(a.body)["id"] for a in answers] == ids
     assert lane_count(server) == before + 1 + len(ids)
-
-
-def read_responses(sock: socket.socket, count: int) -> list[RawResponse]:
-    """`count` answers from one connection, read in order from the same buffer."""
-    buffer = b""
-    answers = []
-    while len(answers) < count:
-        while b"\r\n\r\n" not in buffer:
-            chunk = sock.recv(65536)
-            assert chunk, f"closed after {len(answers)} answers"
-            buffer += chunk
-        head, _, rest = buffer.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
-        length = int(headers["content-length"])
-        while len(rest) < length:
-            chunk = sock.recv(65536)
-            assert chunk, "closed in the middle of an answer"
-            rest += chunk
-        answers.append(RawResponse(int(lines[0].split()[1]), headers, rest[:length]))
-        buffer = rest[length:]
-    return answers
 
 
 def test_a_disconnect_cancels_the_running_request(server: RunningServer) -> None:
