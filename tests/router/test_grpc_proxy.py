@@ -189,7 +189,8 @@ def test_a_stream_whose_client_never_reads_is_held_back(
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if name in line)
 
     async def write_and_never_read() -> int:
-        options = [("grpc.max_receive_message_length", -1)]
+        # (no BDP probe: the client's windows stay at their default, and so do its buffers)
+        options = [("grpc.max_receive_message_length", -1), ("grpc.http2.bdp_probe", 0)]
         async with grpc.aio.insecure_channel(one.address, options=options) as channel:
             call = channel.stream_stream(f"/{SERVICE}/ModelStreamInfer")()
             written = 0
@@ -230,13 +231,22 @@ def test_the_deadline_is_passed_on(
                 counted[outcome] += float(line.rsplit(" ", 1)[1])
         return counted
 
+    def running() -> float:
+        text = httpx.get(replica.url + "/metrics").text
+        name = 'lockgate_inflight_requests{model="slow"'
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if name in line)
+
     try:
         client = one.client()
+        for _ in range(2):  # the replica measures what `slow` costs (its warmup never sleeps)
+            client.infer("slow", x_input(), client_timeout=30)
         before = outcomes()
         for _ in range(2):
             busy = threading.Thread(target=client.infer, args=("slow", x_input()))
             busy.start()  # the slow model runs 300 ms and queues one request at most
-            time.sleep(0.05)
+            waited = time.monotonic() + 5
+            while running() < 1 and time.monotonic() < waited:
+                time.sleep(0.01)  # the busy call has reached the replica
             with pytest.raises(InferenceServerException) as caught:
                 client.infer("slow", x_input(), client_timeout=0.1)
             status = caught.value.status()
