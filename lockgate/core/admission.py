@@ -116,11 +116,10 @@ class Admission:
         rows = queue.rows_ahead + request.rows
         k = max(1, math.ceil(rows / cap))  # the request rides in the k-th batch
         n = len(queue.free_at)
-        start = max(now, queue.free_at[(k - 1) % n]) + ((k - 1) // n) * self.profile.service_time(
-            cap
-        )
+        late = self.profile.late_time  # batches ahead and its own, planned as slow ones
+        start = max(now, queue.free_at[(k - 1) % n]) + ((k - 1) // n) * late(cap)
         own = min(cap, max(request.rows, rows - (k - 1) * cap))
-        return start + self.profile.service_time(own)
+        return start + late(own)
 
     def check(
         self, request: InferRequest, now: float, queue: QueueState, delay: float = 0.0

@@ -327,6 +327,7 @@ class ModelManager:
         sizes = _profile_sizes(config.max_batch_size) if config.batching else [1]
         with self._profiling:
             self._profile(instances[0], config, sizes, profile)
+        profile.seal()  # traffic's own batches replace what synthetic inputs measured
 
     def _profile(
         self, instance: Instance, config: ModelConfig, sizes: list[int], profile: ServiceProfile

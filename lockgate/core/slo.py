@@ -14,9 +14,22 @@ The rule, for a model with a latency SLO (all times in seconds):
   from samples divided by the scale, when they are within `band` of the prediction. Batches
   are timed by the wall clock, so whatever slows them (the event loop's own CPU on a shared
   core, another process, longer inputs) is in the scale.
-- The batch cap B* is the largest B ≤ max_batch_size with 2·T(B) ≤ SLO. A request that
+- Warmup's T(B) is provisional. Warmup runs synthetic inputs (for text, a few words), and a
+  model whose cost grows with its inputs (a text encoder on sentences ten times longer) can
+  cost ten times the warmup's figure at B = 8 and only three times at B = 1: a shape the scale
+  cannot fix. Once warmup ends (`seal`), traffic's first batches at a size replace warmup's
+  figure for it (the median of its first `settle` batches), and while traffic has measured
+  any size, sizes it has not measured are predicted from those it has: between two of them
+  by a straight line, above the largest, B* by B, as rows·(its time per row). That
+  overestimates a batch that amortises a fixed cost, so the cap grows only as batches of the
+  larger size are measured, never past what traffic has shown.
+- Batches of one size vary with their inputs. The ratios of the last 64 batches' times to
+  their predictions give `tail`, their 90th percentile over their median (1 to 3): how much
+  longer a slow batch runs. `late_time(B)` = T(B)·tail is what admission plans the batches
+  ahead of a request with, and its own.
+- The batch cap B* is the largest B ≤ max_batch_size with 2·T(B)·tail ≤ SLO. A request that
   arrives just as a batch of B* starts waits at most T(B*) for it and then T(B*) for its
-  own batch, so a full batch still meets the SLO.
+  own batch, so a full batch still meets the SLO, slow batches included.
 - The window: with arrival rate λ, a batch of B forms in about (B−1)/λ, so the expected
   latency is L ≈ (B−1)/(2λ) + T(B). The batcher holds an idle instance for a window
   w = min(SLO − 2·T(B*), √(T(1)/λ)) only when λ·T(1) ≥ 1, that is, when batch-1 service
@@ -28,6 +41,7 @@ The rule, for a model with a latency SLO (all times in seconds):
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -54,7 +68,16 @@ class ServiceProfile:
     scale: float = 1.0  # current service time / the slow average
     scaled_at: float | None = None  # when the scale last moved
     ratios: deque[float] = field(default_factory=lambda: deque([1.0, 1.0], maxlen=3))
-    # batch_cap's last answer: (slo, scale, fit_a, fit_b, observations, sizes) -> cap. Asked
+    settle: int = 3  # traffic's first batches at a size whose median replaces warmup's figure
+    sealed: bool = False  # warmup ended: traffic's figures replace warmup's
+    traffic: set[int] = field(default_factory=set)  # sizes traffic has measured
+    measured: list[int] = field(default_factory=list)  # the same, ascending
+    first: dict[int, list[float]] = field(default_factory=dict)  # traffic's first, unscaled
+    tail_quantile: float = 0.9  # of recent batches' ratios, for `tail`
+    spread: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # recent ratios
+    tail: float = 1.0  # that quantile over their median: how much slower a slow batch runs
+    _spread_since: int = 0
+    # batch_cap's last answer: (slo, scale, tail, fit_a, fit_b, observations, sizes) -> cap. Asked
     # for every request (and every refusal) but changed only by a batch.
     _cap_key: tuple[float, ...] = ()
     _cap: int = 1
@@ -66,6 +89,9 @@ class ServiceProfile:
         a page fault) counts as `outlier` times the average, so one stall cannot move it far.
         The scale follows a lasting change within about a second."""
         now = time.monotonic() if now is None else now
+        if self.sealed and (batch_size not in self.traffic or batch_size in self.first):
+            self._settle(batch_size, seconds)
+            return
         old = self.times.get(batch_size)
         if old is None:
             self.times[batch_size] = seconds / self.scale
@@ -81,9 +107,36 @@ class ServiceProfile:
         if self.observations % self.refit_every == 0:
             self.refit()
 
+    def seal(self) -> None:
+        """Warmup ended: what it measured is provisional until traffic measures it."""
+        self.sealed = True
+        self._cap_key = ()
+
+    def _settle(self, batch_size: int, seconds: float) -> None:
+        """One of traffic's first batches at a size: the median of them so far is its figure.
+        The scale holds (the gap from warmup's figure is the shape, not the load)."""
+        samples = self.first.setdefault(batch_size, [])
+        samples.append(seconds / self.scale)
+        self.times[batch_size] = statistics.median(samples)
+        if batch_size not in self.traffic:
+            self.traffic.add(batch_size)
+            self.measured = sorted(self.traffic)
+        if len(samples) >= self.settle:
+            del self.first[batch_size]
+        self.observations += 1
+        self.refit()
+
     def _rescale(self, ratio: float, now: float) -> None:
         """`ratio`: a batch's measured time over what the profile predicted for it."""
         self.ratios.append(ratio)
+        self.spread.append(ratio)
+        self._spread_since += 1
+        if self._spread_since >= 8:
+            self._spread_since = 0
+            ordered = sorted(self.spread)
+            if len(ordered) >= 16:
+                high = ordered[int(self.tail_quantile * (len(ordered) - 1))]
+                self.tail = min(3.0, max(1.0, high / ordered[len(ordered) // 2]))
         median = sorted(self.ratios)[len(self.ratios) // 2]
         weight = 1.0
         if self.scaled_at is not None:
@@ -105,27 +158,80 @@ class ServiceProfile:
 
     def service_time(self, batch_size: int) -> float:
         """T(B) under the current load: the scale times the average (or the fit)."""
+        if self.traffic and batch_size not in self.traffic:
+            return self.scale * self._from_traffic(batch_size)
         measured = self.times.get(batch_size)
         if measured is not None:
             return self.scale * measured
         return self.scale * (self.fit_a + self.fit_b * batch_size)
 
+    def late_time(self, batch_size: int) -> float:
+        """T(B) for a slow batch of recent ones (`tail` times the typical): what a request
+        queued behind it, or a cap that must hold in the tail, plans with."""
+        return self.service_time(batch_size) * self.tail
+
+    def _from_traffic(self, batch_size: int) -> float:
+        """Unscaled T(B) at a size traffic has not measured, from the sizes it has."""
+        sizes, times = self.measured, self.times
+        top = sizes[-1]
+        if batch_size > top:
+            return times[top] * batch_size / top  # its time per row: never less
+        above = next(s for s in sizes if s > batch_size)
+        below = [s for s in sizes if s < batch_size]
+        if not below:
+            return times[above]
+        low = below[-1]
+        share = (batch_size - low) / (above - low)
+        return times[low] + share * (times[above] - times[low])
+
     def batch_cap(self, slo: float) -> int:
-        """The largest B with 2·T(B) ≤ SLO (at least 1)."""
-        key = (slo, self.scale, self.fit_a, self.fit_b, self.observations, len(self.times))
+        """The largest B with 2·T(B)·tail ≤ SLO (at least 1)."""
+        key = (
+            slo,
+            self.scale,
+            self.tail,
+            self.fit_a,
+            self.fit_b,
+            self.observations,
+            len(self.times),
+        )
         if key != self._cap_key:
             self._cap_key = key
             self._cap = self._batch_cap(slo)
         return self._cap
 
     def _batch_cap(self, slo: float) -> int:
+        if self.traffic:
+            return self._cap_from_traffic(slo)
         # service_time(b) for every b, inlined: this runs after every batch
-        scale, a, b, times = self.scale, self.fit_a, self.fit_b, self.times
+        scale, a, b, times = self.scale * self.tail, self.fit_a, self.fit_b, self.times
         cap = 1
         for size in range(1, self.max_batch_size + 1):
             measured = times.get(size)
             base = a + b * size if measured is None else measured
             if 2 * (scale * base) <= slo:
+                cap = size
+        return cap
+
+    def _cap_from_traffic(self, slo: float) -> int:
+        # _from_traffic(b) for every b, inlined: this runs after every batch
+        sizes, times = self.measured, self.times
+        limit = slo / (2 * self.scale * self.tail)
+        top = sizes[-1]
+        cap, i = 1, 0  # sizes[i]: the smallest measured size >= size
+        for size in range(1, self.max_batch_size + 1):
+            if size > top:
+                base = times[top] * size / top
+            else:
+                while sizes[i] < size:
+                    i += 1
+                above = sizes[i]
+                if above == size or i == 0:
+                    base = times[above]
+                else:
+                    low = sizes[i - 1]
+                    base = times[low] + (size - low) / (above - low) * (times[above] - times[low])
+            if base <= limit:
                 cap = size
         return cap
 

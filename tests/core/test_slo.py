@@ -126,3 +126,66 @@ def test_rate_meter_counts_rows() -> None:
         now += 0.02
         meter.add(8, now)
     assert meter.current(now) == pytest.approx(400.0, rel=0.05)
+
+
+def warm_then_sealed() -> ServiceProfile:
+    """Warmup measured short synthetic inputs: 1 ms + 0.1 ms a row at 1, 2, 4, ... 32."""
+    profile = ServiceProfile(32)
+    for size in (1, 2, 4, 8, 16, 32):
+        profile.observe(size, 0.001 + 0.0001 * size, now=0.0)
+    profile.seal()
+    return profile
+
+
+def test_traffic_replaces_warmups_shape_and_extrapolates_per_row() -> None:
+    """A text encoder: warmup's few words cost 1.1 ms at B = 1 and 4.2 ms at B = 32, real
+    sentences 27 ms a row. Once traffic has measured B = 1, no larger batch is predicted
+    cheaper than 27 ms a row, so the cap for a 500 ms SLO is 9 (2·9·27 ms ≤ 500 ms), not 32."""
+    profile = warm_then_sealed()
+    assert profile.batch_cap(0.5) == 32  # warmup alone: every size looks cheap
+    for i in range(3):
+        profile.observe(1, 0.027, now=0.1 * i)
+    assert profile.scale == 1.0  # the gap from warmup was the shape, not the load
+    assert profile.service_time(1) == pytest.approx(0.027)
+    assert profile.service_time(8) == pytest.approx(8 * 0.027)
+    assert profile.batch_cap(0.5) == 9
+    profile.observe(8, 0.160, now=1.0)  # traffic measures 8 rows: 20 ms a row
+    assert profile.service_time(8) == pytest.approx(0.160)
+    assert profile.service_time(4) == pytest.approx(0.027 + 3 / 7 * (0.160 - 0.027))
+    assert profile.service_time(12) == pytest.approx(12 * 0.020)
+    assert profile.batch_cap(0.5) == 12
+
+
+def test_traffics_first_batches_at_a_size_settle_on_their_median() -> None:
+    profile = warm_then_sealed()
+    profile.observe(2, 0.050, now=0.0)
+    profile.observe(2, 0.500, now=0.1)  # a stall among the first: the median holds
+    profile.observe(2, 0.052, now=0.2)
+    assert profile.service_time(2) == pytest.approx(0.052)
+    assert 2 not in profile.first  # settled: from now on the running average
+    profile.observe(2, 0.053, now=0.3)
+    assert profile.service_time(2) == pytest.approx(0.052 + 0.1 * (0.053 - 0.052))
+
+
+def test_an_unsealed_profile_keeps_its_fit() -> None:
+    """Without `seal` (tests, the compute profile) new sizes join the fit as before."""
+    profile = linear_profile(32, sizes=(1, 32))
+    profile.observe(4, A + 4 * B)
+    assert not profile.traffic
+    assert profile.service_time(10) == pytest.approx(A + 10 * B)
+
+
+def test_tail_is_the_spread_of_recent_batches() -> None:
+    """Batches whose inputs vary (sentences of 30 to 90 words): one in five runs 1.5 times the
+    typical. Queued work and the cap plan with the slow ones."""
+    profile = linear_profile(32)
+    assert profile.tail == 1.0
+    cap_before = profile.batch_cap(0.020)
+    now = 0.0
+    for i in range(64):
+        now += 0.05
+        profile.observe(4, (1.5 if i % 5 == 0 else 1.0) * (A + 4 * B), now=now)
+    assert 1.3 <= profile.tail <= 1.6
+    assert profile.late_time(4) == pytest.approx(profile.service_time(4) * profile.tail)
+    assert 2 * profile.late_time(profile.batch_cap(0.020)) <= 0.020
+    assert profile.batch_cap(0.020) < cap_before

@@ -391,9 +391,9 @@ def hogged_minilm(
 
 
 def test_cpu_bound_model_beside_a_cpu_hog_keeps_its_slo(hogged_minilm: RunningServer) -> None:
-    """minilm at three times the capacity it has with another process burning its core: most
-    requests it admits finish well inside the SLO, the rest are refused at once, no client
-    times out, nothing is lost, and goodput holds at half the capacity or more."""
+    """minilm at three times the capacity it has with another process burning its core: the
+    requests it admits finish inside the SLO, the rest are refused at once, no client times
+    out, nothing is lost, and goodput holds at half the capacity or more."""
     server = hogged_minilm
     bodies = minilm_bodies(200)
 
@@ -413,10 +413,12 @@ def test_cpu_bound_model_beside_a_cpu_hog_keeps_its_slo(hogged_minilm: RunningSe
     assert len(result.outcomes) == result.sent, report
     assert after - before == result.sent, f"server answered {after - before}; {report}"
     assert result.count(503) > 0, report  # the overload was real
-    # Beside a process that takes half the core, the tail is not yet inside the SLO (p95
-    # 0.4-0.8 s, p99 0.6-0.9 s measured): the test holds the median and the goodput, and the
-    # report keeps the tail in view.
+    # Beside a process that takes half the core: p99 0.41-0.49 s measured (0.6-0.9 s while
+    # warmup's three-word T(B) set the cap, and batches were planned at their average). The
+    # p95 is held to the SLO, the p99 within a fifth of it, as this machine is shared.
     assert result.p50(200) <= MINILM_SLO_S / 2, report
+    assert float(np.percentile(result.latencies(200), 95)) <= MINILM_SLO_S, report
+    assert result.p99(200) <= 1.2 * MINILM_SLO_S, report
     assert result.goodput(MINILM_SLO_S) >= 0.5 * measured, report
 
 
