@@ -8,7 +8,11 @@ Retry-After, instead of being queued to time out.
 The prediction follows the batcher: queued rows leave in batches of the cap B*, each taking
 T(B*), handed to instances as they free up. The request rides in batch k = ⌈(ahead+rows)/B*⌉;
 with n instances whose next free times are f_0 ≤ f_1 ≤ … ≤ f_{n-1}, batch k starts at
-about f_{(k-1) mod n} + ⌊(k-1)/n⌋·T(B*) and the request finishes T(its batch) later.
+about f_{(k-1) mod n} + ⌊(k-1)/n⌋·T(B*) and the request finishes T(its batch) later. Batches
+of one size vary with their inputs: the profile's `tail` says how much longer a slow one runs
+(1.5: half as long again), and the prediction adds (tail − 1) times the batches' times summed
+in quadrature (the rest of the running batch, those ahead, its own), since a slow batch among
+many is diluted and one alone is not.
 
 The prediction is then checked against what happens: every admitted request records how much
 longer it took than predicted. The calibration margin is a high quantile
@@ -116,10 +120,15 @@ class Admission:
         rows = queue.rows_ahead + request.rows
         k = max(1, math.ceil(rows / cap))  # the request rides in the k-th batch
         n = len(queue.free_at)
-        late = self.profile.late_time  # batches ahead and its own, planned as slow ones
-        start = max(now, queue.free_at[(k - 1) % n]) + ((k - 1) // n) * late(cap)
-        own = min(cap, max(request.rows, rows - (k - 1) * cap))
-        return start + late(own)
+        free = queue.free_at[(k - 1) % n]
+        ahead = (k - 1) // n  # full batches between that instance's next and its own
+        t_cap = self.profile.service_time(cap)
+        own = self.profile.service_time(min(cap, max(request.rows, rows - (k - 1) * cap)))
+        # Planned as slow batches: each runs up to `tail` times the typical, and the excess of
+        # several independent batches adds in quadrature (a long queue averages it out).
+        waiting = max(0.0, free - now)
+        spread = math.sqrt(waiting * waiting + ahead * t_cap * t_cap + own * own)
+        return max(now, free) + ahead * t_cap + own + (self.profile.tail - 1.0) * spread
 
     def check(
         self, request: InferRequest, now: float, queue: QueueState, delay: float = 0.0

@@ -367,7 +367,7 @@ class Batcher:
         batch = self.running.get(instance)
         if batch is None:
             return now
-        return max(now, batch.started + self.profile.late_time(batch.rows))
+        return max(now, batch.started + self.profile.service_time(batch.rows))
 
     def _rows_ahead(self, level: int) -> int:
         if level >= self.levels:  # every level counts (and with one level, always)

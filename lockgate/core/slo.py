@@ -25,8 +25,7 @@ The rule, for a model with a latency SLO (all times in seconds):
   larger size are measured, never past what traffic has shown.
 - Batches of one size vary with their inputs. The ratios of the last 64 batches' times to
   their predictions give `tail`, their 90th percentile over their median (1 to 3): how much
-  longer a slow batch runs. `late_time(B)` = T(B)·tail is what admission plans the batches
-  ahead of a request with, and its own.
+  longer a slow batch runs. Admission plans with it (see `admission`).
 - The batch cap B* is the largest B ≤ max_batch_size with 2·T(B)·tail ≤ SLO. A request that
   arrives just as a batch of B* starts waits at most T(B*) for it and then T(B*) for its
   own batch, so a full batch still meets the SLO, slow batches included.
@@ -164,11 +163,6 @@ class ServiceProfile:
         if measured is not None:
             return self.scale * measured
         return self.scale * (self.fit_a + self.fit_b * batch_size)
-
-    def late_time(self, batch_size: int) -> float:
-        """T(B) for a slow batch of recent ones (`tail` times the typical): what a request
-        queued behind it, or a cap that must hold in the tail, plans with."""
-        return self.service_time(batch_size) * self.tail
 
     def _from_traffic(self, batch_size: int) -> float:
         """Unscaled T(B) at a size traffic has not measured, from the sizes it has."""

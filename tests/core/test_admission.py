@@ -50,6 +50,19 @@ def test_prediction_spreads_batches_over_instances() -> None:
     assert finish(request(rows=3), NOW, state(13, two)) == pytest.approx(NOW + 0.010 + 2 * T)
 
 
+def test_slow_batches_are_planned_and_diluted_over_a_long_queue() -> None:
+    """With tail 1.5 a lone batch is planned at 1.5·T; behind nine full batches the excess is
+    0.5·T·√10 (independent batches add in quadrature), not 0.5·10·T."""
+    profile = constant_profile()
+    profile.tail = 1.5
+    finish = Admission(AdmissionSettings(), profile).predicted_finish
+    assert finish(request(), NOW, state(0)) == pytest.approx(NOW + 1.5 * T)
+    assert finish(request(), NOW, state(36)) == pytest.approx(NOW + 10 * T + 0.5 * T * 10**0.5)
+    running = (NOW + 0.010,)  # the rest of the running batch counts as one more
+    expected = NOW + 0.010 + T + 0.5 * (0.010**2 + T**2) ** 0.5
+    assert finish(request(), NOW, state(0, running)) == pytest.approx(expected)
+
+
 def test_refuses_what_would_miss_and_admits_what_fits() -> None:
     admission = Admission(AdmissionSettings(), constant_profile())
     assert admission.check(request(budget=0.05), NOW, state(4)) is None  # 40 ms ≤ 0.9·50 ms
