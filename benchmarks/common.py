@@ -230,6 +230,11 @@ def start_server(
     log_path = work / f"{name}-{port}.log"
     if pinned:
         command = pin_command(command, SERVER_CORE)
+    elif shutil.which("taskset") is not None and _CORES_AT_START:
+        # every core this run started with: a child inherits this process's affinity, and
+        # pin_client() may have narrowed it to the client's core
+        cores = ",".join(str(c) for c in sorted(_CORES_AT_START))
+        command = ["taskset", "-c", cores, *command]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     server = Server(name, process, port, log_path)
