@@ -24,8 +24,8 @@ The rule, for a model with a latency SLO (all times in seconds):
   overestimates a batch that amortises a fixed cost, so the cap grows only as batches of the
   larger size are measured, never past what traffic has shown.
 - Batches of one size vary with their inputs. The ratios of the last 64 batches' times to
-  their predictions give `tail`, their 90th percentile over their median (1 to 3): how much
-  longer a slow batch runs. Admission plans with it (see `admission`).
+  their predictions give `tail`, their 90th percentile over their median (1 to 3), each
+  batch weighed by its time: how much longer a slow batch runs. Admission plans with it (see `admission`).
 - The batch cap B* is the largest B ≤ max_batch_size with 2·T(B)·tail ≤ SLO. A request that
   arrives just as a batch of B* starts waits at most T(B*) for it and then T(B*) for its
   own batch, so a full batch still meets the SLO, slow batches included.
@@ -73,7 +73,8 @@ class ServiceProfile:
     measured: list[int] = field(default_factory=list)  # the same, ascending
     first: dict[int, list[float]] = field(default_factory=dict)  # traffic's first, unscaled
     tail_quantile: float = 0.9  # of recent batches' ratios, for `tail`
-    spread: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # recent ratios
+    # recent batches' (ratio, seconds): the tail weighs each by its time
+    spread: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
     tail: float = 1.0  # that quantile over their median: how much slower a slow batch runs
     _spread_since: int = 0
     # batch_cap's last answer: (slo, scale, tail, fit_a, fit_b, observations, sizes) -> cap. Asked
@@ -97,6 +98,7 @@ class ServiceProfile:
             self.refit()
             return
         ratio = seconds / (self.scale * old) if old > 0 else 1.0
+        self._spread(ratio, seconds)
         self._rescale(ratio, now)
         if not 1 / self.band <= ratio <= self.band:
             return  # a stall or a change of load: the scale's to follow, not the shape's
@@ -125,17 +127,35 @@ class ServiceProfile:
         self.observations += 1
         self.refit()
 
+    def _spread(self, ratio: float, seconds: float) -> None:
+        """Keep the tail current: the time-weighted `tail_quantile` of recent batches' ratios
+        over their time-weighted median. Weighed by time, the jitter of sub-millisecond
+        batches (a loop turn's work in the measured cycle) does not count as the spread of the
+        batches that hold the queue's time."""
+        self.spread.append((ratio, seconds))
+        self._spread_since += 1
+        if self._spread_since < 8 or len(self.spread) < 16:
+            return
+        self._spread_since = 0
+        ordered = sorted(self.spread)
+        total = sum(seconds for _, seconds in ordered)
+        if total <= 0:
+            return
+        median: float | None = None
+        high, seen = ordered[-1][0], 0.0
+        for ratio_i, seconds_i in ordered:
+            seen += seconds_i
+            if median is None and seen >= 0.5 * total:
+                median = ratio_i
+            if seen >= self.tail_quantile * total:
+                high = ratio_i
+                break
+        if median:
+            self.tail = min(3.0, max(1.0, high / median))
+
     def _rescale(self, ratio: float, now: float) -> None:
         """`ratio`: a batch's measured time over what the profile predicted for it."""
         self.ratios.append(ratio)
-        self.spread.append(ratio)
-        self._spread_since += 1
-        if self._spread_since >= 8:
-            self._spread_since = 0
-            ordered = sorted(self.spread)
-            if len(ordered) >= 16:
-                high = ordered[int(self.tail_quantile * (len(ordered) - 1))]
-                self.tail = min(3.0, max(1.0, high / ordered[len(ordered) // 2]))
         median = sorted(self.ratios)[len(self.ratios) // 2]
         weight = 1.0
         if self.scaled_at is not None:

@@ -188,3 +188,17 @@ def test_tail_is_the_spread_of_recent_batches() -> None:
     assert 1.3 <= profile.tail <= 1.6
     assert 2 * profile.service_time(profile.batch_cap(0.020)) * profile.tail <= 0.020
     assert profile.batch_cap(0.020) < cap_before
+
+
+def test_the_jitter_of_tiny_batches_does_not_make_a_tail() -> None:
+    """One batch in four is one row, a tenth of the time of a full one, and runs three times
+    its prediction (a loop turn's work in the cycle); full batches are steady. Counted one
+    batch each, a quarter of them would be three times slow; weighed by time, the tail stays
+    that of the full batches."""
+    profile = linear_profile(32)
+    now = 0.0
+    for i in range(64):
+        now += 0.05
+        size, factor = (1, 3.0) if i % 4 == 0 else (32, 1.0)
+        profile.observe(size, factor * (A + B * size), now=now)
+    assert profile.tail < 1.2
