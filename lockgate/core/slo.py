@@ -25,7 +25,8 @@ The rule, for a model with a latency SLO (all times in seconds):
   larger size are measured, never past what traffic has shown.
 - Batches of one size vary with their inputs. The ratios of the last 64 batches' times to
   their predictions give `tail`, their 90th percentile over their median (1 to 3), each
-  batch weighed by its time: how much longer a slow batch runs. Admission plans with it (see `admission`).
+  batch weighed by its time: how much longer a slow batch runs. Admission plans with it
+  (see `admission`).
 - The batch cap B* is the largest B ≤ max_batch_size with 2·T(B)·tail ≤ SLO. A request that
   arrives just as a batch of B* starts waits at most T(B*) for it and then T(B*) for its
   own batch, so a full batch still meets the SLO, slow batches included.
