@@ -8,7 +8,8 @@ Retry-After, instead of being queued to time out.
 The prediction follows the batcher: queued rows leave in batches of the cap B*, each taking
 T(B*), handed to instances as they free up. The request rides in batch k = ⌈(ahead+rows)/B*⌉;
 with n instances whose next free times are f_0 ≤ f_1 ≤ … ≤ f_{n-1}, batch k starts at
-about f_{(k-1) mod n} + ⌊(k-1)/n⌋·T(B*) and the request finishes T(its batch) later. Batches
+about f_{(k-1) mod n} + ⌊(k-1)/n⌋·T(B*) and the request finishes T(its batch) later: T(B*)
+when it has to wait, since requests admitted after it join its batch until it leaves. Batches
 of one size vary with their inputs: the profile's `tail` says how much longer a slow one runs
 (1.5: half as long again), and the prediction adds (tail − 1) times the batches' times summed
 in quadrature (the rest of the running batch, those ahead, its own), since a slow batch among
@@ -123,7 +124,12 @@ class Admission:
         free = queue.free_at[(k - 1) % n]
         ahead = (k - 1) // n  # full batches between that instance's next and its own
         t_cap = self.profile.service_time(cap)
-        own = self.profile.service_time(min(cap, max(request.rows, rows - (k - 1) * cap)))
+        if k > 1 or free > now:
+            # it waits: requests admitted after it join its batch until the batch leaves, so
+            # the batch it rides in is planned full
+            own = t_cap
+        else:
+            own = self.profile.service_time(min(cap, max(request.rows, rows - (k - 1) * cap)))
         # Planned as slow batches: each runs up to `tail` times the typical, and the excess of
         # several independent batches adds in quadrature (a long queue averages it out).
         waiting = max(0.0, free - now)

@@ -63,6 +63,20 @@ def test_slow_batches_are_planned_and_diluted_over_a_long_queue() -> None:
     assert finish(request(), NOW, state(0, running)) == pytest.approx(expected)
 
 
+def test_a_request_that_waits_plans_its_batch_full() -> None:
+    """T(B) = 5 ms a row, cap 4. Alone on an idle instance a one-row request is one row's
+    time; behind a busy instance requests admitted after it fill its batch before it leaves,
+    so its batch is planned at the cap."""
+    profile = ServiceProfile(4)
+    for size in (1, 2, 4):
+        profile.observe(size, 0.005 * size)
+    finish = Admission(AdmissionSettings(), profile).predicted_finish
+    assert finish(request(), NOW, state(0)) == pytest.approx(NOW + 0.005)
+    busy = (NOW + 0.010,)
+    assert finish(request(), NOW, state(0, busy)) == pytest.approx(NOW + 0.010 + 0.020)
+    assert finish(request(), NOW, state(5)) == pytest.approx(NOW + 0.020 + 0.020)
+
+
 def test_refuses_what_would_miss_and_admits_what_fits() -> None:
     admission = Admission(AdmissionSettings(), constant_profile())
     assert admission.check(request(budget=0.05), NOW, state(4)) is None  # 40 ms ≤ 0.9·50 ms
