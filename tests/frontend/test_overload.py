@@ -415,8 +415,9 @@ def test_cpu_bound_model_beside_a_cpu_hog_keeps_its_slo(hogged_minilm: RunningSe
     assert result.count(503) > 0, report  # the overload was real
     # Beside a process that takes half the core: p99 0.41-0.49 s measured (0.6-0.9 s while
     # warmup's three-word T(B) set the cap, and batches were planned at their average). The
-    # p95 is held to the SLO, the p99 within a fifth of it, as this machine is shared.
-    assert result.p50(200) <= MINILM_SLO_S / 2, report
+    # p95 is held to the SLO, the p99 within a fifth of it, as this machine is shared. (The
+    # median is not held to half the SLO: admission now fills the SLO with full batches, and
+    # it measured 0.12-0.28 s.)
     assert float(np.percentile(result.latencies(200), 95)) <= MINILM_SLO_S, report
     assert result.p99(200) <= 1.2 * MINILM_SLO_S, report
     assert result.goodput(MINILM_SLO_S) >= 0.5 * measured, report
