@@ -124,12 +124,9 @@ class Admission:
         free = queue.free_at[(k - 1) % n]
         ahead = (k - 1) // n  # full batches between that instance's next and its own
         t_cap = self.profile.service_time(cap)
-        if k > 1 or free > now:
-            # it waits: requests admitted after it join its batch until the batch leaves, so
-            # the batch it rides in is planned full
-            own = t_cap
-        else:
-            own = self.profile.service_time(min(cap, max(request.rows, rows - (k - 1) * cap)))
+        # If it waits, requests admitted after it join its batch until the batch leaves, so
+        # the batch it rides in is planned full; if not, it is the first batch: all it holds.
+        own = t_cap if k > 1 or free > now else self.profile.service_time(rows)
         # Planned as slow batches: each runs up to `tail` times the typical, and the excess of
         # several independent batches adds in quadrature (a long queue averages it out).
         waiting = max(0.0, free - now)

@@ -40,6 +40,7 @@ The rule, for a model with a latency SLO (all times in seconds):
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import time
@@ -112,7 +113,6 @@ class ServiceProfile:
     def seal(self) -> None:
         """Warmup ended: what it measured is provisional until traffic measures it."""
         self.sealed = True
-        self._cap_key = ()
 
     def _settle(self, batch_size: int, seconds: float) -> None:
         """One of traffic's first batches at a size: the median of them so far is its figure.
@@ -188,14 +188,14 @@ class ServiceProfile:
     def _from_traffic(self, batch_size: int) -> float:
         """Unscaled T(B) at a size traffic has not measured, from the sizes it has."""
         sizes, times = self.measured, self.times
-        top = sizes[-1]
-        if batch_size > top:
+        i = bisect.bisect_left(sizes, batch_size)  # sizes[i]: the smallest measured above it
+        if i == len(sizes):
+            top = sizes[-1]
             return times[top] * batch_size / top  # its time per row: never less
-        above = next(s for s in sizes if s > batch_size)
-        below = [s for s in sizes if s < batch_size]
-        if not below:
+        above = sizes[i]
+        if i == 0:
             return times[above]
-        low = below[-1]
+        low = sizes[i - 1]
         share = (batch_size - low) / (above - low)
         return times[low] + share * (times[above] - times[low])
 
