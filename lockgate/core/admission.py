@@ -7,6 +7,7 @@ Retry-After, instead of being queued to time out.
 
 The prediction follows the batcher: queued rows leave in batches of the cap B*, each taking
 T(B*), handed to instances as they free up. The request rides in batch k = ⌈(ahead+rows)/B*⌉;
+(the first batch, when it is not full, leaves no sooner than its batching window allows);
 with n instances whose next free times are f_0 ≤ f_1 ≤ … ≤ f_{n-1}, batch k starts at
 about f_{(k-1) mod n} + ⌊(k-1)/n⌋·T(B*) and the request finishes T(its batch) later: T(B*)
 when it has to wait, since requests admitted after it join its batch until it leaves. Batches
@@ -57,6 +58,9 @@ class QueueState:
     cap: int  # the batch cap B* in rows
     free_at: tuple[float, ...]  # when each healthy instance takes its next batch, ascending
     capacity: float  # rows per second all instances serve at the cap
+    # When a batch that is not full may leave at the earliest: an idle instance holds a
+    # partial batch until the oldest request's batching window is spent (0: it leaves at once)
+    opens: float = 0.0
 
 
 _ERROR = operator.itemgetter(1)  # of a calibration entry (when, error)
@@ -124,12 +128,15 @@ class Admission:
         free = queue.free_at[(k - 1) % n]
         ahead = (k - 1) // n  # full batches between that instance's next and its own
         t_cap = self.profile.service_time(cap)
+        # The running batch's rest varies with its inputs; a window held open does not.
+        waiting = max(0.0, free - now)
+        if k == 1 and queue.opens > free:  # its batch, not full, is held for its window
+            free = queue.opens
         # If it waits, requests admitted after it join its batch until the batch leaves, so
         # the batch it rides in is planned full; if not, it is the first batch: all it holds.
         own = t_cap if k > 1 or free > now else self.profile.service_time(rows)
         # Planned as slow batches: each runs up to `tail` times the typical, and the excess of
         # several independent batches adds in quadrature (a long queue averages it out).
-        waiting = max(0.0, free - now)
         spread = math.sqrt(waiting * waiting + ahead * t_cap * t_cap + own * own)
         return max(now, free) + ahead * t_cap + own + (self.profile.tail - 1.0) * spread
 

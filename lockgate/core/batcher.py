@@ -358,9 +358,13 @@ class Batcher:
 
     def queue_state(self, level: int, now: float) -> QueueState:
         """The queue as a request of priority `level` arriving now would find it."""
-        cap, _ = self.cap_and_window(now)
+        cap, window = self.cap_and_window(now)
         free_at = sorted(self._free_at(i, now) for i in self.instances if i.healthy)
-        return QueueState(self._rows_ahead(level), cap, tuple(free_at), self._capacity())
+        opens = 0.0
+        if window > 0 and self.queued_rows < cap and not self._preferred_reached():
+            oldest = self._oldest()  # a partial batch is held until its window is spent
+            opens = (oldest.arrival if oldest is not None else now) + window
+        return QueueState(self._rows_ahead(level), cap, tuple(free_at), self._capacity(), opens)
 
     def _free_at(self, instance: Instance, now: float) -> float:
         """When the instance should take its next batch, from the profile as it is now."""

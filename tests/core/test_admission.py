@@ -77,6 +77,22 @@ def test_a_request_that_waits_plans_its_batch_full() -> None:
     assert finish(request(), NOW, state(5)) == pytest.approx(NOW + 0.020 + 0.020)
 
 
+def test_a_batch_held_for_its_window_leaves_when_the_window_is_spent() -> None:
+    """T(B) = 5 ms a row, cap 4. Three rows wait on an idle instance, which holds them until
+    the oldest one's window ends 15 ms from now: a request joining them leaves then, and its
+    batch is planned full. A request behind a full batch does not wait for any window."""
+    profile = ServiceProfile(4)
+    for size in (1, 2, 4):
+        profile.observe(size, 0.005 * size)
+    finish = Admission(AdmissionSettings(), profile).predicted_finish
+    held = QueueState(2, 4, (NOW,), capacity=800.0, opens=NOW + 0.015)
+    assert finish(request(), NOW, held) == pytest.approx(NOW + 0.015 + 0.020)
+    full = QueueState(4, 4, (NOW,), capacity=800.0, opens=NOW + 0.015)
+    assert finish(request(), NOW, full) == pytest.approx(NOW + 0.020 + 0.020)
+    spent = QueueState(2, 4, (NOW,), capacity=800.0, opens=NOW - 0.001)
+    assert finish(request(), NOW, spent) == pytest.approx(NOW + 0.015)
+
+
 def test_refuses_what_would_miss_and_admits_what_fits() -> None:
     admission = Admission(AdmissionSettings(), constant_profile())
     assert admission.check(request(budget=0.05), NOW, state(4)) is None  # 40 ms ≤ 0.9·50 ms

@@ -573,3 +573,33 @@ def test_the_next_turn_is_taken_only_while_turns_are_short() -> None:
     assert turn.worth_it(11.5, 0.050)  # over a second old: measured again
     turn.formed(11.6)  # a batch formed with nothing deferred measures nothing
     assert turn.measured == pytest.approx(10.33)
+
+
+def test_the_queue_state_says_when_a_held_partial_batch_leaves() -> None:
+    """Under load an idle instance holds a partial batch for its window: admission is told
+    when the window of the oldest request ends, and that nothing is held once the batch is
+    full."""
+    backend = TimedBackend(a=0.010, b=0.001)
+    profile = ServiceProfile(8)
+    for size in (1, 2, 4, 8):
+        profile.observe(size, 0.010 + 0.001 * size)
+    batcher = make_batcher(backend, make_config(max_batch_size=8, slo_ms=200.0), profile)
+
+    async def body() -> None:
+        batcher.rate.add(200)  # an arrival rate that opens a window (about 7 ms)
+        cap, window = batcher.cap_and_window(time.monotonic())
+        assert window > 0.005 and cap >= 4
+        first = asyncio.ensure_future(batcher.submit(request(1.0)))
+        await asyncio.sleep(0)
+        now = time.monotonic()
+        state = batcher.queue_state(1, now)
+        assert state.rows_ahead == 1 and state.free_at == (now,)
+        assert state.opens == pytest.approx(batcher._oldest().arrival + window, abs=1e-3)
+        assert now < state.opens
+        rest = [asyncio.ensure_future(batcher.submit(request(2.0))) for _ in range(cap - 1)]
+        await asyncio.sleep(0)
+        assert batcher.queue_state(1, time.monotonic()).opens == 0.0 or batcher.queued_rows == 0
+        await asyncio.gather(first, *rest)
+        assert len(backend.batches[0]) == cap  # the held batch left full, before its window
+
+    run(lambda: closing(batcher, body))
