@@ -85,8 +85,22 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--refusal-pause-ms",
         type=float,
         default=100.0,
-        help="when refusals outnumber admitted requests tenfold, a refused connection is not "
-        "read again for this long (0: never)",
+        help="when refusals outnumber admitted requests (--refusal-pause-ratio), a refused "
+        "connection is not read again for this long (0: never)",
+    )
+    p.add_argument(
+        "--refusal-pause-ratio",
+        type=float,
+        default=10.0,
+        help="refusals per admitted request, over the last second, past which refused "
+        "connections are paused",
+    )
+    p.add_argument(
+        "--refusal-pause-share",
+        type=float,
+        default=0.25,
+        help="the most a refusal pause takes of the refused request's budget (its timeout or "
+        "its model's SLO)",
     )
     p.add_argument(
         "--health-port",
@@ -449,6 +463,8 @@ def _serve(args: argparse.Namespace) -> int:
             max_lag=args.max_loop_lag_ms / 1000.0,
             queue_target=args.queue_target_ms / 1000.0,
             penalty_pause=args.refusal_pause_ms / 1000.0,
+            penalty_ratio=args.refusal_pause_ratio,
+            pause_share=args.refusal_pause_share,
             max_requests=args.limit_concurrency,
             head_timeout=args.head_timeout,
             max_connections=args.max_connections,

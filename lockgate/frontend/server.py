@@ -34,6 +34,7 @@ import math
 import os
 import signal
 import socket
+import struct
 import termios
 import threading
 import time
@@ -121,6 +122,8 @@ class _Protocol(HttpToolsProtocol):
         self.received = 0.0
         self.arrived = 0.0  # when the next request is taken to have arrived; 0: when read
         self.penalized = False  # not read until a pause ends
+        self.pause_timer: asyncio.TimerHandle | None = None
+        self.stamped = False  # the kernel stamps when this connection's bytes arrive
         self.refusing = False  # a refused request's body is being skipped
         self.in_head = False  # part of a request head has arrived, not all of it
         self.between = True  # the parser is between messages: a new head may be read here
@@ -451,22 +454,32 @@ class _Protocol(HttpToolsProtocol):
                 self._penalize(pause, time.monotonic())
 
     def _penalize(self, pause: float, now: float) -> None:
-        """A client resending at once: its connection is not read for `pause` seconds. A
-        request sent meanwhile waits in the socket, so it is taken to have arrived when the
-        pause began: its deadline and its admission count the wait it had."""
+        """A client resending at once: its connection is not read for up to `pause` seconds,
+        or until an answer frees room for it (`Gate.hold`). A request sent meanwhile waits
+        in the socket, so it is taken to have arrived when the pause began: its deadline and
+        its admission count the wait it had."""
         if self.penalized:
             return
         self.penalized = True
         self.flow.pause_reading()
+        if not self.stamped:
+            self.stamped = _stamp_arrivals(self.transport)
         self.arrived = now
-        self.loop.call_later(pause, self._resume_after_penalty)
+        self.pause_timer = self.loop.call_later(pause, self._resume_after_penalty)
+        self.gate.hold(self._resume_after_penalty)
 
     def _resume_after_penalty(self) -> None:
+        if not self.penalized:  # resumed already (by an answer, or by its timer)
+            return
         self.penalized = False
+        if self.pause_timer is not None:
+            self.pause_timer.cancel()
+            self.pause_timer = None
         if self.transport.is_closing():
             return
-        if not _unread_bytes(self.transport):  # nothing came during the pause
-            self.arrived = 0.0
+        # a request sent meanwhile arrived when the kernel stamped it, at the pause's start
+        # if it has no stamp, and is read now if nothing came
+        self.arrived = _unread_since(self.transport, fallback=self.arrived)
         self.flow.resume_reading()
 
     def on_body(self, body: bytes) -> None:
@@ -545,6 +558,45 @@ def _unread_bytes(transport: asyncio.Transport) -> int:
     except OSError:
         return 0
     return count[0]
+
+
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # (Linux's value; Python names it in 3.12)
+_TIMESPEC = struct.Struct("qq")
+
+
+def _stamp_arrivals(transport: asyncio.Transport) -> bool:
+    """Ask the kernel to stamp when this connection's bytes arrive (`_unread_since`)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    except OSError:
+        return False
+    return True
+
+
+def _unread_since(transport: asyncio.Transport, fallback: float) -> float:
+    """When the bytes waiting unread on this connection arrived, as `time.monotonic()`: from
+    the kernel's receive stamp (`_stamp_arrivals`), else `fallback`; 0.0 when none wait."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0.0
+    try:
+        with socket.socket(fileno=os.dup(sock.fileno())) as peer:
+            data, ancillary, _, _ = peer.recvmsg(1, 64, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return 0.0
+    except OSError:
+        return fallback if _unread_bytes(transport) else 0.0
+    if not data:
+        return 0.0
+    for level, kind, raw in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(raw) >= 16:
+            seconds, nanoseconds = _TIMESPEC.unpack_from(raw)
+            age = time.time() - (seconds + nanoseconds / 1e9)
+            return time.monotonic() - max(0.0, age)
+    return fallback
 
 
 def _protocol_class(
@@ -742,7 +794,7 @@ async def serve(options: ServeOptions) -> int:
     )
     sentinel.start()
     app.front_delay = gate.queue.observe
-    app.answered = gate.loop_cost.answer
+    app.answered = gate.answered
     config = uvicorn.Config(
         app,
         host=options.host,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
 
 from lockgate.frontend.gate import EXEMPT_PATHS, Gate, GateSettings, LoopCost, LoopLag
@@ -163,3 +166,55 @@ def test_refusals_count_in_the_loop_cost_at_their_share() -> None:
         gate.refused(0.05)
     cost.sample(0.1, 0.05)  # 50 ms of loop CPU: 10 answers and 400 refusals (40 answers' worth)
     assert cost.per_request == pytest.approx(0.001)
+
+
+def test_an_answer_resumes_the_connection_paused_last() -> None:
+    """Paused connections come back as answers free room, newest first (its request, if it
+    sent one, has waited least); each resume runs once, however it is reached."""
+    gate = Gate(GateSettings())
+    resumed: list[str] = []
+    for name in ("a", "b", "c"):
+        gate.hold(lambda name=name: resumed.append(name))  # type: ignore[misc]
+    gate.answered()
+    gate.answered()
+    assert resumed == ["c", "b"]
+    assert gate.loop_cost.answered == 2
+    gate.answered()
+    gate.answered()  # nothing held: only counted
+    assert resumed == ["c", "b", "a"]
+    with pytest.raises(ValueError, match="pause_share"):
+        GateSettings(pause_share=1.5)
+
+
+def test_a_paused_connection_knows_when_its_unread_request_arrived() -> None:
+    """The kernel stamps the bytes of a paused connection as they arrive: a request sent
+    during a pause is taken to have arrived then, not when the pause began or ended; the
+    peek leaves the bytes to be read."""
+    from lockgate.frontend.server import _stamp_arrivals, _unread_since
+
+    class Transport:
+        def __init__(self, sock: socket.socket) -> None:
+            self.sock = sock
+
+        def get_extra_info(self, name: str) -> object:
+            return self.sock if name == "socket" else None
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    server.setblocking(False)
+    transport = Transport(server)
+    try:
+        assert _stamp_arrivals(transport)  # type: ignore[arg-type]
+        paused = time.monotonic()
+        assert _unread_since(transport, fallback=paused) == 0.0  # type: ignore[arg-type]
+        time.sleep(0.05)
+        client.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\n")
+        sent = time.monotonic()
+        time.sleep(0.1)
+        arrived = _unread_since(transport, fallback=paused)  # type: ignore[arg-type]
+        assert sent - 0.02 <= arrived <= sent + 0.01
+        assert server.recv(4) == b"POST"
+    finally:
+        for s in (client, server, listener):
+            s.close()
