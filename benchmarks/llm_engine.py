@@ -18,11 +18,14 @@ subset of the requests, so the run fits in about twenty minutes):
 - baseline B, `lockgate static`: the same server and engine with `continuous_batching:
   false` (a batch is admitted only when the previous one has finished);
 - baseline A, `HF static`: transformers `generate` in static batches of C with left padding,
-  in the engine's dtype (`benchmarks/llm_hf_baseline.py`; its timings count as if streamed).
+  in bfloat16, the baseline the targets name (`benchmarks/llm_hf_baseline.py`; its timings
+  count as if streamed).
 
-Quantization, in the same run: `lockgate` serves the demo config, whose `quantization` is
-auto (the Q4_1 GGUF's projections as int4); `lockgate bf16` (quantization none: every weight
-dequantized to bfloat16, the baseline) and `lockgate int8` are the same engine with
+Quantization and dtype, in the same run: `lockgate` serves the demo config, whose `dtype` is
+auto (bfloat16 on a CPU that multiplies it natively, else float32: `lockgate/llm/cpu.py`) and
+whose `quantization` is auto (the Q4_1 GGUF's projections as int4); `lockgate bf16` (dtype
+bfloat16, quantization none: every weight dequantized to bfloat16, the baseline) and
+`lockgate int8` are the same engine with
 continuous batching, each measured at every level. Rows compare TPOT at c=1 and output
 tokens/s at c=8 and c=32 of each quantization with bf16. When the HF baseline cannot load
 (transformers needs `accelerate` to read a GGUF), the suite goes on without it and leaves
@@ -79,6 +82,10 @@ MODELS = {
 }
 # system -> its `quantization` parameter (None: the demo config's, auto: int4 for Q4_1)
 QUANTIZATION = {"lockgate bf16": "none", "lockgate int8": "int8"}
+# system -> its `dtype` (others: the demo config's, auto: float32 on a CPU without native
+# bfloat16); `lockgate bf16` is the dense bfloat16 engine, the baseline
+DTYPE = {"lockgate bf16": "bfloat16"}
+HF_DTYPE = "bfloat16"  # the baseline the targets name: HF static bf16
 QUANTIZED = {"int4 (auto)": "lockgate", "int8": "lockgate int8"}  # label -> system
 TARGET_INT4_TPOT_MS = 20.0  # TPOT p50 at c=1 with int4
 TARGET_SPEEDUP = 3.0  # lockgate / HF static output tok/s at c=32
@@ -171,9 +178,18 @@ def write_repository(source: Path, dest: Path) -> dict[str, Any]:
         )
         if system in QUANTIZATION:
             config["parameters"]["quantization"] = QUANTIZATION[system]
+        if system in DTYPE:
+            config["parameters"]["dtype"] = DTYPE[system]
         (dest / name / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     params: dict[str, Any] = base["parameters"]
     return params
+
+
+def native_dtype() -> str:
+    """What the demo config's `dtype: auto` is on this machine."""
+    from lockgate.llm.startup import resolve_auto_dtype
+
+    return resolve_auto_dtype("auto")
 
 
 def both_cores(command: list[str]) -> list[str]:
@@ -364,7 +380,7 @@ def run(ctx: Context) -> SuiteResult:
     source = demo_model(ctx, "smollm2")
     repository = repository_path()
     params = write_repository(source, repository)
-    dtype = str(params.get("dtype", "bfloat16"))
+    dtype = HF_DTYPE
     ctx.say(SUITE, f"loading HF ({dtype}) and starting lockgate (both models) side by side")
     hf = HFBaseline.start(workload, levels, dtype)
     try:
@@ -605,16 +621,17 @@ def notes(
         f"({level_text}). Closed loop, one repetition per level (the HF baseline alone takes "
         "minutes).",
         f"Engine (demo config): {engine}; num_threads={THREADS}, prefix caching off here.",
-        f"HF baseline: transformers generate, {hf.get('dtype')} (the engine's dtype), "
+        f"HF baseline: transformers generate, {hf.get('dtype')} (the targets' baseline), "
         f"{hf.get('threads')} threads, attention {hf.get('attention')}, weights dequantized from "
         f"the same GGUF (load {hf.get('load_seconds', 0):.0f} s). Its TTFT/TPOT count tokens as "
         "if streamed at the end of each decode step; its tokens/s counts only tokens asked "
         f"for. ANCHORS' HF fp32 figures, for reference: {anchor}.",
         "lockgate static = the same engine with continuous_batching false: a new batch is "
         "admitted only when the running one has finished (prefill still chunked).",
-        "lockgate and lockgate static run the demo config's quantization (auto: the Q4_1 "
-        "projections as int4, embeddings and the tied head bf16); lockgate bf16 sets "
-        "quantization none and lockgate int8 quantization int8 (per output row).",
+        f"lockgate and lockgate static run the demo config's dtype (auto: {native_dtype()} on "
+        "this CPU) and quantization (auto: the Q4_1 "
+        "projections as int4, embeddings and the tied head in that dtype); lockgate bf16 sets "
+        "dtype bfloat16 and quantization none, lockgate int8 quantization int8 (per output row).",
         "TTFT target compares the p99 at c=8 with the p50 at c=1 (an unloaded request).",
         "Step overhead is lockgate_llm_step_overhead_ratio: 1 - forward time / step time, "
         "cumulative over each engine's life.",

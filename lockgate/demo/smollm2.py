@@ -47,7 +47,7 @@ def build_smollm2(folder: Path, say: Callable[[str], None]) -> None:
         "parameters": {
             "model_file": "model.gguf",
             "served_model_name": SERVED_NAME,
-            "dtype": "bfloat16",
+            "dtype": "auto",  # bfloat16 where the CPU multiplies it natively, else float32
             "kv_cache_gib": "1.0",
             "max_model_len": "2048",
             "max_num_seqs": "64",

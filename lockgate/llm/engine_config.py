@@ -72,8 +72,6 @@ class EngineConfig:
             ("dtype", self.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
             ("quantization", self.quantization in QUANTIZATIONS,
              f"{self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"),
-            ("quantization", self.quantization in ("auto", "none") or self.dtype == "bfloat16",
-             f"{self.quantization} needs dtype bfloat16 (the int8/int4 kernels run in it)"),
             ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1"),
             ("ttft_slo_ms", self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "must be > 0"),
             ("admission_slack", 0 < self.admission_slack <= 10, "must be in (0, 10]"),
@@ -87,10 +85,8 @@ class EngineConfig:
 
     @property
     def weight_quantization(self) -> str:
-        """`quantization` as the loader applies it: auto keeps a float32 model dense, since
-        torch's int8/int4 CPU kernels are fast only with bfloat16 activations."""
-        if self.quantization == "auto" and self.dtype != "bfloat16":
-            return "none"
+        """`quantization` as the loader applies it (the int8/int4 kernels run in bfloat16 in
+        a model of either dtype: `QuantizedLinear`)."""
         return self.quantization
 
     def num_kv_blocks(self, bytes_per_block: int) -> int:

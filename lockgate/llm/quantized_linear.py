@@ -11,9 +11,10 @@ packs it once, at load, for torch's CPU kernels:
   w = (q - 8) * scale + zero, q in 0..15, per group of 32 inputs.
 
 Both kernels take their scales in the activation dtype and are fast only in bfloat16 (in
-float32 they are tens of times slower than a dense matmul), so a quantized model runs in
-bfloat16. Scales made here are rounded to bfloat16 before the values are rounded, so the
-kernel's dequantization is the one the values were chosen for.
+float32 they are tens of times slower than a dense matmul), so they always run in bfloat16:
+in a float32 model, the few rows they take are cast to bfloat16 and back. Scales made here
+are rounded to bfloat16 before the values are rounded, so the kernel's dequantization is the
+one the values were chosen for.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
 
 
 DENSE_FROM_TOKENS = 8  # rows of x from which the dense copy is faster than the kernels
+KERNEL_DTYPE = torch.bfloat16  # the weight-only kernels' activations and scales
 
 
 class QuantizedLinear(nn.Module):
@@ -167,9 +169,11 @@ class QuantizedLinear(nn.Module):
     a decode step of a few rows waits on; from `DENSE_FROM_TOKENS` rows up (prefill, large
     decode batches) the work is compute, where they are up to 2.5x slower than a dense
     matmul. So the layer also keeps the weight it stands for, dequantized once to `dtype`,
-    and uses it for those: the same weights, at the cost of a dense copy in memory.
+    and uses it for those: the same weights, at the cost of a dense copy in memory. The
+    kernels run in bfloat16 whatever `dtype` is; in float32 (a CPU without native bfloat16,
+    `llm/cpu.py`) the dense copy is float32, where prefill and large batches run fastest.
 
-    x: [T, in] in `dtype` (bfloat16 for speed) -> [T, out]."""
+    x: [T, in] in `dtype` -> [T, out] in `dtype`."""
 
     dense: torch.Tensor
 
@@ -180,9 +184,9 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("dense", weight.dequantize().to(dtype), persistent=False)
         if weight.kind == "int8":
             self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
-            self.register_buffer("scales", weight.scales.to(dtype), persistent=False)
+            self.register_buffer("scales", weight.scales.to(KERNEL_DTYPE), persistent=False)
         else:
-            self._pack_int4(weight, dtype)
+            self._pack_int4(weight, KERNEL_DTYPE)
 
     def _pack_int4(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         assert weight.zeros is not None
@@ -201,13 +205,17 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= DENSE_FROM_TOKENS:
             return torch.nn.functional.linear(x, self.dense)
-        x = x.contiguous()
+        dtype = x.dtype
+        x = x.to(KERNEL_DTYPE).contiguous()
         if self.kind == "int8":
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.packed, INT4_GROUP, self.scale_zeros
-        )
-        return out if out.shape[1] == self.out_features else out[:, : self.out_features]
+            out = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.packed, INT4_GROUP, self.scale_zeros
+            )
+            if out.shape[1] != self.out_features:
+                out = out[:, : self.out_features]
+        return out.to(dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"

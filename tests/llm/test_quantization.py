@@ -20,9 +20,11 @@ import yaml
 from lockgate.config import ModelConfig
 from lockgate.errors import ConfigError
 from lockgate.llm.attention import AttentionMetadata
+from lockgate.llm.cpu import native_bfloat16
 from lockgate.llm.loader import Checkpoint, load_checkpoint, load_gguf
 from lockgate.llm.models import LlamaForCausalLM, allocate_kv_cache, build_llama
 from lockgate.llm.quantized_linear import (
+    DENSE_FROM_TOKENS,
     QuantizedLinear,
     quantize_int4,
     quantize_int8,
@@ -229,6 +231,38 @@ def test_rounding_error_is_half_a_step_and_the_kernels_compute_the_dequantized_w
         quantize_int4(torch.randn(16, 40))
 
 
+def test_a_float32_model_runs_the_kernels_in_bfloat16_and_its_dense_copy_in_float32() -> None:
+    """A few rows go through the int kernels, cast to bfloat16 and back; prefill-sized inputs
+    through the float32 dense copy. Both compute the dequantized weight, in float32 out."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 96) * 0.05
+    for weight in (quantize_int4(w), quantize_int8(w)):
+        layer = QuantizedLinear(weight, torch.float32)
+        assert layer.dense.dtype == torch.float32
+        for rows in (2, DENSE_FROM_TOKENS + 3):
+            x = torch.randn(rows, 96)
+            out = layer(x)
+            assert out.dtype == torch.float32 and out.shape == (rows, 48)
+            ref = x @ weight.dequantize().t()
+            tolerance = 0.02 if rows < DENSE_FROM_TOKENS else 1e-5  # bfloat16 inputs, or none
+            torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
+
+
+def test_bfloat16_is_chosen_only_where_the_cpu_multiplies_it(tmp_path: Path) -> None:
+    cases = {
+        "flags\t\t: fpu sse avx2 avx512f avx512_vnni\n": False,  # AVX-512 without BF16
+        "flags\t\t: fpu avx512f avx512_bf16 amx_tile\n": True,
+        "flags\t\t: fpu avx512f amx_bf16 amx_tile\n": True,
+        "Features\t: fp asimd bf16 i8mm\n": True,  # ARM
+        "Features\t: fp asimd\n": False,
+    }
+    for text, native in cases.items():
+        cpuinfo = tmp_path / "cpuinfo"
+        cpuinfo.write_text("processor\t: 0\n" + text)
+        assert native_bfloat16.__wrapped__(cpuinfo) is native, text
+    assert native_bfloat16.__wrapped__(tmp_path / "missing") is True
+
+
 # -- the quantization parameter ---------------------------------------------------------
 
 
@@ -236,15 +270,11 @@ def test_a_bad_quantization_value_names_the_field_and_the_choices() -> None:
     config = ModelConfig(name="m", backend="llm", parameters={"quantization": "int3"})
     with pytest.raises(ConfigError, match=r"'quantization'.*'int3' is not one of auto, none"):
         engine_config_from(config)
-    float32 = {"quantization": "int4", "dtype": "float32"}
-    with pytest.raises(ConfigError, match="int4 needs dtype bfloat16"):
-        engine_config_from(ModelConfig(name="m", backend="llm", parameters=float32))
+    float32 = {"quantization": "int4", "dtype": "float32"}  # the kernels run in bfloat16
+    assert engine_config_from(ModelConfig(name="m", backend="llm", parameters=float32))
     auto = engine_config_from(ModelConfig(name="m", backend="llm", parameters={}))
     assert (auto.quantization, auto.weight_quantization) == ("auto", "auto")
-    dense = engine_config_from(
-        ModelConfig(name="m", backend="llm", parameters={"dtype": "float32"})
-    )
-    assert dense.weight_quantization == "none"  # the int kernels are fast only in bfloat16
+    assert auto.dtype == ("bfloat16" if native_bfloat16() else "float32")  # dtype auto
     with pytest.raises(ConfigError, match="quantization"):
         load_checkpoint(Path("x.gguf"), quantization="fp8")
 
