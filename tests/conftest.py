@@ -254,7 +254,7 @@ def llm_server(
     repo = tmp_path_factory.mktemp("llm-repo")
     shutil.copytree(demo_repo / "minilm", repo / "minilm")
     parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", "max_waiting": "256"}
-    smollm2_repository(demo_repo, repo, {**parameters, "dtype": "float32"})
+    smollm2_repository(demo_repo, repo, {**parameters, "dtype": "float32", "quantization": "none"})
     server = start_server(repo, tmp_path_factory.mktemp("llm-server"), ready_timeout=600)
     yield server
     assert server.stop() == 0, server.log()[-2000:]
@@ -269,7 +269,12 @@ def cached_llm_server(
 ) -> Iterator[RunningServer]:
     """SmolLM2 with its response cache on, served as CACHED_LLM: one server for the cache's
     tests, each of which asks prompts of its own and reads counters as deltas."""
-    parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", "dtype": "float32"}
+    parameters = {
+        "kv_cache_gib": "0.05",
+        "max_model_len": "512",
+        "dtype": "float32",
+        "quantization": "none",
+    }
     repo = smollm2_repository(
         demo_repo,
         tmp_path_factory.mktemp("cached-llm-repo"),

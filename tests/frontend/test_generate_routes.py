@@ -23,7 +23,12 @@ PROMPT = "The capital of France is"
 def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("generate-repo")
     shutil.copytree(demo_repo / "digits_onnx", repo / "digits_onnx")
-    parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", "dtype": "float32"}
+    parameters = {
+        "kv_cache_gib": "0.05",
+        "max_model_len": "512",
+        "dtype": "float32",
+        "quantization": "none",
+    }
     smollm2_repository(demo_repo, repo, parameters)
     generation_config = repo / "smollm2" / "1" / "generation_config.json"
     generation_config.unlink(missing_ok=True)  # hard-linked to the build: write one of its own

@@ -32,6 +32,7 @@ def speculative_server(
         "max_model_len": "512",
         "max_waiting": "256",
         "dtype": "float32",
+        "quantization": "none",  # dense: exact against the plain server
         "speculative": "ngram",
         "num_speculative_tokens": "5",
     }

@@ -38,7 +38,12 @@ def fuzz_server(
     for name in ("echo", "digits_onnx", "minilm"):
         shutil.copytree(test_repo / name, repo / name)
     shutil.copytree(test_repo / "echo", repo / SPARE)
-    small = {"kv_cache_gib": "0.02", "max_model_len": "128", "dtype": "float32"}
+    small = {
+        "kv_cache_gib": "0.02",
+        "max_model_len": "128",
+        "dtype": "float32",
+        "quantization": "none",
+    }
     smollm2_repository(demo_repo, repo, small)
     running = start_server(
         repo,

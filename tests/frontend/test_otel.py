@@ -107,7 +107,12 @@ def traced(
     repo = tmp_path_factory.mktemp("traced-repo")
     for name in ("echo", "minilm"):
         shutil.copytree(test_repo / name, repo / name)
-    small = {"kv_cache_gib": "0.02", "max_model_len": "256", "dtype": "float32"}
+    small = {
+        "kv_cache_gib": "0.02",
+        "max_model_len": "256",
+        "dtype": "float32",
+        "quantization": "none",
+    }
     smollm2_repository(demo_repo, repo, small)
     running = start_server(
         repo,
