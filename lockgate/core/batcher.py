@@ -360,11 +360,17 @@ class Batcher:
         """The queue as a request of priority `level` arriving now would find it."""
         cap, window = self.cap_and_window(now)
         free_at = sorted(self._free_at(i, now) for i in self.instances if i.healthy)
-        opens = 0.0
-        if window > 0 and self.queued_rows < cap and not self._preferred_reached():
-            oldest = self._oldest()  # a partial batch is held until its window is spent
-            opens = (oldest.arrival if oldest is not None else now) + window
+        opens = self._held_until(cap, window, now)
         return QueueState(self._rows_ahead(level), cap, tuple(free_at), self._capacity(), opens)
+
+    def _held_until(self, cap: int, window: float, now: float) -> float:
+        """When an idle instance takes a partial batch: at the end of the oldest queued
+        request's window (of a request arriving `now`, when none is queued); 0.0 when a batch
+        leaves at once (no window, a full batch, or a preferred size reached)."""
+        if window <= 0 or self.queued_rows >= cap or self._preferred_reached():
+            return 0.0
+        oldest = self._oldest()
+        return (oldest.arrival if oldest is not None else now) + window
 
     def _free_at(self, instance: Instance, now: float) -> float:
         """When the instance should take its next batch, from the profile as it is now."""
@@ -416,15 +422,11 @@ class Batcher:
             await self._wait_for_work()
             now = time.monotonic()
             cap, window = self.cap_and_window(now)
-            oldest = self._oldest()
-            if oldest is not None and self.queued_rows < cap and window > 0:
-                if self._preferred_reached():
-                    pass
-                elif (wait := oldest.arrival + window - now) > 0:
-                    self._wake.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), wait)
-                    continue  # look again: the batch may be full, or the window spent
+            if (wait := self._held_until(cap, window, now) - now) > 0:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                continue  # look again: the batch may be full, or the window spent
             batch = self._form(cap, now)
             self.next_turn.formed(now)
             if batch is not None:

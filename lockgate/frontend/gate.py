@@ -234,8 +234,9 @@ class Gate:
     refusing: Rate = field(default_factory=Rate)  # heads refused, per second
     connections: Counter[str] = field(default_factory=Counter)  # open connections per address
     open_connections: int = 0
-    # resumes of paused connections, oldest first (a closed one's resume does nothing)
-    held: deque[Callable[[], None]] = field(default_factory=lambda: deque(maxlen=HELD_MAX))
+    # resumes of paused connections, oldest first; each says whether it resumed one (not when
+    # the connection was resumed already, by its timer, or closed)
+    held: deque[Callable[[], bool]] = field(default_factory=lambda: deque(maxlen=HELD_MAX))
 
     def __post_init__(self) -> None:
         self.lag = LoopLag(self.settings.interval, self.settings.weight)
@@ -295,7 +296,7 @@ class Gate:
             )
         return 0.0
 
-    def hold(self, resume: Callable[[], None]) -> None:
+    def hold(self, resume: Callable[[], bool]) -> None:
         """A refused connection is paused: `resume` reads it again, at the latest when its
         pause ends (the caller's timer), sooner when an answer frees room (`answered`)."""
         self.held.append(resume)
@@ -305,8 +306,8 @@ class Gate:
         request, if it sent one, has waited least (the first paused have waited longest, and
         would be refused again)."""
         self.loop_cost.answer()
-        if self.held:
-            self.held.pop()()
+        while self.held and not self.held.pop()():
+            pass  # that one had resumed already: the room goes to the next
 
     def retry_after(self, now: float) -> int:
         """Whole seconds to suggest: at least 1."""

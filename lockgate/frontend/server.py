@@ -456,8 +456,8 @@ class _Protocol(HttpToolsProtocol):
     def _penalize(self, pause: float, now: float) -> None:
         """A client resending at once: its connection is not read for up to `pause` seconds,
         or until an answer frees room for it (`Gate.hold`). A request sent meanwhile waits
-        in the socket, so it is taken to have arrived when the pause began: its deadline and
-        its admission count the wait it had."""
+        in the socket, and is taken to have arrived when the kernel stamped it (when the pause
+        began, if it has no stamp): its deadline and its admission count the wait it had."""
         if self.penalized:
             return
         self.penalized = True
@@ -468,19 +468,22 @@ class _Protocol(HttpToolsProtocol):
         self.pause_timer = self.loop.call_later(pause, self._resume_after_penalty)
         self.gate.hold(self._resume_after_penalty)
 
-    def _resume_after_penalty(self) -> None:
-        if not self.penalized:  # resumed already (by an answer, or by its timer)
-            return
+    def _resume_after_penalty(self) -> bool:
+        """Read the connection again; False when there was nothing to resume (it was resumed
+        already, by an answer or by its timer, or it closed)."""
+        if not self.penalized:
+            return False
         self.penalized = False
         if self.pause_timer is not None:
             self.pause_timer.cancel()
             self.pause_timer = None
         if self.transport.is_closing():
-            return
+            return False
         # a request sent meanwhile arrived when the kernel stamped it, at the pause's start
         # if it has no stamp, and is read now if nothing came
         self.arrived = _unread_since(self.transport, fallback=self.arrived)
         self.flow.resume_reading()
+        return True
 
     def on_body(self, body: bytes) -> None:
         if not self.refusing:

@@ -174,7 +174,7 @@ def test_an_answer_resumes_the_connection_paused_last() -> None:
     gate = Gate(GateSettings())
     resumed: list[str] = []
     for name in ("a", "b", "c"):
-        gate.hold(lambda name=name: resumed.append(name))  # type: ignore[misc]
+        gate.hold(lambda name=name: resumed.append(name) is None)  # type: ignore[misc]
     gate.answered()
     gate.answered()
     assert resumed == ["c", "b"]
@@ -182,6 +182,11 @@ def test_an_answer_resumes_the_connection_paused_last() -> None:
     gate.answered()
     gate.answered()  # nothing held: only counted
     assert resumed == ["c", "b", "a"]
+    gate.hold(lambda: False)  # resumed already, by its timer
+    gate.hold(lambda: resumed.append("d") is None)
+    gate.hold(lambda: False)
+    gate.answered()  # skips the stale resume on top, resumes "d"
+    assert resumed == ["c", "b", "a", "d"] and len(gate.held) == 1  # the stale one below
     with pytest.raises(ValueError, match="pause_share"):
         GateSettings(pause_share=1.5)
 
