@@ -33,7 +33,7 @@ from lockgate.core.admission import AdmissionSettings
 from lockgate.core.batcher import Batcher
 from lockgate.core.metrics import Instrumented, Registry
 from lockgate.core.request import InferRequest
-from lockgate.core.runner import Instance
+from lockgate.core.runner import Instance, instance_thread
 from lockgate.core.serving_metrics import ServingMetrics
 from lockgate.core.slo import ServiceProfile
 from lockgate.errors import BadRequest, NotFound, Unavailable
@@ -284,24 +284,38 @@ class ModelManager:
         def build() -> Backend:
             return factory(config, served.path)
 
-        backends = await asyncio.gather(
-            *(loop.run_in_executor(None, build) for _ in range(config.instance_count))
-        )
+        # each instance is loaded, warmed up and profiled on the thread that will run it
+        names = [f"{config.name}-{served.version}-{i}" for i in range(config.instance_count)]
+        threads = [instance_thread(name) for name in names]
+        try:
+            backends = await asyncio.gather(
+                *(loop.run_in_executor(thread, build) for thread in threads)
+            )
+        except BaseException:
+            for thread in threads:
+                thread.shutdown(wait=False)
+            raise
         served.load_seconds = time.monotonic() - start
         served.finite_inputs = bool(getattr(backends[0], "finite_inputs", False))
         self.metrics.load_seconds.set(labels, served.load_seconds)
         instances = [
             Instance(
-                f"{config.name}-{served.version}-{i}",
+                name,
                 backend,
                 hang_timeout=self.settings.hang_timeout,
                 reload=build,
+                executor=thread,
             )
-            for i, backend in enumerate(backends)
+            for name, backend, thread in zip(names, backends, threads, strict=True)
         ]
         start = time.monotonic()
         profile = ServiceProfile(max(1, config.max_batch_size))
-        await loop.run_in_executor(None, self._warmup, config, instances, profile)
+        await asyncio.gather(
+            *(loop.run_in_executor(i.executor, self._warm, config, i) for i in instances)
+        )
+        await loop.run_in_executor(
+            instances[0].executor, self._measure, config, instances[0], profile
+        )
         served.warmup_seconds = time.monotonic() - start
         self.metrics.warmup_seconds.set(labels, served.warmup_seconds)
         batcher = Batcher(
@@ -312,21 +326,21 @@ class ModelManager:
         batcher.start()
         served.batcher = batcher
 
-    def _warmup(
-        self, config: ModelConfig, instances: list[Instance], profile: ServiceProfile
-    ) -> None:
-        """Run the configured warmup samples on every instance, then measure T(B)."""
-        for instance in instances:
-            for sample in config.warmup:
-                kind = next(iter(sample.inputs.values()), "zero")
-                inputs = synthetic_batch(config, sample.batch_size, kind)
-                for _ in range(sample.count):
-                    instance.infer_sync(inputs)
+    def _warm(self, config: ModelConfig, instance: Instance) -> None:
+        """Run the configured warmup samples on an instance (on its own thread)."""
+        for sample in config.warmup:
+            kind = next(iter(sample.inputs.values()), "zero")
+            inputs = synthetic_batch(config, sample.batch_size, kind)
+            for _ in range(sample.count):
+                instance.infer_sync(inputs)
+
+    def _measure(self, config: ModelConfig, instance: Instance, profile: ServiceProfile) -> None:
+        """Measure T(B) on an instance (on its own thread, where traffic will run it)."""
         if not config.inputs:
             return
         sizes = _profile_sizes(config.max_batch_size) if config.batching else [1]
         with self._profiling:
-            self._profile(instances[0], config, sizes, profile)
+            self._profile(instance, config, sizes, profile)
         profile.seal()  # traffic's own batches replace what synthetic inputs measured
 
     def _profile(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -134,12 +135,65 @@ def _generation_defaults(config: ModelConfig, weights: Path) -> GenerationDefaul
     return read_generation_defaults(weights if weights.is_dir() else weights.parent)
 
 
+@dataclass(slots=True)
+class _Built:
+    """What loading gives besides the engine."""
+
+    tokenizer: ChatTokenizer
+    vocab_size: int
+    blocks: int
+    block_bytes: int
+    source: str
+
+
 def load_service(config: ModelConfig, version_dir: Path) -> LLMService:
-    """Load, build and warm up the language model of one version folder."""
+    """Load, build and warm up the language model of one version folder. All of it runs on
+    the engine's own thread, the one thread that ever computes on the model's tensors
+    (`AsyncLLMEngine`: a second thread's OpenMP team slows every step)."""
     start = time.monotonic()
     engine_config = engine_config_from(config)
     weights = _weights_path(config, version_dir)
     generation = _generation_defaults(config, weights)
+    built: list[_Built] = []
+
+    def build() -> LLMEngine:
+        engine, parts = _build(engine_config, weights)
+        built.append(parts)
+        return engine
+
+    engine = AsyncLLMEngine.build(build)
+    parts = built[0]
+    name = config.parameters.get("served_model_name", config.name)
+    elapsed = time.monotonic() - start
+    log.info(
+        "language model %s ready in %.2f s: %s, %s, quantization %s, KV cache %d blocks x %d "
+        "tokens = %.2f GiB",
+        name,
+        elapsed,
+        parts.source,
+        engine_config.dtype,
+        engine_config.weight_quantization,
+        parts.blocks,
+        engine_config.block_size,
+        parts.blocks * parts.block_bytes / 2**30,
+    )
+    if generation.source:
+        defaults, source = generation.to_dict(), generation.source
+        log.info("language model %s: sampling defaults %s from %s", name, defaults, source)
+    return LLMService(
+        name=name,
+        config=config,
+        engine_config=engine_config,
+        tokenizer=parts.tokenizer,
+        engine=engine,
+        vocab_size=parts.vocab_size,
+        load_seconds=elapsed,
+        created=int(time.time()),
+        generation=generation,
+    )
+
+
+def _build(engine_config: EngineConfig, weights: Path) -> tuple[LLMEngine, _Built]:
     checkpoint = load_checkpoint(weights, quantization=engine_config.weight_quantization)
     model = build_llama(
         checkpoint.config, checkpoint.weights, engine_config.dtype, checkpoint.quantized
@@ -158,34 +212,8 @@ def load_service(config: ModelConfig, version_dir: Path) -> LLMService:
         decoder_factory=lambda _prompt: IncrementalDetokenizer(tokenizer),
     )
     _warmup(engine, checkpoint.config.vocab_size)
-    name = config.parameters.get("served_model_name", config.name)
-    elapsed = time.monotonic() - start
-    log.info(
-        "language model %s ready in %.2f s: %s, %s, quantization %s, KV cache %d blocks x %d "
-        "tokens = %.2f GiB",
-        name,
-        elapsed,
-        checkpoint.source,
-        engine_config.dtype,
-        engine_config.weight_quantization,
-        blocks,
-        engine_config.block_size,
-        blocks * per_block / 2**30,
-    )
-    if generation.source:
-        defaults, source = generation.to_dict(), generation.source
-        log.info("language model %s: sampling defaults %s from %s", name, defaults, source)
-    return LLMService(
-        name=name,
-        config=config,
-        engine_config=engine_config,
-        tokenizer=tokenizer,
-        engine=AsyncLLMEngine(engine),
-        vocab_size=checkpoint.config.vocab_size,
-        load_seconds=elapsed,
-        created=int(time.time()),
-        generation=generation,
-    )
+    vocab_size = checkpoint.config.vocab_size
+    return engine, _Built(tokenizer, vocab_size, blocks, per_block, checkpoint.source)
 
 
 def _warmup(engine: LLMEngine, vocab_size: int) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import threading
 import time
 
 import pytest
@@ -243,6 +244,45 @@ def test_async_engine_streams_concurrent_requests() -> None:
         engine.engine.check_invariants()
 
     asyncio.run(main())
+
+
+def test_an_engine_built_on_its_thread_is_stepped_there_and_a_failed_build_raises() -> None:
+    """One thread computes on the model: the one that built it (torch keeps an OpenMP team of
+    workers per thread that has run parallel work, and a second team slows every step)."""
+    stepped_on: set[int] = set()
+
+    class Recording(FakeModel):
+        def forward(self, *args: object) -> torch.Tensor:
+            stepped_on.add(threading.get_ident())
+            return super().forward(*args)  # type: ignore[arg-type]
+
+    built_on: list[int] = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.get_ident())
+        return make_engine(model=Recording())
+
+    async def main() -> list[RequestOutput]:
+        engine = AsyncLLMEngine.build(build)
+        try:
+            return await collect(engine.generate([5, 6, 7], GREEDY))
+        finally:
+            engine.close()
+
+    outputs = asyncio.run(main())
+    assert [t for o in outputs for t in o.new_token_ids] == reference([5, 6, 7], 12)
+    assert stepped_on == set(built_on) and built_on[0] != threading.get_ident()
+
+    def broken() -> LLMEngine:
+        raise FileNotFoundError("no weights here")
+
+    before = threading.active_count()
+    with pytest.raises(FileNotFoundError, match="no weights here"):
+        AsyncLLMEngine.build(broken)
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before  # the engine thread ended with its build
 
 
 def test_async_disconnect_aborts_and_frees_blocks() -> None:
