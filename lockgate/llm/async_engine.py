@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from lockgate.errors import BackendError, ServingError, Unavailable
 from lockgate.llm.engine import LLMEngine, RequestOutput
+from lockgate.llm.openmp import release_workers
 from lockgate.llm.sequence import FinishReason, SamplingParams
 
 DRAIN_POLL_S = 0.02  # how often a drain looks for the last request to finish
@@ -102,7 +103,9 @@ class AsyncLLMEngine:
     than there are CPUs, a team's workers sleep between parallel regions instead of
     spinning: each of the thousands of ops in a step then waits to wake them. A model loaded
     on one thread and stepped on another leaves two teams; on two cores its decode step took
-    1.8 times as long (SmolLM2, batch 1: 32 against 18 ms)."""
+    1.8 times as long (SmolLM2, batch 1: 32 against 18 ms). For the same reason an engine
+    that runs out of work hands its team back (`llm/openmp.py`), so that in a process serving
+    several language models only the engines at work have one."""
 
     engine: LLMEngine
 
@@ -234,10 +237,15 @@ class AsyncLLMEngine:
             self._deliver(outputs)
 
     def _wait_for_work(self) -> bool:
+        if not self._has_work():
+            release_workers()  # idle: its OpenMP team must not slow another engine's
         with self._wakeup:
-            while not (self._closing or self.engine.has_unfinished or self._pending_aborts):
+            while not self._has_work():
                 self._wakeup.wait()
             return not self._closing
+
+    def _has_work(self) -> bool:
+        return self._closing or self.engine.has_unfinished or bool(self._pending_aborts)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         deliveries, orphans = [], []
