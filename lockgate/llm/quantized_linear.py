@@ -177,11 +177,17 @@ class QuantizedLinear(nn.Module):
 
     dense: torch.Tensor
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: QuantizedWeight, dtype: torch.dtype, dense: torch.Tensor | None = None
+    ) -> None:
+        """`dense`: the weight to use from `DENSE_FROM_TOKENS` rows when the model holds it
+        already (a tied logits head: the embedding), instead of a dequantized copy."""
         super().__init__()
         self.kind = weight.kind
         self.in_features, self.out_features = weight.in_features, weight.out_features
-        self.register_buffer("dense", weight.dequantize().to(dtype), persistent=False)
+        if dense is None:
+            dense = weight.dequantize().to(dtype)
+        self.register_buffer("dense", dense, persistent=False)
         if weight.kind == "int8":
             self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
             self.register_buffer("scales", weight.scales.to(KERNEL_DTYPE), persistent=False)
