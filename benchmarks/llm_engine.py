@@ -630,7 +630,7 @@ def notes(
         "admitted only when the running one has finished (prefill still chunked).",
         f"lockgate and lockgate static run the demo config's dtype (auto: {native_dtype()} on "
         "this CPU) and quantization (auto: the Q4_1 "
-        "projections as int4, the tied head int8 below 8 rows, embeddings in that dtype); "
+        "projections as int4, the tied head int8 for small steps, embeddings in that dtype); "
         "lockgate bf16 sets "
         "dtype bfloat16 and quantization none, lockgate int8 quantization int8 (per output row).",
         "TTFT target compares the p99 at c=8 with the p50 at c=1 (an unloaded request).",

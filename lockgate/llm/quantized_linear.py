@@ -158,7 +158,8 @@ def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight.int4(q.view(n, k), scales, zeros)
 
 
-DENSE_FROM_TOKENS = 8  # rows of x from which the dense copy is faster than the kernels
+DENSE_FROM_TOKENS = 8  # rows of x from which a bfloat16 dense copy is faster than the kernels
+DENSE_FROM_TOKENS_FLOAT32 = 16  # the same for a float32 copy, which reads twice the bytes
 KERNEL_DTYPE = torch.bfloat16  # the weight-only kernels' activations and scales
 
 
@@ -166,12 +167,13 @@ class QuantizedLinear(nn.Module):
     """A bias-free Linear over a `QuantizedWeight`, packed once for torch's CPU kernel.
 
     The weight-only kernels read a quarter (int4) or half (int8) of the bytes, which is what
-    a decode step of a few rows waits on; from `DENSE_FROM_TOKENS` rows up (prefill, large
-    decode batches) the work is compute, where they are up to 2.5x slower than a dense
-    matmul. So the layer also keeps the weight it stands for, dequantized once to `dtype`,
-    and uses it for those: the same weights, at the cost of a dense copy in memory. The
-    kernels run in bfloat16 whatever `dtype` is; in float32 (a CPU without native bfloat16,
-    `llm/cpu.py`) the dense copy is float32, where prefill and large batches run fastest.
+    a decode step of a few rows waits on; from `dense_from` rows up (prefill, large decode
+    batches: `DENSE_FROM_TOKENS` in bfloat16, `DENSE_FROM_TOKENS_FLOAT32` in float32) the
+    work is compute, where they are up to 2.5x slower than a dense matmul. So the layer also
+    keeps the weight it stands for, dequantized once to `dtype`, and uses it for those: the
+    same weights, at the cost of a dense copy in memory. The kernels run in bfloat16 whatever
+    `dtype` is; in float32 (a CPU without native bfloat16, `llm/cpu.py`) the dense copy is
+    float32, where prefill and large batches run fastest.
 
     x: [T, in] in `dtype` -> [T, out] in `dtype`."""
 
@@ -180,7 +182,7 @@ class QuantizedLinear(nn.Module):
     def __init__(
         self, weight: QuantizedWeight, dtype: torch.dtype, dense: torch.Tensor | None = None
     ) -> None:
-        """`dense`: the weight to use from `DENSE_FROM_TOKENS` rows when the model holds it
+        """`dense`: the weight to use from `dense_from` rows when the model holds it
         already (a tied logits head: the embedding), instead of a dequantized copy."""
         super().__init__()
         self.kind = weight.kind
@@ -188,6 +190,9 @@ class QuantizedLinear(nn.Module):
         if dense is None:
             dense = weight.dequantize().to(dtype)
         self.register_buffer("dense", dense, persistent=False)
+        self.dense_from = (
+            DENSE_FROM_TOKENS_FLOAT32 if dense.dtype == torch.float32 else DENSE_FROM_TOKENS
+        )
         if weight.kind == "int8":
             self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
             self.register_buffer("scales", weight.scales.to(KERNEL_DTYPE), persistent=False)
@@ -209,7 +214,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scale_zeros", scale_zeros.to(dtype).contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DENSE_FROM_TOKENS:
+        if x.shape[0] >= self.dense_from:
             return torch.nn.functional.linear(x, self.dense)
         dtype = x.dtype
         x = x.to(KERNEL_DTYPE).contiguous()

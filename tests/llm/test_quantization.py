@@ -24,7 +24,7 @@ from lockgate.llm.cpu import native_bfloat16
 from lockgate.llm.loader import Checkpoint, load_checkpoint, load_gguf
 from lockgate.llm.models import LlamaForCausalLM, allocate_kv_cache, build_llama
 from lockgate.llm.quantized_linear import (
-    DENSE_FROM_TOKENS,
+    DENSE_FROM_TOKENS_FLOAT32,
     QuantizedLinear,
     quantize_int4,
     quantize_int8,
@@ -189,7 +189,7 @@ def test_the_int8_head_of_few_rows_agrees_with_the_dense_head(
     head = model.logits_head
     assert isinstance(head, QuantizedLinear)
     dense = torch.nn.functional.linear(hidden, model.embed_tokens.weight)
-    rows = DENSE_FROM_TOKENS - 1
+    rows = head.dense_from - 1
     with torch.inference_mode():
         int8 = torch.cat([head(chunk) for chunk in hidden.split(rows)])
     agree = float((int8.argmax(dim=-1) == dense.argmax(dim=-1)).float().mean())
@@ -280,12 +280,13 @@ def test_a_float32_model_runs_the_kernels_in_bfloat16_and_its_dense_copy_in_floa
     for weight in (quantize_int4(w), quantize_int8(w)):
         layer = QuantizedLinear(weight, torch.float32)
         assert layer.dense.dtype == torch.float32
-        for rows in (2, DENSE_FROM_TOKENS + 3):
+        assert layer.dense_from == DENSE_FROM_TOKENS_FLOAT32  # twice bfloat16's bytes to read
+        for rows in (2, layer.dense_from - 1, layer.dense_from + 3):
             x = torch.randn(rows, 96)
             out = layer(x)
             assert out.dtype == torch.float32 and out.shape == (rows, 48)
             ref = x @ weight.dequantize().t()
-            tolerance = 0.02 if rows < DENSE_FROM_TOKENS else 1e-5  # bfloat16 inputs, or none
+            tolerance = 0.02 if rows < layer.dense_from else 1e-5  # bfloat16 inputs, or none
             torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
 
 

@@ -313,7 +313,7 @@ def quantized_head(model: LlamaForCausalLM) -> QuantizedLinear:
     """The logits head of a model whose projections run quantized: int8 with one scale per
     vocabulary row for steps that sample few rows, where reading the head is most of its cost
     (SmolLM2 in float32: 1.0 ms against 3.0 ms for one row, 2.0 against 6.5 for four); from
-    `DENSE_FROM_TOKENS` rows, the embedding (or lm_head) weight itself. The int8 kernel runs
+    its `dense_from` rows, the embedding (or lm_head) weight itself. The int8 kernel runs
     in bfloat16 (in float32 it is ten times slower), so those logits carry bfloat16's
     rounding, as the projections' outputs do."""
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
