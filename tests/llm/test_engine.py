@@ -276,13 +276,16 @@ def test_an_engine_built_on_its_thread_is_stepped_there_and_a_failed_build_raise
     def broken() -> LLMEngine:
         raise FileNotFoundError("no weights here")
 
-    before = threading.active_count()
+    def engine_threads() -> set[threading.Thread]:  # other tests' threads may come and go
+        return {t for t in threading.enumerate() if t.name == "lockgate-llm-engine"}
+
+    before = engine_threads()
     with pytest.raises(FileNotFoundError, match="no weights here"):
         AsyncLLMEngine.build(broken)
     deadline = time.monotonic() + 5
-    while threading.active_count() > before and time.monotonic() < deadline:
+    while engine_threads() - before and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert threading.active_count() == before  # the engine thread ended with its build
+    assert not engine_threads() - before  # the engine thread ended with its build
 
 
 def test_async_disconnect_aborts_and_frees_blocks() -> None:
