@@ -197,8 +197,9 @@ class Batcher:
         max_rows = max(1, self.config.max_batch_size)
         slo = self.slo
         if slo is not None and self.profile.known:
-            cap = min(max_rows, self.profile.batch_cap(slo))
-            return cap, self.profile.window(slo, self.rate.current(now))
+            best = self.profile.batch_cap(slo)
+            window = self.profile.window(slo, self.rate.current(now), best)
+            return min(max_rows, best), window
         return max_rows, self.config.batcher.max_queue_delay_us / 1e6
 
     def level_of(self, request: InferRequest) -> int:
@@ -351,17 +352,25 @@ class Batcher:
     def _count(self, outcome: str) -> None:
         self.metrics.requests.inc((*self.labels, outcome))
 
-    def _capacity(self) -> float:
-        """Rows per second all instances can serve at the current cap."""
-        cap, _ = self.cap_and_window(time.monotonic())
-        return self.profile.throughput(cap) * len(self.instances) if self.profile.known else 0.0
+    def _capacity(self, cap: int | None = None) -> float:
+        """Rows per second all instances can serve at `cap` (default: the current cap)."""
+        if not self.profile.known:
+            return 0.0
+        if cap is None:
+            cap, _ = self.cap_and_window(time.monotonic())
+        return self.profile.throughput(cap) * len(self.instances)
 
     def queue_state(self, level: int, now: float) -> QueueState:
         """The queue as a request of priority `level` arriving now would find it."""
         cap, window = self.cap_and_window(now)
-        free_at = sorted(self._free_at(i, now) for i in self.instances if i.healthy)
+        running = self.running
+        if running:
+            free_at = sorted(self._free_at(i, now) for i in self.instances if i.healthy)
+        else:  # every instance idle: each takes its next batch now
+            free_at = [now for i in self.instances if i.healthy]
         opens = self._held_until(cap, window, now)
-        return QueueState(self._rows_ahead(level), cap, tuple(free_at), self._capacity(), opens)
+        capacity = self._capacity(cap)
+        return QueueState(self._rows_ahead(level), cap, tuple(free_at), capacity, opens)
 
     def _held_until(self, cap: int, window: float, now: float) -> float:
         """When an idle instance takes a partial batch: at the end of the oldest queued

@@ -250,12 +250,14 @@ class ServiceProfile:
                 cap = size
         return cap
 
-    def window(self, slo: float, arrival_rate: float) -> float:
-        """How long an idle instance may hold a partial batch (0: dispatch at once)."""
+    def window(self, slo: float, arrival_rate: float, cap: int | None = None) -> float:
+        """How long an idle instance may hold a partial batch (0: dispatch at once). `cap`:
+        `batch_cap(slo)`, when the caller has it."""
         t1 = self.service_time(1)
         if arrival_rate <= 0 or arrival_rate * t1 < 1.0:
             return 0.0
-        cap = self.batch_cap(slo)
+        if cap is None:
+            cap = self.batch_cap(slo)
         budget = slo - 2 * self.service_time(cap)
         return max(0.0, min(budget, math.sqrt(t1 / arrival_rate)))
 
