@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class Latencies:
+    """The last `size` latencies of a model; the quantile is taken again after every
+    `refresh` new ones (a sort of `size` values: a share of a microsecond per request)."""
+
     size: int = 512
+    refresh: int = 64
     values: deque[float] = field(default_factory=deque)
     cached: float | None = None  # the quantile, until the next refresh
     since: int = 0
@@ -23,7 +27,7 @@ class Latencies:
     def quantile(self, q: float) -> float | None:
         if len(self.values) < 20:
             return None
-        if self.cached is None or self.since >= 16:
+        if self.cached is None or self.since >= self.refresh:
             ordered = sorted(self.values)
             self.cached = ordered[min(len(ordered) - 1, int(q * len(ordered)))]
             self.since = 0
