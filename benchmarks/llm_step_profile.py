@@ -12,13 +12,15 @@ medians of:
 
 Not a suite of `benchmarks.run` (it defines no `run`); options: `--batches 1,8,32`,
 `--steps N`, `--threads N`, `--no-breakdown`, `--dtype float32|bfloat16`,
-`--quantization auto|none|int8|int4` (several, comma-separated: each loaded and measured in
-turn, decode steps interleaved between them, medians over all rounds).
+`--quantization auto|none|int8|int4` and `--decode-attention auto|kernel|sdpa` (several,
+comma-separated: each combination loaded and measured in turn, decode steps interleaved
+between them, medians over all rounds).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import tempfile
@@ -81,10 +83,15 @@ def load_demo_service(parameters: dict[str, str], tag: str = "profile") -> tuple
 
 
 def load_engine(
-    dtype: str | None, threads: int | None, quantization: str | None = None
+    dtype: str | None,
+    threads: int | None,
+    quantization: str | None = None,
+    decode_attention: str | None = None,
 ) -> tuple[LLMEngine, float]:
     """The demo model's engine, every prompt computed in full (no prefix cache)."""
     parameters = {"enable_prefix_caching": "false"}
+    if decode_attention is not None:
+        parameters["decode_attention"] = decode_attention
     if dtype is not None:
         parameters["dtype"] = dtype
     if threads is not None:
@@ -238,13 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"))
     parser.add_argument("--quantization", help="auto, none, int8, int4; comma-separated")
+    parser.add_argument("--decode-attention", help="auto, kernel, sdpa; comma-separated")
     parser.add_argument("--no-breakdown", action="store_true")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     engines: dict[str, LLMEngine] = {}
-    for quantization in args.quantization.split(",") if args.quantization else [None]:
-        engine, load_seconds = load_engine(args.dtype, args.threads, quantization)
-        label = quantization or "default"
+    quantizations = args.quantization.split(",") if args.quantization else [None]
+    attentions = args.decode_attention.split(",") if args.decode_attention else [None]
+    for quantization, attention in itertools.product(quantizations, attentions):
+        engine, load_seconds = load_engine(args.dtype, args.threads, quantization, attention)
+        label = "/".join(x for x in (quantization, attention) if x) or "default"
         engines[label] = engine
         print(f"{label}: loaded in {load_seconds:.2f} s; dtype {engine.config.dtype}, "
               f"{torch.get_num_threads()} threads")  # fmt: skip

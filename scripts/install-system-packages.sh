@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the test suite drives for real: Chromium and ChromeDriver
-# (the dashboard test), promtool (from `prometheus`, to check /metrics) and redis-server
-# (the shared response cache). Packages already present are skipped; without root or
+# (the dashboard test), promtool (from `prometheus`, to check /metrics), redis-server
+# (the shared response cache) and gcc (the language models' decode attention kernel, built
+# on first use; without it they attend through SDPA). Packages already present are skipped; without root or
 # apt-get it says what to install and the tests that need a missing tool skip themselves.
 set -uo pipefail
 declare -A need=(
@@ -9,6 +10,7 @@ declare -A need=(
   [chromium-driver]=/usr/bin/chromedriver
   [prometheus]=/usr/bin/promtool
   [redis-server]=/usr/bin/redis-server
+  [gcc]=/usr/bin/cc
 )
 missing=()
 for package in "${!need[@]}"; do

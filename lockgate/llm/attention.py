@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from lockgate.errors import BadRequest
+from lockgate.llm.decode_kernel import DecodeKernel
 
 MIN_PADDING_SAVED = 512  # key positions a split of the decode batch must save (~ one call)
 MAX_DECODE_BATCHES = 4
@@ -76,7 +77,9 @@ class DecodeBatch:
     num_blocks: int  # nb
     key_len: int  # keys attended per sequence: nb * block_size, or the common length
     mask: torch.Tensor | None  # [Sd, 1, 1, key_len] True where a key position is < seq_len;
-    # None when every sequence has key_len keys
+    # None when every sequence has key_len keys, or when the kernel attends (it needs none)
+    tables: torch.Tensor  # [Sd, nb] the same blocks, a row per sequence
+    seq_lens: torch.Tensor  # [Sd] int64 context length of each sequence
 
 
 @dataclass(slots=True)
@@ -99,10 +102,13 @@ class AttentionPlan:
     block_size: int
     decodes: list[DecodeBatch]  # sequences with one query token, grouped by context length
     prefills: list[PrefillSegment]
+    kernel: DecodeKernel | None = None  # attends the decodes in place (`decode_kernel.py`)
 
 
-def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
-    """Check the metadata and split the step into decode batches and prefill segments."""
+def plan_attention(meta: AttentionMetadata, kernel: DecodeKernel | None = None) -> AttentionPlan:
+    """Check the metadata and split the step into decode batches and prefill segments. With
+    `kernel`, the decodes are one batch: the kernel reads each context as long as it is, so
+    grouping by length saves nothing."""
     _check_metadata(meta)
     starts = [0]
     for q in meta.query_lens_list:
@@ -111,8 +117,12 @@ def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
     prefills = [
         _prefill_segment(meta, i, starts[i]) for i, q in enumerate(meta.query_lens_list) if q > 1
     ]
-    decodes = [_decode_batch(meta, rows, starts) for rows in _group_by_length(meta, decode_rows)]
-    return AttentionPlan(starts[-1], meta.block_size, decodes, prefills)
+    if kernel is not None:
+        groups = [decode_rows] if decode_rows else []
+    else:
+        groups = _group_by_length(meta, decode_rows)
+    decodes = [_decode_batch(meta, rows, starts, kernel is None) for rows in groups]
+    return AttentionPlan(starts[-1], meta.block_size, decodes, prefills, kernel)
 
 
 def _group_by_length(meta: AttentionMetadata, rows: list[int]) -> list[list[int]]:
@@ -163,7 +173,10 @@ def _check_metadata(meta: AttentionMetadata) -> None:
             raise BadRequest(f"attention metadata: sequence length {s} exceeds its block table")
 
 
-def _decode_batch(meta: AttentionMetadata, rows: list[int], starts: list[int]) -> DecodeBatch:
+def _decode_batch(
+    meta: AttentionMetadata, rows: list[int], starts: list[int], masked: bool = True
+) -> DecodeBatch:
+    """`masked`: build the mask SDPA needs over keys padded to the longest context."""
     seq_lens = [meta.seq_lens_list[i] for i in rows]
     longest = max(seq_lens)
     num_blocks = -(-longest // meta.block_size)
@@ -172,13 +185,24 @@ def _decode_batch(meta: AttentionMetadata, rows: list[int], starts: list[int]) -
     if not everything:
         tables = tables.index_select(0, torch.tensor(rows, dtype=torch.long))
     token_idx = None if everything else torch.tensor([starts[i] for i in rows], dtype=torch.long)
-    if min(seq_lens) == longest:  # all contexts equal: slice the keys, no mask
-        return DecodeBatch(token_idx, tables.reshape(-1), num_blocks, longest, None)
+    lens = torch.tensor(seq_lens, dtype=torch.long)
+    if min(seq_lens) == longest or not masked:  # all contexts equal: slice the keys, no mask
+        return DecodeBatch(token_idx, tables.reshape(-1), num_blocks, longest, None, tables, lens)
     key_pos = torch.arange(num_blocks * meta.block_size)
-    mask = key_pos[None, :] < torch.tensor(seq_lens)[:, None]  # [Sd, L]
+    mask = key_pos[None, :] < lens[:, None]  # [Sd, L]
+    length = num_blocks * meta.block_size
+    block_ids = tables.reshape(-1)
+    return DecodeBatch(token_idx, block_ids, num_blocks, length, mask[:, None, None], tables, lens)
+
+
+def _masked(batch: DecodeBatch, bs: int) -> DecodeBatch:
+    """`batch`, planned unmasked for the kernel, with the mask SDPA needs."""
+    length = batch.num_blocks * bs
+    mask = torch.arange(length)[None, :] < batch.seq_lens[:, None]
     return DecodeBatch(
-        token_idx, tables.reshape(-1), num_blocks, num_blocks * meta.block_size, mask[:, None, None]
-    )
+        batch.token_idx, batch.block_ids, batch.num_blocks, length, mask[:, None, None],
+        batch.tables, batch.seq_lens,
+    )  # fmt: skip
 
 
 def _prefill_segment(meta: AttentionMetadata, i: int, start: int) -> PrefillSegment:
@@ -218,13 +242,17 @@ def paged_attention(
     q: [T, nh, d]; k, v: [T, kvh, d], already written to the cache. Returns [T, nh * d].
     """
     decodes = plan.decodes
+    kernel = plan.kernel
+    if kernel is not None and not kernel.supports(q, k_cache):
+        kernel = None
     if len(decodes) == 1 and not plan.prefills and decodes[0].token_idx is None:
-        return _attend_decode(q, k_cache, v_cache, decodes[0], plan.block_size)
+        return _attend_decode(q, k_cache, v_cache, decodes[0], plan.block_size, kernel)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for batch in decodes:
         rows = batch.token_idx
         assert rows is not None
-        dec = _attend_decode(q.index_select(0, rows), k_cache, v_cache, batch, plan.block_size)
+        query = q.index_select(0, rows)
+        dec = _attend_decode(query, k_cache, v_cache, batch, plan.block_size, kernel)
         out.index_copy_(0, rows, dec)
     for seg in plan.prefills:
         out[seg.start : seg.end] = _attend_prefill(q, k, v, k_cache, v_cache, seg)
@@ -238,8 +266,17 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _attend_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, bs: int
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: DecodeBatch,
+    bs: int,
+    kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
+    if kernel is not None:  # in place: no gather, no padding, no mask
+        return kernel(q, k_cache, v_cache, batch.tables, batch.seq_lens)
+    if batch.mask is None and batch.key_len != int(batch.seq_lens.min()):
+        batch = _masked(batch, bs)  # planned for the kernel, which this batch cannot use
     # q: [Sd, nh, d]; grouped-query heads become query rows of their KV head: [Sd, kvh, g, d]
     sd, nh, d = q.shape
     kvh = k_cache.shape[2]

@@ -8,6 +8,7 @@ from lockgate.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, of the linear projections
+DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # `llm/decode_kernel.py`
 SPECULATIVE_METHODS = ("none", "ngram")  # ngram: prompt lookup (`llm/speculative.py`)
 _SOURCE = "EngineConfig"
 
@@ -46,6 +47,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # drafts verified per sequence and step, at most
     prompt_lookup_min: int = 2  # shortest suffix of a sequence looked up in it, in tokens
     prompt_lookup_max: int = 4  # longest
+    decode_attention: str = "auto"  # auto, kernel or sdpa (`llm/decode_kernel.py`)
 
     def __post_init__(self) -> None:
         for fld, ok, problem in self._checks():
@@ -81,6 +83,8 @@ class EngineConfig:
             ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
             ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min,
              "must be >= prompt_lookup_min"),
+            ("decode_attention", self.decode_attention in DECODE_ATTENTION,
+             f"{self.decode_attention!r} is not one of {', '.join(DECODE_ATTENTION)}"),
         ]  # fmt: skip
 
     @property

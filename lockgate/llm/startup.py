@@ -23,6 +23,7 @@ A model folder whose config says `backend: llm` holds the weights in its version
 | speculative | none, or ngram: speculative decoding by prompt lookup | none |
 | num_speculative_tokens | ngram: draft tokens verified per sequence and step, at most | 4 |
 | prompt_lookup_min / _max | ngram: shortest / longest suffix looked up, in tokens | 2 / 4 |
+| decode_attention | auto, kernel or sdpa: how decodes attend (`llm/decode_kernel.py`) | auto |
 | generation_config | sampling defaults: auto, generation_config.json by the weights; none | auto |
 """
 
@@ -39,6 +40,7 @@ from lockgate.config import ModelConfig
 from lockgate.errors import ConfigError
 from lockgate.llm.async_engine import AsyncLLMEngine
 from lockgate.llm.cpu import native_bfloat16
+from lockgate.llm.decode_kernel import KernelUnavailable, decode_kernel
 from lockgate.llm.engine import LLMEngine
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.generation_config import GenerationDefaults, read_generation_defaults
@@ -96,6 +98,7 @@ def engine_config_from(config: ModelConfig) -> EngineConfig:
         num_speculative_tokens=number("num_speculative_tokens", int, 4),  # type: ignore[arg-type]
         prompt_lookup_min=number("prompt_lookup_min", int, 2),  # type: ignore[arg-type]
         prompt_lookup_max=number("prompt_lookup_max", int, 4),  # type: ignore[arg-type]
+        decode_attention=str(p.get("decode_attention", "auto")),
     )
 
 
@@ -200,6 +203,10 @@ def _build(engine_config: EngineConfig, weights: Path) -> tuple[LLMEngine, _Buil
     )
     if engine_config.pack_weights:
         pack_linear_weights(model)
+    try:
+        model.decode_kernel = decode_kernel(engine_config.decode_attention)
+    except KernelUnavailable as exc:  # decode_attention: kernel, and it cannot be had here
+        raise ConfigError(str(weights), "parameters.decode_attention", str(exc)) from exc
     per_block = kv_bytes_per_block(checkpoint.config, engine_config.block_size, engine_config.dtype)
     blocks = engine_config.num_kv_blocks(per_block)
     kv = allocate_kv_cache(checkpoint.config, blocks, engine_config.block_size, engine_config.dtype)

@@ -1,9 +1,12 @@
 """Paged attention against a dense reference: decode batches (split by context length or
-not), whole prompts and chunks with context, mixed in one step."""
+not), whole prompts and chunks with context, mixed in one step; each through SDPA over
+gathered blocks and through the in-place decode kernel (`llm/decode_kernel.py`)."""
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from lockgate.llm.attention import (
     plan_attention,
     write_kv,
 )
+from lockgate.llm.decode_kernel import DecodeKernel, load_kernel
 
 BLOCK = 4
 NH, KVH, D = 6, 2, 8
@@ -31,7 +35,18 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torc
     return (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, NH * D)
 
 
-def run_step(seq_lens: list[int], query_lens: list[int], seed: int = 0) -> None:
+@pytest.fixture(params=["sdpa", "kernel"])
+def kernel(request: pytest.FixtureRequest) -> DecodeKernel | None:
+    if request.param == "sdpa":
+        return None
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler to build the kernel (apt-get install gcc)")
+    return load_kernel()
+
+
+def run_step(
+    seq_lens: list[int], query_lens: list[int], seed: int = 0, kernel: DecodeKernel | None = None
+) -> None:
     """Fill each sequence's context at random, attend its last query_lens tokens, compare."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // BLOCK) for s in seq_lens) + 3
@@ -67,39 +82,42 @@ def run_step(seq_lens: list[int], query_lens: list[int], seed: int = 0) -> None:
     )
     q, k, v = torch.cat(queries), torch.cat(new_k), torch.cat(new_v)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = paged_attention(q, k, v, k_cache, v_cache, plan_attention(meta))
+    out = paged_attention(q, k, v, k_cache, v_cache, plan_attention(meta, kernel))
     expected = torch.cat([reference(qi, *ctx) for qi, ctx in zip(queries, contexts, strict=True)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
-def test_decode_batch_of_equal_contexts_needs_no_mask() -> None:
-    run_step([9, 9, 9], [1, 1, 1])
+def test_decode_batch_of_equal_contexts_needs_no_mask(kernel: DecodeKernel | None) -> None:
+    run_step([9, 9, 9], [1, 1, 1], kernel=kernel)
     plan = plan_attention(_meta_for([9, 9, 9]))
     assert len(plan.decodes) == 1 and plan.decodes[0].mask is None
 
 
-def test_decode_batch_of_mixed_contexts() -> None:
-    run_step([3, 17, 8, 1], [1, 1, 1, 1])
+def test_decode_batch_of_mixed_contexts(kernel: DecodeKernel | None) -> None:
+    run_step([3, 17, 8, 1], [1, 1, 1, 1], kernel=kernel)
 
 
-def test_decodes_far_apart_in_length_are_split_and_stay_exact() -> None:
+def test_decodes_far_apart_in_length_are_split_and_stay_exact(kernel: DecodeKernel | None) -> None:
     long = MIN_PADDING_SAVED + 40
     seq_lens = [long, 5, long - 3, 7, 6, long + 2]
-    assert len(plan_attention(_meta_for(seq_lens)).decodes) == 2
-    run_step(seq_lens, [1] * len(seq_lens))
+    # the kernel reads each context as long as it is: one batch, nothing to split
+    assert len(plan_attention(_meta_for(seq_lens), kernel).decodes) == (1 if kernel else 2)
+    run_step(seq_lens, [1] * len(seq_lens), kernel=kernel)
 
 
-def test_prefills_with_and_without_context_mixed_with_decodes() -> None:
-    run_step([12, 5, 30, 9, 2], [12, 1, 7, 1, 2], seed=3)
+def test_prefills_with_and_without_context_mixed_with_decodes(
+    kernel: DecodeKernel | None,
+) -> None:
+    run_step([12, 5, 30, 9, 2], [12, 1, 7, 1, 2], seed=3, kernel=kernel)
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_random_steps(seed: int) -> None:
+def test_random_steps(seed: int, kernel: DecodeKernel | None) -> None:
     gen = torch.Generator().manual_seed(100 + seed)
     seq_lens = torch.randint(1, 60, (6,), generator=gen).tolist()
     query_lens = [1 if i % 2 else int(torch.randint(1, s + 1, (1,), generator=gen)) for i, s in
                   enumerate(seq_lens)]  # fmt: skip
-    run_step(seq_lens, query_lens, seed=seed)
+    run_step(seq_lens, query_lens, seed=seed, kernel=kernel)
 
 
 def _meta_for(seq_lens: list[int]) -> AttentionMetadata:

@@ -25,6 +25,7 @@ from lockgate.llm.attention import (
     plan_attention,
     write_kv,
 )
+from lockgate.llm.decode_kernel import DecodeKernel
 from lockgate.llm.model_config import LlamaConfig
 from lockgate.llm.quantized_linear import QuantizedLinear, QuantizedWeight, quantize_int8
 
@@ -182,6 +183,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # set by models/packing.py: [N, H] -> [N, V]
+        self.decode_kernel: DecodeKernel | None = None  # attends decodes in place, when set
 
     @property
     def dtype(self) -> torch.dtype:
@@ -203,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
                 f"{input_ids.shape[0]} input ids and {positions.shape[0]} positions"
                 f" for {meta.num_tokens} query tokens"
             )
-        plan = plan_attention(meta)
+        plan = plan_attention(meta, self.decode_kernel)
         cos, sin = self.rope.lookup(positions)
         h = self.embed_tokens(input_ids)  # [T, H]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -1,0 +1,206 @@
+"""Decode attention that reads the paged KV cache in place: a C kernel, built once per machine.
+
+A decoding sequence attends with one query token per head over the keys and values of its
+cache blocks. The batched SDPA path (`attention.py`) first gathers every sequence's blocks
+into a copy padded to the longest context, then masks the padding; at batch 32 with
+contexts of about 300 tokens that gather and the padded SDPA were over a third of a SmolLM2
+decode step. `decode_attention.c` reads each key and value row where it lies, once for all
+the query heads that share it, with the softmax in float32.
+
+The kernel is compiled from its source with the system's C compiler (`CC`, else `cc`;
+`-O3 -march=native -ffast-math -fopenmp`) the first time a model is loaded, in about a
+second, and kept in `<cache>/kernels/` (`LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate/llm`)
+under a name that hashes the source, the flags, the compiler and the CPU, so every later
+load reuses it. Its
+OpenMP is torch's runtime, already loaded (the same `libgomp.so.1`), and it runs on the
+calling thread's team, with torch's intra-op thread count.
+
+The `decode_attention` engine parameter chooses: `auto` (the default) uses the kernel when it
+builds and falls back to SDPA with a warning when it cannot (no compiler); `kernel` fails the
+model's load instead; `sdpa` never builds it. Key and value caches in float32 and bfloat16
+are read as they are; query heads per KV head up to 32 and head sizes up to 256.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lockgate.llm.loader import default_cache_dir
+
+log = logging.getLogger("lockgate.llm")
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+MODES = ("auto", "kernel", "sdpa")
+MAX_GROUP = 32  # query heads per KV head (decode_attention.c)
+MAX_HEAD_DIM = 256
+BUILD_TIMEOUT_S = 120.0
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel could not be built or loaded here."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeKernel:
+    """The loaded kernel. Call it with one decode batch; it returns [S, nh * d]."""
+
+    path: Path
+    function: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+    def supports(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether this batch's shapes and dtypes are the kernel's."""
+        nh, d, kvh = q.shape[1], q.shape[2], k_cache.shape[2]
+        return (
+            k_cache.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.is_contiguous()
+            and nh % kvh == 0
+            and nh // kvh <= MAX_GROUP
+            and d <= MAX_HEAD_DIM
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """q [S, nh, d]; caches [blocks, block_size, kvh, d]; block_tables [S, width] and
+        seq_lens [S], int64. Softmax scale 1/sqrt(d), as SDPA's."""
+        s, nh, d = q.shape
+        _, block_size, kvh, _ = k_cache.shape
+        query = q.to(torch.float32).contiguous()
+        out = torch.empty_like(query)
+        tables = block_tables.to(torch.int64).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        status = self.function(
+            query.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            int(k_cache.dtype == torch.bfloat16),
+            tables.data_ptr(),
+            tables.shape[1],
+            lens.data_ptr(),
+            s,
+            nh,
+            kvh,
+            d,
+            block_size,
+            d**-0.5,
+            torch.get_num_threads(),
+            out.data_ptr(),
+        )
+        if status != 0:
+            raise RuntimeError(f"decode attention kernel failed ({status}): shapes {q.shape}")
+        return out.view(s, nh * d).to(q.dtype)
+
+
+def decode_kernel(mode: str = "auto") -> DecodeKernel | None:
+    """The kernel for `mode` (see the module's text): None to use SDPA."""
+    if mode not in MODES:
+        raise ValueError(f"decode_attention must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "sdpa":
+        return None
+    try:
+        return load_kernel()
+    except KernelUnavailable as exc:
+        if mode == "kernel":
+            raise
+        _warn_once(str(exc))
+        return None
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    log.warning("decode attention: %s; using SDPA over gathered blocks", reason)
+
+
+@functools.cache
+def load_kernel() -> DecodeKernel:
+    """Build the kernel if this machine has no copy yet, and load it (once per process)."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise KernelUnavailable("no C compiler (set CC, or install gcc)")
+    path = _library_path(compiler)
+    if not path.exists():
+        _build(compiler, path)
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot load {path}: {exc}") from exc
+    function = library.paged_decode_attention
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [
+        pointer, pointer, pointer, ctypes.c_int, pointer, i64, pointer, i64, i64, i64, i64,
+        i64, ctypes.c_float, ctypes.c_int, pointer,
+    ]  # fmt: skip
+    function.restype = ctypes.c_int
+    return DecodeKernel(path, function)
+
+
+def _library_path(compiler: str) -> Path:
+    """Where this source, built with these flags by this compiler for this CPU, is kept."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(FLAGS).encode())
+    digest.update(_compiler_version(compiler).encode())
+    digest.update(platform.machine().encode())
+    digest.update(_cpu_flags().encode())
+    return default_cache_dir() / "kernels" / f"decode_attention-{digest.hexdigest()[:16]}.so"
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        done = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KernelUnavailable(f"cannot run {compiler}: {exc}") from exc
+    return done.stdout
+
+
+def _cpu_flags() -> str:
+    """The CPU's model and feature flags (-march=native builds for them)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    lines = [line for line in text.splitlines() if line.split(":")[0].strip() in wanted]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build(compiler: str, path: Path) -> None:
+    """Compile into a temporary file beside `path`, then rename it into place: a process
+    that loads the library never sees it half written, and concurrent builds agree."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    command = [compiler, *FLAGS, "-o", temporary, str(SOURCE), "-lm"]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
+        )
+        if done.returncode != 0:
+            detail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise KernelUnavailable(f"{Path(compiler).name} failed: {' / '.join(detail)}")
+        os.replace(temporary, path)
+        log.info("decode attention: kernel built at %s", path)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KernelUnavailable(f"cannot build the kernel: {exc}") from exc
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
