@@ -190,6 +190,9 @@ class QuantizedLinear(nn.Module):
         if dense is None:
             dense = weight.dequantize().to(dtype)
         self.register_buffer("dense", dense, persistent=False)
+        # the dense copy in another layout (oneDNN's packed bfloat16, `models/packing.py`),
+        # which then runs the rows from `dense_from` up; `dense` is released
+        self.dense_linear: nn.Module | None = None
         self.dense_from = (
             DENSE_FROM_TOKENS_FLOAT32 if dense.dtype == torch.float32 else DENSE_FROM_TOKENS
         )
@@ -215,6 +218,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_from:
+            if self.dense_linear is not None:
+                return self.dense_linear(x)
             return torch.nn.functional.linear(x, self.dense)
         dtype = x.dtype
         x = x.to(KERNEL_DTYPE).contiguous()

@@ -9,6 +9,7 @@ from torch import nn
 from lockgate.llm.loader import Checkpoint
 from lockgate.llm.models.llama import LlamaForCausalLM, build_llama
 from lockgate.llm.models.packing import PackedLinear, can_pack, pack_linear_weights
+from lockgate.llm.quantized_linear import QuantizedLinear, quantize_int4
 from tests.llm.conftest import PagedLoop
 
 needs_onednn_bf16 = pytest.mark.skipif(
@@ -51,3 +52,25 @@ def test_packed_model_gives_the_plain_models_logits(checkpoint: Checkpoint) -> N
     for packed_row, plain_row in zip(logits[1].float(), logits[0].float(), strict=True):
         assert float((packed_row - plain_row).norm() / plain_row.norm()) <= 0.03
     assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
+
+
+@needs_onednn_bf16
+def test_a_quantized_projections_dense_copy_is_packed_in_its_place(
+    checkpoint: Checkpoint,
+) -> None:
+    """Large steps of a quantized projection run on its dense copy: packed for oneDNN like
+    the plain Linears, with the same results, and the unpacked copy released."""
+    config = checkpoint.config
+    weights = dict(checkpoint.weights)
+    name = "model.layers.0.mlp.down_proj.weight"
+    quantized = {name: quantize_int4(weights.pop(name).float())}
+    plain = build_llama(config, weights, "bfloat16", quantized)
+    packed = build_llama(config, weights, "bfloat16", quantized)
+    pack_linear_weights(packed)
+    before, after = plain.layers[0].mlp.down_proj, packed.layers[0].mlp.down_proj
+    assert isinstance(after, QuantizedLinear) and isinstance(after.dense_linear, PackedLinear)
+    assert after.dense.numel() == 0  # the packed copy took its place
+    gen = torch.Generator().manual_seed(7)
+    for rows in (1, after.dense_from - 1, after.dense_from, 64):  # the kernel, then dense
+        x = torch.randn(rows, after.in_features, generator=gen).to(torch.bfloat16)
+        torch.testing.assert_close(after(x), before(x))
