@@ -14,8 +14,9 @@
      seq_lens     [S] int64
      out          [S, nh, d]
 
-   Built by lockgate/llm/decode_kernel.py with -O3 -march=native -ffast-math -fopenmp
-   (fast-math: the reductions and expf vectorise; no input here is inf or NaN by design). */
+   Built by lockgate/llm/decode_kernel.py with -O3 -march=native -fassociative-math -fopenmp
+   (the float sums vectorise), never -ffast-math: in a shared library that would set
+   flush-to-zero for the whole process. */
 
 #include <math.h>
 #include <stdint.h>
@@ -36,6 +37,27 @@ static inline float bf16_to_float(uint16_t bits) {
    and values, read in place through its block table; out [group, d]; scores [group, len]
    is scratch. DIM is the head size: a constant for the sizes models use (the loops over it
    unroll and vectorise), `d` for the rest. */
+/* e^x for the softmax, x <= 0 (a score less the largest): Cephes' expf, range-reduced by
+   ln 2 and a degree-6 polynomial, within 2 ulp; no call, so the loop over it vectorises.
+   Below -87 (under 1.7e-38, the least normal float) it gives e^-87, nothing against the
+   largest score's 1. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 #define ATTEND(NAME, ELEM, LOAD, DIM)                                                        \
     static void NAME(const float *restrict q, const ELEM *restrict k_cache,                 \
                      const ELEM *restrict v_cache, const int64_t *restrict table,           \
@@ -65,7 +87,7 @@ static inline float bf16_to_float(uint16_t bits) {
             for (int64_t t = 1; t < len; t++) top = sg[t] > top ? sg[t] : top;             \
             float sum = 0.0f;                                                               \
             for (int64_t t = 0; t < len; t++) {                                             \
-                sg[t] = expf(sg[t] - top);                                                  \
+                sg[t] = exp_nonpositive(sg[t] - top);                                       \
                 sum += sg[t];                                                               \
             }                                                                               \
             total[g] = sum;                                                                 \

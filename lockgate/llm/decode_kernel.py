@@ -8,7 +8,8 @@ decode step. `decode_attention.c` reads each key and value row where it lies, on
 the query heads that share it, with the softmax in float32.
 
 The kernel is compiled from its source with the system's C compiler (`CC`, else `cc`;
-`-O3 -march=native -ffast-math -fopenmp`) the first time a model is loaded, in about a
+`-O3 -march=native -fassociative-math -fopenmp` and the flags that
+allows) the first time a model is loaded, in about a
 second, and kept in `<cache>/kernels/` (`LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate/llm`)
 under a name that hashes the source, the flags, the compiler and the CPU, so every later
 load reuses it. Its
@@ -42,7 +43,12 @@ from lockgate.llm.loader import default_cache_dir
 log = logging.getLogger("lockgate.llm")
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+# No -ffast-math: linked into a shared library it sets the CPU's flush-to-zero mode for the
+# whole process (crtfastmath.o). These allow the reordered float sums that vectorise.
+FLAGS = (
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+    "-fassociative-math", "-fopenmp", "-shared", "-fPIC",
+)  # fmt: skip
 MODES = ("auto", "kernel", "sdpa")
 MAX_GROUP = 32  # query heads per KV head (decode_attention.c)
 MAX_HEAD_DIM = 256

@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,6 +75,14 @@ def test_shapes_outside_the_kernel_are_not_its() -> None:
     assert not kernel.supports(torch.zeros(1, 3, 64), cache)  # heads not a multiple
     assert not kernel.supports(torch.zeros(1, 4, 512), torch.zeros(2, 4, 2, 512))  # head size
     assert not kernel.supports(torch.zeros(1, 4, 64), cache.half())  # dtype
+
+
+@needs_compiler
+def test_loading_the_kernel_leaves_the_processs_float_modes_alone() -> None:
+    """Built without -ffast-math, whose start-up code would set flush-to-zero for every
+    float computation of the process."""
+    load_kernel()
+    assert np.float32(1e-38) / np.float32(10) > 0  # a subnormal result, flushed to 0 by FTZ
 
 
 @pytest.fixture
