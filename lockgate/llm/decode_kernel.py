@@ -8,13 +8,12 @@ decode step. `decode_attention.c` reads each key and value row where it lies, on
 the query heads that share it, with the softmax in float32.
 
 The kernel is compiled from its source with the system's C compiler (`CC`, else `cc`;
-`-O3 -march=native -fassociative-math -fopenmp` and the flags that
-allows) the first time a model is loaded, in about a
-second, and kept in `<cache>/kernels/` (`LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate/llm`)
-under a name that hashes the source, the flags, the compiler and the CPU, so every later
-load reuses it. Its
-OpenMP is torch's runtime, already loaded (the same `libgomp.so.1`), and it runs on the
-calling thread's team, with torch's intra-op thread count.
+`-O3 -march=native -fassociative-math -fopenmp`, never `-ffast-math`: `FLAGS`) the first
+time a model is loaded, in about a second, and kept in `<cache>/kernels/`
+(`LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate/llm`) under a name that hashes the source, the
+flags, the compiler and the CPU, so every later load reuses it. Its OpenMP is torch's
+runtime, already loaded (the same `libgomp.so.1`), and it runs on the calling thread's team,
+with torch's intra-op thread count.
 
 The `decode_attention` engine parameter chooses: `auto` (the default) uses the kernel when it
 builds and falls back to SDPA with a warning when it cannot (no compiler); `kernel` fails the
