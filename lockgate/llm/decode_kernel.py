@@ -191,8 +191,11 @@ def _cpu_flags() -> str:
 def _build(compiler: str, path: Path) -> None:
     """Compile into a temporary file beside `path`, then rename it into place: a process
     that loads the library never sees it half written, and concurrent builds agree."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    try:  # a cache directory that cannot be written (a read-only home) leaves SDPA
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot write the kernel to {path.parent}: {exc}") from exc
     os.close(fd)
     command = [compiler, *FLAGS, "-o", temporary, str(SOURCE), "-lm"]
     try:

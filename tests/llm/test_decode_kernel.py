@@ -127,6 +127,18 @@ def test_a_compiler_that_fails_is_reported(fresh_kernel: Path) -> None:
     assert not list((fresh_kernel / "kernels").iterdir())  # the temporary is removed
 
 
+@needs_compiler
+def test_a_cache_that_cannot_be_written_leaves_sdpa(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocked = fresh_kernel / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(blocked))
+    with pytest.raises(KernelUnavailable, match="cannot write the kernel"):
+        decode_kernel._build("cc", decode_kernel._library_path("cc"))
+    assert decode_kernel.decode_kernel("auto") is None
+
+
 def test_sdpa_never_builds_and_a_wrong_mode_is_a_config_error(fresh_kernel: Path) -> None:
     assert decode_kernel.decode_kernel("sdpa") is None
     assert not (fresh_kernel / "kernels").exists()
