@@ -53,7 +53,7 @@ from lockgate.router.budget import Budget
 from lockgate.router.canary import Canary, CanaryRule
 from lockgate.router.client_connection import HOLD
 from lockgate.router.groups import MAIN, ReplicaGroups
-from lockgate.router.hedge import HedgePolicy
+from lockgate.router.hedge import HedgePolicy, finished_within
 from lockgate.router.llm_request import EMBEDDINGS_PATH, OPENAI_PATHS, LLMRequest
 from lockgate.router.llm_routing import LLMRouting, LLMRoutingSettings
 from lockgate.router.model_counts import ModelCounts
@@ -500,7 +500,7 @@ class RouterApp:
         """The first complete answer of two copies, the second sent after `delay` s."""
         path = route.path
         one = asyncio.create_task(self._attempt(first, method, path, headers, body, True))
-        if await _finished_within(one, delay):
+        if await finished_within(one, delay):
             return one.result(), first
         second = self._pick(route, time.monotonic(), [*tried, first])
         if second is None or not self.hedges.try_spend(time.monotonic()):
@@ -666,24 +666,3 @@ async def _error(send: Send, status: int, message: str, retry_after: int | None 
     with contextlib.suppress(Exception):
         await _respond(send, status, _encode({"error": message}), b"application/json", extra)
     return status
-
-
-async def _finished_within(task: asyncio.Task[Response], delay: float) -> bool:
-    """Whether `task` is done within `delay` seconds (it runs on either way): what
-    `asyncio.wait({task}, timeout=delay)` tells, with one future and one timer, as every
-    hedged request asks it."""
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
-
-    def wake(_: object = None) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    task.add_done_callback(wake)
-    timer = loop.call_later(delay, wake)
-    try:
-        await waiter
-    finally:
-        timer.cancel()
-        task.remove_done_callback(wake)
-    return task.done()

@@ -44,6 +44,7 @@ from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.router.app import RouterApp
 from lockgate.router.groups import MAIN
 from lockgate.router.grpc_model import model_of
+from lockgate.router.hedge import finished_within
 from lockgate.router.pool import split_url
 from lockgate.router.replica import Replica
 
@@ -351,6 +352,11 @@ class GrpcFront:
             if attempt:
                 router.retried.inc()
             delay = router.settings.hedge.delay(model) if model is not None else None
+            main = router.groups.members(router.pool.replicas, MAIN)
+            if delay is not None and not any(
+                r.usable(now) and r is not replica and r not in tried for r in main
+            ):
+                delay = None  # no other replica could take a second copy: no hedge to time
             try:
                 if delay is None:
                     response = await self._attempt(replica, call)
@@ -395,7 +401,8 @@ class GrpcFront:
         one = loop.create_task(self._attempt(first, call))
         copies = {one: first}
         try:
-            await asyncio.wait({one}, timeout=delay)
+            if await finished_within(one, delay):
+                return one.result()  # an answer, a status, or the _Retry it ended with
             if not one.done():
                 now = time.monotonic()
                 main = router.groups.members(router.pool.replicas, MAIN)

@@ -3,8 +3,10 @@ latencies (the 95th by default), once enough answers have been seen."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -57,3 +59,24 @@ class HedgePolicy:
         window = self.models.get(model)
         q = window.quantile(self.quantile) if window is not None else None
         return None if q is None else max(self.min_delay, q)
+
+
+async def finished_within(task: asyncio.Future[Any], delay: float) -> bool:
+    """Whether `task` is done within `delay` seconds (it runs on either way): what
+    `asyncio.wait({task}, timeout=delay)` tells, with one future and one timer, as every
+    hedged request asks it."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    task.add_done_callback(wake)
+    timer = loop.call_later(delay, wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        task.remove_done_callback(wake)
+    return task.done()
