@@ -78,8 +78,9 @@ class DecodeBatch:
     key_len: int  # keys attended per sequence: nb * block_size, or the common length
     mask: torch.Tensor | None  # [Sd, 1, 1, key_len] True where a key position is < seq_len;
     # None when every sequence has key_len keys, or when the kernel attends (it needs none)
-    tables: torch.Tensor  # [Sd, nb] the same blocks, a row per sequence
+    tables: torch.Tensor  # [Sd, nb] the same blocks, a row per sequence (contiguous)
     seq_lens: torch.Tensor  # [Sd] int64 context length of each sequence
+    uniform: bool  # every sequence has the same context length
 
 
 @dataclass(slots=True)
@@ -184,15 +185,21 @@ def _decode_batch(
     tables = meta.block_tables[:, :num_blocks]
     if not everything:
         tables = tables.index_select(0, torch.tensor(rows, dtype=torch.long))
+    tables = tables.contiguous()  # read by the kernel in every layer
     token_idx = None if everything else torch.tensor([starts[i] for i in rows], dtype=torch.long)
     lens = torch.tensor(seq_lens, dtype=torch.long)
-    if min(seq_lens) == longest or not masked:  # all contexts equal: slice the keys, no mask
-        return DecodeBatch(token_idx, tables.reshape(-1), num_blocks, longest, None, tables, lens)
+    block_ids = tables.reshape(-1)
+    uniform = min(seq_lens) == longest
+    if uniform or not masked:  # all contexts equal (slice the keys) or the kernel: no mask
+        return DecodeBatch(
+            token_idx, block_ids, num_blocks, longest, None, tables, lens, uniform
+        )  # fmt: skip
     key_pos = torch.arange(num_blocks * meta.block_size)
     mask = key_pos[None, :] < lens[:, None]  # [Sd, L]
     length = num_blocks * meta.block_size
-    block_ids = tables.reshape(-1)
-    return DecodeBatch(token_idx, block_ids, num_blocks, length, mask[:, None, None], tables, lens)
+    return DecodeBatch(
+        token_idx, block_ids, num_blocks, length, mask[:, None, None], tables, lens, uniform
+    )  # fmt: skip
 
 
 def _masked(batch: DecodeBatch, bs: int) -> DecodeBatch:
@@ -201,7 +208,7 @@ def _masked(batch: DecodeBatch, bs: int) -> DecodeBatch:
     mask = torch.arange(length)[None, :] < batch.seq_lens[:, None]
     return DecodeBatch(
         batch.token_idx, batch.block_ids, batch.num_blocks, length, mask[:, None, None],
-        batch.tables, batch.seq_lens,
+        batch.tables, batch.seq_lens, batch.uniform,
     )  # fmt: skip
 
 
@@ -275,7 +282,7 @@ def _attend_decode(
 ) -> torch.Tensor:
     if kernel is not None:  # in place: no gather, no padding, no mask
         return kernel(q, k_cache, v_cache, batch.tables, batch.seq_lens)
-    if batch.mask is None and batch.key_len != int(batch.seq_lens.min()):
+    if batch.mask is None and not batch.uniform:
         batch = _masked(batch, bs)  # planned for the kernel, which this batch cannot use
     # q: [Sd, nh, d]; grouped-query heads become query rows of their KV head: [Sd, kvh, g, d]
     sd, nh, d = q.shape
