@@ -250,7 +250,7 @@ def paged_attention(
     """
     decodes = plan.decodes
     kernel = plan.kernel
-    if kernel is not None and not kernel.supports(q, k_cache):
+    if kernel is not None and not kernel.supports(q, k_cache, v_cache):
         kernel = None
     if len(decodes) == 1 and not plan.prefills and decodes[0].token_idx is None:
         return _attend_decode(q, k_cache, v_cache, decodes[0], plan.block_size, kernel)

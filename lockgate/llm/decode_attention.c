@@ -131,13 +131,14 @@ static attend_fn pick(int bf16, int64_t d) {
     return bf16 ? (attend_fn)attend_bf16_any : (attend_fn)attend_f32_any;
 }
 
-/* Returns 0, or -1 when a shape is out of the kernel's bounds (nothing is written), or -2
-   when scratch memory could not be had. */
+/* Returns 0, or -1 when a shape is out of the kernel's bounds or a block table names a block
+   outside the cache (nothing is written, nothing out of bounds is read), or -2 when scratch
+   memory could not be had. */
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
                            int bf16, const int64_t *block_tables, int64_t table_width,
-                           const int64_t *seq_lens, int64_t num_seqs, int64_t nh, int64_t kvh,
-                           int64_t d, int64_t block_size, float scale, int threads,
-                           float *out) {
+                           const int64_t *seq_lens, int64_t num_seqs, int64_t num_blocks,
+                           int64_t nh, int64_t kvh, int64_t d, int64_t block_size, float scale,
+                           int threads, float *out) {
     if (kvh <= 0 || nh % kvh != 0 || nh / kvh > MAX_GROUP || d <= 0 || d > MAX_HEAD_DIM ||
         block_size <= 0)
         return -1;
@@ -145,6 +146,11 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
     for (int64_t s = 0; s < num_seqs; s++) {
         if (seq_lens[s] <= 0 || seq_lens[s] > table_width * block_size) return -1;
         longest = seq_lens[s] > longest ? seq_lens[s] : longest;
+        const int64_t used = (seq_lens[s] + block_size - 1) / block_size;
+        for (int64_t b = 0; b < used; b++) { /* every block read lies in the cache */
+            const int64_t block = block_tables[s * table_width + b];
+            if (block < 0 || block >= num_blocks) return -1;
+        }
     }
     const int64_t group = nh / kvh;
     const attend_fn attend = pick(bf16, d);

@@ -65,11 +65,20 @@ class DecodeKernel:
     path: Path
     function: ctypes._CFuncPtr  # type: ignore[name-defined]
 
-    def supports(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """Whether this batch's shapes and dtypes are the kernel's."""
+    def supports(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None
+    ) -> bool:
+        """Whether this batch's shapes and dtypes are the kernel's (the value cache, when
+        given, laid out as the key cache)."""
         nh, d, kvh = q.shape[1], q.shape[2], k_cache.shape[2]
+        same = v_cache is None or (
+            v_cache.dtype == k_cache.dtype
+            and v_cache.shape == k_cache.shape
+            and v_cache.is_contiguous()
+        )
         return (
-            k_cache.dtype in (torch.float32, torch.bfloat16)
+            same
+            and k_cache.dtype in (torch.float32, torch.bfloat16)
             and k_cache.is_contiguous()
             and nh % kvh == 0
             and nh // kvh <= MAX_GROUP
@@ -101,6 +110,7 @@ class DecodeKernel:
             tables.shape[1],
             lens.data_ptr(),
             s,
+            k_cache.shape[0],
             nh,
             kvh,
             d,
@@ -109,8 +119,11 @@ class DecodeKernel:
             torch.get_num_threads(),
             out.data_ptr(),
         )
-        if status != 0:
-            raise RuntimeError(f"decode attention kernel failed ({status}): shapes {q.shape}")
+        if status != 0:  # -1: a length or block outside the table or cache; -2: no memory
+            raise RuntimeError(
+                f"decode attention kernel refused the batch ({status}): q {tuple(q.shape)}, "
+                f"cache {tuple(k_cache.shape)}, lengths {lens.tolist()[:8]}"
+            )
         return out.view(s, nh * d).to(q.dtype)
 
 
@@ -151,7 +164,7 @@ def load_kernel() -> DecodeKernel:
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [
         pointer, pointer, pointer, ctypes.c_int, pointer, i64, pointer, i64, i64, i64, i64,
-        i64, ctypes.c_float, ctypes.c_int, pointer,
+        i64, i64, ctypes.c_float, ctypes.c_int, pointer,
     ]  # fmt: skip
     function.restype = ctypes.c_int
     return DecodeKernel(path, function)

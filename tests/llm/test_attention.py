@@ -142,7 +142,7 @@ def _meta_for(seq_lens: list[int]) -> AttentionMetadata:
 class _Declines:
     """A kernel that takes no batch (as the real one declines a dtype it does not read)."""
 
-    def supports(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: object = None) -> bool:
         return False
 
     def __call__(self, *args: object) -> torch.Tensor:

@@ -68,6 +68,22 @@ def test_the_kernel_agrees_with_sdpa_over_gathered_blocks(
 
 
 @needs_compiler
+def test_a_table_or_length_outside_the_cache_is_refused_not_read() -> None:
+    kernel = load_kernel()
+    cache = torch.zeros(4, 16, 1, 64)
+    q = torch.zeros(1, 2, 64)
+    with pytest.raises(RuntimeError, match="refused the batch"):  # block 4 of 4
+        kernel(q, cache, cache, torch.tensor([[0, 4]]), torch.tensor([20]))
+    with pytest.raises(RuntimeError, match="refused the batch"):  # longer than its table
+        kernel(q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([33]))
+    with pytest.raises(RuntimeError, match="refused the batch"):
+        kernel(q, cache, cache, torch.tensor([[-1, 1]]), torch.tensor([3]))
+    # the unused end of a table is not read: a padding entry there is no error
+    out = kernel(q, cache, cache, torch.tensor([[2, 99]]), torch.tensor([16]))
+    assert torch.equal(out, torch.zeros(1, 128))
+
+
+@needs_compiler
 def test_shapes_outside_the_kernel_are_not_its() -> None:
     kernel = load_kernel()
     cache = torch.zeros(2, 4, 2, 64)
@@ -75,6 +91,8 @@ def test_shapes_outside_the_kernel_are_not_its() -> None:
     assert not kernel.supports(torch.zeros(1, 3, 64), cache)  # heads not a multiple
     assert not kernel.supports(torch.zeros(1, 4, 512), torch.zeros(2, 4, 2, 512))  # head size
     assert not kernel.supports(torch.zeros(1, 4, 64), cache.half())  # dtype
+    assert not kernel.supports(torch.zeros(1, 4, 64), cache, cache.bfloat16())  # values differ
+    assert kernel.supports(torch.zeros(1, 4, 64), cache, cache.clone())
 
 
 @needs_compiler
