@@ -363,11 +363,7 @@ class Batcher:
     def queue_state(self, level: int, now: float) -> QueueState:
         """The queue as a request of priority `level` arriving now would find it."""
         cap, window = self.cap_and_window(now)
-        running = self.running
-        if running:
-            free_at = sorted(self._free_at(i, now) for i in self.instances if i.healthy)
-        else:  # every instance idle: each takes its next batch now
-            free_at = [now for i in self.instances if i.healthy]
+        free_at = sorted(self._free_at(i, now) for i in self.instances if i.healthy)
         opens = self._held_until(cap, window, now)
         capacity = self._capacity(cap)
         return QueueState(self._rows_ahead(level), cap, tuple(free_at), capacity, opens)

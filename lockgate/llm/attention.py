@@ -80,7 +80,6 @@ class DecodeBatch:
     # None when every sequence has key_len keys, or when the kernel attends (it needs none)
     tables: torch.Tensor  # [Sd, nb] the same blocks, a row per sequence (contiguous)
     seq_lens: torch.Tensor  # [Sd] int64 context length of each sequence
-    uniform: bool  # every sequence has the same context length
 
 
 @dataclass(slots=True)
@@ -103,7 +102,8 @@ class AttentionPlan:
     block_size: int
     decodes: list[DecodeBatch]  # sequences with one query token, grouped by context length
     prefills: list[PrefillSegment]
-    kernel: DecodeKernel | None = None  # attends the decodes in place (`decode_kernel.py`)
+    # attends the decodes in place (`decode_kernel.py`); chosen at load for the model's shapes
+    kernel: DecodeKernel | None = None
 
 
 def plan_attention(meta: AttentionMetadata, kernel: DecodeKernel | None = None) -> AttentionPlan:
@@ -189,27 +189,12 @@ def _decode_batch(
     token_idx = None if everything else torch.tensor([starts[i] for i in rows], dtype=torch.long)
     lens = torch.tensor(seq_lens, dtype=torch.long)
     block_ids = tables.reshape(-1)
-    uniform = min(seq_lens) == longest
-    if uniform or not masked:  # all contexts equal (slice the keys) or the kernel: no mask
-        return DecodeBatch(
-            token_idx, block_ids, num_blocks, longest, None, tables, lens, uniform
-        )  # fmt: skip
+    if min(seq_lens) == longest or not masked:  # contexts equal (slice the keys), or kernel
+        return DecodeBatch(token_idx, block_ids, num_blocks, longest, None, tables, lens)
     key_pos = torch.arange(num_blocks * meta.block_size)
     mask = key_pos[None, :] < lens[:, None]  # [Sd, L]
     length = num_blocks * meta.block_size
-    return DecodeBatch(
-        token_idx, block_ids, num_blocks, length, mask[:, None, None], tables, lens, uniform
-    )  # fmt: skip
-
-
-def _masked(batch: DecodeBatch, bs: int) -> DecodeBatch:
-    """`batch`, planned unmasked for the kernel, with the mask SDPA needs."""
-    length = batch.num_blocks * bs
-    mask = torch.arange(length)[None, :] < batch.seq_lens[:, None]
-    return DecodeBatch(
-        batch.token_idx, batch.block_ids, batch.num_blocks, length, mask[:, None, None],
-        batch.tables, batch.seq_lens, batch.uniform,
-    )  # fmt: skip
+    return DecodeBatch(token_idx, block_ids, num_blocks, length, mask[:, None, None], tables, lens)
 
 
 def _prefill_segment(meta: AttentionMetadata, i: int, start: int) -> PrefillSegment:
@@ -250,8 +235,6 @@ def paged_attention(
     """
     decodes = plan.decodes
     kernel = plan.kernel
-    if kernel is not None and not kernel.supports(q, k_cache, v_cache):
-        kernel = None
     if len(decodes) == 1 and not plan.prefills and decodes[0].token_idx is None:
         return _attend_decode(q, k_cache, v_cache, decodes[0], plan.block_size, kernel)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
@@ -282,8 +265,6 @@ def _attend_decode(
 ) -> torch.Tensor:
     if kernel is not None:  # in place: no gather, no padding, no mask
         return kernel(q, k_cache, v_cache, batch.tables, batch.seq_lens)
-    if batch.mask is None and not batch.uniform:
-        batch = _masked(batch, bs)  # planned for the kernel, which this batch cannot use
     # q: [Sd, nh, d]; grouped-query heads become query rows of their KV head: [Sd, kvh, g, d]
     sd, nh, d = q.shape
     kvh = k_cache.shape[2]

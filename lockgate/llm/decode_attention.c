@@ -33,10 +33,6 @@ static inline float bf16_to_float(uint16_t bits) {
     return value;
 }
 
-/* One (sequence, KV head) pair: its `group` query heads q [group, d] attend its `len` keys
-   and values, read in place through its block table; out [group, d]; scores [group, len]
-   is scratch. DIM is the head size: a constant for the sizes models use (the loops over it
-   unroll and vectorise), `d` for the rest. */
 /* e^x for the softmax, x <= 0 (a score less the largest): Cephes' expf, range-reduced by
    ln 2 and a degree-6 polynomial, within 2 ulp; no call, so the loop over it vectorises.
    Below -87 (under 1.7e-38, the least normal float) it gives e^-87, nothing against the
@@ -58,6 +54,10 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* One (sequence, KV head) pair: its `group` query heads q [group, d] attend its `len` keys
+   and values, read in place through its block table; out [group, d]; scores [group, len]
+   is scratch. DIM is the head size: a constant for the sizes models use (the loops over it
+   unroll and vectorise), `d` for the rest. */
 #define ATTEND(NAME, ELEM, LOAD, DIM)                                                        \
     static void NAME(const float *restrict q, const ELEM *restrict k_cache,                 \
                      const ELEM *restrict v_cache, const int64_t *restrict table,           \

@@ -18,7 +18,8 @@ with torch's intra-op thread count.
 The `decode_attention` engine parameter chooses: `auto` (the default) uses the kernel when it
 builds and falls back to SDPA with a warning when it cannot (no compiler); `kernel` fails the
 model's load instead; `sdpa` never builds it. Key and value caches in float32 and bfloat16
-are read as they are; query heads per KV head up to 32 and head sizes up to 256.
+are read as they are; query heads per KV head up to 32 and head sizes up to 256. Whether a
+model is the kernel's is decided once, when it loads (`decode_kernel`), never per step.
 """
 
 from __future__ import annotations
@@ -65,19 +66,14 @@ class DecodeKernel:
     path: Path
     function: ctypes._CFuncPtr  # type: ignore[name-defined]
 
-    def supports(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None
-    ) -> bool:
-        """Whether this batch's shapes and dtypes are the kernel's (the value cache, when
-        given, laid out as the key cache)."""
-        nh, d, kvh = q.shape[1], q.shape[2], k_cache.shape[2]
-        same = v_cache is None or (
+    def supports(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Whether a model of `num_heads` query heads over these caches (one layer's) is the
+        kernel's: asked once, when the model loads."""
+        nh, d, kvh = num_heads, k_cache.shape[3], k_cache.shape[2]
+        return (
             v_cache.dtype == k_cache.dtype
             and v_cache.shape == k_cache.shape
             and v_cache.is_contiguous()
-        )
-        return (
-            same
             and k_cache.dtype in (torch.float32, torch.bfloat16)
             and k_cache.is_contiguous()
             and nh % kvh == 0
@@ -127,19 +123,30 @@ class DecodeKernel:
         return out.view(s, nh * d).to(q.dtype)
 
 
-def decode_kernel(mode: str = "auto") -> DecodeKernel | None:
-    """The kernel for `mode` (see the module's text): None to use SDPA."""
+def decode_kernel(
+    mode: str, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> DecodeKernel | None:
+    """The kernel for `mode` (see the module's text) and a model of `num_heads` query heads
+    over these caches (one layer's): None to use SDPA."""
     if mode not in MODES:
         raise ValueError(f"decode_attention must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "sdpa":
         return None
     try:
-        return load_kernel()
+        kernel = load_kernel()
+        if not kernel.supports(num_heads, k_cache, v_cache):
+            raise KernelUnavailable(
+                f"{num_heads} query heads over {k_cache.shape[2]} KV heads of "
+                f"{k_cache.shape[3]} in {k_cache.dtype} are not the kernel's (at most "
+                f"{MAX_GROUP} query heads per KV head, head size {MAX_HEAD_DIM}, float32 or "
+                "bfloat16)"
+            )
     except KernelUnavailable as exc:
         if mode == "kernel":
             raise
         _warn_once(str(exc))
         return None
+    return kernel
 
 
 @functools.cache

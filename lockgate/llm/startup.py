@@ -203,13 +203,14 @@ def _build(engine_config: EngineConfig, weights: Path) -> tuple[LLMEngine, _Buil
     )
     if engine_config.pack_weights:
         pack_linear_weights(model)
-    try:
-        model.decode_kernel = decode_kernel(engine_config.decode_attention)
-    except KernelUnavailable as exc:  # decode_attention: kernel, and it cannot be had here
-        raise ConfigError(str(weights), "parameters.decode_attention", str(exc)) from exc
     per_block = kv_bytes_per_block(checkpoint.config, engine_config.block_size, engine_config.dtype)
     blocks = engine_config.num_kv_blocks(per_block)
     kv = allocate_kv_cache(checkpoint.config, blocks, engine_config.block_size, engine_config.dtype)
+    heads = checkpoint.config.num_attention_heads
+    try:
+        model.decode_kernel = decode_kernel(engine_config.decode_attention, heads, *kv[0])
+    except KernelUnavailable as exc:  # decode_attention: kernel, and it cannot be had here
+        raise ConfigError(str(weights), "parameters.decode_attention", str(exc)) from exc
     tokenizer = ChatTokenizer(checkpoint.tokenizer)
     engine = LLMEngine(
         model,

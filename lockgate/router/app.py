@@ -376,9 +376,10 @@ class RouterApp:
             return self.llm_routing.pick(route.llm.prefix, choices)
         return self.balancer.choose(choices)
 
-    def _second(self, route: Route, now: float, exclude: Collection[Replica]) -> bool:
-        """Whether a replica not in `exclude` could take a copy of `route` now."""
-        members = self.groups.members(self.pool.replicas, route.group)
+    def has_other(self, group: str, now: float, exclude: Collection[Replica]) -> bool:
+        """Whether a usable replica of `group` not in `exclude` could take a copy now (HTTP
+        and gRPC ask it before timing a hedge)."""
+        members = self.groups.members(self.pool.replicas, group)
         return any(r.usable(now) and r not in exclude for r in members)
 
     def _pick_in(self, group: str) -> Replica | None:
@@ -414,7 +415,7 @@ class RouterApp:
                 self.retried.inc()
             sent = _with_deadline(headers, timeout, arrived)
             delay = self.settings.hedge.delay(model) if model is not None else None
-            if delay is not None and not self._second(route, now, [*tried, replica]):
+            if delay is not None and not self.has_other(route.group, now, [*tried, replica]):
                 delay = None  # no other replica could take a second copy: no hedge to time
             try:
                 if delay is not None:

@@ -352,10 +352,7 @@ class GrpcFront:
             if attempt:
                 router.retried.inc()
             delay = router.settings.hedge.delay(model) if model is not None else None
-            main = router.groups.members(router.pool.replicas, MAIN)
-            if delay is not None and not any(
-                r.usable(now) and r is not replica and r not in tried for r in main
-            ):
+            if delay is not None and not router.has_other(MAIN, now, [*tried, replica]):
                 delay = None  # no other replica could take a second copy: no hedge to time
             try:
                 if delay is None:
@@ -403,12 +400,11 @@ class GrpcFront:
         try:
             if await finished_within(one, delay):
                 return one.result()  # an answer, a status, or the _Retry it ended with
-            if not one.done():
-                now = time.monotonic()
-                main = router.groups.members(router.pool.replicas, MAIN)
-                second = router.balancer.pick(main, now, [*tried, first])
-                if second is not None and router.hedges.try_spend(now):
-                    copies[loop.create_task(self._attempt(second, call))] = second
+            now = time.monotonic()
+            main = router.groups.members(router.pool.replicas, MAIN)
+            second = router.balancer.pick(main, now, [*tried, first])
+            if second is not None and router.hedges.try_spend(now):
+                copies[loop.create_task(self._attempt(second, call))] = second
             pending = set(copies)
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from typing import cast
 
 import pytest
 import torch
@@ -137,21 +136,3 @@ def _meta_for(seq_lens: list[int]) -> AttentionMetadata:
         query_lens_list=[1] * n,
         seq_lens_list=seq_lens,
     )
-
-
-class _Declines:
-    """A kernel that takes no batch (as the real one declines a dtype it does not read)."""
-
-    def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: object = None) -> bool:
-        return False
-
-    def __call__(self, *args: object) -> torch.Tensor:
-        raise AssertionError("a declined batch reached the kernel")
-
-
-def test_decodes_planned_for_the_kernel_that_it_declines_go_through_sdpa_masked() -> None:
-    seq_lens = [3, 17, 8, 1, 30]
-    declines = cast(DecodeKernel, _Declines())
-    plan = plan_attention(_meta_for(seq_lens), declines)
-    assert len(plan.decodes) == 1 and plan.decodes[0].mask is None  # planned unmasked
-    run_step(seq_lens, [1] * len(seq_lens), seed=5, kernel=declines)

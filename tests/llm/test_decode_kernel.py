@@ -25,6 +25,10 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
+# a model's query heads and one layer's caches: 9 heads over 3 KV heads of 64, float32
+MODEL = (9, torch.zeros(4, 16, 3, 64), torch.zeros(4, 16, 3, 64))
+
+
 def reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -87,12 +91,13 @@ def test_a_table_or_length_outside_the_cache_is_refused_not_read() -> None:
 def test_shapes_outside_the_kernel_are_not_its() -> None:
     kernel = load_kernel()
     cache = torch.zeros(2, 4, 2, 64)
-    assert kernel.supports(torch.zeros(1, 4, 64), cache)
-    assert not kernel.supports(torch.zeros(1, 3, 64), cache)  # heads not a multiple
-    assert not kernel.supports(torch.zeros(1, 4, 512), torch.zeros(2, 4, 2, 512))  # head size
-    assert not kernel.supports(torch.zeros(1, 4, 64), cache.half())  # dtype
-    assert not kernel.supports(torch.zeros(1, 4, 64), cache, cache.bfloat16())  # values differ
-    assert kernel.supports(torch.zeros(1, 4, 64), cache, cache.clone())
+    assert kernel.supports(4, cache, cache)
+    assert not kernel.supports(3, cache, cache)  # heads not a multiple
+    wide = torch.zeros(2, 4, 2, 512)
+    assert not kernel.supports(4, wide, wide)  # head size
+    assert not kernel.supports(4, cache.half(), cache.half())  # dtype
+    assert not kernel.supports(4, cache, cache.bfloat16())  # values differ
+    assert kernel.supports(4, cache, cache.clone())
 
 
 @needs_compiler
@@ -101,6 +106,20 @@ def test_loading_the_kernel_leaves_the_processs_float_modes_alone() -> None:
     float computation of the process."""
     load_kernel()
     assert np.float32(1e-38) / np.float32(10) > 0  # a subnormal result, flushed to 0 by FTZ
+
+
+@needs_compiler
+def test_a_model_the_kernel_does_not_take_attends_through_sdpa_or_fails_its_load(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Decided once, at load: 40 query heads over 1 KV head is more than it groups."""
+    cache = torch.zeros(4, 16, 1, 64)
+    assert decode_kernel.decode_kernel("auto", *MODEL) is load_kernel()
+    with caplog.at_level(logging.WARNING, logger="lockgate.llm"):
+        assert decode_kernel.decode_kernel("auto", 40, cache, cache) is None
+    assert "not the kernel's" in caplog.text
+    with pytest.raises(KernelUnavailable, match="40 query heads over 1 KV heads"):
+        decode_kernel.decode_kernel("kernel", 40, cache, cache)
 
 
 @pytest.fixture
@@ -130,10 +149,10 @@ def test_without_a_compiler_auto_falls_back_to_sdpa_and_kernel_refuses(
 ) -> None:
     monkeypatch.setenv("CC", str(fresh_kernel / "no-such-cc"))
     with caplog.at_level(logging.WARNING, logger="lockgate.llm"):
-        assert decode_kernel.decode_kernel("auto") is None
+        assert decode_kernel.decode_kernel("auto", *MODEL) is None
     assert "no C compiler" in caplog.text and "using SDPA" in caplog.text
     with pytest.raises(KernelUnavailable, match="no C compiler"):
-        decode_kernel.decode_kernel("kernel")
+        decode_kernel.decode_kernel("kernel", *MODEL)
 
 
 def test_a_compiler_that_fails_is_reported(fresh_kernel: Path) -> None:
@@ -154,11 +173,11 @@ def test_a_cache_that_cannot_be_written_leaves_sdpa(
     monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(blocked))
     with pytest.raises(KernelUnavailable, match="cannot write the kernel"):
         decode_kernel._build("cc", decode_kernel._library_path("cc"))
-    assert decode_kernel.decode_kernel("auto") is None
+    assert decode_kernel.decode_kernel("auto", *MODEL) is None
 
 
 def test_sdpa_never_builds_and_a_wrong_mode_is_a_config_error(fresh_kernel: Path) -> None:
-    assert decode_kernel.decode_kernel("sdpa") is None
+    assert decode_kernel.decode_kernel("sdpa", *MODEL) is None
     assert not (fresh_kernel / "kernels").exists()
     with pytest.raises(ConfigError, match="decode_attention"):
         EngineConfig(decode_attention="fast")

@@ -4,8 +4,8 @@ A bfloat16 `F.linear` on the CPU goes to oneDNN, which reorders the weight into 
 layout on every call: for a decode step that re-reads and re-writes all the weights. This
 pass reorders each Linear weight (the dense copy of each quantized projection, and the
 logits head) once, at load, and calls oneDNN's linear on the packed weight; the results are
-the same kernel's. Models in other dtypes, or
-builds of torch without oneDNN bfloat16, are left as they are.
+the same kernel's. Models in other dtypes, or builds of torch without oneDNN bfloat16, are
+left as they are.
 """
 
 from __future__ import annotations
@@ -60,11 +60,14 @@ def pack_linear_weights(model: LlamaForCausalLM) -> int:
         setattr(parent, name, PackedLinear(child.weight))
     # a quantized projection's dense copy runs its large steps (prefill, decode batches of
     # `dense_from` rows or more): packed too, in place of the copy
-    quantized = [m for m in model.layers.modules() if isinstance(m, QuantizedLinear)]
+    quantized = [
+        m
+        for m in model.layers.modules()
+        if isinstance(m, QuantizedLinear) and m.dense.dtype == torch.bfloat16 and m.dense.numel()
+    ]
     for layer in quantized:
-        if layer.dense.dtype == torch.bfloat16 and layer.dense.numel():
-            layer.dense_linear = PackedLinear(layer.dense)
-            layer.dense = layer.dense.new_empty(0)
+        layer.dense_linear = PackedLinear(layer.dense)
+        layer.dense = layer.dense.new_empty(0)
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.logits_head = PackedLinear(head)
     return len(targets) + len(quantized) + 1
