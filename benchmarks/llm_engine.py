@@ -27,7 +27,9 @@ whose `quantization` is auto (the Q4_1 GGUF's projections as int4); `lockgate bf
 bfloat16, quantization none: every weight dequantized to bfloat16, the baseline) and
 `lockgate int8` are the same engine with
 continuous batching, each measured at every level. Rows compare TPOT at c=1 and output
-tokens/s at c=8 and c=32 of each quantization with bf16. When the HF baseline cannot load
+tokens/s at c=8 and c=32 of each quantization with bf16. `lockgate int8 act` is the demo
+config with `activation_quantization: int8` (its large steps multiply in int8); rows compare
+its tokens/s and TTFT with the demo config's and HF's. When the HF baseline cannot load
 (transformers needs `accelerate` to read a GGUF), the suite goes on without it and leaves
 its speedup target unevaluated.
 
@@ -79,7 +81,10 @@ MODELS = {
     "lockgate static": "smollm2_static",
     "lockgate bf16": "smollm2_bf16",
     "lockgate int8": "smollm2_int8",
+    "lockgate int8 act": "smollm2_int8_act",
 }
+# system -> its `activation_quantization` (the demo config's int4 weights otherwise)
+ACTIVATIONS = {"lockgate int8 act": "int8"}
 # system -> its `quantization` parameter (None: the demo config's, auto: int4 for Q4_1)
 QUANTIZATION = {"lockgate bf16": "none", "lockgate int8": "int8"}
 # system -> its `dtype` (others: the demo config's, auto: float32 on a CPU without native
@@ -180,6 +185,8 @@ def write_repository(source: Path, dest: Path) -> dict[str, Any]:
             config["parameters"]["quantization"] = QUANTIZATION[system]
         if system in DTYPE:
             config["parameters"]["dtype"] = DTYPE[system]
+        if system in ACTIVATIONS:
+            config["parameters"]["activation_quantization"] = ACTIVATIONS[system]
         (dest / name / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     params: dict[str, Any] = base["parameters"]
     return params
@@ -469,6 +476,7 @@ def report(
     add_level_rows(result, m)
     add_target_rows(result, m, speedup, share, growth, (low, mid, top))
     add_quantization_rows(result, m, (low, mid, top))
+    add_activation_rows(result, m, (low, mid, top))
     add_anchor_rows(result, m)
     result.notes += notes(m, params, workload_note, levels, load_before)
     if m.hf_failure:
@@ -583,6 +591,39 @@ def add_quantization_rows(result: SuiteResult, m: Measured, cs: tuple[int, int, 
     )
 
 
+def add_activation_rows(result: SuiteResult, m: Measured, cs: tuple[int, int, int]) -> None:
+    """int8 activations against the demo config (int4 weights, bfloat16 activations)."""
+    system = "lockgate int8 act"
+    if not m.has(system, cs[-1]):
+        return
+    label = "demo config (activations bfloat16), same run"
+    for c in cs:
+        ours, theirs = m.get(system, c), m.get("lockgate", c)
+        result.add(
+            f"int8 activations: output tok/s at c={c}",
+            ours.output_tokens_per_s,
+            "tok/s",
+            baseline_label=label,
+            baseline=theirs.output_tokens_per_s,
+        )
+        result.add(
+            f"int8 activations: TTFT p99 at c={c}",
+            ours.ttft_p99,
+            "ms",
+            baseline_label=label,
+            baseline=theirs.ttft_p99,
+        )
+    top = cs[-1]
+    if m.has("HF static", top):
+        result.add(
+            f"int8 activations: output tok/s at c={top}, against HF static",
+            m.get(system, top).output_tokens_per_s,
+            "tok/s",
+            baseline_label="HF static bf16, same run",
+            baseline=m.get("HF static", top).output_tokens_per_s,
+        )
+
+
 def add_anchor_rows(result: SuiteResult, m: Measured) -> None:
     label = "llama.cpp (ANCHORS.md, quoted)"
     for concurrency, (tps, ttft50, ttft99, tpot50) in LLAMA_CPP.items():
@@ -632,7 +673,8 @@ def notes(
         "this CPU) and quantization (auto: the Q4_1 "
         "projections as int4, the tied head int8 for small steps, embeddings in that dtype); "
         "lockgate bf16 sets "
-        "dtype bfloat16 and quantization none, lockgate int8 quantization int8 (per output row).",
+        "dtype bfloat16 and quantization none, lockgate int8 quantization int8 (per output row); "
+        "lockgate int8 act is the demo config with activation_quantization int8.",
         "TTFT target compares the p99 at c=8 with the p50 at c=1 (an unloaded request).",
         "Step overhead is lockgate_llm_step_overhead_ratio: 1 - forward time / step time, "
         "cumulative over each engine's life.",

@@ -12,7 +12,8 @@ medians of:
 
 Not a suite of `benchmarks.run` (it defines no `run`); options: `--batches 1,8,32`,
 `--steps N`, `--threads N`, `--no-breakdown`, `--dtype float32|bfloat16`,
-`--quantization auto|none|int8|int4` and `--decode-attention auto|kernel|sdpa` (several,
+`--quantization auto|none|int8|int4`, `--decode-attention auto|kernel|sdpa` and
+`--activation-quantization none|int8` (several,
 comma-separated: each combination loaded and measured in turn, decode steps interleaved
 between them, medians over all rounds).
 """
@@ -87,9 +88,12 @@ def load_engine(
     threads: int | None,
     quantization: str | None = None,
     decode_attention: str | None = None,
+    activation_quantization: str | None = None,
 ) -> tuple[LLMEngine, float]:
     """The demo model's engine, every prompt computed in full (no prefix cache)."""
     parameters = {"enable_prefix_caching": "false"}
+    if activation_quantization is not None:
+        parameters["activation_quantization"] = activation_quantization
     if decode_attention is not None:
         parameters["decode_attention"] = decode_attention
     if dtype is not None:
@@ -246,15 +250,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"))
     parser.add_argument("--quantization", help="auto, none, int8, int4; comma-separated")
     parser.add_argument("--decode-attention", help="auto, kernel, sdpa; comma-separated")
+    parser.add_argument("--activation-quantization", help="none, int8; comma-separated")
     parser.add_argument("--no-breakdown", action="store_true")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     engines: dict[str, LLMEngine] = {}
     quantizations = args.quantization.split(",") if args.quantization else [None]
     attentions = args.decode_attention.split(",") if args.decode_attention else [None]
-    for quantization, attention in itertools.product(quantizations, attentions):
-        engine, load_seconds = load_engine(args.dtype, args.threads, quantization, attention)
-        label = "/".join(x for x in (quantization, attention) if x) or "default"
+    activations = (
+        args.activation_quantization.split(",") if args.activation_quantization else [None]
+    )
+    for quantization, attention, activation in itertools.product(
+        quantizations, attentions, activations
+    ):
+        engine, load_seconds = load_engine(
+            args.dtype, args.threads, quantization, attention, activation
+        )
+        parts = (quantization, attention, activation and f"activations {activation}")
+        label = "/".join(x for x in parts if x) or "default"
         engines[label] = engine
         print(f"{label}: loaded in {load_seconds:.2f} s; dtype {engine.config.dtype}, "
               f"{torch.get_num_threads()} threads")  # fmt: skip

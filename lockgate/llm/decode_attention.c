@@ -14,7 +14,7 @@
      seq_lens     [S] int64
      out          [S, nh, d]
 
-   Built by lockgate/llm/decode_kernel.py with -O3 -march=native -fassociative-math -fopenmp
+   Built by lockgate/llm/native.py with -O3 -march=native -fassociative-math -fopenmp
    (the float sums vectorise), never -ffast-math: in a shared library that would set
    flush-to-zero for the whole process. */
 

@@ -7,13 +7,9 @@ contexts of about 300 tokens that gather and the padded SDPA were over a third o
 decode step. `decode_attention.c` reads each key and value row where it lies, once for all
 the query heads that share it, with the softmax in float32.
 
-The kernel is compiled from its source with the system's C compiler (`CC`, else `cc`;
-`-O3 -march=native -fassociative-math -fopenmp`, never `-ffast-math`: `FLAGS`) the first
-time a model is loaded, in about a second, and kept in `<cache>/kernels/`
-(`LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate/llm`) under a name that hashes the source, the
-flags, the compiler and the CPU, so every later load reuses it. Its OpenMP is torch's
-runtime, already loaded (the same `libgomp.so.1`), and it runs on the calling thread's team,
-with torch's intra-op thread count.
+The kernel is compiled from its source the first time a model is loaded and kept on disk
+(`native.py`: the build, its flags and its cache). Its OpenMP runs on the calling thread's
+team, with torch's intra-op thread count.
 
 The `decode_attention` engine parameter chooses: `auto` (the default) uses the kernel when it
 builds and falls back to SDPA with a warning when it cannot (no compiler); `kernel` fails the
@@ -26,37 +22,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lockgate.llm.loader import default_cache_dir
+from lockgate.llm.native import KernelUnavailable, load_library
 
 log = logging.getLogger("lockgate.llm")
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-# No -ffast-math: linked into a shared library it sets the CPU's flush-to-zero mode for the
-# whole process (crtfastmath.o). These allow the reordered float sums that vectorise.
-FLAGS = (
-    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-    "-fassociative-math", "-fopenmp", "-shared", "-fPIC",
-)  # fmt: skip
 MODES = ("auto", "kernel", "sdpa")
 MAX_GROUP = 32  # query heads per KV head (decode_attention.c)
 MAX_HEAD_DIM = 256
-BUILD_TIMEOUT_S = 120.0
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernel could not be built or loaded here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,16 +136,7 @@ def _warn_once(reason: str) -> None:
 @functools.cache
 def load_kernel() -> DecodeKernel:
     """Build the kernel if this machine has no copy yet, and load it (once per process)."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise KernelUnavailable("no C compiler (set CC, or install gcc)")
-    path = _library_path(compiler)
-    if not path.exists():
-        _build(compiler, path)
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelUnavailable(f"cannot load {path}: {exc}") from exc
+    library, path = load_library(SOURCE)
     function = library.paged_decode_attention
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [
@@ -175,60 +145,3 @@ def load_kernel() -> DecodeKernel:
     ]  # fmt: skip
     function.restype = ctypes.c_int
     return DecodeKernel(path, function)
-
-
-def _library_path(compiler: str) -> Path:
-    """Where this source, built with these flags by this compiler for this CPU, is kept."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join(FLAGS).encode())
-    digest.update(_compiler_version(compiler).encode())
-    digest.update(platform.machine().encode())
-    digest.update(_cpu_flags().encode())
-    return default_cache_dir() / "kernels" / f"decode_attention-{digest.hexdigest()[:16]}.so"
-
-
-def _compiler_version(compiler: str) -> str:
-    try:
-        done = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KernelUnavailable(f"cannot run {compiler}: {exc}") from exc
-    return done.stdout
-
-
-def _cpu_flags() -> str:
-    """The CPU's model and feature flags (-march=native builds for them)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    lines = [line for line in text.splitlines() if line.split(":")[0].strip() in wanted]
-    return "\n".join(sorted(set(lines)))
-
-
-def _build(compiler: str, path: Path) -> None:
-    """Compile into a temporary file beside `path`, then rename it into place: a process
-    that loads the library never sees it half written, and concurrent builds agree."""
-    try:  # a cache directory that cannot be written (a read-only home) leaves SDPA
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    except OSError as exc:
-        raise KernelUnavailable(f"cannot write the kernel to {path.parent}: {exc}") from exc
-    os.close(fd)
-    command = [compiler, *FLAGS, "-o", temporary, str(SOURCE), "-lm"]
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
-        )
-        if done.returncode != 0:
-            detail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise KernelUnavailable(f"{Path(compiler).name} failed: {' / '.join(detail)}")
-        os.replace(temporary, path)
-        log.info("decode attention: kernel built at %s", path)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KernelUnavailable(f"cannot build the kernel: {exc}") from exc
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)

@@ -9,6 +9,7 @@ from lockgate.errors import ConfigError
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, of the linear projections
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # `llm/decode_kernel.py`
+ACTIVATION_QUANTIZATIONS = ("none", "int8")  # `llm/models/int8_activations.py`
 SPECULATIVE_METHODS = ("none", "ngram")  # ngram: prompt lookup (`llm/speculative.py`)
 _SOURCE = "EngineConfig"
 
@@ -48,6 +49,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # shortest suffix of a sequence looked up in it, in tokens
     prompt_lookup_max: int = 4  # longest
     decode_attention: str = "auto"  # auto, kernel or sdpa (`llm/decode_kernel.py`)
+    activation_quantization: str = "none"  # int8: large steps multiply in int8
 
     def __post_init__(self) -> None:
         for fld, ok, problem in self._checks():
@@ -85,6 +87,13 @@ class EngineConfig:
              "must be >= prompt_lookup_min"),
             ("decode_attention", self.decode_attention in DECODE_ATTENTION,
              f"{self.decode_attention!r} is not one of {', '.join(DECODE_ATTENTION)}"),
+            ("activation_quantization",
+             self.activation_quantization in ACTIVATION_QUANTIZATIONS,
+             f"{self.activation_quantization!r} is not one of "
+             f"{', '.join(ACTIVATION_QUANTIZATIONS)}"),
+            ("activation_quantization",
+             self.activation_quantization == "none" or self.quantization != "none",
+             "int8 needs quantized weights (quantization auto, int8 or int4), not none"),
         ]  # fmt: skip
 
     @property

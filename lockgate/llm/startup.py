@@ -24,6 +24,7 @@ A model folder whose config says `backend: llm` holds the weights in its version
 | num_speculative_tokens | ngram: draft tokens verified per sequence and step, at most | 4 |
 | prompt_lookup_min / _max | ngram: shortest / longest suffix looked up, in tokens | 2 / 4 |
 | decode_attention | auto, kernel or sdpa: how decodes attend (`llm/decode_kernel.py`) | auto |
+| activation_quantization | none, or int8: prefill and large batches multiply in int8 | none |
 | generation_config | sampling defaults: auto, generation_config.json by the weights; none | auto |
 """
 
@@ -45,6 +46,7 @@ from lockgate.llm.engine import LLMEngine
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.generation_config import GenerationDefaults, read_generation_defaults
 from lockgate.llm.loader import load_checkpoint
+from lockgate.llm.models.int8_activations import quantize_activations
 from lockgate.llm.models.llama import allocate_kv_cache, build_llama, kv_bytes_per_block
 from lockgate.llm.models.packing import pack_linear_weights
 from lockgate.llm.service import LLMService
@@ -99,6 +101,7 @@ def engine_config_from(config: ModelConfig) -> EngineConfig:
         prompt_lookup_min=number("prompt_lookup_min", int, 2),  # type: ignore[arg-type]
         prompt_lookup_max=number("prompt_lookup_max", int, 4),  # type: ignore[arg-type]
         decode_attention=str(p.get("decode_attention", "auto")),
+        activation_quantization=str(p.get("activation_quantization", "none")),
     )
 
 
@@ -201,6 +204,11 @@ def _build(engine_config: EngineConfig, weights: Path) -> tuple[LLMEngine, _Buil
     model = build_llama(
         checkpoint.config, checkpoint.weights, engine_config.dtype, checkpoint.quantized
     )
+    if engine_config.activation_quantization == "int8":
+        try:
+            quantize_activations(model)
+        except KernelUnavailable as exc:  # no compiler for its helper
+            raise ConfigError(str(weights), "parameters.activation_quantization", str(exc)) from exc
     if engine_config.pack_weights:
         pack_linear_weights(model)
     per_block = kv_bytes_per_block(checkpoint.config, engine_config.block_size, engine_config.dtype)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lockgate.errors import ConfigError
-from lockgate.llm import decode_kernel
+from lockgate.llm import decode_kernel, native
 from lockgate.llm.decode_kernel import KernelUnavailable, load_kernel
 from lockgate.llm.engine_config import EngineConfig
 
@@ -160,7 +160,7 @@ def test_a_compiler_that_fails_is_reported(fresh_kernel: Path) -> None:
     compiler.write_text("#!/bin/sh\necho 'cc: fatal error: out of luck' >&2\nexit 1\n")
     compiler.chmod(0o755)
     with pytest.raises(KernelUnavailable, match="out of luck"):
-        decode_kernel._build(str(compiler), fresh_kernel / "kernels" / "x.so")
+        native.build(str(compiler), decode_kernel.SOURCE, fresh_kernel / "kernels" / "x.so")
     assert not list((fresh_kernel / "kernels").iterdir())  # the temporary is removed
 
 
@@ -172,7 +172,8 @@ def test_a_cache_that_cannot_be_written_leaves_sdpa(
     blocked.write_text("not a directory")
     monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(blocked))
     with pytest.raises(KernelUnavailable, match="cannot write the kernel"):
-        decode_kernel._build("cc", decode_kernel._library_path("cc"))
+        source = decode_kernel.SOURCE
+        native.build("cc", source, native.library_path(source, "cc"))
     assert decode_kernel.decode_kernel("auto", *MODEL) is None
 
 

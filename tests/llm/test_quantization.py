@@ -21,8 +21,11 @@ from lockgate.config import ModelConfig
 from lockgate.errors import ConfigError
 from lockgate.llm.attention import AttentionMetadata
 from lockgate.llm.cpu import native_bfloat16
+from lockgate.llm.engine_config import EngineConfig
+from lockgate.llm.int8_linear import Int8Linear
 from lockgate.llm.loader import Checkpoint, load_checkpoint, load_gguf
 from lockgate.llm.models import LlamaForCausalLM, allocate_kv_cache, build_llama
+from lockgate.llm.models.int8_activations import quantize_activations
 from lockgate.llm.quantized_linear import (
     DENSE_FROM_TOKENS_FLOAT32,
     QuantizedLinear,
@@ -242,6 +245,62 @@ def test_perplexity_within_2_percent_of_bf16(
     print(f"perplexity over {len(ids)} tokens: bf16 {reference:.3f}, quantized {ours:.3f}")
     assert reference < 50, "the reference itself is off"  # a sane text for a sane model
     assert abs(ours / reference - 1) <= 0.02
+
+
+@pytest.fixture(scope="module")
+def int8_activations(gguf_path: Path) -> LlamaForCausalLM:
+    ck = load_checkpoint(gguf_path, quantization="int4")
+    model = build_llama(ck.config, ck.weights, "bfloat16", ck.quantized)
+    assert quantize_activations(model) == 3 * ck.config.num_hidden_layers
+    return model
+
+
+def test_int8_activations_agree_with_bf16(
+    int8_activations: LlamaForCausalLM,
+    bf16_perplexity: float,
+    tokenizer: ChatTokenizer,
+    prompt_ids: list[list[int]],
+    bf16_greedy: list[list[int]],
+) -> None:
+    """The output, gate/up and down projections of every layer multiply their large steps
+    (these prefills are) with activations rounded to int8 per row: teacher-forced top-1
+    agreement with bf16 and perplexity within 2%. Measured: agreement 0.906 (int4 weights
+    alone: 0.995), perplexity +1.0% here and +1.1% over 3,866 tokens of three texts; a scale
+    per tensor instead of per row gave +83%. Rounding every activation moves more near-ties
+    than rounding weights does, so the agreement bound is 0.85: a wrong scale or layout
+    gives near 0."""
+    mlp = int8_activations.layers[0].mlp
+    assert isinstance(mlp.down_proj, QuantizedLinear)
+    assert isinstance(mlp.down_proj.dense_linear, Int8Linear)
+    assert not mlp.down_proj.dense.numel()  # the dense copy is released
+    sequences = [p + c for p, c in zip(prompt_ids, bf16_greedy, strict=True)]
+    matches = total = 0
+    for logits, prompt, continuation in zip(
+        all_logits(int8_activations, sequences), prompt_ids, bf16_greedy, strict=True
+    ):
+        top = logits[len(prompt) - 1 : -1].argmax(dim=-1)
+        matches += int((top == torch.tensor(continuation)).sum())
+        total += len(continuation)
+    ours = perplexity(int8_activations, tokenizer.encode(TEXT))
+    print(f"int8 activations: agreement {matches / total:.3f}, perplexity ratio "
+          f"{ours / bf16_perplexity:.4f}")  # fmt: skip
+    assert matches / total >= 0.85
+    assert abs(ours / bf16_perplexity - 1) <= 0.02
+
+
+def test_int8_activations_need_quantized_projections(checkpoint: Checkpoint) -> None:
+    dense = build_llama(checkpoint.config, checkpoint.weights, "bfloat16")
+    with pytest.raises(ConfigError, match=r"activation_quantization.*need quantized"):
+        quantize_activations(dense)
+    with pytest.raises(ConfigError, match=r"activation_quantization.*not none"):
+        EngineConfig(activation_quantization="int8", quantization="none")
+    with pytest.raises(ConfigError, match=r"activation_quantization.*'int4' is not one of"):
+        engine_config_from(
+            ModelConfig(name="m", backend="llm", parameters={"activation_quantization": "int4"})
+        )
+    parameters = {"activation_quantization": "int8"}
+    config = engine_config_from(ModelConfig(name="m", backend="llm", parameters=parameters))
+    assert config.activation_quantization == "int8"
 
 
 # -- quantized weights ------------------------------------------------------------------

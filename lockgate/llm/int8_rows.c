@@ -1,0 +1,119 @@
+/* The two ends of an int8 matmul with activations quantized per row (`int8_linear.py`).
+
+   quantize_rows: x [m, k] (float32 or bfloat16, contiguous), each element first multiplied
+   by inv_smooth[k] when given; each row to int8 q = round(x / scale), scale = max |x| / 127
+   (1 for a row of zeros), q and scales [m] out.
+
+   dequantize_rows: acc [m, n] int32 (the products of q and an int8 weight) to
+   out = acc * row_scales[m] * col_scales[n], float32 or bfloat16 (rounded to nearest even).
+
+   Built by lockgate/llm/native.py; rows are shared over the calling thread's OpenMP team when
+   there are enough of them. */
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PARALLEL_FROM 32768 /* elements from which the rows are split over threads */
+
+static inline float bf16_to_float(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
+}
+
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* The largest |x| of a row, as the integer order of the bits with the sign cleared (the
+   order of the magnitudes, for numbers): an integer max, which vectorises. */
+static inline float absmax_f32(const float *x, int64_t k) {
+    uint32_t top = 0;
+    for (int64_t j = 0; j < k; j++) {
+        uint32_t bits;
+        memcpy(&bits, x + j, sizeof bits);
+        bits &= 0x7fffffffu;
+        top = bits > top ? bits : top;
+    }
+    float value;
+    memcpy(&value, &top, sizeof value);
+    return value;
+}
+
+static inline float absmax_bf16(const uint16_t *x, int64_t k) {
+    uint16_t top = 0;
+    for (int64_t j = 0; j < k; j++) {
+        const uint16_t bits = x[j] & 0x7fffu;
+        top = bits > top ? bits : top;
+    }
+    return bf16_to_float(top);
+}
+
+#define QUANTIZE_ROW(ELEM, LOAD, ABSMAX)                                                     \
+    {                                                                                       \
+        const ELEM *xr = (const ELEM *)x + row * k;                                         \
+        int8_t *qr = q + row * k;                                                           \
+        float *sr = smoothed + (int64_t)omp_get_thread_num() * k;                           \
+        float top;                                                                          \
+        if (inv_smooth) {                                                                   \
+            for (int64_t j = 0; j < k; j++) sr[j] = LOAD(xr[j]) * inv_smooth[j];            \
+            top = absmax_f32(sr, k);                                                        \
+        } else {                                                                            \
+            top = ABSMAX(xr, k);                                                            \
+        }                                                                                   \
+        const float scale = top > 0.0f ? top / 127.0f : 1.0f;                               \
+        const float inv = 1.0f / scale;                                                     \
+        scales[row] = scale;                                                                \
+        for (int64_t j = 0; j < k; j++) {                                                   \
+            float v = __builtin_rintf((inv_smooth ? sr[j] : LOAD(xr[j])) * inv);            \
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);                          \
+            qr[j] = (int8_t)v;                                                              \
+        }                                                                                   \
+    }
+
+#define LOAD_F32(v) (v)
+#define LOAD_BF16(v) bf16_to_float(v)
+
+/* Returns 0, or -2 when scratch memory could not be had (nothing is written then). */
+int quantize_rows(const void *x, int bf16, int64_t m, int64_t k, const float *inv_smooth,
+                  int8_t *q, float *scales, int threads) {
+    const int team = threads > 1 && m > 1 && m * k >= PARALLEL_FROM ? threads : 1;
+    float *smoothed = NULL; /* a row of x / smooth per thread */
+    if (inv_smooth) {
+        smoothed = malloc((size_t)(team * k) * sizeof(float));
+        if (smoothed == NULL) return -2;
+    }
+#pragma omp parallel for num_threads(team) if (team > 1)
+    for (int64_t row = 0; row < m; row++) {
+        if (bf16)
+            QUANTIZE_ROW(uint16_t, LOAD_BF16, absmax_bf16)
+        else
+            QUANTIZE_ROW(float, LOAD_F32, absmax_f32)
+    }
+    free(smoothed);
+    return 0;
+}
+
+void dequantize_rows(const int32_t *acc, int64_t m, int64_t n, const float *row_scales,
+                     const float *col_scales, int bf16, void *out, int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && m > 1 && m * n >= PARALLEL_FROM)
+    for (int64_t row = 0; row < m; row++) {
+        const int32_t *ar = acc + row * n;
+        const float scale = row_scales[row];
+        if (bf16) {
+            uint16_t *o = (uint16_t *)out + row * n;
+            for (int64_t j = 0; j < n; j++) o[j] = float_to_bf16((float)ar[j] * scale * col_scales[j]);
+        } else {
+            float *o = (float *)out + row * n;
+            for (int64_t j = 0; j < n; j++) o[j] = (float)ar[j] * scale * col_scales[j];
+        }
+    }
+}
