@@ -15,8 +15,9 @@ from tests.bench.fake_server import Behaviour, serve
 
 
 def test_open_loop_meets_rate_orders_percentiles_and_counts_goodput() -> None:
-    # Every 4th request takes 150 ms, the rest 5 ms: with a 100 ms SLO, goodput is ~3/4
-    # (the wide gap leaves room for a busy machine's scheduling noise).
+    # Every 4th request takes 150 ms, the rest 5 ms: with a 100 ms SLO, goodput is ~3/4. A
+    # busy machine delays some of the quick ones past 100 ms too (0.60 seen once in CI), so
+    # the lower bound is loose; the count itself is checked exactly below.
     behaviour = Behaviour(sleep=lambda n: 0.15 if n % 4 == 0 else 0.005)
     with serve(behaviour) as (url, _):
         config = BenchConfig(
@@ -33,7 +34,7 @@ def test_open_loop_meets_rate_orders_percentiles_and_counts_goodput() -> None:
     assert 5.0 <= lat.p50 <= lat.p90 <= lat.p95 <= lat.p99 <= lat.max
     assert lat.p99 >= 150.0
     assert level.goodput_fraction is not None and level.goodput is not None
-    assert 0.65 <= level.goodput_fraction <= 0.8
+    assert 0.5 <= level.goodput_fraction <= 0.8
     measured = [r for r in results[0].records if not r.warmup]
     assert level.goodput_fraction == sum(r.latency <= 0.1 for r in measured) / len(measured)
     assert level.goodput == pytest.approx(
