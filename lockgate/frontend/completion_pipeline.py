@@ -47,6 +47,12 @@ CHAT_COMPLETION = "chatcmpl"
 _encode = msgspec.json.Encoder().encode
 
 
+class Superseded(Unavailable):
+    """The version a request resolved began draining before the request reached its engine
+    (a reload swapped a new version in meanwhile): its route resolves the model again and
+    starts over, once. Uncaught, a 503 like any draining engine's refusal."""
+
+
 @dataclass(frozen=True, slots=True)
 class PreparedCompletion:
     """A completion checked and ready to submit."""
@@ -369,9 +375,17 @@ class CompletionPipeline:
                 prepared.prompt_ids, candidates, ids, deadline(request), prepared.priority
             )
         except ServingError as exc:
+            if service.engine.draining and self.superseded(service):
+                raise Superseded(str(exc), retry_after=1) from exc
             self.rejected.inc((service.name, exc.kind))
             raise
         return Generation(outputs, request)
+
+    def superseded(self, service: LLMService) -> bool:
+        """Whether another version of its model now serves under its name."""
+        serving = self.app.models.services()
+        current = (s for s in serving if isinstance(s, LLMService) and s.name == service.name)
+        return any(s is not service for s in current)
 
     async def collect(self, request: HttpRequest, outputs: Generation) -> Collected:
         """Every output of a completion of one choice answered whole."""

@@ -20,6 +20,7 @@ from lockgate.frontend.completion_pipeline import (
     TEXT_COMPLETION,
     CompletionPipeline,
     Generation,
+    Superseded,
     send_event,
 )
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
@@ -28,6 +29,7 @@ from lockgate.protocol import generate
 from lockgate.protocol import openai as oa
 
 if TYPE_CHECKING:
+    from lockgate.core.manager import ServedVersion
     from lockgate.frontend.openai_routes import OpenAIRoutes
     from lockgate.llm.engine import RequestOutput
 
@@ -46,18 +48,28 @@ class GenerateRoutes:
         self, request: HttpRequest, name: str, version: str | None, stream: bool
     ) -> None:
         """Answer a /generate request, or a /generate_stream one when `stream`."""
-        pipeline = self.pipeline
-        served = pipeline.app.v2.served(name, version)  # 404 or 503 before the body is read
-        service = served.service
-        if not isinstance(service, LLMService):
-            raise BadRequest(
-                f"model '{name}' is not a language model: generate serves language models "
-                "(send this model's requests to /infer)"
-            )
+        served = self.pipeline.app.v2.served(name, version)  # 404 or 503 before the body
+        _language_model(served.service, name)
         body = generate.decode(await request.body())
         if body.stream is not None and body.stream != stream:
             asked = "generate_stream" if body.stream else "generate"
             raise BadRequest(f"stream {str(body.stream).lower()} is answered by /{asked}")
+        try:
+            await self._once(request, name, served, body, stream)
+        except Superseded:  # reloaded meanwhile: once more, on the version now serving
+            served = self.pipeline.app.v2.served(name, version)
+            await self._once(request, name, served, body, stream)
+
+    async def _once(
+        self,
+        request: HttpRequest,
+        name: str,
+        served: ServedVersion,
+        body: generate.GenerateRequest,
+        stream: bool,
+    ) -> None:
+        pipeline = self.pipeline
+        service = _language_model(served.service, name)
         ask = body.completion
         ids = await pipeline.tokenize(service, ask.prompt)
         prepared = pipeline.prepare(
@@ -85,6 +97,15 @@ class GenerateRoutes:
             text, last = collected.text, collected.last
             await respond_json(request.send, 200, reply(prefix + text))
         pipeline.keep(prepared, text, last)
+
+
+def _language_model(service: object, name: str) -> LLMService:
+    if not isinstance(service, LLMService):
+        raise BadRequest(
+            f"model '{name}' is not a language model: generate serves language models "
+            "(send this model's requests to /infer)"
+        )
+    return service
 
 
 async def _stream(

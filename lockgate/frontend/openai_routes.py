@@ -32,6 +32,7 @@ from lockgate.frontend.completion_pipeline import (
     CompletionPipeline,
     Generation,
     PreparedCompletion,
+    Superseded,
     send_event,
 )
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
@@ -119,6 +120,12 @@ class OpenAIRoutes:
     # -- completions -------------------------------------------------------------------
     async def _completions(self, request: HttpRequest) -> None:
         body = oa.decode(await request.body(), oa.CompletionRequest)
+        try:
+            await self._completion(request, body)
+        except Superseded:  # reloaded meanwhile: once more, on the version now serving
+            await self._completion(request, body)
+
+    async def _completion(self, request: HttpRequest, body: oa.CompletionRequest) -> None:
         service = self._service(body.model, _version(request))
         if body.echo:
             raise BadRequest("echo is not supported")
@@ -138,6 +145,12 @@ class OpenAIRoutes:
 
     async def _chat(self, request: HttpRequest) -> None:
         body = oa.decode(await request.body(), oa.ChatRequest)
+        try:
+            await self._chat_once(request, body)
+        except Superseded:  # reloaded meanwhile: once more, on the version now serving
+            await self._chat_once(request, body)
+
+    async def _chat_once(self, request: HttpRequest, body: oa.ChatRequest) -> None:
         service = self._service(body.model, _version(request))
         _check_supported(body)
         if not body.messages:

@@ -137,6 +137,11 @@ class AsyncLLMEngine:
         if self._build_error is not None:
             raise self._build_error
 
+    @property
+    def draining(self) -> bool:
+        """New requests are refused: the engine drains or closes."""
+        return self._closing or self._draining
+
     def generate(
         self,
         prompt_token_ids: list[int],

@@ -77,14 +77,21 @@ def test_a_language_model_is_listed_ready_with_its_version(
 
 def test_reload_without_a_gap_for_streams_in_flight(explicit_llm_server: RunningServer) -> None:
     """Long streams admitted before a reload run to their end on the old version; requests
-    sent while the new version loads and warms up are served, not refused."""
+    sent while the new version loads, warms up and takes over are served, not refused (one
+    that resolved the old version just before it began draining starts over on the new)."""
     url = explicit_llm_server.url
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+
+    def while_reloading(reload: concurrent.futures.Future[httpx.Response]) -> list[int]:
+        served = []
+        while not reload.done():
+            served.append(stream_tokens(explicit_llm_server, 2))
+        return served
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
         streams = [pool.submit(stream_tokens, explicit_llm_server, 200) for _ in range(2)]
         reload = pool.submit(httpx.post, url + "/v2/repository/models/smollm2/load", timeout=600)
-        during = []
-        while not reload.done():
-            during.append(stream_tokens(explicit_llm_server, 2))
+        senders = [pool.submit(while_reloading, reload) for _ in range(3)]
+        during = [n for sender in senders for n in sender.result(timeout=600)]
         tokens = [s.result(timeout=300) for s in streams]
     assert reload.result().status_code == 200, reload.result().text
     assert tokens == [200, 200]
