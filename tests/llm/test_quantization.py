@@ -132,6 +132,22 @@ def greedy(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int) -
     return out
 
 
+def teacher_forced_agreement(
+    model: LlamaForCausalLM, prompts: list[list[int]], continuations: list[list[int]]
+) -> float:
+    """Along each prompt's given continuation, the share of positions where the model's top
+    token is the continuation's next one."""
+    sequences = [p + c for p, c in zip(prompts, continuations, strict=True)]
+    matches = total = 0
+    for logits, prompt, continuation in zip(
+        all_logits(model, sequences), prompts, continuations, strict=True
+    ):
+        top = logits[len(prompt) - 1 : -1].argmax(dim=-1)
+        matches += int((top == torch.tensor(continuation)).sum())
+        total += len(continuation)
+    return matches / total
+
+
 def perplexity(model: LlamaForCausalLM, ids: list[int]) -> float:
     (logits,) = all_logits(model, [ids])
     logits = logits[:-1]  # position t predicts token t + 1
@@ -218,16 +234,8 @@ def test_greedy_tokens_agree_with_bf16(
     the top two logits, which in 192 positions of a 135M model happens a few times: 0.90
     leaves room for those and fails on any real error (a wrong nibble order or a wrong
     scale gives agreement near 0)."""
-    sequences = [p + c for p, c in zip(prompt_ids, bf16_greedy, strict=True)]
-    matches = total = 0
-    for logits, prompt, continuation in zip(
-        all_logits(quantized, sequences), prompt_ids, bf16_greedy, strict=True
-    ):
-        top = logits[len(prompt) - 1 : -1].argmax(dim=-1)
-        matches += int((top == torch.tensor(continuation)).sum())
-        total += len(continuation)
-    rate = matches / total
-    print(f"teacher-forced top-1 agreement with bf16: {rate:.3f} over {total} tokens")
+    rate = teacher_forced_agreement(quantized, prompt_ids, bf16_greedy)
+    print(f"teacher-forced top-1 agreement with bf16: {rate:.3f}")
     assert rate >= 0.90, f"top-1 agreement with bf16 {rate:.3f}"
 
 
@@ -273,18 +281,10 @@ def test_int8_activations_agree_with_bf16(
     assert isinstance(mlp.down_proj, QuantizedLinear)
     assert isinstance(mlp.down_proj.dense_linear, Int8Linear)
     assert not mlp.down_proj.dense.numel()  # the dense copy is released
-    sequences = [p + c for p, c in zip(prompt_ids, bf16_greedy, strict=True)]
-    matches = total = 0
-    for logits, prompt, continuation in zip(
-        all_logits(int8_activations, sequences), prompt_ids, bf16_greedy, strict=True
-    ):
-        top = logits[len(prompt) - 1 : -1].argmax(dim=-1)
-        matches += int((top == torch.tensor(continuation)).sum())
-        total += len(continuation)
+    rate = teacher_forced_agreement(int8_activations, prompt_ids, bf16_greedy)
     ours = perplexity(int8_activations, tokenizer.encode(TEXT))
-    print(f"int8 activations: agreement {matches / total:.3f}, perplexity ratio "
-          f"{ours / bf16_perplexity:.4f}")  # fmt: skip
-    assert matches / total >= 0.85
+    print(f"int8 activations: agreement {rate:.3f}, perplexity ratio {ours / bf16_perplexity:.4f}")
+    assert rate >= 0.85
     assert abs(ours / bf16_perplexity - 1) <= 0.02
 
 
