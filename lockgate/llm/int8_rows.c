@@ -61,7 +61,7 @@ static inline float absmax_bf16(const uint16_t *x, int64_t k) {
     {                                                                                       \
         const ELEM *xr = (const ELEM *)x + row * k;                                         \
         int8_t *qr = q + row * k;                                                           \
-        float *sr = smoothed + (int64_t)omp_get_thread_num() * k;                           \
+        float *sr = smoothed ? smoothed + (int64_t)omp_get_thread_num() * k : NULL;         \
         float top;                                                                          \
         if (inv_smooth) {                                                                   \
             for (int64_t j = 0; j < k; j++) sr[j] = LOAD(xr[j]) * inv_smooth[j];            \

@@ -22,7 +22,6 @@ from lockgate.llm.models.llama import LlamaForCausalLM
 from lockgate.llm.quantized_linear import QuantizedLinear
 
 PROJECTIONS = ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-MODES = ("none", "int8")
 
 
 def quantize_activations(model: LlamaForCausalLM) -> int:
