@@ -19,7 +19,7 @@ server-sent events that both streaming routes use (`send_event`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -49,8 +49,12 @@ _encode = msgspec.json.Encoder().encode
 
 class Superseded(Unavailable):
     """The version a request resolved began draining before the request reached its engine
-    (a reload swapped a new version in meanwhile): its route resolves the model again and
-    starts over, once. Uncaught, a 503 like any draining engine's refusal."""
+    (a reload swapped a new version in meanwhile): `CompletionPipeline.resubmitted` starts
+    it over, once. Uncaught, a 503 like any draining engine's refusal."""
+
+    def __init__(self, message: str, model: str) -> None:
+        super().__init__(message, retry_after=1)
+        self.model = model
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,10 +380,23 @@ class CompletionPipeline:
             )
         except ServingError as exc:
             if service.engine.draining and self.superseded(service):
-                raise Superseded(str(exc), retry_after=1) from exc
+                raise Superseded(str(exc), service.name) from exc
             self.rejected.inc((service.name, exc.kind))
             raise
         return Generation(outputs, request)
+
+    async def resubmitted(self, attempt: Callable[[], Awaitable[None]]) -> None:
+        """Run a route's `attempt` (resolve the model, tokenize, submit, answer), and once more
+        when a reload superseded the version it resolved before it submitted (nothing was sent
+        then). Superseded twice: counted as a refusal, and answered 503."""
+        try:
+            await attempt()
+        except Superseded:
+            try:
+                await attempt()
+            except Superseded as exc:
+                self.rejected.inc((exc.model, exc.kind))
+                raise
 
     def superseded(self, service: LLMService) -> bool:
         """Whether another version of its model now serves under its name."""

@@ -20,7 +20,6 @@ from lockgate.frontend.completion_pipeline import (
     TEXT_COMPLETION,
     CompletionPipeline,
     Generation,
-    Superseded,
     send_event,
 )
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
@@ -54,11 +53,13 @@ class GenerateRoutes:
         if body.stream is not None and body.stream != stream:
             asked = "generate_stream" if body.stream else "generate"
             raise BadRequest(f"stream {str(body.stream).lower()} is answered by /{asked}")
-        try:
-            await self._once(request, name, served, body, stream)
-        except Superseded:  # reloaded meanwhile: once more, on the version now serving
-            served = self.pipeline.app.v2.served(name, version)
-            await self._once(request, name, served, body, stream)
+        first = [served]  # the version resolved before the body; again on a second attempt
+
+        async def attempt() -> None:
+            now = first.pop() if first else self.pipeline.app.v2.served(name, version)
+            await self._once(request, name, now, body, stream)
+
+        await self.pipeline.resubmitted(attempt)
 
     async def _once(
         self,

@@ -32,7 +32,6 @@ from lockgate.frontend.completion_pipeline import (
     CompletionPipeline,
     Generation,
     PreparedCompletion,
-    Superseded,
     send_event,
 )
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
@@ -120,10 +119,7 @@ class OpenAIRoutes:
     # -- completions -------------------------------------------------------------------
     async def _completions(self, request: HttpRequest) -> None:
         body = oa.decode(await request.body(), oa.CompletionRequest)
-        try:
-            await self._completion(request, body)
-        except Superseded:  # reloaded meanwhile: once more, on the version now serving
-            await self._completion(request, body)
+        await self.pipeline.resubmitted(lambda: self._completion(request, body))
 
     async def _completion(self, request: HttpRequest, body: oa.CompletionRequest) -> None:
         service = self._service(body.model, _version(request))
@@ -145,10 +141,7 @@ class OpenAIRoutes:
 
     async def _chat(self, request: HttpRequest) -> None:
         body = oa.decode(await request.body(), oa.ChatRequest)
-        try:
-            await self._chat_once(request, body)
-        except Superseded:  # reloaded meanwhile: once more, on the version now serving
-            await self._chat_once(request, body)
+        await self.pipeline.resubmitted(lambda: self._chat_once(request, body))
 
     async def _chat_once(self, request: HttpRequest, body: oa.ChatRequest) -> None:
         service = self._service(body.model, _version(request))

@@ -9,9 +9,8 @@ scales the products back to x's dtype. The two ends are a C helper (`int8_rows.c
 `native.py`): one pass over x, one over the products.
 
 Rounding the activations costs accuracy where a few input channels carry values far above
-the rest: the row's scale follows them and the other channels keep few levels. An optional
-`smooth` vector [K] moves that spread into the weight (SmoothQuant): x / smooth is
-quantized and w * smooth multiplied, the same product in exact arithmetic.
+the rest: the row's scale follows them and the other channels keep few levels
+(`models/int8_activations.py` says which projections are left out for that).
 
 x: [M, K] float32 or bfloat16 -> [M, N] in x's dtype.
 """
@@ -47,46 +46,43 @@ def load_int8_rows() -> Int8Rows:
     library, _ = load_library(SOURCE)
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     quantize = library.quantize_rows
-    quantize.argtypes = [pointer, i32, i64, i64, pointer, pointer, pointer, i32]
-    quantize.restype = i32
+    quantize.argtypes = [pointer, i32, i64, i64, pointer, pointer, i32]
+    quantize.restype = None
     dequantize = library.dequantize_rows
     dequantize.argtypes = [pointer, i64, i64, pointer, pointer, i32, pointer, i32]
-    dequantize.restype = i32
+    dequantize.restype = None
     return Int8Rows(quantize, dequantize)
 
 
 class Int8Linear(nn.Module):
     """A bias-free Linear of weight [N, K] that multiplies in int8 (see the module's text)."""
 
-    def __init__(self, weight: torch.Tensor, smooth: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.rows = load_int8_rows()
         self.out_features, self.in_features = weight.shape
         w = weight.float()
-        self.inv_smooth: torch.Tensor | None = None
-        if smooth is not None:
-            w = w * smooth.float()[None, :]
-            self.inv_smooth = (1.0 / smooth.float()).contiguous()
         scales = (w.abs().amax(dim=1) / 127).clamp_min(_TINY)  # [N]
         q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         self.qweight_t = q.t()  # [K, N], a view of q [N, K] as torch._int_mm takes it
         self.scales = scales.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dim() != 2
+            or x.dtype not in (torch.float32, torch.bfloat16)
+            or x.shape[1] != self.in_features
+        ):
+            raise ValueError(f"Int8Linear: x {tuple(x.shape)} {x.dtype}, in {self.in_features}")
         x = x.contiguous()
         m, k = x.shape
-        if x.dtype not in (torch.float32, torch.bfloat16) or k != self.in_features:
-            raise ValueError(f"Int8Linear: x {tuple(x.shape)} {x.dtype}, in {self.in_features}")
         threads = torch.get_num_threads()
         bf16 = int(x.dtype == torch.bfloat16)
         q = torch.empty(m, k, dtype=torch.int8)
         row_scales = torch.empty(m, dtype=torch.float32)
-        smooth = 0 if self.inv_smooth is None else self.inv_smooth.data_ptr()
-        status = self.rows.quantize_rows(
-            x.data_ptr(), bf16, m, k, smooth, q.data_ptr(), row_scales.data_ptr(), threads
+        self.rows.quantize_rows(
+            x.data_ptr(), bf16, m, k, q.data_ptr(), row_scales.data_ptr(), threads
         )
-        if status != 0:
-            raise MemoryError(f"Int8Linear: no scratch memory for {m} rows of {k}")
         products = torch._int_mm(q, self.qweight_t)  # [M, N] int32
         out = torch.empty(m, self.out_features, dtype=x.dtype)
         self.rows.dequantize_rows(
@@ -102,5 +98,4 @@ class Int8Linear(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        smooth = ", smoothed" if self.inv_smooth is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8{smooth}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"

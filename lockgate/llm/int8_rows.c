@@ -1,8 +1,10 @@
 /* The two ends of an int8 matmul with activations quantized per row (`int8_linear.py`).
 
-   quantize_rows: x [m, k] (float32 or bfloat16, contiguous), each element first multiplied
-   by inv_smooth[k] when given; each row to int8 q = round(x / scale), scale = max |x| / 127
-   (1 for a row of zeros), q and scales [m] out.
+   quantize_rows: x [m, k] (float32 or bfloat16, contiguous); each row to int8
+   q = round(x * (1 / scale)), scale = max |x| / 127, at least MIN_SCALE (a row of zeros, or of
+   values too small to matter, rounds to zeros). A row holding a NaN or an infinity gets a NaN
+   scale and zeros, so its products come out NaN, as a float matmul's would. q and scales [m]
+   out.
 
    dequantize_rows: acc [m, n] int32 (the products of q and an int8 weight) to
    out = acc * row_scales[m] * col_scales[n], float32 or bfloat16 (rounded to nearest even).
@@ -11,12 +13,11 @@
    there are enough of them. */
 
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define PARALLEL_FROM 32768 /* elements from which the rows are split over threads */
+#define MIN_SCALE 1e-12f    /* as the weight's scales (int8_linear.py) */
 
 static inline float bf16_to_float(uint16_t bits) {
     uint32_t wide = (uint32_t)bits << 16;
@@ -33,9 +34,10 @@ static inline uint16_t float_to_bf16(float value) {
     return (uint16_t)(bits >> 16);
 }
 
-/* The largest |x| of a row, as the integer order of the bits with the sign cleared (the
-   order of the magnitudes, for numbers): an integer max, which vectorises. */
-static inline float absmax_f32(const float *x, int64_t k) {
+/* The largest |x| of a row as the bits of a float32 with the sign cleared: their integer
+   order is the order of the magnitudes (an integer max, which vectorises), and any value at
+   or above 0x7f800000 is an infinity or a NaN. */
+static inline uint32_t absmax_f32(const float *x, int64_t k) {
     uint32_t top = 0;
     for (int64_t j = 0; j < k; j++) {
         uint32_t bits;
@@ -43,54 +45,46 @@ static inline float absmax_f32(const float *x, int64_t k) {
         bits &= 0x7fffffffu;
         top = bits > top ? bits : top;
     }
-    float value;
-    memcpy(&value, &top, sizeof value);
-    return value;
+    return top;
 }
 
-static inline float absmax_bf16(const uint16_t *x, int64_t k) {
+static inline uint32_t absmax_bf16(const uint16_t *x, int64_t k) {
     uint16_t top = 0;
     for (int64_t j = 0; j < k; j++) {
         const uint16_t bits = x[j] & 0x7fffu;
         top = bits > top ? bits : top;
     }
-    return bf16_to_float(top);
+    return (uint32_t)top << 16;
 }
 
 #define QUANTIZE_ROW(ELEM, LOAD, ABSMAX)                                                     \
     {                                                                                       \
         const ELEM *xr = (const ELEM *)x + row * k;                                         \
         int8_t *qr = q + row * k;                                                           \
-        float *sr = smoothed ? smoothed + (int64_t)omp_get_thread_num() * k : NULL;         \
-        float top;                                                                          \
-        if (inv_smooth) {                                                                   \
-            for (int64_t j = 0; j < k; j++) sr[j] = LOAD(xr[j]) * inv_smooth[j];            \
-            top = absmax_f32(sr, k);                                                        \
+        const uint32_t top_bits = ABSMAX(xr, k);                                            \
+        if (top_bits >= 0x7f800000u) { /* an infinity or a NaN */                           \
+            scales[row] = NAN;                                                              \
+            memset(qr, 0, (size_t)k);                                                       \
         } else {                                                                            \
-            top = ABSMAX(xr, k);                                                            \
-        }                                                                                   \
-        const float scale = top > 0.0f ? top / 127.0f : 1.0f;                               \
-        const float inv = 1.0f / scale;                                                     \
-        scales[row] = scale;                                                                \
-        for (int64_t j = 0; j < k; j++) {                                                   \
-            float v = __builtin_rintf((inv_smooth ? sr[j] : LOAD(xr[j])) * inv);            \
-            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);                          \
-            qr[j] = (int8_t)v;                                                              \
+            float top;                                                                      \
+            memcpy(&top, &top_bits, sizeof top);                                            \
+            const float scale = top / 127.0f > MIN_SCALE ? top / 127.0f : MIN_SCALE;        \
+            const float inv = 1.0f / scale;                                                 \
+            scales[row] = scale;                                                            \
+            for (int64_t j = 0; j < k; j++) {                                               \
+                float v = __builtin_rintf(LOAD(xr[j]) * inv);                               \
+                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);                      \
+                qr[j] = (int8_t)v;                                                          \
+            }                                                                               \
         }                                                                                   \
     }
 
 #define LOAD_F32(v) (v)
 #define LOAD_BF16(v) bf16_to_float(v)
 
-/* Returns 0, or -2 when scratch memory could not be had (nothing is written then). */
-int quantize_rows(const void *x, int bf16, int64_t m, int64_t k, const float *inv_smooth,
-                  int8_t *q, float *scales, int threads) {
+void quantize_rows(const void *x, int bf16, int64_t m, int64_t k, int8_t *q, float *scales,
+                   int threads) {
     const int team = threads > 1 && m > 1 && m * k >= PARALLEL_FROM ? threads : 1;
-    float *smoothed = NULL; /* a row of x / smooth per thread */
-    if (inv_smooth) {
-        smoothed = malloc((size_t)(team * k) * sizeof(float));
-        if (smoothed == NULL) return -2;
-    }
 #pragma omp parallel for num_threads(team) if (team > 1)
     for (int64_t row = 0; row < m; row++) {
         if (bf16)
@@ -98,8 +92,6 @@ int quantize_rows(const void *x, int bf16, int64_t m, int64_t k, const float *in
         else
             QUANTIZE_ROW(float, LOAD_F32, absmax_f32)
     }
-    free(smoothed);
-    return 0;
 }
 
 void dequantize_rows(const int32_t *acc, int64_t m, int64_t n, const float *row_scales,

@@ -6,8 +6,9 @@ system's C compiler (`CC`, else `cc`; `FLAGS`: `-O3 -march=native -fassociative-
 and kept in `<cache>/kernels/` (`LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate/llm`) under a
 name that hashes the source, the flags, the compiler and the CPU, so every later load
 reuses it. The build writes a temporary file and renames it into place: a process that
-loads the library never sees it half written, and concurrent builds agree. OpenMP is torch's
-runtime, already loaded (the same `libgomp.so.1`).
+loads the library never sees it half written, and concurrent builds agree. The sources'
+OpenMP links `libgomp.so.1`; torch's Linux wheels load their own GNU OpenMP under that name
+first, so the library runs on torch's runtime, not a second one.
 
 Where a library cannot be had (no compiler, a compiler that fails, a cache that cannot be
 written), `load_library` raises `KernelUnavailable` with the reason; each caller decides
@@ -48,7 +49,10 @@ def load_library(source: Path) -> tuple[ctypes.CDLL, Path]:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise KernelUnavailable("no C compiler (set CC, or install gcc)")
-    path = library_path(source, compiler)
+    try:
+        path = library_path(source, compiler)
+    except OSError as exc:  # the source is not installed beside the package
+        raise KernelUnavailable(f"cannot read {source}: {exc}") from exc
     if not path.exists():
         build(compiler, source, path)
     try:

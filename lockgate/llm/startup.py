@@ -207,6 +207,8 @@ def _build(engine_config: EngineConfig, weights: Path) -> tuple[LLMEngine, _Buil
     if engine_config.activation_quantization == "int8":
         try:
             quantize_activations(model)
+        except ConfigError as exc:  # the weights' projections are not quantized
+            raise ConfigError(str(weights), exc.field, exc.problem) from exc
         except KernelUnavailable as exc:  # no compiler for its helper
             raise ConfigError(str(weights), "parameters.activation_quantization", str(exc)) from exc
     if engine_config.pack_weights:
