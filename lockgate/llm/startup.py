@@ -30,6 +30,7 @@ A model folder whose config says `backend: llm` holds the weights in its version
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass
@@ -230,8 +231,22 @@ def _build(engine_config: EngineConfig, weights: Path) -> tuple[LLMEngine, _Buil
         decoder_factory=lambda _prompt: IncrementalDetokenizer(tokenizer),
     )
     _warmup(engine, checkpoint.config.vocab_size)
+    _return_freed_memory()
     vocab_size = checkpoint.config.vocab_size
     return engine, _Built(tokenizer, vocab_size, blocks, per_block, checkpoint.source)
+
+
+def _return_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere
+    nothing). A load makes and frees float32 copies of every weight (dequantized, packed,
+    rounded to int8), which the heap otherwise keeps: measured on the demo SmolLM2, the
+    process's RSS after load fell by 100 MiB with `activation_quantization: none` and by 860
+    MiB with int8."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
 
 
 def _warmup(engine: LLMEngine, vocab_size: int) -> None:
