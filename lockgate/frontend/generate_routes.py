@@ -28,7 +28,6 @@ from lockgate.protocol import generate
 from lockgate.protocol import openai as oa
 
 if TYPE_CHECKING:
-    from lockgate.core.manager import ServedVersion
     from lockgate.frontend.openai_routes import OpenAIRoutes
     from lockgate.llm.engine import RequestOutput
 
@@ -53,22 +52,18 @@ class GenerateRoutes:
         if body.stream is not None and body.stream != stream:
             asked = "generate_stream" if body.stream else "generate"
             raise BadRequest(f"stream {str(body.stream).lower()} is answered by /{asked}")
-        first = [served]  # the version resolved before the body; again on a second attempt
-
-        async def attempt() -> None:
-            now = first.pop() if first else self.pipeline.app.v2.served(name, version)
-            await self._once(request, name, now, body, stream)
-
-        await self.pipeline.resubmitted(attempt)
+        await self.pipeline.resubmitted(lambda: self._once(request, name, version, body, stream))
 
     async def _once(
         self,
         request: HttpRequest,
         name: str,
-        served: ServedVersion,
+        version: str | None,
         body: generate.GenerateRequest,
         stream: bool,
     ) -> None:
+        """Resolve the version now serving and answer the request on it."""
+        served = self.pipeline.app.v2.served(name, version)
         pipeline = self.pipeline
         service = _language_model(served.service, name)
         ask = body.completion
