@@ -37,7 +37,14 @@ Plus one open-loop Poisson run of lockgate at 80% of the request rate it sustain
 and the engine's step overhead (time outside the model forward over step time) from
 `lockgate_llm_step_overhead_ratio` on /metrics. Pinning: the server and the HF baseline run
 on both cores (the engine uses 2 torch threads); this process (the client) is on core 1.
-llama.cpp figures are quoted from /work/shared/ANCHORS.md, not re-measured.
+
+llama.cpp's `llama-server` (built once by `scripts/build-llama-server.sh`, about 9 minutes,
+then cached) serves the same Q4_1 GGUF with 2 threads and 32 slots, continuous batching, no
+weight repacking (`-nr`: its repacked Q4_1 kernel dies on some AVX-512 CPUs), measured after
+lockgate and HF at the same levels through its OpenAI `/v1/completions` stream, with
+`cache_prompt` false (the prompts come back at each level). Rows compare lockgate's tok/s at
+c=8 and c=32 with it, and its tok/s at c=1 (the issue's target: within 1.3x). When it cannot
+be built, the suite says why and quotes ANCHORS' figures instead, marked as quoted.
 """
 
 from __future__ import annotations
@@ -99,6 +106,10 @@ TARGET_TOKENS_TOP = 200.0  # lockgate output tok/s at c=32
 TARGET_TTFT_P99_TOP_MS = 2000.0  # lockgate TTFT p99 at c=32
 TARGET_OVERHEAD = 0.15  # step time outside the model forward
 TARGET_TTFT_GROWTH = 2.0  # TTFT p99 at c=8 / TTFT p50 at c=1
+TARGET_LLAMA_CPP_LOW = 1 / 1.3  # lockgate / llama.cpp output tok/s at c=1 (within 1.3x)
+TARGET_LLAMA_CPP = 1.0  # lockgate / llama.cpp output tok/s at c=8 and c=32 (ahead)
+LLAMA_CPP_SLOTS = 32
+LLAMA_CPP_CONTEXT = 16384  # over all slots: 512 tokens each, for prompts up to 253 + 128
 # llama.cpp llama-server, Q4_1, 32 slots, continuous batching (ANCHORS.md, quoted)
 LLAMA_CPP = {  # concurrency: (output tok/s, TTFT p50 ms, TTFT p99 ms, TPOT p50 ms)
     1: (35.5, 860.0, 1760.0, 17.1),
@@ -316,14 +327,114 @@ def hf_stats(level: dict[str, Any]) -> LevelStats:
     )
 
 
+# -- llama.cpp's llama-server -----------------------------------------------------------
+
+
+def llama_server_binary(ctx: Context) -> tuple[Path | None, str]:
+    """llama-server, built (once) by scripts/build-llama-server.sh; or None and why not. A
+    quick run takes it only when it is already built."""
+    script = ROOT / "scripts" / "build-llama-server.sh"
+    given = os.environ.get("LOCKGATE_LLAMA_SERVER")
+    if given:
+        path = Path(given)
+        return (path, "") if path.is_file() else (None, f"LOCKGATE_LLAMA_SERVER={given} is missing")
+    env = {**os.environ, "PYTHON": sys.executable}
+    if ctx.quick:
+        env["LLAMA_SERVER_BUILT_ONLY"] = "1"
+    ctx.say(SUITE, "llama.cpp: finding or building llama-server (about 9 minutes, once)")
+    process = subprocess.Popen(
+        ["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    assert process.stderr is not None and process.stdout is not None
+    for line in process.stderr:
+        if line.startswith(("build-llama-server:", "[")):
+            ctx.say(SUITE, f"llama.cpp: {line.strip()}")
+    out = process.stdout.read().strip()
+    if process.wait() != 0 or not out:
+        return None, f"llama-server could not be built here (exit {process.returncode})"
+    return Path(out.splitlines()[-1]), ""
+
+
+@dataclass(slots=True)
+class LlamaCpp:
+    """llama-server on the demo's Q4_1 GGUF, on both cores like lockgate."""
+
+    server: Server
+
+    @classmethod
+    def start(cls, binary: Path, gguf: Path, work: Path, timeout: float = 300.0) -> LlamaCpp:
+        port = free_port()
+        command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+        command += ["-t", str(THREADS), "--parallel", str(LLAMA_CPP_SLOTS), "--cont-batching"]
+        command += ["-c", str(LLAMA_CPP_CONTEXT), "-nr"]
+        log_path = work / f"llama-server-{port}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(both_cores(command), stdout=log, stderr=subprocess.STDOUT)
+        server = Server("llama.cpp", process, port, log_path)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"llama-server exited early:\n{server.log_tail()}")
+            try:
+                with urllib.request.urlopen(server.url + "/health", timeout=2.0) as response:
+                    if response.status == 200:
+                        return cls(server)
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        server.stop()
+        raise RuntimeError(f"llama-server not ready after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+def llama_cpp_workload(workload: Path, work: Path) -> Path:
+    """The workload as JSONL completion bodies for llama-server: token-id prompts, greedy,
+    EOS ignored, and `cache_prompt` false (each level sends the same prompts again)."""
+    from lockgate.bench.workload import load_shared_workload
+
+    prompts, max_new = load_shared_workload(workload)
+    path = work / "llm_workload_llama_cpp.jsonl"
+    rows = [
+        {"prompt": p, "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
+         "cache_prompt": False}
+        for p, n in zip(prompts, max_new, strict=True)
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def measure_llama_cpp(
+    ctx: Context, workload: Path, levels: tuple[tuple[int, int], ...]
+) -> tuple[list[LevelStats], str]:
+    """llama.cpp at every level, or no rows and why."""
+    from lockgate.demo.smollm2 import gguf_path
+
+    binary, why = llama_server_binary(ctx)
+    if binary is None:
+        return [], why
+    bodies = llama_cpp_workload(workload, ctx.work)
+    llama = LlamaCpp.start(binary, gguf_path(), ctx.work)
+    stats = []
+    with running(llama.server):
+        bench_level(llama.server, "smollm2", bodies, 1, 2, keep_alive=False)  # warm up
+        for concurrency, requests in levels:
+            level = bench_level(
+                llama.server, "smollm2", bodies, concurrency, requests, keep_alive=False
+            )
+            stats.append(lockgate_stats("llama.cpp", level))
+            ctx.say(SUITE, describe(stats[-1]))
+    return stats, ""
+
+
 # -- lockgate through the server -------------------------------------------------------
 
 
 def bench_level(
     server: Server, model: str, workload: Path, concurrency: int | None, requests: int,
-    rate: float | None = None,
+    rate: float | None = None, keep_alive: bool = True,
 ) -> Any:  # fmt: skip
-    """One level of `lockgate bench` (OpenAI completions, streaming); its LevelReport."""
+    """One level of `lockgate bench` (OpenAI completions, streaming); its LevelReport.
+    `keep_alive` False: a new connection per request (llama-server closes a connection after
+    a streamed answer, and a client reusing it at once races that close)."""
     from lockgate.bench.runner import BenchConfig, run_bench_sync
 
     config = BenchConfig(
@@ -336,6 +447,7 @@ def bench_level(
         rates=(rate,) if rate else (),
         num_requests=requests,
         timeout=900.0,
+        keep_alive=keep_alive,
     )
     report, _ = run_bench_sync(config, progress=None)
     return report.levels[0]
@@ -372,6 +484,7 @@ class Measured:
     poisson_rate: float = 0.0
     hf: dict[str, Any] = field(default_factory=dict)
     hf_failure: str = ""  # why the HF baseline is missing, if it is
+    llama_cpp_failure: str = ""  # why llama.cpp was not measured, if it was not
 
     def has(self, system: str, concurrency: int) -> bool:
         return any(s.system == system and s.concurrency == concurrency for s in self.stats)
@@ -406,6 +519,13 @@ def run(ctx: Context) -> SuiteResult:
     finally:
         hf.stop()
     measured.stats += [hf_stats(level) for level in measured.hf.get("levels", [])]
+    try:
+        llama, measured.llama_cpp_failure = measure_llama_cpp(ctx, workload, levels)
+    except RuntimeError as exc:
+        llama, measured.llama_cpp_failure = [], str(exc).splitlines()[0]
+    if measured.llama_cpp_failure:
+        ctx.say(SUITE, f"llama.cpp not measured: {measured.llama_cpp_failure}")
+    measured.stats += llama
     result = report(measured, params, workload_note, levels, load_before)
     result.seconds = time.perf_counter() - started
     return result
@@ -468,6 +588,7 @@ def report(
         m.get("lockgate", top).ttft_p99,
     )
     int4_tpot = m.get("lockgate", low).tpot_p50
+    versus = llama_cpp_ratios(m, (low, mid, top))
     result = SuiteResult(
         suite=SUITE,
         title="LLM engine: SmolLM2-135M, lockgate server vs static batching (closed loop)",
@@ -477,11 +598,13 @@ def report(
             f"≥ {TARGET_SPEEDUP_MID:g}x HF static; step overhead ≤ {TARGET_OVERHEAD:.0%}; "
             f"TTFT p99 at c={mid} ≤ "
             f"{TARGET_TTFT_GROWTH:g}x TTFT p50 at c={low}; TPOT p50 at c={low} with int4 ≤ "
-            f"{TARGET_INT4_TPOT_MS:g} ms"
+            f"{TARGET_INT4_TPOT_MS:g} ms; against llama.cpp on the same GGUF, ≥ 1x its "
+            f"tok/s at c={mid} and c={top} and within 1.3x at c={low}"
         ),
         met=None
-        if speedup is None or speedup_mid is None
-        else speedup >= TARGET_SPEEDUP
+        if speedup is None or speedup_mid is None or versus is None
+        else all(r >= t for r, t in versus.values())
+        and speedup >= TARGET_SPEEDUP
         and speedup_mid >= TARGET_SPEEDUP_MID
         and tokens_top >= TARGET_TOKENS_TOP
         and ttft_top <= TARGET_TTFT_P99_TOP_MS
@@ -495,10 +618,15 @@ def report(
     add_issue_rows(result, speedup_mid, tokens_top, ttft_top, (mid, top))
     add_quantization_rows(result, m, (low, mid, top))
     add_activation_rows(result, m, (low, mid, top))
-    add_anchor_rows(result, m)
+    add_llama_cpp_rows(result, m, versus)
     result.notes += notes(m, params, workload_note, levels, load_before)
     if m.hf_failure:
         result.notes.append(f"{m.hf_failure}: no HF rows, the speedup target not evaluated.")
+    if m.llama_cpp_failure:
+        result.notes.append(
+            f"llama.cpp not measured ({m.llama_cpp_failure}): its rows are ANCHORS' figures, "
+            "quoted, and its targets not evaluated."
+        )
     result.raw = {
         "levels": [stats_json(s) for s in m.stats],
         "poisson": stats_json(m.poisson) if m.poisson else None,
@@ -523,7 +651,8 @@ def add_level_rows(result: SuiteResult, m: Measured) -> None:
     """Each system's own figures; a baseline's row shows baseline / lockgate at the same c."""
     for concurrency in sorted({s.concurrency for s in m.stats}):
         ours = m.get("lockgate", concurrency)
-        for system in [s for s in (*MODELS, "HF static") if m.has(s, concurrency)]:
+        systems = (*MODELS, "HF static", "llama.cpp")
+        for system in [s for s in systems if m.has(s, concurrency)]:
             s = m.get(system, concurrency)
             base = {} if system == "lockgate" else {"baseline_label": "lockgate, same c"}
             for name, label, unit in METRICS:
@@ -675,7 +804,33 @@ def add_activation_rows(result: SuiteResult, m: Measured, cs: tuple[int, int, in
         )
 
 
-def add_anchor_rows(result: SuiteResult, m: Measured) -> None:
+def llama_cpp_ratios(
+    m: Measured, cs: tuple[int, int, int]
+) -> dict[int, tuple[float, float]] | None:
+    """Concurrency -> (lockgate / llama.cpp output tok/s, its target), when measured."""
+    if not all(m.has("llama.cpp", c) for c in cs):
+        return None
+    targets = {cs[0]: TARGET_LLAMA_CPP_LOW, cs[1]: TARGET_LLAMA_CPP, cs[2]: TARGET_LLAMA_CPP}
+    return {
+        c: (m.get("lockgate", c).output_tokens_per_s / m.get("llama.cpp", c).output_tokens_per_s, t)
+        for c, t in targets.items()
+    }
+
+
+def add_llama_cpp_rows(
+    result: SuiteResult, m: Measured, versus: dict[int, tuple[float, float]] | None
+) -> None:
+    """lockgate against llama.cpp: measured in this run, else ANCHORS' figures, quoted."""
+    if versus is not None:
+        for c, (ratio, target) in versus.items():
+            want = "≥ 1x" if target >= 1 else f"≥ {target:.2f}x (within 1.3x)"
+            result.add(
+                f"target: output tok/s at c={c}, lockgate / llama.cpp (same GGUF, same run)",
+                ratio,
+                "x",
+                note=f"target {want}: {'met' if ratio >= target else 'NOT met'}",
+            )
+        return
     label = "llama.cpp (ANCHORS.md, quoted)"
     for concurrency, (tps, ttft50, ttft99, tpot50) in LLAMA_CPP.items():
         if not any(s.system == "lockgate" and s.concurrency == concurrency for s in m.stats):
@@ -731,6 +886,10 @@ def notes(
         "cumulative over each engine's life.",
         f"Poisson: open loop at {POISSON_LOAD:.0%} of the request rate lockgate sustained at the "
         "highest concurrency; latency counts from the scheduled send time.",
-        f"Server and HF baseline on cores 0-1 ({THREADS} torch threads), client on core 1. "
+        f"llama.cpp: llama-server -t {THREADS} --parallel {LLAMA_CPP_SLOTS} --cont-batching "
+        f"-c {LLAMA_CPP_CONTEXT} -nr on the demo's Q4_1 GGUF (lockgate's int4 projections are "
+        "the same 4-bit values), OpenAI /v1/completions streamed, token-id prompts, greedy, "
+        "ignore_eos, cache_prompt false; measured after lockgate and HF, one repetition.",
+        f"Server, HF baseline and llama.cpp on cores 0-1 ({THREADS} threads), client on core 1. "
         f"Load average before the run: {load_before:.1f}.",
     ]

@@ -536,7 +536,7 @@ def llm_server(name: str, port: int) -> tuple[Server, str, dict[str, Any]]:
         ]
         server = Server(name, "smollm2", command, port, "/v1/completions", "openai")
         return server, str(config["parameters"].get("served_model_name", "smollm2")), {}
-    binary = HERE / ".build" / "llama" / "llama.cpp" / "build" / "bin" / "llama-server"
+    binary = Path(os.environ.get("LOCKGATE_LLAMA_SERVER") or "llama-server (not built)")
     gguf = next((repo / "smollm2").glob("*/model.gguf"))
     command = [str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1",
                "-t", "2", "--parallel", "32", "--cont-batching", "-c", "16384", "-nr"]  # fmt: skip

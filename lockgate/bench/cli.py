@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--ttft-slo-ms", type=float, help="LLM goodput: TTFT SLO")
     add("--tpot-slo-ms", type=float, help="LLM goodput: TPOT SLO")
     add("--max-connections", type=int, help="connection pool size (default: sized for the load)")
+    add(
+        "--no-keep-alive",
+        action="store_true",
+        help="a new connection per request (for servers that close a connection after a "
+        "streamed answer, where reusing it races the close)",
+    )
     add("--quiet", action="store_true", help="no progress line")
     add("--output-json", help="write the report as JSON")
     add("--output-csv", help="write one CSV row per level")
@@ -77,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         slo=SLO(args.slo_ms, args.ttft_slo_ms, args.tpot_slo_ms),
         max_connections=args.max_connections,
+        keep_alive=not args.no_keep_alive,
     )
 
 

@@ -52,6 +52,7 @@ class BenchConfig:
     seed: int = 0
     slo: SLO = field(default_factory=SLO)
     max_connections: int | None = None
+    keep_alive: bool = True  # False: a new connection per request
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -86,7 +87,9 @@ async def run_bench(
     """Run every level in turn over one session and report each."""
     levels = config.levels()
     limit = config.max_connections or max(connection_limit(level) for level in levels)
-    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit)
+    connector = aiohttp.TCPConnector(
+        limit=limit, limit_per_host=limit, force_close=not config.keep_alive
+    )
     timeout = aiohttp.ClientTimeout(total=config.timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model, url, payloads = await prepare(session, config)

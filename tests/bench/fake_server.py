@@ -32,6 +32,7 @@ class Behaviour:
     tokens: int = 11
     send_usage: bool = True
     seen_prompts: list[object] = field(default_factory=list)
+    client_ports: list[int] = field(default_factory=list)  # of each completion request
 
 
 class FakeServer:
@@ -86,6 +87,8 @@ class FakeServer:
         b = self.behaviour
         chat = "messages" in body
         b.seen_prompts.append(body.get("messages") or body.get("prompt"))
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        b.client_ports.append(peer[1] if peer else 0)
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         await asyncio.sleep(b.first_token_s)

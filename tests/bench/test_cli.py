@@ -56,3 +56,10 @@ def test_bad_arguments_exit_2(capsys) -> None:
     )
     assert "exactly one of --rate and --concurrency" in capsys.readouterr().err
     assert cli.run(_args(["--model", "toy", "--rate", "ten", "--duration", "1"])) == 2
+
+
+def test_no_keep_alive_flag_reaches_the_config() -> None:
+    base = ["--url", "http://127.0.0.1:1", "--model", "toy", "--concurrency", "1"]
+    base += ["--num-requests", "1"]
+    assert cli.config_from_args(_args(base)).keep_alive
+    assert not cli.config_from_args(_args([*base, "--no-keep-alive"])).keep_alive

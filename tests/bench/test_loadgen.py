@@ -154,3 +154,23 @@ def test_open_loop_has_no_coordinated_omission() -> None:
     for record in results[0].records:
         assert record.latency == pytest.approx(record.finished - record.scheduled)
         assert record.send_lag >= 0
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+def test_keep_alive_reuses_one_connection_and_no_keep_alive_opens_one_per_request(
+    keep_alive: bool,
+) -> None:
+    behaviour = Behaviour(first_token_s=0.001, token_gap_s=0.001, tokens=3)
+    with serve(behaviour) as (url, _):
+        config = BenchConfig(
+            url=url,
+            endpoint="openai-completions",
+            model="tiny-llm",
+            concurrencies=(1,),
+            num_requests=5,
+            keep_alive=keep_alive,
+        )
+        report, _ = run_bench_sync(config, progress=None)
+    assert report.levels[0].completed == 5 and not report.levels[0].errors
+    assert len(behaviour.client_ports) == 5
+    assert len(set(behaviour.client_ports)) == (1 if keep_alive else 5)
