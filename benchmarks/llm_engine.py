@@ -89,7 +89,10 @@ MODELS = {
     "lockgate bf16": "smollm2_bf16",
     "lockgate int8": "smollm2_int8",
     "lockgate int8 act": "smollm2_int8_act",
+    "lockgate prefill-first": "smollm2_prefill_first",
 }
+# system -> its `step_policy` (others: the demo config's, decode_first)
+STEP_POLICY = {"lockgate prefill-first": "prefill_first"}
 # system -> its `activation_quantization` (the demo config's int4 weights otherwise)
 ACTIVATIONS = {"lockgate int8 act": "int8"}
 # system -> its `quantization` parameter (None: the demo config's, auto: int4 for Q4_1)
@@ -201,6 +204,8 @@ def write_repository(source: Path, dest: Path) -> dict[str, Any]:
             config["parameters"]["dtype"] = DTYPE[system]
         if system in ACTIVATIONS:
             config["parameters"]["activation_quantization"] = ACTIVATIONS[system]
+        if system in STEP_POLICY:
+            config["parameters"]["step_policy"] = STEP_POLICY[system]
         (dest / name / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     params: dict[str, Any] = base["parameters"]
     return params
@@ -618,6 +623,7 @@ def report(
     add_issue_rows(result, speedup_mid, tokens_top, ttft_top, (mid, top))
     add_quantization_rows(result, m, (low, mid, top))
     add_activation_rows(result, m, (low, mid, top))
+    add_policy_rows(result, m, (mid, top))
     add_llama_cpp_rows(result, m, versus)
     result.notes += notes(m, params, workload_note, levels, load_before)
     if m.hf_failure:
@@ -804,6 +810,29 @@ def add_activation_rows(result: SuiteResult, m: Measured, cs: tuple[int, int, in
         )
 
 
+def add_policy_rows(result: SuiteResult, m: Measured, cs: tuple[int, int]) -> None:
+    """step_policy prefill_first against the demo config (decode_first), same run."""
+    system = "lockgate prefill-first"
+    label = "demo config (decode_first), same run"
+    for c in [c for c in cs if m.has(system, c)]:
+        ours, theirs = m.get(system, c), m.get("lockgate", c)
+        for name, unit in (("ttft_p99", "ms"), ("ttft_p50", "ms"), ("tpot_p50", "ms")):
+            result.add(
+                f"prefill_first: {name.replace('_', ' ').upper().replace(' P', ' p')} at c={c}",
+                getattr(ours, name),
+                unit,
+                baseline_label=label,
+                baseline=getattr(theirs, name),
+            )
+        result.add(
+            f"prefill_first: output tok/s at c={c}",
+            ours.output_tokens_per_s,
+            "tok/s",
+            baseline_label=label,
+            baseline=theirs.output_tokens_per_s,
+        )
+
+
 def llama_cpp_ratios(
     m: Measured, cs: tuple[int, int, int]
 ) -> dict[int, tuple[float, float]] | None:
@@ -880,7 +909,8 @@ def notes(
         "projections as int4, the tied head int8 for small steps, embeddings in that dtype); "
         "lockgate bf16 sets "
         "dtype bfloat16 and quantization none, lockgate int8 quantization int8 (per output row); "
-        "lockgate int8 act is the demo config with activation_quantization int8.",
+        "lockgate int8 act is the demo config with activation_quantization int8; lockgate "
+        "prefill-first the demo config with step_policy prefill_first.",
         "TTFT target compares the p99 at c=8 with the p50 at c=1 (an unloaded request).",
         "Step overhead is lockgate_llm_step_overhead_ratio: 1 - forward time / step time, "
         "cumulative over each engine's life.",

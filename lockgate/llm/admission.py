@@ -26,6 +26,11 @@ prefill tokens / rate`, where `steps` is the larger of the steps its prefill nee
 prediction is that times a `Calibration` factor: how much later than modelled the first tokens
 of recent requests came (a high quantile, at least 1).
 
+With `step_policy: prefill_first` and a free slot, the prompts ahead and its own take whole
+steps, decoding nothing: `steps` counts them at the full budget and each costs the decode
+model's fixed overhead, plus one decode step of every running sequence per
+`max_decode_stall_ms` of prefill (the stall bound makes the scheduler decode first then).
+
 A request is refused with 503 and Retry-After when that prediction exceeds `slack` times its
 budget: the model's TTFT SLO (`ttft_slo_ms`) or the time left before its deadline, whichever
 is smaller. A request that waits for nobody (no prompt token ahead, a free slot) is held to its
@@ -241,6 +246,8 @@ class TTFTAdmission:
     slack: float = 0.8
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    prefill_first: bool = False  # step_policy prefill_first: prompts before decodes
+    max_decode_stall: float = 1.0  # seconds: prefill_first decodes at least this often
     prefill: PrefillRate = field(default_factory=PrefillRate)
     decode: DecodeStep = field(default_factory=DecodeStep)
     calibration: Calibration = field(default_factory=Calibration)
@@ -277,12 +284,18 @@ class TTFTAdmission:
             in_flight_tokens = f.prefill_tokens
         slot_wait = slot_wait_steps(load.running, load.waiting, self.max_num_seqs)
         decodes = min(self.max_num_seqs, len(load.running) + len(load.waiting))
-        per_step = max(1, self.max_num_batched_tokens - decodes)
+        prompts_first = self.prefill_first and slot_wait == 0
+        in_step = 0 if prompts_first else decodes  # decodes sharing each step with prompts
+        per_step = max(1, self.max_num_batched_tokens - in_step)
         prefill = sum(q.tokens for q in load.ahead) + load.prompt_tokens
         own_steps = math.ceil(load.prompt_tokens / per_step)
         steps = max(math.ceil(prefill / per_step), slot_wait + own_steps)
-        step_seconds = self.decode.seconds(decodes)
+        step_seconds = self.decode.seconds(in_step)
         modelled = in_flight + steps * step_seconds + prefill / rate
+        if prompts_first and load.running:  # the stall bound's decode steps
+            modelled += math.floor(modelled / self.max_decode_stall) * self.decode.seconds(
+                len(load.running)
+            )
         factor = self.calibration.factor
         return TTFTPrediction(
             seconds=modelled * factor,
@@ -292,7 +305,7 @@ class TTFTAdmission:
             in_flight_seconds=in_flight,
             slot_wait_steps=slot_wait,
             steps=steps,
-            decodes=decodes,
+            decodes=in_step,
             step_seconds=step_seconds,
             prefill_rate=rate,
             due_sharing=due_sharing(load.ahead, prefill, per_step),

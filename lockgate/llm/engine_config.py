@@ -11,6 +11,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, of the linear p
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # `llm/decode_kernel.py`
 ACTIVATION_QUANTIZATIONS = ("none", "int8")  # `llm/models/int8_activations.py`
 SPECULATIVE_METHODS = ("none", "ngram")  # ngram: prompt lookup (`llm/speculative.py`)
+STEP_POLICIES = ("decode_first", "prefill_first")  # who gets a step's token budget first
 _SOURCE = "EngineConfig"
 
 
@@ -21,6 +22,11 @@ class EngineConfig:
     The KV cache size is given either as a block count (`kv_cache_blocks`) or as memory
     (`kv_cache_gib`, turned into blocks by `num_kv_blocks` once the model's bytes per block
     are known).
+
+    `step_policy` says who gets a step's token budget first: `decode_first` (the default)
+    gives each running sequence its decode token and prompts what is left; `prefill_first`
+    gives queued prompts the budget first while any wait, and decodes what they leave, so
+    first tokens come sooner and decodes pause, for at most `max_decode_stall_ms` at a time.
 
     Speculative decoding (`speculative: ngram`, off by default) drafts up to
     `num_speculative_tokens` tokens per decoding sequence and step by looking up its last
@@ -50,6 +56,8 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # longest
     decode_attention: str = "auto"  # auto, kernel or sdpa (`llm/decode_kernel.py`)
     activation_quantization: str = "none"  # int8: large steps multiply in int8
+    step_policy: str = "decode_first"  # or prefill_first: queued prompts before decodes
+    max_decode_stall_ms: float = 1000.0  # prefill_first: decodes wait at most this long
 
     def __post_init__(self) -> None:
         for fld, ok, problem in self._checks():
@@ -94,7 +102,14 @@ class EngineConfig:
             ("activation_quantization",
              self.activation_quantization == "none" or self.quantization != "none",
              "int8 needs quantized weights (quantization auto, int8 or int4), not none"),
+            ("step_policy", self.step_policy in STEP_POLICIES,
+             f"{self.step_policy!r} is not one of {', '.join(STEP_POLICIES)}"),
+            ("max_decode_stall_ms", self.max_decode_stall_ms > 0, "must be > 0"),
         ]  # fmt: skip
+
+    @property
+    def prefill_first(self) -> bool:
+        return self.step_policy == "prefill_first"
 
     @property
     def weight_quantization(self) -> str:

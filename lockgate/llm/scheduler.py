@@ -7,6 +7,12 @@ Long prompts are cut into chunks that fit the remaining budget (chunked prefill)
 blocks run out, the newest running sequence is preempted: its blocks are freed and it is
 recomputed later from the front of the queue.
 
+With `step_policy: prefill_first`, while prompts are queued the prompts take the budget first
+and the decodes what is left (their KV room is still made first, so a prompt never takes the
+block a running sequence needs): a burst of prompts reaches its first tokens sooner, and the
+running sequences pause meanwhile, for at most `max_decode_stall_ms`; past that, a step
+decodes first again.
+
 With speculative decoding on (`speculative: ngram`), the budget left after the decodes gives
 decoding sequences draft tokens (`llm/speculative.py`) to verify after their last token, as far
 as free KV blocks allow without preempting anyone; prompts get what remains. After the step,
@@ -108,10 +114,16 @@ class Scheduler:
         self.num_preemptions = 0
         slo = config.ttft_slo_ms / 1000 if config.ttft_slo_ms else None
         self.admission = TTFTAdmission(
-            slo, config.admission_slack, config.max_num_seqs, config.max_num_batched_tokens
+            slo,
+            config.admission_slack,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            prefill_first=config.prefill_first,
+            max_decode_stall=config.max_decode_stall_ms / 1000,
         )
         self.shed: list[Sequence] = []  # shed since the last step, to be answered 503
         self.in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
+        self.stalled_since: float | None = None  # prefill_first: decodes left out since then
         self.proposer = (
             NgramProposer(
                 config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
@@ -229,14 +241,34 @@ class Scheduler:
         self._expire(now, out)
         may_admit = self.config.continuous_batching or not self.running
         budget = _Budget(self.config.max_num_batched_tokens, now)
-        self._schedule_decodes(budget, out)
+        decodes = self._decodes_with_room(out)
+        prompts_first = self._prompts_first(may_admit, now)
+        if prompts_first:
+            self._schedule_prompts(may_admit, budget, out)
+        self._schedule_decodes(decodes, budget, out)
         if self.proposer is not None:
             self._schedule_drafts(self.proposer, budget, out)
-        self._schedule_partial_prefills(budget, out)
-        if may_admit:
-            self._admit(budget, out)
+        if not prompts_first:
+            self._schedule_prompts(may_admit, budget, out)
+        self._note_stall(decodes, out, now)
         self.in_flight = out
         return out
+
+    def _prompts_first(self, may_admit: bool, now: float) -> bool:
+        """prefill_first, prompts queued, and no decode stalled past `max_decode_stall_ms`."""
+        if not self.config.prefill_first:
+            return False
+        queued = (may_admit and bool(self.waiting)) or any(s.is_prefill for s in self.running)
+        stall = self.config.max_decode_stall_ms / 1000
+        return queued and (self.stalled_since is None or now - self.stalled_since < stall)
+
+    def _note_stall(self, decodes: list[Sequence], out: SchedulerOutput, now: float) -> None:
+        """Since when running sequences have been left out of steps (prefill_first)."""
+        if len(decodes) > sum(1 for s in out.scheduled if s.is_decode):
+            if self.stalled_since is None:
+                self.stalled_since = now
+        else:
+            self.stalled_since = None
 
     def update(self, out: SchedulerOutput) -> None:
         """After the step ran: advance progress and publish newly full blocks (drafts count
@@ -260,15 +292,31 @@ class Scheduler:
                 self.finish(seq, FinishReason.DEADLINE)
                 out.expired.append(seq)
 
-    def _schedule_decodes(self, budget: _Budget, out: SchedulerOutput) -> None:
+    def _decodes_with_room(self, out: SchedulerOutput) -> list[Sequence]:
+        """The running sequences that decode, each with a KV block for its next token (the
+        newest running sequences are preempted for them when blocks run out)."""
+        ready = []
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefill:
                 continue  # preempted by an older sequence, or still prefilling
-            if budget.tokens == 0:
-                return
             if self._make_room(seq, out):
                 self.block_manager.may_append(seq)
-                self._schedule(seq, 1, budget, out)
+                ready.append(seq)
+        return ready
+
+    def _schedule_decodes(
+        self, decodes: list[Sequence], budget: _Budget, out: SchedulerOutput
+    ) -> None:
+        for seq in decodes:
+            if budget.tokens == 0:
+                return
+            self._schedule(seq, 1, budget, out)
+
+    def _schedule_prompts(self, may_admit: bool, budget: _Budget, out: SchedulerOutput) -> None:
+        """Prompts being prefilled, then waiting sequences, within the budget."""
+        self._schedule_partial_prefills(budget, out)
+        if may_admit:
+            self._admit(budget, out)
 
     def _schedule_drafts(
         self, proposer: NgramProposer, budget: _Budget, out: SchedulerOutput

@@ -25,6 +25,8 @@ A model folder whose config says `backend: llm` holds the weights in its version
 | prompt_lookup_min / _max | ngram: shortest / longest suffix looked up, in tokens | 2 / 4 |
 | decode_attention | auto, kernel or sdpa: how decodes attend (`llm/decode_kernel.py`) | auto |
 | activation_quantization | none, or int8: prefill and large batches multiply in int8 | none |
+| step_policy | decode_first, or prefill_first: queued prompts take a step first | decode_first |
+| max_decode_stall_ms | prefill_first: the longest decodes wait for queued prompts | 1000 |
 | generation_config | sampling defaults: auto, generation_config.json by the weights; none | auto |
 """
 
@@ -103,6 +105,8 @@ def engine_config_from(config: ModelConfig) -> EngineConfig:
         prompt_lookup_max=number("prompt_lookup_max", int, 4),  # type: ignore[arg-type]
         decode_attention=str(p.get("decode_attention", "auto")),
         activation_quantization=str(p.get("activation_quantization", "none")),
+        step_policy=str(p.get("step_policy", "decode_first")),
+        max_decode_stall_ms=number("max_decode_stall_ms", float, 1000.0),  # type: ignore[arg-type]
     )
 
 

@@ -265,3 +265,24 @@ def test_predicted_and_observed_ttft_are_exported_per_model() -> None:
     assert 'lockgate_llm_ttft_prediction_ratio_count{model_name="fake"} 2.0' in text
     assert 'lockgate_llm_predicted_time_to_first_token_seconds_count{model_name="fake"} 2.0' in text
     assert 'lockgate_llm_time_to_first_token_seconds_count{model_name="fake"} 3.0' in text
+
+
+def test_prefill_first_predicts_prompts_in_whole_steps_and_the_stall_bound_decodes() -> None:
+    settings = {"max_num_seqs": 32, "max_num_batched_tokens": 120}
+    first = TTFTAdmission(**settings)  # type: ignore[arg-type]
+    prompts = TTFTAdmission(**settings, prefill_first=True, max_decode_stall=1.0)  # type: ignore[arg-type]
+    for admission in (first, prompts):
+        admission.observe(0, 2, 0.010, 0.0)  # decode steps: 6 ms + 2 ms per sequence
+        admission.observe(0, 20, 0.046, 0.0)
+        admission.observe(1000, 0, 1.0 + 0.006, 0.0)  # 1,000 prompt tokens/s
+    busy = load(100, 900, [50] * 20)  # 1,000 prompt tokens to prefill, 20 decoding
+    decode_first = first.predict(busy, 0.0)
+    assert decode_first is not None and (decode_first.steps, decode_first.decodes) == (10, 20)
+    assert decode_first.seconds == pytest.approx(10 * 0.046 + 1.0, rel=0.01)
+    ahead = prompts.predict(busy, 0.0)
+    assert ahead is not None and (ahead.steps, ahead.decodes) == (9, 0)  # whole steps of 120
+    # 9 steps' overhead, the prefill, and one decode step of all 20 at the 1 s stall bound
+    assert ahead.seconds == pytest.approx(9 * 0.006 + 1.0 + 0.046, rel=0.01)
+    # with every slot taken it waits for decodes either way
+    full = load(100, 0, [40] * 32)
+    assert prompts.predict(full, 0.0).slot_wait_steps == 40  # type: ignore[union-attr]

@@ -4,11 +4,13 @@ import zlib
 
 import pytest
 
-from lockgate.errors import BadRequest
+from lockgate.config import ModelConfig
+from lockgate.errors import BadRequest, ConfigError
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.kv_cache import BlockManager
 from lockgate.llm.scheduler import QueueFull, Scheduler, SchedulerOutput
 from lockgate.llm.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from lockgate.llm.startup import engine_config_from
 
 
 def make_scheduler(blocks: int = 64, **overrides: object) -> Scheduler:
@@ -196,3 +198,77 @@ def test_prefix_cache_hit_skips_computed_tokens() -> None:
     out = run_step(sched)
     assert out.scheduled[0].start == 16 and out.scheduled[0].num_tokens == 4
     assert b.num_cached_tokens == 16
+
+
+def _burst_after_decodes(sched: Scheduler) -> tuple[Sequence, Sequence]:
+    """One sequence decoding, then a prompt of 50 tokens (over the budget of 16)."""
+    short = make_seq("short", 4, max_tokens=40)
+    sched.add(short)
+    run_step(sched, now=0.0)  # short: prefilled, decoding from here
+    long = make_seq("long", 50, max_tokens=2)
+    sched.add(long, now=0.0)
+    return short, long
+
+
+def test_prefill_first_gives_queued_prompts_the_budget_and_decodes_wait() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16, step_policy="prefill_first")
+    _, long = _burst_after_decodes(sched)
+    steps = []
+    while long.num_output_tokens == 0:
+        out = run_step(sched, now=0.01 * len(steps))
+        steps.append({s.seq.seq_id: s.num_tokens for s in out.scheduled})
+    # the prompt takes whole steps and the decode waits, then rides in what the last chunk
+    # leaves
+    assert steps == [{"long": 16}, {"long": 16}, {"long": 16}, {"long": 2, "short": 1}]
+    assert sched.stalled_since is None
+    # decode_first: the decode takes its token of every step first
+    first = make_scheduler(max_num_batched_tokens=16)
+    _burst_after_decodes(first)
+    out = run_step(first)
+    assert {s.seq.seq_id: s.num_tokens for s in out.scheduled} == {"short": 1, "long": 15}
+
+
+def test_prefill_first_decodes_past_the_stall_bound() -> None:
+    sched = make_scheduler(
+        max_num_batched_tokens=16, step_policy="prefill_first", max_decode_stall_ms=25
+    )
+    _burst_after_decodes(sched)
+    ids = [[s.seq.seq_id for s in run_step(sched, now=0.01 * i).scheduled] for i in range(4)]
+    # stalled from 0.00: prompts first at 0.00, 0.01, 0.02; at 0.03 the stall is over 25 ms
+    assert ids[:3] == [["long"], ["long"], ["long"]]
+    assert ids[3][0] == "short"
+    assert sched.stalled_since is None  # that step decoded every running sequence
+
+
+def test_prefill_first_keeps_the_kv_block_a_decode_needs() -> None:
+    # 6 blocks of 4: "short" has 9 tokens in 2 blocks, and its next step needs a 3rd; a
+    # 16-token prompt wants the other 4. Prompts go first, yet they must not take the block
+    # the decode needs (the decode would then preempt the prompt's sequence for it)
+    sched = make_scheduler(blocks=6, max_num_batched_tokens=32, step_policy="prefill_first")
+    short = make_seq("short", 4, max_tokens=10)
+    sched.add(short)
+    for i in range(5):
+        run_step(sched, now=0.01 * i)  # prefill + 4 decodes
+    assert short.num_tokens == 9 and len(short.block_table) == 2
+    long = make_seq("long", 16, max_tokens=2)
+    sched.add(long, now=0.05)
+    out = run_step(sched, now=0.05)
+    assert [s.seq.seq_id for s in out.scheduled] == ["short"]  # 3 blocks left: "long" waits
+    assert not out.preempted and long.status is SequenceStatus.WAITING
+    assert len(short.block_table) == 3
+
+
+def test_step_policy_is_checked_and_read_from_parameters() -> None:
+    with pytest.raises(ConfigError, match=r"'step_policy'.*'fastest_first' is not one of"):
+        make_scheduler(step_policy="fastest_first")
+    with pytest.raises(ConfigError, match="'max_decode_stall_ms': must be > 0"):
+        make_scheduler(max_decode_stall_ms=0)
+    default = engine_config_from(ModelConfig(name="m", backend="llm"))
+    assert (default.step_policy, default.prefill_first) == ("decode_first", False)
+    parameters = {"step_policy": "prefill_first", "max_decode_stall_ms": "250"}
+    config = engine_config_from(ModelConfig(name="m", backend="llm", parameters=parameters))
+    assert config.prefill_first and config.max_decode_stall_ms == 250.0
+    with pytest.raises(ConfigError, match=r"parameters.max_decode_stall_ms.*not a float"):
+        engine_config_from(
+            ModelConfig(name="m", backend="llm", parameters={"max_decode_stall_ms": "soon"})
+        )
