@@ -18,7 +18,8 @@ A new sequence's first token comes once these are done (`TTFTAdmission.predict`)
 - every prompt token queued ahead of it (waiting sequences of its priority or higher, and what
   is left of prompts being prefilled) and its own prompt are prefilled;
 - in steps that also decode the running sequences: each step's token budget
-  (`max_num_batched_tokens`) is shared with one decode per running sequence.
+  (`max_num_batched_tokens`, or with `tpot_slo_ms` what `step_budget` fits in it) is shared
+  with one decode per running sequence.
 
 So the modelled TTFT is `left of the step in flight + steps * DecodeStep.seconds(decodes) +
 prefill tokens / rate`, where `steps` is the larger of the steps its prefill needs at
@@ -247,6 +248,8 @@ class TTFTAdmission:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     prefill_first: bool = False  # step_policy prefill_first: prompts before decodes
+    tpot_slo: float | None = None  # seconds: decoding steps' prefill is cut to keep to it
+    min_chunk: int = 16  # prompt tokens a decoding step may take, at least
     max_decode_stall: float = 1.0  # seconds: prefill_first decodes at least this often
     prefill: PrefillRate = field(default_factory=PrefillRate)
     decode: DecodeStep = field(default_factory=DecodeStep)
@@ -267,6 +270,17 @@ class TTFTAdmission:
         floor = MIN_PREFILL_SHARE * seconds * prefill_tokens / (prefill_tokens + decodes)
         self.prefill.observe(prefill_tokens, max(seconds - decode_part, floor), now)
 
+    def step_budget(self, decodes: int) -> int:
+        """Tokens of a step that decodes `decodes` sequences: `max_num_batched_tokens`, or
+        with a TPOT SLO (and the step times measured), the decodes plus the prompt tokens the
+        measured prefill rate fits in what the SLO leaves after them (at least `min_chunk`)."""
+        cap = self.max_num_batched_tokens
+        rate = self.prefill.rate
+        if self.tpot_slo is None or decodes <= 0 or rate <= 0 or not self.decode.measured:
+            return cap
+        room = self.tpot_slo - self.decode.seconds(decodes)
+        return min(cap, decodes + max(self.min_chunk, int(room * rate)))
+
     def step_seconds(self, prefill_tokens: int, decodes: int) -> float:
         """Predicted seconds of one step; call only once the prefill rate is measured."""
         return self.decode.seconds(decodes) + prefill_tokens / self.prefill.rate
@@ -286,7 +300,7 @@ class TTFTAdmission:
         decodes = min(self.max_num_seqs, len(load.running) + len(load.waiting))
         prompts_first = self.prefill_first and slot_wait == 0
         in_step = 0 if prompts_first else decodes  # decodes sharing each step with prompts
-        per_step = max(1, self.max_num_batched_tokens - in_step)
+        per_step = max(1, self.step_budget(in_step) - in_step)
         prefill = sum(q.tokens for q in load.ahead) + load.prompt_tokens
         own_steps = math.ceil(load.prompt_tokens / per_step)
         steps = max(math.ceil(prefill / per_step), slot_wait + own_steps)

@@ -23,6 +23,12 @@ class EngineConfig:
     (`kv_cache_gib`, turned into blocks by `num_kv_blocks` once the model's bytes per block
     are known).
 
+    `tpot_slo_ms` sizes prefill chunks from measurements: while sequences decode, a step takes
+    only the prompt tokens that the measured prefill rate fits in the time the SLO leaves after
+    the decodes (at least `block_size`), so streams keep their time per output token while
+    prompts are prefilled beside them; with nothing decoding, prompts get the whole
+    `max_num_batched_tokens`.
+
     `step_policy` says who gets a step's token budget first: `decode_first` (the default)
     gives each running sequence its decode token and prompts what is left; `prefill_first`
     gives queued prompts the budget first while any wait, and decodes what they leave, so
@@ -49,6 +55,7 @@ class EngineConfig:
     pack_weights: bool = True  # bfloat16: reorder weights for oneDNN once, at load
     quantization: str = "auto"  # auto: keep a GGUF's Q4_0/Q4_1 (int4) and Q8_0 (int8)
     ttft_slo_ms: float | None = None  # refuse what would wait longer for its first token
+    tpot_slo_ms: float | None = None  # cut prefill chunks so decoding steps keep to this
     admission_slack: float = 0.8  # admit when the predicted TTFT is within this share
     speculative: str = "none"  # none, or ngram: draft tokens by prompt lookup
     num_speculative_tokens: int = 4  # drafts verified per sequence and step, at most
@@ -86,6 +93,7 @@ class EngineConfig:
              f"{self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"),
             ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1"),
             ("ttft_slo_ms", self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "must be > 0"),
+            ("tpot_slo_ms", self.tpot_slo_ms is None or self.tpot_slo_ms > 0, "must be > 0"),
             ("admission_slack", 0 < self.admission_slack <= 10, "must be in (0, 10]"),
             ("speculative", self.speculative in SPECULATIVE_METHODS,
              f"{self.speculative!r} is not one of {', '.join(SPECULATIVE_METHODS)}"),

@@ -7,6 +7,10 @@ Long prompts are cut into chunks that fit the remaining budget (chunked prefill)
 blocks run out, the newest running sequence is preempted: its blocks are freed and it is
 recomputed later from the front of the queue.
 
+With `tpot_slo_ms`, a step that decodes takes only the prompt tokens that the measured prefill
+rate fits in the time the SLO leaves after its decodes (`TTFTAdmission.step_budget`, at least
+`block_size`), so prefill chunks shrink as decodes grow and streams keep their pace.
+
 With `step_policy: prefill_first`, while prompts are queued the prompts take the budget first
 and the decodes what is left (their KV room is still made first, so a prompt never takes the
 block a running sequence needs): a burst of prompts reaches its first tokens sooner, and the
@@ -120,6 +124,8 @@ class Scheduler:
             config.max_num_batched_tokens,
             prefill_first=config.prefill_first,
             max_decode_stall=config.max_decode_stall_ms / 1000,
+            tpot_slo=config.tpot_slo_ms / 1000 if config.tpot_slo_ms else None,
+            min_chunk=config.block_size,
         )
         self.shed: list[Sequence] = []  # shed since the last step, to be answered 503
         self.in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
@@ -240,9 +246,10 @@ class Scheduler:
         out = SchedulerOutput(started=now)
         self._expire(now, out)
         may_admit = self.config.continuous_batching or not self.running
-        budget = _Budget(self.config.max_num_batched_tokens, now)
         decodes = self._decodes_with_room(out)
         prompts_first = self._prompts_first(may_admit, now)
+        tokens = self.admission.step_budget(0 if prompts_first else len(decodes))
+        budget = _Budget(tokens, now)
         if prompts_first:
             self._schedule_prompts(may_admit, budget, out)
         self._schedule_decodes(decodes, budget, out)

@@ -20,6 +20,7 @@ A model folder whose config says `backend: llm` holds the weights in its version
 | pack_weights | bfloat16: reorder the weights for oneDNN once, at load | true |
 | quantization | weight-only projections: auto, none, int8, int4 | auto |
 | ttft_slo_ms | refuse (503) a request predicted to wait longer for its first token | none |
+| tpot_slo_ms | while sequences decode, cut prefill chunks to keep steps within this | none |
 | speculative | none, or ngram: speculative decoding by prompt lookup | none |
 | num_speculative_tokens | ngram: draft tokens verified per sequence and step, at most | 4 |
 | prompt_lookup_min / _max | ngram: shortest / longest suffix looked up, in tokens | 2 / 4 |
@@ -99,6 +100,7 @@ def engine_config_from(config: ModelConfig) -> EngineConfig:
         pack_weights=flag("pack_weights", True),
         quantization=str(p.get("quantization", "auto")),
         ttft_slo_ms=number("ttft_slo_ms", float, None),  # type: ignore[arg-type]
+        tpot_slo_ms=number("tpot_slo_ms", float, None),  # type: ignore[arg-type]
         speculative=str(p.get("speculative", "none")),
         num_speculative_tokens=number("num_speculative_tokens", int, 4),  # type: ignore[arg-type]
         prompt_lookup_min=number("prompt_lookup_min", int, 2),  # type: ignore[arg-type]

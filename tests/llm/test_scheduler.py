@@ -6,6 +6,7 @@ import pytest
 
 from lockgate.config import ModelConfig
 from lockgate.errors import BadRequest, ConfigError
+from lockgate.llm.admission import LoadAhead
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.kv_cache import BlockManager
 from lockgate.llm.scheduler import QueueFull, Scheduler, SchedulerOutput
@@ -266,9 +267,59 @@ def test_step_policy_is_checked_and_read_from_parameters() -> None:
     default = engine_config_from(ModelConfig(name="m", backend="llm"))
     assert (default.step_policy, default.prefill_first) == ("decode_first", False)
     parameters = {"step_policy": "prefill_first", "max_decode_stall_ms": "250"}
+    parameters["tpot_slo_ms"] = "90"
     config = engine_config_from(ModelConfig(name="m", backend="llm", parameters=parameters))
     assert config.prefill_first and config.max_decode_stall_ms == 250.0
+    assert config.tpot_slo_ms == 90.0 and default.tpot_slo_ms is None
+    with pytest.raises(ConfigError, match="'tpot_slo_ms': must be > 0"):
+        make_scheduler(tpot_slo_ms=-1)
     with pytest.raises(ConfigError, match=r"parameters.max_decode_stall_ms.*not a float"):
         engine_config_from(
             ModelConfig(name="m", backend="llm", parameters={"max_decode_stall_ms": "soon"})
         )
+
+
+def _measured(sched: Scheduler) -> None:
+    """Step times as if measured: 1,000 prompt tokens/s; decode steps 10 ms + 1 ms/sequence."""
+    admission = sched.admission
+    admission.observe(0, 2, 0.012, 0.0)
+    admission.observe(0, 10, 0.020, 0.0)
+    admission.observe(100, 0, 0.1 + 0.010, 0.0)
+
+
+def test_tpot_slo_cuts_prefill_chunks_to_what_fits_beside_the_decodes() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64, block_size=4, tpot_slo_ms=40)
+    _measured(sched)
+    admission = sched.admission
+    assert admission.decode.seconds(3) == pytest.approx(0.013)
+    assert admission.prefill.rate == pytest.approx(1000.0)
+    # 3 decoding: 40 ms - 13 ms leaves 27 ms, 27 prompt tokens; none decoding: the whole cap
+    assert admission.step_budget(3) == 3 + 27
+    assert admission.step_budget(0) == 64
+    # the decodes alone take 32 ms of 40 ms: 8 prompt tokens; past the SLO: block_size (4)
+    assert admission.step_budget(22) == 22 + 8
+    assert admission.step_budget(35) == 35 + 4
+    seqs = [make_seq(f"d{i}", 4, max_tokens=50) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    run_step(sched)  # the three prompts, nothing decoding: one step
+    sched.add(make_seq("long", 100, max_tokens=2), now=0.0)
+    out = run_step(sched)
+    tokens = {s.seq.seq_id: s.num_tokens for s in out.scheduled}
+    assert tokens == {"d0": 1, "d1": 1, "d2": 1, "long": 27}  # not the 61 the cap leaves
+    plain = make_scheduler(max_num_batched_tokens=64, block_size=4)
+    _measured(plain)
+    assert plain.admission.step_budget(3) == 64  # no SLO: the cap
+
+
+def test_tpot_slo_predicts_the_smaller_chunks() -> None:
+    with_slo = make_scheduler(max_num_batched_tokens=64, block_size=4, tpot_slo_ms=40)
+    without = make_scheduler(max_num_batched_tokens=64, block_size=4)
+    for sched in (with_slo, without):
+        _measured(sched)
+    load = LoadAhead(100, [], [50, 50, 50], [])
+    cut = with_slo.admission.predict(load, 0.0)
+    whole = without.admission.predict(load, 0.0)
+    assert cut is not None and whole is not None
+    assert (cut.steps, whole.steps) == (4, 2)  # 100 tokens at 27 per step, against 61
+    assert cut.seconds > whole.seconds
