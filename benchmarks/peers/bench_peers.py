@@ -489,12 +489,18 @@ def llm_payloads(model: str, extra: dict[str, Any]) -> list[Payload]:
     return out
 
 
-async def llm_levels(url: str, bodies: list[Payload], levels: tuple[int, ...]) -> list[Any]:
+async def llm_levels(
+    url: str, bodies: list[Payload], levels: tuple[int, ...], keep_alive: bool = True
+) -> list[Any]:
+    """`keep_alive` False: a new connection per request (llama-server closes a connection after
+    a streamed answer, and reusing it at once races that close: a `connection_error`)."""
     rows = []
     for concurrency in levels:
         level = Level(concurrency=concurrency, num_requests=len(bodies))
         limit = connection_limit(level)
-        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit)
+        connector = aiohttp.TCPConnector(
+            limit=limit, limit_per_host=limit, force_close=not keep_alive
+        )
         timeout = aiohttp.ClientTimeout(total=1800)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             result = await run_level(session, url, bodies, level, stream=True, progress=None)
@@ -562,7 +568,7 @@ def run_llm(name: str, port: int, levels: tuple[int, ...]) -> dict[str, Any]:
         server.wait_ready(json.dumps(probe).encode(), timeout=600)
         assert server.process is not None
         with RssSampler(server.process.pid) as sampler:
-            rows = asyncio.run(llm_levels(server.url, bodies, levels))
+            rows = asyncio.run(llm_levels(server.url, bodies, levels, name == "lockgate"))
         return {"levels": rows, "rss_peak_mib": round(sampler.peak, 1)}
     except Exception as exc:
         print(f"[{name} / smollm2] FAILED: {exc}")
