@@ -280,20 +280,22 @@ class Gate:
     def let_through(self, now: float) -> None:
         self.admitted.add(now)
 
-    def refused(self, now: float, budget: float | None = None) -> float:
+    def refused(
+        self, now: float, budget: float | Callable[[], float | None] | None = None
+    ) -> float:
         """Count a refusal; returns how long to leave its connection unread (0: not at all).
         `budget`: the refused request's time budget (its timeout or its model's SLO), when
-        known: the pause is at most `pause_share` of it, so a request that waited the
-        pause out keeps the rest of its budget to be admitted."""
+        known, or a function that finds it (called only when the connection is paused): the
+        pause is at most `pause_share` of it, so a request that waited the pause out keeps the
+        rest of its budget to be admitted."""
         self.refusing.add(now)
         self.loop_cost.refuse()
         s = self.settings
         if s.penalty_pause <= 0:
             return 0.0
         if self.refusing.current(now) > s.penalty_ratio * max(1.0, self.admitted.current(now)):
-            return (
-                s.penalty_pause if budget is None else min(s.penalty_pause, budget * s.pause_share)
-            )
+            known = budget() if callable(budget) else budget
+            return s.penalty_pause if known is None else min(s.penalty_pause, known * s.pause_share)
         return 0.0
 
     def hold(self, resume: Callable[[], bool]) -> None:

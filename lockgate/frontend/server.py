@@ -279,7 +279,7 @@ class _Protocol(HttpToolsProtocol):
         access = self.lockgate_app.access
         if access.enabled:
             access.refused(rid, b"POST", path, received, self.address, why)
-        pause = self.gate.refused(now, self.lockgate_app.budget(path, headers))
+        pause = self.gate.refused(now, functools.partial(self.lockgate_app.budget, path, headers))
         if close:
             return len(data)
         if size > len(data):  # the body is still to come, within the head timeout
@@ -447,7 +447,8 @@ class _Protocol(HttpToolsProtocol):
         access = self.lockgate_app.access
         if access.enabled:
             access.refused(rid, self.parser.get_method(), path, self.received, self.address, reason)
-        pause = self.gate.refused(time.monotonic(), self.lockgate_app.budget(path, self.headers))
+        budget = functools.partial(self.lockgate_app.budget, path, self.headers)
+        pause = self.gate.refused(time.monotonic(), budget)
         if keep:
             self._arm_head_timer()  # and must arrive within the head timeout
             if pause > 0:
@@ -509,13 +510,11 @@ class _Protocol(HttpToolsProtocol):
 
     # -- canned answers ------------------------------------------------------------------
     def _write_refusal(self, body: bytes, retry: int, rid: bytes, close: bool) -> None:
-        head = [b"HTTP/1.1 503 Service Unavailable"]
-        head += [name + b": " + value for name, value in self.server_state.default_headers]
-        head += [b"content-type: application/json", b"content-length: %d" % len(body)]
-        head += [b"retry-after: %d" % retry, b"x-request-id: " + rid]
-        if close:
-            head.append(b"connection: close")
-        self.transport.write(b"\r\n".join([*head, b"", body]))
+        head = _REFUSAL_HEAD.of(self.server_state.default_headers)
+        self.transport.write(
+            b"%scontent-length: %d\r\nretry-after: %d\r\nx-request-id: %s\r\n%s\r\n%s"
+            % (head, len(body), retry, rid, _CLOSE if close else b"", body)
+        )
         if close:
             self.transport.close()
 
@@ -539,6 +538,29 @@ class _Protocol(HttpToolsProtocol):
             self._write_error(400, "invalid HTTP request", close=True)
 
 
+class _CannedHead:
+    """A 503's head up to its content type, rebuilt only when the server's default headers
+    change (uvicorn replaces their list once a second, for the date): a refusal then costs
+    one formatting of its own few headers."""
+
+    __slots__ = ("head", "headers")
+
+    def __init__(self) -> None:
+        self.headers: object = None  # the default headers' list the head was built from
+        self.head = b""
+
+    def of(self, headers: list[tuple[bytes, bytes]]) -> bytes:
+        if headers is not self.headers:
+            lines = [b"HTTP/1.1 503 Service Unavailable"]
+            lines += [name + b": " + value for name, value in headers]
+            lines.append(b"content-type: application/json")
+            self.head = b"\r\n".join(lines) + b"\r\n"
+            self.headers = headers
+        return self.head
+
+
+_REFUSAL_HEAD = _CannedHead()
+_CLOSE = b"connection: close\r\n"
 _REASONS = {
     400: b"Bad Request",
     408: b"Request Timeout",

@@ -131,6 +131,11 @@ def test_refused_connections_pause_only_when_refusals_swamp_admissions() -> None
     assert pause == 0.25
     assert gate.refused(now, budget=0.5) == pytest.approx(0.125)  # a quarter of the budget
     assert gate.refused(now, budget=5.0) == 0.25
+    assert gate.refused(now, budget=lambda: 0.5) == pytest.approx(0.125)  # found when paused
+    asked = []
+    calm = Gate(GateSettings())
+    assert calm.refused(now, budget=lambda: asked.append(1) or 0.5) == 0.0
+    assert not asked  # no pause: the budget is never looked up
     assert Gate(GateSettings()).refused(now) == 0.0  # one refusal is no storm
     assert Gate(GateSettings(penalty_pause=0.0)).refused(now) == 0.0  # off
 
