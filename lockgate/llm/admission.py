@@ -1,13 +1,10 @@
 """TTFT admission for language models: refuse at once what would wait too long for its
 first token. Pure bookkeeping: no tensors, no clock of its own.
 
-The engine's step time is modelled as `decode part + prefill part`: a step that decodes `n`
-sequences costs `DecodeStep.seconds(n)` (a fixed overhead plus a cost per sequence, fitted on
-recent decode-only steps), and each prompt token it prefills costs `1 / PrefillRate.rate` more
-(fitted on the rest of the time of recent steps that prefilled). Both are measured on the wall
-clock of the engine thread, gaps between busy steps included, and weighted by recency (time
-constant `tau`, 0.5 s), so they follow the load the server is under now: a busy event loop or a
-busy machine slows them within about a second.
+It predicts from the engine's measured step times (`llm/step_model.py`, the scheduler's
+`StepModel`): a step that decodes `n` sequences costs `DecodeStep.seconds(n)`, and each prompt
+token it prefills costs `1 / PrefillRate.rate` more, both following the load the server is
+under now within about a second.
 
 A new sequence's first token comes once these are done (`TTFTAdmission.predict`):
 
@@ -18,8 +15,8 @@ A new sequence's first token comes once these are done (`TTFTAdmission.predict`)
 - every prompt token queued ahead of it (waiting sequences of its priority or higher, and what
   is left of prompts being prefilled) and its own prompt are prefilled;
 - in steps that also decode the running sequences: each step's token budget
-  (`max_num_batched_tokens`, or with `tpot_slo_ms` what `step_budget` fits in it) is shared
-  with one decode per running sequence.
+  (`max_num_batched_tokens`, or with `tpot_slo_ms` what `StepModel.step_budget` fits in
+  it) is shared with one decode per running sequence.
 
 So the modelled TTFT is `left of the step in flight + steps * DecodeStep.seconds(decodes) +
 prefill tokens / rate`, where `steps` is the larger of the steps its prefill needs at
@@ -56,92 +53,13 @@ from dataclasses import dataclass, field
 
 from lockgate.errors import Unavailable
 from lockgate.llm.metrics import RequestTimings
+from lockgate.llm.step_model import StepModel
 
-TAU_S = 0.5  # time constant of the step-time estimates
-SLOPE_SPREAD = 0.1  # batch sizes must spread this share of their mean to refit the slope
-MIN_PREFILL_SHARE = 0.5  # of a mixed step's token-proportional prefill share, at least
 CALIBRATION_QUANTILE = 0.9  # of recent observed/modelled TTFT ratios
 CALIBRATION_WINDOW = 64  # first tokens, at most
 CALIBRATION_MAX_AGE_S = 10.0
 CALIBRATION_MIN_SAMPLES = 8
 CALIBRATION_MAX = 4.0
-
-
-def _decay(at: float | None, now: float, tau: float) -> float:
-    """Weight left to what was observed at `at`; 0 for nothing observed yet."""
-    return 0.0 if at is None else math.exp(-max(0.0, now - at) / tau)
-
-
-@dataclass(slots=True)
-class PrefillRate:
-    """Prompt tokens prefilled per second of prefill time: recent steps' tokens over their
-    seconds, both weighted by exp(-age / tau)."""
-
-    tau: float = TAU_S
-    tokens: float = 0.0
-    seconds: float = 0.0
-    at: float | None = None
-
-    @property
-    def rate(self) -> float:
-        """Tokens per second; 0 until measured."""
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def observe(self, prompt_tokens: int, seconds: float, now: float) -> None:
-        if prompt_tokens <= 0 or seconds <= 0:
-            return
-        keep = _decay(self.at, now, self.tau)
-        self.tokens = keep * self.tokens + prompt_tokens
-        self.seconds = keep * self.seconds + seconds
-        self.at = now
-
-
-@dataclass(slots=True)
-class DecodeStep:
-    """Seconds of a step that decodes `n` sequences and prefills nothing, as
-    `overhead + per_seq * n`: a line through the recent steps' mean (weights exp(-age / tau)).
-    Its slope is refitted when the recent batch sizes spread, else kept in proportion, and
-    stays between flat (all overhead) and proportional (no overhead)."""
-
-    tau: float = TAU_S
-    overhead: float = 0.0
-    per_seq: float = 0.0
-    at: float | None = None
-    # sums over recent steps, weighted: 1, n, t, n*n, n*t
-    _weight: float = field(default=0.0, init=False, repr=False)
-    _n: float = field(default=0.0, init=False, repr=False)
-    _t: float = field(default=0.0, init=False, repr=False)
-    _nn: float = field(default=0.0, init=False, repr=False)
-    _nt: float = field(default=0.0, init=False, repr=False)
-
-    @property
-    def measured(self) -> bool:
-        return self.at is not None
-
-    def seconds(self, num_seqs: float) -> float:
-        """Predicted seconds of a step decoding `num_seqs` sequences; 0 until measured."""
-        return self.overhead + self.per_seq * num_seqs
-
-    def observe(self, num_seqs: int, seconds: float, now: float) -> None:
-        if num_seqs <= 0 or seconds <= 0:
-            return
-        keep = _decay(self.at, now, self.tau)
-        self._weight = keep * self._weight + 1.0
-        self._n = keep * self._n + num_seqs
-        self._t = keep * self._t + seconds
-        self._nn = keep * self._nn + num_seqs * num_seqs
-        self._nt = keep * self._nt + num_seqs * seconds
-        n, t = self._n / self._weight, self._t / self._weight
-        spread = self._nn / self._weight - n * n
-        if spread >= (SLOPE_SPREAD * n) ** 2:  # sizes vary: fit the slope
-            slope = (self._nt / self._weight - n * t) / spread
-        elif self.measured:  # keep the line's shape, scaled to the mean
-            slope = self.per_seq * t / max(self.seconds(n), 1e-9)
-        else:
-            slope = 0.0  # one size seen: nothing says how it grows
-        self.per_seq = min(max(slope, 0.0), t / n)
-        self.overhead = t - self.per_seq * n
-        self.at = now
 
 
 @dataclass(slots=True)
@@ -246,13 +164,9 @@ class TTFTAdmission:
     ttft_slo: float | None = None  # seconds; None: only deadlines count
     slack: float = 0.8
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    steps: StepModel = field(default_factory=StepModel)  # the scheduler's, shared
     prefill_first: bool = False  # step_policy prefill_first: prompts before decodes
-    tpot_slo: float | None = None  # seconds: decoding steps' prefill is cut to keep to it
-    min_chunk: int = 16  # prompt tokens a decoding step may take, at least
     max_decode_stall: float = 1.0  # seconds: prefill_first decodes at least this often
-    prefill: PrefillRate = field(default_factory=PrefillRate)
-    decode: DecodeStep = field(default_factory=DecodeStep)
     calibration: Calibration = field(default_factory=Calibration)
 
     def observe_first_token(self, timings: RequestTimings, now: float) -> None:
@@ -260,54 +174,32 @@ class TTFTAdmission:
         if timings.modelled_ttft is not None and timings.ttft is not None:
             self.calibration.observe(timings.ttft, timings.modelled_ttft, now)
 
-    def observe(self, prefill_tokens: int, decodes: int, seconds: float, now: float) -> None:
-        """One engine step: `prefill_tokens` prompt (or recomputed) tokens and `decodes`
-        sequences decoded in `seconds` of the engine thread's time."""
-        if prefill_tokens <= 0:
-            self.decode.observe(decodes, seconds, now)
-            return
-        decode_part = self.decode.seconds(decodes) if self.decode.measured else 0.0
-        floor = MIN_PREFILL_SHARE * seconds * prefill_tokens / (prefill_tokens + decodes)
-        self.prefill.observe(prefill_tokens, max(seconds - decode_part, floor), now)
-
-    def step_budget(self, decodes: int) -> int:
-        """Tokens of a step that decodes `decodes` sequences: `max_num_batched_tokens`, or
-        with a TPOT SLO (and the step times measured), the decodes plus the prompt tokens the
-        measured prefill rate fits in what the SLO leaves after them (at least `min_chunk`)."""
-        cap = self.max_num_batched_tokens
-        rate = self.prefill.rate
-        if self.tpot_slo is None or decodes <= 0 or rate <= 0 or not self.decode.measured:
-            return cap
-        room = self.tpot_slo - self.decode.seconds(decodes)
-        return min(cap, decodes + max(self.min_chunk, int(room * rate)))
-
-    def step_seconds(self, prefill_tokens: int, decodes: int) -> float:
-        """Predicted seconds of one step; call only once the prefill rate is measured."""
-        return self.decode.seconds(decodes) + prefill_tokens / self.prefill.rate
-
     def predict(self, load: LoadAhead, now: float) -> TTFTPrediction | None:
         """Seconds until the first token of a sequence arriving behind `load` at `now`; None
         until a prefill has been measured."""
-        rate = self.prefill.rate
+        model = self.steps
+        rate = model.prefill.rate
         if rate <= 0:
             return None
         in_flight, in_flight_tokens = 0.0, 0
         if load.in_flight is not None:
             f = load.in_flight
-            in_flight = max(0.0, self.step_seconds(f.prefill_tokens, f.decodes) - (now - f.started))
+            in_flight = max(
+                0.0, model.step_seconds(f.prefill_tokens, f.decodes) - (now - f.started)
+            )
             in_flight_tokens = f.prefill_tokens
         slot_wait = slot_wait_steps(load.running, load.waiting, self.max_num_seqs)
         decodes = min(self.max_num_seqs, len(load.running) + len(load.waiting))
         prompts_first = self.prefill_first and slot_wait == 0
         in_step = 0 if prompts_first else decodes  # decodes sharing each step with prompts
-        per_step = max(1, self.step_budget(in_step) - in_step)
+        per_step = max(1, model.step_budget(in_step) - in_step)
         prefill = sum(q.tokens for q in load.ahead) + load.prompt_tokens
         own_steps = math.ceil(load.prompt_tokens / per_step)
         steps = max(math.ceil(prefill / per_step), slot_wait + own_steps)
-        step_seconds = self.decode.seconds(in_step)
+        step_seconds = model.decode.seconds(in_step)
         modelled = in_flight + steps * step_seconds + prefill / rate
         if prompts_first and load.running:  # the stall bound's decode steps
-            modelled += math.floor(modelled / self.max_decode_stall) * self.decode.seconds(
+            modelled += math.floor(modelled / self.max_decode_stall) * model.decode.seconds(
                 len(load.running)
             )
         factor = self.calibration.factor

@@ -170,10 +170,8 @@ class LLMEngine:
                 forward_time=c.forward_time,
                 prepare_time=c.prepare_time,
                 sample_time=c.sample_time,
-                prefill_rate=self.scheduler.admission.prefill.rate,
-                decode_step_time=self.scheduler.admission.decode.seconds(
-                    len(self.scheduler.running)
-                ),
+                prefill_rate=self.scheduler.steps.prefill.rate,
+                decode_step_time=self.scheduler.steps.decode.seconds(len(self.scheduler.running)),
                 spec_draft_tokens=self.speculation.num_draft_tokens,
                 spec_accepted_tokens=self.speculation.num_accepted_tokens,
             )
@@ -298,8 +296,8 @@ class LLMEngine:
             for s in out.scheduled
         )
         with self._lock:
-            admission = self.scheduler.admission
-            admission.observe(out.num_prefill_tokens, out.num_decodes, busy, time.monotonic())
+            steps = self.scheduler.steps
+            steps.observe(out.num_prefill_tokens, out.num_decodes, busy, time.monotonic())
             c = self.counters
             c.num_steps += 1
             c.step_time += total

@@ -8,7 +8,7 @@ blocks run out, the newest running sequence is preempted: its blocks are freed a
 recomputed later from the front of the queue.
 
 With `tpot_slo_ms`, a step that decodes takes only the prompt tokens that the measured prefill
-rate fits in the time the SLO leaves after its decodes (`TTFTAdmission.step_budget`, at least
+rate fits in the time the SLO leaves after its decodes (`StepModel.step_budget`, at least
 `block_size`), so prefill chunks shrink as decodes grow and streams keep their pace.
 
 With `step_policy: prefill_first`, while prompts are queued the prompts take the budget first
@@ -42,6 +42,7 @@ from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.kv_cache import BlockManager
 from lockgate.llm.sequence import FinishReason, Sequence, SequenceStatus
 from lockgate.llm.speculative import NgramProposer
+from lockgate.llm.step_model import StepModel
 
 
 class QueueFull(TooManyRequests):
@@ -117,15 +118,15 @@ class Scheduler:
         self.sequences: dict[str, Sequence] = {}  # unfinished, by id
         self.num_preemptions = 0
         slo = config.ttft_slo_ms / 1000 if config.ttft_slo_ms else None
+        tpot_slo = config.tpot_slo_ms / 1000 if config.tpot_slo_ms else None
+        self.steps = StepModel(config.max_num_batched_tokens, tpot_slo, config.block_size)
         self.admission = TTFTAdmission(
             slo,
             config.admission_slack,
             config.max_num_seqs,
-            config.max_num_batched_tokens,
+            self.steps,
             prefill_first=config.prefill_first,
             max_decode_stall=config.max_decode_stall_ms / 1000,
-            tpot_slo=config.tpot_slo_ms / 1000 if config.tpot_slo_ms else None,
-            min_chunk=config.block_size,
         )
         self.shed: list[Sequence] = []  # shed since the last step, to be answered 503
         self.in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
@@ -248,7 +249,7 @@ class Scheduler:
         may_admit = self.config.continuous_batching or not self.running
         decodes = self._decodes_with_room(out)
         prompts_first = self._prompts_first(may_admit, now)
-        tokens = self.admission.step_budget(0 if prompts_first else len(decodes))
+        tokens = self.steps.step_budget(0 if prompts_first else len(decodes))
         budget = _Budget(tokens, now)
         if prompts_first:
             self._schedule_prompts(may_admit, budget, out)

@@ -260,8 +260,8 @@ def _warmup(engine: LLMEngine, vocab_size: int) -> None:
     prefill budget. The prefill rate that TTFT admission predicts from is measured on a
     second full-budget prefill only, so one-off costs of the first runs do not leave it
     low (which would refuse the first burst of traffic)."""
-    from lockgate.llm.admission import PrefillRate
     from lockgate.llm.sequence import SamplingParams
+    from lockgate.llm.step_model import PrefillRate
 
     config = engine.config
     budget = max(8, min(config.max_num_batched_tokens, config.max_model_len - 1))
@@ -275,7 +275,7 @@ def _warmup(engine: LLMEngine, vocab_size: int) -> None:
             [[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         )
         engine.generate(full(0), once)
-        engine.scheduler.admission.prefill = PrefillRate()
+        engine.scheduler.steps.prefill = PrefillRate()
         engine.generate(full(vocab_size // 2), once)
 
 

@@ -7,9 +7,7 @@ import pytest
 from lockgate.core.metrics import Registry
 from lockgate.errors import Unavailable
 from lockgate.llm.admission import (
-    DecodeStep,
     LoadAhead,
-    PrefillRate,
     QueuedPrefill,
     StepInFlight,
     TTFTAdmission,
@@ -24,6 +22,7 @@ from lockgate.llm.runner import CausalLM
 from lockgate.llm.scheduler import QueueFull
 from lockgate.llm.sequence import FinishReason, SamplingParams, Sequence
 from lockgate.llm.service import LLMRequestMetrics
+from lockgate.llm.step_model import DecodeStep, PrefillRate, StepModel
 from lockgate.llm.tokenizer import ChatTokenizer
 from tests.llm.test_engine import make_engine
 from tests.llm.test_scheduler import make_scheduler, run_step
@@ -70,17 +69,20 @@ def load(
     return LoadAhead(prompt, queued, running or [], waiting or [])
 
 
-def admission_at(rate: float, step_s: float, **kwargs: object) -> TTFTAdmission:
+def admission_at(
+    rate: float, step_s: float, max_num_batched_tokens: int = 512, **kwargs: object
+) -> TTFTAdmission:
     """Admission that has measured `rate` prompt tokens/s and decode steps of `step_s`."""
-    admission = TTFTAdmission(**kwargs)  # type: ignore[arg-type]
-    admission.observe(0, 4, step_s, 0.0)
-    admission.observe(int(rate), 0, 1.0 + step_s, 0.0)  # 1 s of prefill plus the overhead
+    steps = StepModel(max_num_batched_tokens)
+    admission = TTFTAdmission(steps=steps, **kwargs)  # type: ignore[arg-type]
+    steps.observe(0, 4, step_s, 0.0)
+    steps.observe(int(rate), 0, 1.0 + step_s, 0.0)  # 1 s of prefill plus the overhead
     return admission
 
 
 def test_prediction_counts_prefill_decode_share_and_slot_wait() -> None:
     admission = admission_at(1000.0, 0.010, max_num_seqs=4, max_num_batched_tokens=104)
-    assert admission.prefill.rate == pytest.approx(1000.0)
+    assert admission.steps.prefill.rate == pytest.approx(1000.0)
     alone = admission.predict(load(100, 0), 0.0)
     assert alone is not None and not alone.waits
     assert alone.seconds == pytest.approx(0.010 + 0.1)  # one step, 100 tokens
@@ -153,8 +155,8 @@ def test_prediction_adapts_when_the_measured_rate_changes() -> None:
     now = 0.0
     while now < 1.0:  # the server gets busy: prefill and decode both take three times longer
         now += 0.1
-        admission.observe(0, 2, 0.030, now)
-        admission.observe(100, 2, 0.030 + 0.3, now)
+        admission.steps.observe(0, 2, 0.030, now)
+        admission.steps.observe(100, 2, 0.030 + 0.3, now)
     after = admission.predict(work, now)
     assert after is not None and after.seconds == pytest.approx(3 * before.seconds, rel=0.2)
     assert admission.refusal(after, None, now) is not None
@@ -208,7 +210,7 @@ def test_full_queue_sheds_the_newest_lowest_priority_for_a_higher_one() -> None:
 
 def test_scheduler_refuses_what_would_miss_the_ttft_slo() -> None:
     sched = make_scheduler(max_num_seqs=1, ttft_slo_ms=100.0)
-    sched.admission.prefill = PrefillRate(tokens=100.0, seconds=1.0, at=0.0)  # 100 tokens/s
+    sched.steps.prefill = PrefillRate(tokens=100.0, seconds=1.0, at=0.0)  # 100 tokens/s
     sched.add(seq("first", 4))  # 40 ms
     with pytest.raises(Unavailable):
         sched.add(seq("second", 8))  # 4 ahead + 8 = 120 ms > 80 ms
@@ -268,13 +270,14 @@ def test_predicted_and_observed_ttft_are_exported_per_model() -> None:
 
 
 def test_prefill_first_predicts_prompts_in_whole_steps_and_the_stall_bound_decodes() -> None:
-    settings = {"max_num_seqs": 32, "max_num_batched_tokens": 120}
-    first = TTFTAdmission(**settings)  # type: ignore[arg-type]
-    prompts = TTFTAdmission(**settings, prefill_first=True, max_decode_stall=1.0)  # type: ignore[arg-type]
+    first = TTFTAdmission(max_num_seqs=32, steps=StepModel(120))
+    prompts = TTFTAdmission(
+        max_num_seqs=32, steps=StepModel(120), prefill_first=True, max_decode_stall=1.0
+    )
     for admission in (first, prompts):
-        admission.observe(0, 2, 0.010, 0.0)  # decode steps: 6 ms + 2 ms per sequence
-        admission.observe(0, 20, 0.046, 0.0)
-        admission.observe(1000, 0, 1.0 + 0.006, 0.0)  # 1,000 prompt tokens/s
+        admission.steps.observe(0, 2, 0.010, 0.0)  # decode steps: 6 ms + 2 ms per sequence
+        admission.steps.observe(0, 20, 0.046, 0.0)
+        admission.steps.observe(1000, 0, 1.0 + 0.006, 0.0)  # 1,000 prompt tokens/s
     busy = load(100, 900, [50] * 20)  # 1,000 prompt tokens to prefill, 20 decoding
     decode_first = first.predict(busy, 0.0)
     assert decode_first is not None and (decode_first.steps, decode_first.decodes) == (10, 20)

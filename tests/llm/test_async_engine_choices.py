@@ -8,10 +8,10 @@ import asyncio
 import pytest
 
 from lockgate.errors import Unavailable
-from lockgate.llm.admission import PrefillRate
 from lockgate.llm.async_engine import AsyncLLMEngine
 from lockgate.llm.engine import RequestOutput
 from lockgate.llm.sequence import SamplingParams
+from lockgate.llm.step_model import PrefillRate
 from tests.llm.test_engine import collect, make_engine
 
 LONG = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
@@ -59,7 +59,7 @@ def test_choices_stream_together_and_finish_each() -> None:
 def test_admission_counts_every_choice_and_refuses_them_all_or_none() -> None:
     async def main() -> None:
         inner = make_engine(ttft_slo_ms=100.0, max_num_seqs=1)
-        inner.scheduler.admission.prefill = PrefillRate(tokens=100.0, seconds=1.0, at=0.0)
+        inner.scheduler.steps.prefill = PrefillRate(tokens=100.0, seconds=1.0, at=0.0)
         engine = AsyncLLMEngine(inner)
         prompt = [1, 2, 3]  # 30 ms of prefill at 100 tokens/s; the budget is 80 ms
         short = SamplingParams(temperature=0.0, max_tokens=1)

@@ -281,24 +281,24 @@ def test_step_policy_is_checked_and_read_from_parameters() -> None:
 
 def _measured(sched: Scheduler) -> None:
     """Step times as if measured: 1,000 prompt tokens/s; decode steps 10 ms + 1 ms/sequence."""
-    admission = sched.admission
-    admission.observe(0, 2, 0.012, 0.0)
-    admission.observe(0, 10, 0.020, 0.0)
-    admission.observe(100, 0, 0.1 + 0.010, 0.0)
+    steps = sched.steps
+    steps.observe(0, 2, 0.012, 0.0)
+    steps.observe(0, 10, 0.020, 0.0)
+    steps.observe(100, 0, 0.1 + 0.010, 0.0)
 
 
 def test_tpot_slo_cuts_prefill_chunks_to_what_fits_beside_the_decodes() -> None:
     sched = make_scheduler(max_num_batched_tokens=64, block_size=4, tpot_slo_ms=40)
     _measured(sched)
-    admission = sched.admission
-    assert admission.decode.seconds(3) == pytest.approx(0.013)
-    assert admission.prefill.rate == pytest.approx(1000.0)
+    steps = sched.steps
+    assert steps.decode.seconds(3) == pytest.approx(0.013)
+    assert steps.prefill.rate == pytest.approx(1000.0)
     # 3 decoding: 40 ms - 13 ms leaves 27 ms, 27 prompt tokens; none decoding: the whole cap
-    assert admission.step_budget(3) == 3 + 27
-    assert admission.step_budget(0) == 64
+    assert steps.step_budget(3) == 3 + 27
+    assert steps.step_budget(0) == 64
     # the decodes alone take 32 ms of 40 ms: 8 prompt tokens; past the SLO: block_size (4)
-    assert admission.step_budget(22) == 22 + 8
-    assert admission.step_budget(35) == 35 + 4
+    assert steps.step_budget(22) == 22 + 8
+    assert steps.step_budget(35) == 35 + 4
     seqs = [make_seq(f"d{i}", 4, max_tokens=50) for i in range(3)]
     for seq in seqs:
         sched.add(seq)
@@ -309,7 +309,7 @@ def test_tpot_slo_cuts_prefill_chunks_to_what_fits_beside_the_decodes() -> None:
     assert tokens == {"d0": 1, "d1": 1, "d2": 1, "long": 27}  # not the 61 the cap leaves
     plain = make_scheduler(max_num_batched_tokens=64, block_size=4)
     _measured(plain)
-    assert plain.admission.step_budget(3) == 64  # no SLO: the cap
+    assert plain.steps.step_budget(3) == 64  # no SLO: the cap
 
 
 def test_tpot_slo_predicts_the_smaller_chunks() -> None:
