@@ -129,6 +129,7 @@ METRICS = (  # (LevelStats field, label, unit)
     ("tpot_p50", "TPOT p50", "ms"),
     ("tpot_p99", "TPOT p99", "ms"),
 )
+METRIC_LABELS = {name: (label, unit) for name, label, unit in METRICS}
 
 
 @dataclass(slots=True)
@@ -816,9 +817,10 @@ def add_policy_rows(result: SuiteResult, m: Measured, cs: tuple[int, int]) -> No
     label = "demo config (decode_first), same run"
     for c in [c for c in cs if m.has(system, c)]:
         ours, theirs = m.get(system, c), m.get("lockgate", c)
-        for name, unit in (("ttft_p99", "ms"), ("ttft_p50", "ms"), ("tpot_p50", "ms")):
+        for name in ("ttft_p99", "ttft_p50", "tpot_p50"):
+            text, unit = METRIC_LABELS[name]
             result.add(
-                f"prefill_first: {name.replace('_', ' ').upper().replace(' P', ' p')} at c={c}",
+                f"prefill_first: {text} at c={c}",
                 getattr(ours, name),
                 unit,
                 baseline_label=label,
