@@ -43,7 +43,7 @@ MAX_DEPTH = 16  # compositions calling compositions: deeper is a cycle
 FALLBACK_ON = (Unavailable, TooManyRequests, DeadlineExceeded)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Answer:
     outputs: Arrays
     served: ServedVersion

@@ -50,7 +50,7 @@ class AdmissionSettings:
     calibration_horizon: float = 2.0  # seconds an observed error counts
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class QueueState:
     """What admission needs to know about a batcher at one instant (times in seconds)."""
 
@@ -119,46 +119,72 @@ class Admission:
 
     def predicted_finish(self, request: InferRequest, now: float, queue: QueueState) -> float:
         """When the request would be answered if it joined the queue now."""
+        return self._finish(request.rows, now, queue)
+
+    def _finish(self, rows: int, now: float, queue: QueueState) -> float:
         if not queue.free_at:
             return now
         cap = max(1, queue.cap)
-        rows = queue.rows_ahead + request.rows
+        rows += queue.rows_ahead
         k = max(1, math.ceil(rows / cap))  # the request rides in the k-th batch
         n = len(queue.free_at)
         free = queue.free_at[(k - 1) % n]
         ahead = (k - 1) // n  # full batches between that instance's next and its own
-        t_cap = self.profile.service_time(cap)
+        profile = self.profile
+        t_cap = profile.service_time(cap)
         # The running batch's rest varies with its inputs; a window held open does not.
         waiting = max(0.0, free - now)
         if k == 1 and queue.opens > free:  # its batch, not full, is held for its window
             free = queue.opens
         # If it waits, requests admitted after it join its batch until the batch leaves, so
         # the batch it rides in is planned full; if not, it is the first batch: all it holds.
-        own = t_cap if k > 1 or free > now else self.profile.service_time(rows)
+        own = t_cap if k > 1 or free > now else profile.service_time(rows)
         # Planned as slow batches: each runs up to `tail` times the typical, and the excess of
         # several independent batches adds in quadrature (a long queue averages it out).
         spread = math.sqrt(waiting * waiting + ahead * t_cap * t_cap + own * own)
-        return max(now, free) + ahead * t_cap + own + (self.profile.tail - 1.0) * spread
+        return max(now, free) + ahead * t_cap + own + (profile.tail - 1.0) * spread
 
     def check(
         self, request: InferRequest, now: float, queue: QueueState, delay: float = 0.0
     ) -> Unavailable | None:
         """None to admit, or the refusal to raise. `delay`: seconds before the request reaches
-        the queue (`queue` is the state it will find then)."""
-        if not self.settings.deadline_aware or request.deadline is None:
+        the queue (`queue` is the state it will find then). An admitted request keeps the
+        prediction (`predicted`, `margin`) its answer is compared with."""
+        if request.deadline is None:
+            return None
+        verdict = self.verdict(
+            request.deadline, request.soft_deadline, request.rows, now, queue, delay
+        )
+        if isinstance(verdict, Unavailable):
+            return verdict
+        if verdict is not None:
+            request.predicted, request.margin = verdict
+        return None
+
+    def verdict(
+        self,
+        deadline: float,
+        soft_deadline: bool,
+        rows: int,
+        now: float,
+        queue: QueueState,
+        delay: float = 0.0,
+    ) -> Unavailable | tuple[float, float] | None:
+        """`check` on a request's deadline and rows alone: the refusal; or, admitted, the
+        predicted seconds to its answer and the calibration margin in them (None: admitted
+        with no prediction to make)."""
+        if not self.settings.deadline_aware:
             return None
         if not self.profile.known or not queue.free_at:
             return None
         margin = self.calibration.current(now)
-        predicted = self.predicted_finish(request, now + delay, queue) - now + margin
-        budget = request.deadline - now
+        predicted = self._finish(rows, now + delay, queue) - now + margin
+        budget = deadline - now
         idle = queue.rows_ahead == 0 and queue.free_at[0] <= now
-        if predicted <= budget * self.settings.slack or (request.soft_deadline and idle):
+        if predicted <= budget * self.settings.slack or (soft_deadline and idle):
             # admitted; an idle model admits a request under its SLO default whatever the
             # prediction (the default bounds waiting, not the model), and learns from it
-            request.predicted = predicted
-            request.margin = margin
-            return None
+            return predicted, margin
         return Unavailable(
             f"request would miss its deadline: predicted {predicted * 1000:.1f} ms "
             f"(margin {margin * 1000:.1f} ms, scale {self.profile.scale:.2f}) with "

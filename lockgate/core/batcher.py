@@ -123,16 +123,39 @@ class NextTurn:
 EARLY_REFUSAL_REUSE_S = 0.001
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
+class EarlyAdmit:
+    """An early admission with room to spare, given again to requests with the same time
+    budget until `until` whose event-loop work ahead is at most `most_wait` seconds: it was
+    predicted to answer within half its budget, so a millisecond's new arrivals do not make
+    it late. A request whose loop work ahead plus time already spent exceeds `most_late`
+    seconds is predicted again. Passing a head on decides nothing: the full admission check
+    still runs once the body is read. Under steady load this makes most early checks a
+    comparison."""
+
+    budget: float
+    until: float
+    most_late: float
+
+
+EARLY_ADMIT_SHARE = 0.5  # of its budget, the most an early admission may predict to be reused
+
+
+@dataclass(slots=True)
 class EarlyRefusal:
     """An early refusal, given again to requests with the same time budget until `until`
     or until a batch starts or ends, whichever is first: between those, what admission
-    predicts only moves by the time passed, under a millisecond. Under overload this makes
-    most refusals a comparison, not a prediction."""
+    predicts only moves by the time passed, under a millisecond. It is given only to
+    requests at least as late: with at least its `loop_wait` ahead and at least its `spent`
+    seconds already gone (a request read after a paused connection's wait is refused for
+    that wait, and a fresh one after it must be predicted for itself). Under overload this
+    makes most refusals a comparison, not a prediction."""
 
     budget: float
     until: float
     verdict: Unavailable
+    loop_wait: float = 0.0
+    spent: float = 0.0
 
 
 class Batcher:
@@ -179,6 +202,7 @@ class Batcher:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._refused: EarlyRefusal | None = None  # the last early refusal, while it holds
+        self._admitting: EarlyAdmit | None = None  # the last early admission with room
         self.next_turn = NextTurn()  # whether a cheap batch waits for the loop's next turn
         self._idle.set()
         self._depth_fn = lambda: float(self.queued_rows)
@@ -322,24 +346,42 @@ class Batcher:
         if budget is None:
             return None
         memo = self._refused
-        if memo is not None and memo.budget == budget and now < memo.until:
+        if (
+            memo is not None
+            and memo.budget == budget
+            and now < memo.until
+            and loop_wait >= memo.loop_wait
+            and now - arrival >= memo.spent
+        ):
             self.metrics.rejected.inc((*self.labels, "deadline_unmeetable"))
             self.metrics.requests.inc((*self.labels, memo.verdict.kind))
             return memo.verdict
-        probe = InferRequest(
-            model=self.config.name,
-            inputs={},
-            deadline=arrival + budget,
-            # an idle model admits under its SLO whatever the prediction, but not when the
-            # loop's work ahead is what would make the request late
-            soft_deadline=timeout is None and loop_wait <= 0,
-            priority=1,
-            arrival=arrival,
-        )
+        admitting = self._admitting
+        if (
+            admitting is not None
+            and admitting.budget == budget
+            and now < admitting.until
+            and loop_wait + (now - arrival) <= admitting.most_late
+        ):
+            return None
         then = now + loop_wait  # when its handler reaches the batcher
-        verdict = self.admission.check(probe, now, self.queue_state(1, then), loop_wait)
+        # as a one-row request of the highest priority: an idle model admits under its SLO
+        # whatever the prediction, but not when the loop's work ahead would make it late
+        soft = timeout is None and loop_wait <= 0
+        found = self.admission.verdict(
+            arrival + budget, soft, 1, now, self.queue_state(1, then), loop_wait
+        )
+        verdict = found if isinstance(found, Unavailable) else None
+        if isinstance(found, tuple):
+            late = loop_wait + (now - arrival)
+            spare = EARLY_ADMIT_SHARE * budget - found[0] - (now - arrival)
+            if spare > 0:
+                until = now + EARLY_REFUSAL_REUSE_S
+                self._admitting = EarlyAdmit(budget, until, late + spare)
         if verdict is not None:
-            self._refused = EarlyRefusal(budget, now + EARLY_REFUSAL_REUSE_S, verdict)
+            self._admitting = None
+            until = now + EARLY_REFUSAL_REUSE_S
+            self._refused = EarlyRefusal(budget, until, verdict, loop_wait, now - arrival)
             self.metrics.rejected.inc((*self.labels, "deadline_unmeetable"))
             self.metrics.requests.inc((*self.labels, verdict.kind))
         return verdict
@@ -363,10 +405,16 @@ class Batcher:
     def queue_state(self, level: int, now: float) -> QueueState:
         """The queue as a request of priority `level` arriving now would find it."""
         cap, window = self.cap_and_window(now)
-        free_at = sorted(self._free_at(i, now) for i in self.instances if i.healthy)
+        instances = self.instances
+        if len(instances) == 1:
+            free_at: tuple[float, ...] = (self._free_at(instances[0], now),)
+            if not instances[0].healthy:
+                free_at = ()
+        else:
+            free_at = tuple(sorted(self._free_at(i, now) for i in instances if i.healthy))
         opens = self._held_until(cap, window, now)
         capacity = self._capacity(cap)
-        return QueueState(self._rows_ahead(level), cap, tuple(free_at), capacity, opens)
+        return QueueState(self._rows_ahead(level), cap, free_at, capacity, opens)
 
     def _held_until(self, cap: int, window: float, now: float) -> float:
         """When an idle instance takes a partial batch: at the end of the oldest queued

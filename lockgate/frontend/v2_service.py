@@ -39,7 +39,7 @@ MAX_TIMEOUT_US = 10**13  # about 116 days: any longer is a client mistake
 MAX_TIMEOUT_S = 1e7  # the Request-Timeout header, in seconds
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Deadline:
     """What a request says about its deadline, whatever carried it.
 
@@ -69,7 +69,7 @@ class Deadline:
         return self.received + default_us / 1e6 if default_us > 0 else None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class InferResult:
     """A finished inference: the outputs and the version that computed them, and the request
     with the times of its way through the batcher."""
@@ -148,6 +148,14 @@ def priority_of(parameters: dict[str, object]) -> int:
     return priority
 
 
+@dataclass(slots=True)
+class Checked:
+    """A request's declared inputs, checked against `config`: its batch rows."""
+
+    config: ModelConfig
+    rows: int
+
+
 class V2Service:
     """KServe v2 inference, health, metadata and Triton's extensions over a model manager."""
 
@@ -160,11 +168,14 @@ class V2Service:
         return self.models.get(name, parse_version(version_text))
 
     @staticmethod
-    def check_declared(served: ServedVersion, declared: list[DeclaredInput]) -> None:
+    def check_declared(served: ServedVersion, declared: list[DeclaredInput]) -> Checked:
         """The inputs a request declares against the model's config (names, datatypes,
-        shapes, batch size), before their data is decoded."""
+        shapes, batch size), before their data is decoded. The decoder keeps the answer on
+        the request (`V2InferRequest.checked`): its arrays have the shapes checked here, so
+        `core_request` need not check them again."""
         shapes = {d.name: d.shape for d in declared}
-        validate_shapes(served.config, shapes, {d.name: d.datatype for d in declared})
+        rows = validate_shapes(served.config, shapes, {d.name: d.datatype for d in declared})
+        return Checked(served.config, rows)
 
     def core_request(
         self,
@@ -178,7 +189,11 @@ class V2Service:
     ) -> InferRequest:
         """A decoded request checked against the model's config. A priority above the
         model's default needs `priority_granted` (a key that grants it)."""
-        rows = validate_inputs(served.config, decoded.inputs, decoded.input_datatypes)
+        checked = decoded.checked
+        if isinstance(checked, Checked) and checked.config is served.config:
+            rows = checked.rows
+        else:
+            rows = validate_inputs(served.config, decoded.inputs, decoded.input_datatypes)
         priority = priority_of(decoded.parameters)
         if priority and not priority_granted:
             batching = served.config.batcher

@@ -18,7 +18,7 @@ _KINDS = {b"[": "an array", b"{": "an object", b'"': "a string", b"n": "null"}
 _KINDS |= {b"t": "a boolean", b"f": "a boolean"}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScalarArray:
     """The counts of an array of numbers, booleans or null, nested or flat."""
 

@@ -67,6 +67,8 @@ class V2InferRequest:
     parameters: dict[str, Any]  # request-level; `priority` and `timeout` (µs) live here
     outputs: list[RequestedOutput]  # empty: all outputs
     binary_default: bool  # the request parameter `binary_data_output`
+    # what the decoder's `check` returned; its inputs have the shapes and datatypes it saw
+    checked: object = None
 
     @property
     def priority(self) -> int:
@@ -78,7 +80,7 @@ class V2InferRequest:
         return None if timeout is None else int(timeout)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DeclaredInput:
     """An input as its request declares it, before its data is decoded."""
 
@@ -87,8 +89,9 @@ class DeclaredInput:
     shape: tuple[int, ...]
 
 
-# Called with every input as declared, before any data is decoded; raises to refuse.
-InputCheck = Callable[[list[DeclaredInput]], None]
+# Called with every input as declared, before any data is decoded; raises to refuse. What it
+# returns is kept on the decoded request (`V2InferRequest.checked`), for the caller.
+InputCheck = Callable[[list[DeclaredInput]], object]
 
 
 # --- wire schema (what msgspec checks for us) ---------------------------------------------
@@ -118,7 +121,7 @@ class _RequestIn(msgspec.Struct):
     parameters: Parameters = {}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Planned:
     """An input checked as declared, with its share of the binary tail; its data undecoded."""
 
@@ -165,8 +168,7 @@ def decode_infer_request(
     binary = view[split:]
     planned = _plan_inputs(parsed.inputs, len(binary), max_elements)
     _check_request_parameters(parsed.parameters)
-    if check is not None:
-        check([p.declared for p in planned])
+    checked = None if check is None else check([p.declared for p in planned])
     return V2InferRequest(
         id=parsed.id,
         inputs={p.declared.name: _decode(p, binary) for p in planned},
@@ -174,6 +176,7 @@ def decode_infer_request(
         parameters=parsed.parameters,
         outputs=_requested_outputs(parsed.outputs),
         binary_default=parsed.parameters.get("binary_data_output") is True,
+        checked=checked,
     )
 
 

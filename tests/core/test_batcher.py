@@ -508,6 +508,23 @@ def test_an_idle_model_refuses_early_only_for_the_loop_work_ahead() -> None:
     assert batcher.early_refusal(now, 1.0, now + 0.002, loop_wait=0.045) is None  # 1 s budget
 
 
+def test_an_early_admission_with_room_is_not_given_to_a_request_that_waited() -> None:
+    """An early admission predicted well inside its budget is reused for a millisecond, but
+    not for a request whose time already spent (say, behind a paused connection) uses up the
+    room: that one is predicted again, and refused; and that refusal is not given to the
+    fresh request after it."""
+    profile = ServiceProfile(1)
+    profile.observe(1, 0.002)
+    batcher = make_batcher(CheapBackend(), make_config(max_batch_size=1, slo_ms=50), profile)
+    now = time.monotonic()
+    assert batcher.early_refusal(now, None, now, loop_wait=0.010) is None  # 12 ms of 50
+    assert batcher.early_refusal(now, None, now + 0.0002, loop_wait=0.012) is None
+    waited = batcher.early_refusal(now - 0.040, None, now + 0.0003, loop_wait=0.010)
+    assert waited is not None and "would miss its deadline" in waited.message
+    assert batcher.early_refusal(now, None, now + 0.0004, loop_wait=0.010) is None  # fresh
+    assert batcher.early_refusal(now - 0.041, None, now + 0.0005, loop_wait=0.010) is waited
+
+
 @dataclass
 class CountingCheapBackend(CheapBackend):
     """CheapBackend that also records each batch's rows."""

@@ -366,6 +366,13 @@ def test_check_sees_every_input_as_declared_before_any_data_is_decoded() -> None
         decode_infer_request(header + tail, len(header), check=seen.append)
 
 
+def test_what_the_check_returns_is_kept_on_the_decoded_request() -> None:
+    body = body_of([tensor("a", (1, 2), "FP32", data=[1.0, 2.0])])
+    decoded = decode_infer_request(body, None, check=lambda declared: ("rows", len(declared)))
+    assert decoded.checked == ("rows", 1)
+    assert decode_infer_request(body, None).checked is None  # no check: nothing kept
+
+
 def test_binary_sizes_are_checked_before_the_check() -> None:
     header = body_of([tensor("a", (4,), "FP32", parameters={"binary_data_size": 12})])
     with pytest.raises(BadRequest, match="does not match shape \\[4\\] of FP32 \\(16 bytes\\)"):

@@ -89,8 +89,7 @@ def decode_infer_request(
         declared[tensor.name] = _declared(tensor, max_elements)
     parameters = parameters_of(request.parameters)
     _check_request_parameters(parameters)
-    if check is not None:
-        check(list(declared.values()))
+    checked = None if check is None else check(list(declared.values()))
     inputs = {
         tensor.name: decode_tensor(tensor, raw[index] if raw else None, max_elements)
         for index, tensor in enumerate(request.inputs)
@@ -102,6 +101,7 @@ def decode_infer_request(
         parameters=parameters,
         outputs=_requested_outputs(request.outputs),
         binary_default=True,
+        checked=checked,
     )
 
 
