@@ -125,17 +125,19 @@ EARLY_REFUSAL_REUSE_S = 0.001
 
 @dataclass(slots=True)
 class EarlyAdmit:
-    """An early admission with room to spare, given again to requests with the same time
-    budget until `until` whose event-loop work ahead is at most `most_wait` seconds: it was
-    predicted to answer within half its budget, so a millisecond's new arrivals do not make
-    it late. A request whose loop work ahead plus time already spent exceeds `most_late`
-    seconds is predicted again. Passing a head on decides nothing: the full admission check
-    still runs once the body is read. Under steady load this makes most early checks a
-    comparison."""
+    """An early admission with room to spare, given again until `until` to requests with the
+    same time budget that are no later than `most_late` (their event-loop work ahead plus the
+    time they have already spent): it was predicted to answer within `EARLY_ADMIT_SHARE` of
+    its budget, so a millisecond's new arrivals do not make it late. Passing a head on
+    decides nothing: the full admission check still runs once the body is read. Under steady
+    load this makes most early checks a comparison."""
 
     budget: float
     until: float
     most_late: float
+
+    def holds(self, budget: float, now: float, late: float) -> bool:
+        return budget == self.budget and now < self.until and late <= self.most_late
 
 
 EARLY_ADMIT_SHARE = 0.5  # of its budget, the most an early admission may predict to be reused
@@ -156,6 +158,14 @@ class EarlyRefusal:
     verdict: Unavailable
     loop_wait: float = 0.0
     spent: float = 0.0
+
+    def holds(self, budget: float, now: float, loop_wait: float, spent: float) -> bool:
+        return (
+            budget == self.budget
+            and now < self.until
+            and loop_wait >= self.loop_wait
+            and spent >= self.spent
+        )
 
 
 class Batcher:
@@ -345,24 +355,13 @@ class Batcher:
         budget = timeout if timeout is not None else self.slo
         if budget is None:
             return None
+        spent = now - arrival
         memo = self._refused
-        if (
-            memo is not None
-            and memo.budget == budget
-            and now < memo.until
-            and loop_wait >= memo.loop_wait
-            and now - arrival >= memo.spent
-        ):
+        if memo is not None and memo.holds(budget, now, loop_wait, spent):
             self.metrics.rejected.inc((*self.labels, "deadline_unmeetable"))
             self.metrics.requests.inc((*self.labels, memo.verdict.kind))
             return memo.verdict
-        admitting = self._admitting
-        if (
-            admitting is not None
-            and admitting.budget == budget
-            and now < admitting.until
-            and loop_wait + (now - arrival) <= admitting.most_late
-        ):
+        if self._admitting is not None and self._admitting.holds(budget, now, loop_wait + spent):
             return None
         then = now + loop_wait  # when its handler reaches the batcher
         # as a one-row request of the highest priority: an idle model admits under its SLO
@@ -371,20 +370,18 @@ class Batcher:
         found = self.admission.verdict(
             arrival + budget, soft, 1, now, self.queue_state(1, then), loop_wait
         )
-        verdict = found if isinstance(found, Unavailable) else None
-        if isinstance(found, tuple):
-            late = loop_wait + (now - arrival)
-            spare = EARLY_ADMIT_SHARE * budget - found[0] - (now - arrival)
-            if spare > 0:
-                until = now + EARLY_REFUSAL_REUSE_S
-                self._admitting = EarlyAdmit(budget, until, late + spare)
-        if verdict is not None:
+        until = now + EARLY_REFUSAL_REUSE_S
+        if isinstance(found, Unavailable):
             self._admitting = None
-            until = now + EARLY_REFUSAL_REUSE_S
-            self._refused = EarlyRefusal(budget, until, verdict, loop_wait, now - arrival)
+            self._refused = EarlyRefusal(budget, until, found, loop_wait, spent)
             self.metrics.rejected.inc((*self.labels, "deadline_unmeetable"))
-            self.metrics.requests.inc((*self.labels, verdict.kind))
-        return verdict
+            self.metrics.requests.inc((*self.labels, found.kind))
+            return found
+        if found is not None:  # admitted with a prediction: reused while it has room
+            spare = EARLY_ADMIT_SHARE * budget - found[0] - spent
+            if spare > 0:
+                self._admitting = EarlyAdmit(budget, until, loop_wait + spent + spare)
+        return None
 
     def _reject(self, reason: str, error: ServingError) -> None:
         self.metrics.rejected.inc((*self.labels, reason))
@@ -405,13 +402,11 @@ class Batcher:
     def queue_state(self, level: int, now: float) -> QueueState:
         """The queue as a request of priority `level` arriving now would find it."""
         cap, window = self.cap_and_window(now)
-        instances = self.instances
-        if len(instances) == 1:
-            free_at: tuple[float, ...] = (self._free_at(instances[0], now),)
-            if not instances[0].healthy:
-                free_at = ()
+        if len(self.instances) == 1:  # the common case, without a sort
+            (only,) = self.instances
+            free_at: tuple[float, ...] = (self._free_at(only, now),) if only.healthy else ()
         else:
-            free_at = tuple(sorted(self._free_at(i, now) for i in instances if i.healthy))
+            free_at = tuple(sorted(self._free_at(i, now) for i in self.instances if i.healthy))
         opens = self._held_until(cap, window, now)
         capacity = self._capacity(cap)
         return QueueState(self._rows_ahead(level), cap, free_at, capacity, opens)
