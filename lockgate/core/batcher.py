@@ -120,6 +120,32 @@ class NextTurn:
             self.measured, self.since = now, None
 
 
+@dataclass(slots=True)
+class Arriving:
+    """Requests the front end has handed to the event loop, per model, whose handlers have
+    not yet started. Pure counting: the front end adds one when it creates a request's task
+    and takes it back when that task starts (or ends without starting).
+
+    The handlers of requests read in one loop turn all start on the next turn, one after
+    another. While some of a model's are still to start, a cheap batch is not run at once
+    for the first one: each is queued, and the last to reach the batcher runs one batch with
+    all of them. Under load that turns one batch per request into one per turn without
+    waiting a turn more (`NextTurn` waits one); a handler that never reaches its batcher (a
+    bad request, a disconnect) leaves the others to the batcher's task on the next turn."""
+
+    pending: dict[str, int] = field(default_factory=dict)
+
+    def add(self, model: str) -> None:
+        self.pending[model] = self.pending.get(model, 0) + 1
+
+    def started(self, model: str) -> None:
+        left = self.pending.get(model, 0) - 1
+        if left > 0:
+            self.pending[model] = left
+        else:
+            self.pending.pop(model, None)
+
+
 EARLY_REFUSAL_REUSE_S = 0.001
 
 
@@ -179,6 +205,7 @@ class Batcher:
         metrics: ServingMetrics,
         profile: ServiceProfile,
         admission: AdmissionSettings | None = None,
+        arriving: Arriving | None = None,
     ) -> None:
         self.config = config
         self.version = version
@@ -214,6 +241,8 @@ class Batcher:
         self._refused: EarlyRefusal | None = None  # the last early refusal, while it holds
         self._admitting: EarlyAdmit | None = None  # the last early admission with room
         self.next_turn = NextTurn()  # whether a cheap batch waits for the loop's next turn
+        self.arriving = arriving or Arriving()  # handlers read this turn, not yet started
+        self._gathering = False  # queued for the last of this turn's arrivals to send
         self._idle.set()
         self._depth_fn = lambda: float(self.queued_rows)
         self._inflight_fn = lambda: float(self._inflight)
@@ -250,7 +279,11 @@ class Batcher:
         if request.deadline is None and slo is not None:
             request.deadline = request.arrival + slo  # the SLO is the default deadline
             request.soft_deadline = True
-        self._admit(request, now)
+        try:
+            self._admit(request, now)
+        except ServingError:
+            self._last_of_turn(now)  # refused: the requests gathered before it go now
+            raise
         loop = asyncio.get_running_loop()
         request.future = loop.create_future()
         self.rate.add(request.rows, now)
@@ -262,7 +295,8 @@ class Batcher:
         else:
             self.queues[self.level_of(request) - 1].append(request)
             self.queued_rows += request.rows
-            self._wake.set()
+            if not self._last_of_turn(now):
+                self._wake.set()
         if request.deadline is not None and not request.future.done():
             # Answer 504 at the deadline itself, not when the batcher next looks at the queue.
             offset = loop.time() - now
@@ -307,14 +341,34 @@ class Batcher:
         if window > 0 and request.rows < cap:
             return False
         batch = Batch([request], request.rows)
-        if (
-            request.rows < cap
-            and self.next_turn.worth_it(now, self.slo)
-            and self._inline(self.free[0], batch)
-        ):
-            self.next_turn.deferred(now)
+        if request.rows < cap and self._inline(self.free[0], batch):
+            if self.config.name in self.arriving.pending:
+                self._gathering = True  # the last of this turn's arrivals sends the batch
+                return False
+            if self.next_turn.worth_it(now, self.slo):
+                self.next_turn.deferred(now)
+                return False
+        self._start(self.free.popleft(), batch)
+        return True
+
+    def _last_of_turn(self, now: float) -> bool:
+        """Run the batch the requests of this loop turn gathered (`Arriving`) once the last
+        of them is queued; False when it is not the last, or another rule holds the queue
+        (an instance busy, a batching window)."""
+        if not self._gathering or self.config.name in self.arriving.pending or not self.free:
+            return False
+        self._gathering = False
+        cap, window = self.cap_and_window(now)
+        if self._held_until(cap, window, now) > now:
+            return False
+        # as many rows as have run inline: a bigger batch would go to the thread, and on a
+        # busy loop its answer waits a turn for the loop to take it back
+        batch = self._form(min(cap, max(1, max(self.inline_bytes, default=1))), now)
+        if batch is None:
             return False
         self._start(self.free.popleft(), batch)
+        if self.queued_rows:  # more than one batch's worth: the rest on the next turn
+            self._wake.set()
         return True
 
     def _admit(self, request: InferRequest, now: float) -> None:
@@ -477,6 +531,7 @@ class Batcher:
                 continue  # look again: the batch may be full, or the window spent
             batch = self._form(cap, now)
             self.next_turn.formed(now)
+            self._gathering = False
             if batch is not None:
                 self._start(self.free.popleft(), batch)
 
@@ -671,8 +726,12 @@ class Batcher:
             and self.compute.service_time(batch.rows) <= self.inline_seconds
         ):
             return False
+        size = sum(batch_bytes(r.inputs) for r in batch.requests)
         limit = self.inline_bytes.get(batch.rows)
-        return limit is not None and sum(batch_bytes(r.inputs) for r in batch.requests) <= limit
+        if limit is not None and size <= limit:
+            return True
+        # no more rows and no more bytes than a batch timed cheap cost no more
+        return any(rows >= batch.rows and most >= size for rows, most in self.inline_bytes.items())
 
     def instance_ready(self, instance: Instance) -> None:
         """A restarted instance takes work again."""

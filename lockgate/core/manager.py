@@ -30,7 +30,7 @@ from lockgate.backends.base import (
 )
 from lockgate.config import ModelConfig, TensorSpec
 from lockgate.core.admission import AdmissionSettings
-from lockgate.core.batcher import Batcher
+from lockgate.core.batcher import Arriving, Batcher
 from lockgate.core.metrics import Instrumented, Registry
 from lockgate.core.request import InferRequest
 from lockgate.core.runner import Instance, instance_thread
@@ -133,6 +133,9 @@ class ModelManager:
         # versions loading or warming up now: their threads hold the GIL in Python code for
         # seconds, which lags the event loop without any request being the cause
         self.loading = 0
+        # requests the front end read this loop turn whose handlers have not yet started:
+        # a cheap model's batch waits for the last of them (`Arriving`)
+        self.arriving = Arriving()
 
     # -- lookup ------------------------------------------------------------------------
     def get(self, name: str, version: int | None = None) -> ServedVersion:
@@ -319,7 +322,13 @@ class ModelManager:
         served.warmup_seconds = time.monotonic() - start
         self.metrics.warmup_seconds.set(labels, served.warmup_seconds)
         batcher = Batcher(
-            config, served.version, instances, self.metrics, profile, self.settings.admission
+            config,
+            served.version,
+            instances,
+            self.metrics,
+            profile,
+            self.settings.admission,
+            self.arriving,
         )
         for instance in instances:
             instance.on_replaced = batcher.instance_ready

@@ -37,6 +37,7 @@ class LaneRequest:
     body: bytes
     received: float  # time.monotonic() of its first byte
     keep_alive: bool
+    started: bool = False  # its task has begun (`core.batcher.Arriving`)
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:

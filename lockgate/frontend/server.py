@@ -345,12 +345,21 @@ class _Protocol(HttpToolsProtocol):
     def _run_lane(self, request: LaneRequest) -> None:
         """Run `request` in a task of its own, counted with the ASGI ones (the gate's
         requests in progress, the graceful shutdown)."""
+        arriving = self.lockgate_app.models.arriving
+        arriving.add(request.name)
         task = self.loop.create_task(self._lane(request))
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(functools.partial(self._lane_done, request))
         self.tasks.add(task)
         self.lane.task = task
 
+    def _lane_done(self, request: LaneRequest, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if not request.started:  # cancelled before its first step
+            self.lockgate_app.models.arriving.started(request.name)
+
     async def _lane(self, request: LaneRequest) -> None:
+        request.started = True
+        self.lockgate_app.models.arriving.started(request.name)
         try:
             reply = await self.lockgate_app.infer_lane(request)
         finally:

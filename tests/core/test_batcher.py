@@ -536,15 +536,12 @@ class CountingCheapBackend(CheapBackend):
         return super().infer(inputs)
 
 
-def test_requests_of_one_loop_turn_share_an_inline_batch_with_no_window() -> None:
-    """With no window to wait for (an SLO at light load), a model cheap enough for the loop
-    still batches: requests submitted in the same turn of the event loop form one batch on
-    the next turn, and a request alone is not held for company."""
-    backend = CountingCheapBackend()
+def cheap_batcher(backend: CountingCheapBackend) -> Batcher:
+    """A batcher of up to 8 rows with a 50 ms SLO over a model profiled at 20 µs a row."""
     profile = ServiceProfile(8)
     for rows in (1, 2, 4, 8):
         profile.observe(rows, 0.00002 * rows)
-    batcher = Batcher(
+    return Batcher(
         make_config(max_batch_size=8, slo_ms=50),
         1,
         [Instance("m-1-0", backend)],
@@ -552,6 +549,14 @@ def test_requests_of_one_loop_turn_share_an_inline_batch_with_no_window() -> Non
         profile,
         AdmissionSettings(),
     )
+
+
+def test_requests_of_one_loop_turn_share_an_inline_batch_with_no_window() -> None:
+    """With no window to wait for (an SLO at light load), a model cheap enough for the loop
+    still batches: requests submitted in the same turn of the event loop form one batch on
+    the next turn, and a request alone is not held for company."""
+    backend = CountingCheapBackend()
+    batcher = cheap_batcher(backend)
     loop_thread = threading.current_thread().name
 
     async def body() -> None:
@@ -568,6 +573,74 @@ def test_requests_of_one_loop_turn_share_an_inline_batch_with_no_window() -> Non
         assert backend.sizes == [1, 6]  # one batch for the six submitted in one turn
         assert [float(a["y"][0, 0]) for a in answers] == [2.0 * v for v in range(6)]
         assert set(backend.threads) == {loop_thread}
+
+    run(lambda: closing(batcher, body))
+
+
+def test_requests_handed_over_in_one_turn_run_in_one_batch_sent_by_the_last() -> None:
+    """While a loop busy with refusals makes the next turn too late to wait for, requests the
+    front end handed over together (`Arriving`) still share one inline batch: each is
+    queued until the last of them reaches the batcher, which runs it at once. Without that
+    count each runs alone. A last request refused at admission sends the others' batch
+    before its refusal returns; one that never reaches the batcher leaves them to the
+    batcher's task on the next turn."""
+    backend = CountingCheapBackend()
+    batcher = cheap_batcher(backend)
+    loop_thread = threading.current_thread().name
+    arriving = batcher.arriving
+
+    def busy_loop() -> None:  # turns measured long: the next one is not waited for
+        batcher.next_turn.wait, batcher.next_turn.measured = 0.040, time.monotonic()
+
+    async def handler(value: float, reaches: bool = True, **kwargs: object) -> object:
+        arriving.started("m")  # as the lane's task does first
+        if not reaches:
+            return None
+        return await batcher.submit(request(value, **kwargs))
+
+    async def body() -> None:
+        for rows in range(1, 9):  # each size timed once on the thread: then it may run inline
+            await batcher.submit(request(0.0, rows=rows))
+        backend.sizes.clear()
+        backend.threads.clear()
+        busy_loop()
+        await asyncio.gather(*(batcher.submit(request(float(v))) for v in range(5)))
+        assert backend.sizes == [1, 1, 1, 1, 1]  # not counted: one batch each
+        backend.sizes.clear()
+        busy_loop()
+        for _ in range(5):
+            arriving.add("m")
+        answers = await asyncio.gather(*(handler(float(v)) for v in range(5)))
+        assert backend.sizes == [5]
+        assert [float(a["y"][0, 0]) for a in answers] == [2.0 * v for v in range(5)]  # type: ignore[index]
+        assert set(backend.threads) == {loop_thread}
+        assert not arriving.pending
+
+        backend.sizes.clear()
+        busy_loop()
+        for _ in range(4):
+            arriving.add("m")
+        sizes_at_refusal: list[int] = []
+
+        async def refused_last() -> None:
+            try:
+                await handler(9.0, deadline=time.monotonic() - 1.0)
+            except DeadlineExceeded:
+                sizes_at_refusal.extend(backend.sizes)
+
+        results = await asyncio.gather(
+            *(handler(float(v)) for v in range(3)), refused_last(), return_exceptions=True
+        )
+        assert sizes_at_refusal == [3]  # sent before the refusal returned
+        assert not any(isinstance(r, BaseException) for r in results)
+
+        backend.sizes.clear()
+        busy_loop()
+        for _ in range(3):
+            arriving.add("m")
+        await asyncio.gather(handler(1.0), handler(2.0), handler(0.0, reaches=False))
+        assert backend.sizes == [2]  # by the batcher's task, a turn later
+        assert not arriving.pending
 
     run(lambda: closing(batcher, body))
 
