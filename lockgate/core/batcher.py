@@ -249,6 +249,16 @@ class Batcher:
         metrics.queue_depth.set_function(self.labels, self._depth_fn)
         metrics.inflight.set_function(self.labels, self._inflight_fn)
 
+    def warmed(self, input_bytes: dict[int, int]) -> None:
+        """Warmup timed batches of these sizes (rows -> their inputs' bytes) on an instance's
+        thread: those that were cheap may run inline from the first request, with inputs no
+        bigger, as if traffic had timed them."""
+        if not any(i.inline_safe for i in self.instances):
+            return
+        for rows, size in input_bytes.items():
+            if self.compute.times.get(rows, math.inf) <= self.inline_seconds:
+                self.inline_bytes[rows] = max(self.inline_bytes.get(rows, 0), size)
+
     # -- policy ------------------------------------------------------------------------
     @property
     def slo(self) -> float | None:
@@ -361,15 +371,22 @@ class Batcher:
         cap, window = self.cap_and_window(now)
         if self._held_until(cap, window, now) > now:
             return False
-        # as many rows as have run inline: a bigger batch would go to the thread, and on a
-        # busy loop its answer waits a turn for the loop to take it back
-        batch = self._form(min(cap, max(1, max(self.inline_bytes, default=1))), now)
-        if batch is None:
-            return False
-        self._start(self.free.popleft(), batch)
-        if self.queued_rows:  # more than one batch's worth: the rest on the next turn
+        # No more rows than have run inline (warmup's sizes, or traffic's): a bigger batch
+        # would go to the thread, and on a busy loop its answer waits a turn for the loop to
+        # take it back. More than one batch's worth runs now, batch after batch: left to the
+        # next turn, the batches would be timed back to back across the turn, and the turn
+        # taken for their cost.
+        rows = min(cap, max(self.inline_bytes, default=1))
+        started = False
+        while self.queued_rows and self.free:
+            batch = self._form(rows, now)
+            if batch is None:
+                break
+            self._start(self.free.popleft(), batch)
+            started = True
+        if self.queued_rows:  # an instance busy on its thread: the batcher's task goes on
             self._wake.set()
-        return True
+        return started
 
     def _admit(self, request: InferRequest, now: float) -> None:
         if not self.accepting:

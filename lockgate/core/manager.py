@@ -30,7 +30,7 @@ from lockgate.backends.base import (
 )
 from lockgate.config import ModelConfig, TensorSpec
 from lockgate.core.admission import AdmissionSettings
-from lockgate.core.batcher import Arriving, Batcher
+from lockgate.core.batcher import Arriving, Batcher, batch_bytes
 from lockgate.core.metrics import Instrumented, Registry
 from lockgate.core.request import InferRequest
 from lockgate.core.runner import Instance, instance_thread
@@ -330,6 +330,10 @@ class ModelManager:
             self.settings.admission,
             self.arriving,
         )
+        if config.inputs and config.batching:
+            batcher.warmed(
+                {rows: batch_bytes(synthetic_batch(config, rows)) for rows in profile.times}
+            )
         for instance in instances:
             instance.on_replaced = batcher.instance_ready
         batcher.start()

@@ -645,6 +645,41 @@ def test_requests_handed_over_in_one_turn_run_in_one_batch_sent_by_the_last() ->
     run(lambda: closing(batcher, body))
 
 
+def test_sizes_warmup_timed_cheap_run_inline_and_bound_a_gathered_batch() -> None:
+    """Sizes warmup timed cheap on the thread may run inline from the first request, with
+    inputs no bigger than warmup's; a gathered turn runs as batches of at most the largest
+    of them, one after another in the same turn; a model that is not inline-safe runs none
+    on the loop."""
+    backend = CountingCheapBackend()
+    batcher = cheap_batcher(backend)  # profiled at 20 µs a row: sizes 1, 2, 4 and 8 are cheap
+    batcher.compute.times[8] = 0.001  # but 8 rows were timed at 1 ms: not for the loop
+    batcher.warmed({1: 8, 2: 16, 4: 32, 8: 64})
+    assert batcher.inline_bytes == {1: 8, 2: 16, 4: 32}
+    loop_thread = threading.current_thread().name
+    arriving = batcher.arriving
+
+    async def handler(value: float) -> object:
+        arriving.started("m")
+        return await batcher.submit(request(value))
+
+    async def body() -> None:
+        batcher.next_turn.wait, batcher.next_turn.measured = 0.040, time.monotonic()
+        for _ in range(10):
+            arriving.add("m")
+        await asyncio.gather(*(handler(float(v)) for v in range(10)))
+        assert backend.sizes == [4, 4, 2]
+        assert set(backend.threads) == {loop_thread}
+
+    run(lambda: closing(batcher, body))
+
+    class NotInlineSafe(CountingCheapBackend):
+        inline_safe = False
+
+    other = cheap_batcher(NotInlineSafe())
+    other.warmed({1: 8})
+    assert other.inline_bytes == {}
+
+
 def test_the_next_turn_is_taken_only_while_turns_are_short() -> None:
     """A turn that kept deferred requests waiting over a tenth of the SLO (a loop busy with a
     storm of refusals) sends the next cheap batch at once; a stale measure is taken again."""
