@@ -128,10 +128,11 @@ class Arriving:
 
     The handlers of requests read in one loop turn all start on the next turn, one after
     another. While some of a model's are still to start, a cheap batch is not run at once
-    for the first one: each is queued, and the last to reach the batcher runs one batch with
-    all of them. Under load that turns one batch per request into one per turn without
-    waiting a turn more (`NextTurn` waits one); a handler that never reaches its batcher (a
-    bad request, a disconnect) leaves the others to the batcher's task on the next turn."""
+    for the first one: each is queued, and the last to reach the batcher runs them all,
+    batch after batch, before the turn ends. Under load that turns one batch per request
+    into one per turn without waiting a turn more (`NextTurn` waits one); a handler that
+    never reaches its batcher (a bad request, a disconnect) leaves the others to the
+    batcher's task on the next turn."""
 
     pending: dict[str, int] = field(default_factory=dict)
 

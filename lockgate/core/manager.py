@@ -316,7 +316,7 @@ class ModelManager:
         await asyncio.gather(
             *(loop.run_in_executor(i.executor, self._warm, config, i) for i in instances)
         )
-        await loop.run_in_executor(
+        timed = await loop.run_in_executor(
             instances[0].executor, self._measure, config, instances[0], profile
         )
         served.warmup_seconds = time.monotonic() - start
@@ -330,10 +330,8 @@ class ModelManager:
             self.settings.admission,
             self.arriving,
         )
-        if config.inputs and config.batching:
-            batcher.warmed(
-                {rows: batch_bytes(synthetic_batch(config, rows)) for rows in profile.times}
-            )
+        if config.batching:
+            batcher.warmed(timed)
         for instance in instances:
             instance.on_replaced = batcher.instance_ready
         batcher.start()
@@ -347,20 +345,26 @@ class ModelManager:
             for _ in range(sample.count):
                 instance.infer_sync(inputs)
 
-    def _measure(self, config: ModelConfig, instance: Instance, profile: ServiceProfile) -> None:
-        """Measure T(B) on an instance (on its own thread, where traffic will run it)."""
+    def _measure(
+        self, config: ModelConfig, instance: Instance, profile: ServiceProfile
+    ) -> dict[int, int]:
+        """Measure T(B) on an instance (on its own thread, where traffic will run it). Returns
+        the input bytes of the batch timed at each size."""
         if not config.inputs:
-            return
+            return {}
         sizes = _profile_sizes(config.max_batch_size) if config.batching else [1]
         with self._profiling:
-            self._profile(instance, config, sizes, profile)
+            timed = self._profile(instance, config, sizes, profile)
         profile.seal()  # traffic's own batches replace what synthetic inputs measured
+        return timed
 
     def _profile(
         self, instance: Instance, config: ModelConfig, sizes: list[int], profile: ServiceProfile
-    ) -> None:
+    ) -> dict[int, int]:
+        timed = {}
         for rows in sizes:
             inputs = synthetic_batch(config, rows, "random")
+            timed[rows] = batch_bytes(inputs)
             instance.infer_sync(inputs)  # first run at a new shape pays for allocation
             times = []
             for _ in range(self.settings.profile_repeats):
@@ -368,6 +372,7 @@ class ModelManager:
                 instance.infer_sync(inputs)
                 times.append(time.perf_counter() - t0)
             profile.observe(rows, statistics.median(times))
+        return timed
 
     def services(self) -> list[ModelService]:
         """The services of every serving version of a model with its own scheduler."""
