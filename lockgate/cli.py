@@ -91,14 +91,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--refusal-pause-ratio",
         type=float,
-        default=10.0,
+        default=1.0,
         help="refusals per admitted request, over the last second, past which refused "
         "connections are paused",
     )
     p.add_argument(
         "--refusal-pause-share",
         type=float,
-        default=0.25,
+        default=1.0,
         help="the most a refusal pause takes of the refused request's budget (its timeout or "
         "its model's SLO)",
     )

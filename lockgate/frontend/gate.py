@@ -37,29 +37,31 @@ These decisions are made per connection or request head, each before any body is
   and `max_connections` in all; past either, a new connection is closed at once. A request
   head must arrive in full within `head_timeout` of the connection opening or of the request's
   first byte; past it, the connection is closed.
-- **Clients that resend at once.** A refusal costs a little CPU; a client that resends the
-  moment it is refused, on many connections, turns that little into all of it, and the model
-  starves. When refusals outnumber admitted requests by more than `penalty_ratio` (10) over
-  the last second, a connection that was just refused is not read again for
-  `penalty_pause` seconds, or `pause_share` (a quarter) of the refused request's budget (its
-  timeout or its model's SLO) if less: its refusal is sent at once, its next request waits.
-  Each answer resumes the connection paused last (`hold`, `answered`): room freed by an
-  answer goes to the request that has waited least, and the first paused wait out their
-  pause. The kernel stamps the bytes of a paused connection as they arrive (SO_TIMESTAMPNS),
-  so a request sent during the pause is taken to have arrived when it did (its deadline and
-  its admission count the wait it had), not when it is read; without a stamp, it is taken
-  to have arrived when the pause began. Ordinary overload (a few refusals per served
-  request) never triggers it. On by default at 0.1 s: minilm pinned to one core, in a storm
-  of 256 connections that resend at once, served goodput 73 to 94% of capacity in four runs
-  with it (client p99 0.32 to 0.88 s against a 0.5 s SLO), 42 and 49% in two without (p99
-  0.92 and 0.76 s); a 0.25 s pause gave 83 and 84% with p99 1.1 s, the pause showing in the
-  latency of the requests that follow a refusal. For clients known to resend at once
-  (closed loop), `penalty_ratio` 2 and `pause_share` 1 pause sooner and longer: digits_onnx
-  pinned, in that storm, served 1,540 to 2,360 requests per second in nine runs, against
-  506 to 1,650 in twelve with the defaults; but open-loop clients above about twice its
-  capacity then find their requests behind paused connections: over consecutive runs at
-  10,000 requests per second their p50 grew to 90 to 500 ms, against 4 to 18 ms with the
-  defaults. So the defaults stay.
+- **Clients that resend at once.** A refusal costs CPU; a client that resends the moment it
+  is refused, on many connections, turns that into all of it, and the model starves. When
+  refusals outnumber admitted requests (`penalty_ratio`, 1) over the last second, a connection
+  that was just refused is not read again for `penalty_pause` seconds, or the refused
+  request's budget (its timeout or its model's SLO; `pause_share` of it) if less: its refusal
+  is sent at once, its next request waits. Each answer resumes the connection paused last
+  (`hold`, `answered`): room freed by an answer goes to the request that has waited least,
+  and the first paused wait out their pause. The kernel stamps the bytes of a paused
+  connection as they arrive (SO_TIMESTAMPNS), so a request sent during the pause is taken to
+  have arrived when it did (its deadline and its admission count the wait it had), not when
+  it is read; without a stamp, it is taken to have arrived when the pause began. A request
+  that waited out a whole pause has spent its budget, and is refused again when read: one
+  refusal per connection per pause, whatever the client does.
+  Why a ratio of 1 and the whole budget: under load a refusal costs the loop about half what
+  an answer does (45 to 105 µs against 92 to 123 µs, fitted over a digits_onnx storm), so at
+  ten refusals per answer, the old default, refusals took five sixths of the core, and a
+  pause of a quarter of digits_onnx's 50 ms SLO let 256 connections send 20,000 refusals a
+  second. digits_onnx pinned to one core, in a storm of 256 connections that resend at once,
+  served 2,280 to 5,036 requests per second inside the SLO in eleven runs with these
+  defaults, against 249 to 803 in eight with the old ones (10 and a quarter), admitted p99
+  28 to 45 ms; open loop at 10,000 requests per second, 2,787 to 9,642 against 1,639 to 7,367
+  (the level is bistable either way). The cost: a refused request of a paused client is
+  answered up to a pause later (refusal p99 about 70 ms there, against 25 ms). Ordinary
+  overload, fewer refusals than answers (digits_onnx at 1.5 times its capacity), never
+  pauses. minilm's 500 ms SLO leaves its pause at `penalty_pause`.
 
 Health probes (`/v2/health/live`, `/v2/health/ready`, `/health`) and `/metrics` are never
 refused by the gate, so an orchestrator never restarts a server because it is busy.
@@ -89,9 +91,9 @@ class GateSettings:
     head_timeout: float = 10.0  # seconds for a request head to arrive in full
     queue_target: float = 0.005  # seconds of front-end delay that, standing, refuses; 0: off
     queue_interval: float = 0.050  # seconds over which the least delay is taken
-    penalty_ratio: float = 10.0  # refusals per admitted request that pause refused connections
+    penalty_ratio: float = 1.0  # refusals per admitted request that pause refused connections
     penalty_pause: float = 0.1  # seconds a refused connection is not read; 0: never
-    pause_share: float = 0.25  # of a refused request's budget: the most a pause takes of it
+    pause_share: float = 1.0  # of a refused request's budget: the most a pause takes of it
 
     def __post_init__(self) -> None:
         if not 0 < self.weight <= 1:
@@ -286,8 +288,8 @@ class Gate:
         """Count a refusal; returns how long to leave its connection unread (0: not at all).
         `budget`: the refused request's time budget (its timeout or its model's SLO), when
         known, or a function that finds it (called only when the connection is paused): the
-        pause is at most `pause_share` of it, so a request that waited the pause out keeps the
-        rest of its budget to be admitted."""
+        pause is at most `pause_share` of it (below 1, a request that waited the pause out
+        keeps the rest of its budget to be admitted)."""
         self.refusing.add(now)
         self.loop_cost.refuse()
         s = self.settings

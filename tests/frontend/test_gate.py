@@ -119,7 +119,7 @@ def test_gate_refuses_on_a_standing_queue() -> None:
 
 
 def test_refused_connections_pause_only_when_refusals_swamp_admissions() -> None:
-    gate = Gate(GateSettings(penalty_pause=0.25, penalty_ratio=10.0))
+    gate = Gate(GateSettings(penalty_pause=0.25, penalty_ratio=10.0, pause_share=0.25))
     now = 0.0
     for _ in range(100):  # ordinary overload: three refusals per admitted request
         now += 0.001
@@ -138,6 +138,25 @@ def test_refused_connections_pause_only_when_refusals_swamp_admissions() -> None
     assert not asked  # no pause: the budget is never looked up
     assert Gate(GateSettings()).refused(now) == 0.0  # one refusal is no storm
     assert Gate(GateSettings(penalty_pause=0.0)).refused(now) == 0.0  # off
+
+
+def test_by_default_more_refusals_than_answers_pause_for_up_to_the_whole_budget() -> None:
+    """A refusal costs the loop about half an answer: past one refusal per admitted request,
+    refused connections are paused, for the refused request's budget if that is shorter
+    than the pause."""
+    gate = Gate(GateSettings())
+    now = 0.0
+    for _ in range(2000):  # two seconds at 1.5 times capacity: one refusal per two answers
+        now += 0.001
+        gate.let_through(now)
+        if _ % 2:
+            assert gate.refused(now, budget=0.05) == 0.0
+    for _ in range(3000):  # then two refusals per answer
+        now += 0.001
+        gate.let_through(now)
+        pause = max(gate.refused(now, budget=0.05), gate.refused(now, budget=0.05))
+    assert pause == pytest.approx(0.05)  # digits_onnx's 50 ms SLO, all of it
+    assert gate.refused(now, budget=0.5) == pytest.approx(0.1)  # minilm's: the pause
 
 
 def test_loop_cost_is_the_loop_cpu_per_answered_request() -> None:
