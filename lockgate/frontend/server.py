@@ -286,9 +286,10 @@ class _Protocol(HttpToolsProtocol):
             self.skip = size - len(data)
             self._arm_head_timer()
             return len(data)
-        self._keep_alive()
         if pause > 0:
-            self._penalize(pause, now)
+            self._penalize(pause, now)  # (the keep-alive timer waits for the resume)
+        else:
+            self._keep_alive()
         return size
 
     def _in_progress(self) -> int:
@@ -493,6 +494,8 @@ class _Protocol(HttpToolsProtocol):
         # if it has no stamp, and is read now if nothing came
         self.arrived = _unread_since(self.transport, fallback=self.arrived)
         self.flow.resume_reading()
+        if not self.arrived and not self.skip:  # nothing sent meanwhile: idle from now on
+            self._keep_alive()
         return True
 
     def on_body(self, body: bytes) -> None:
@@ -612,17 +615,22 @@ def _stamp_arrivals(transport: asyncio.Transport) -> bool:
 
 def _unread_since(transport: asyncio.Transport, fallback: float) -> float:
     """When the bytes waiting unread on this connection arrived, as `time.monotonic()`: from
-    the kernel's receive stamp (`_stamp_arrivals`), else `fallback`; 0.0 when none wait."""
+    the kernel's receive stamp (`_stamp_arrivals`), else `fallback`; 0.0 when none wait.
+
+    The peek goes through a socket object lent the connection's descriptor and detached after
+    (no dup, no close), with its family and type given, so it costs one system call."""
     sock = transport.get_extra_info("socket")
     if sock is None:
         return 0.0
+    peer = socket.socket(sock.family, sock.type, 0, sock.fileno())
     try:
-        with socket.socket(fileno=os.dup(sock.fileno())) as peer:
-            data, ancillary, _, _ = peer.recvmsg(1, 64, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        data, ancillary, _, _ = peer.recvmsg(1, 64, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except (BlockingIOError, InterruptedError):
         return 0.0
     except OSError:
         return fallback if _unread_bytes(transport) else 0.0
+    finally:
+        peer.detach()
     if not data:
         return 0.0
     for level, kind, raw in ancillary:
