@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
@@ -434,7 +434,10 @@ async def open_loop(
     return LoadResult(latencies, statuses, elapsed, offered_rate=len(offsets) / seconds)
 
 
-def run_async(coroutine: Awaitable[LoadResult]) -> LoadResult:
+Result = TypeVar("Result")
+
+
+def run_async(coroutine: Awaitable[Result]) -> Result:
     """Run a load generator on a fresh event loop (uvloop when installed)."""
     try:
         import uvloop

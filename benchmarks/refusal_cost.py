@@ -41,7 +41,6 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -55,6 +54,7 @@ from benchmarks.common import (
     free_port,
     pin_command,
     process_cpu_seconds,
+    run_async,
     running,
     start_server,
 )
@@ -208,16 +208,10 @@ def cpu_saturated(pid: int, port: int, path: str, body: bytes) -> tuple[float, i
     request = post_request("127.0.0.1", port, path, body)
     load = closed_loop("127.0.0.1", port, [request], SATURATING_CONNECTIONS, SATURATED_S, 5.0)
     before = process_cpu_seconds(pid)
-    outcomes = _run(load)
+    outcomes = run_async(load)
     used = process_cpu_seconds(pid) - before
     answers = len(outcomes.statuses)
     return used / max(1, answers), answers, outcomes.statuses.count(200)
-
-
-def _run(coroutine: Any) -> Any:
-    import uvloop
-
-    return uvloop.run(coroutine)
 
 
 def floor_costs(rounds: int, count: int) -> tuple[list[float], list[float]]:

@@ -744,11 +744,8 @@ class Batcher:
             and self.compute.service_time(batch.rows) <= self.inline_seconds
         ):
             return False
-        size = sum(batch_bytes(r.inputs) for r in batch.requests)
-        limit = self.inline_bytes.get(batch.rows)
-        if limit is not None and size <= limit:
-            return True
         # no more rows and no more bytes than a batch timed cheap cost no more
+        size = sum(batch_bytes(r.inputs) for r in batch.requests)
         return any(rows >= batch.rows and most >= size for rows, most in self.inline_bytes.items())
 
     def instance_ready(self, instance: Instance) -> None:

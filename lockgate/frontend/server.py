@@ -494,7 +494,7 @@ class _Protocol(HttpToolsProtocol):
         # if it has no stamp, and is read now if nothing came
         self.arrived = _unread_since(self.transport, fallback=self.arrived)
         self.flow.resume_reading()
-        if not self.arrived and not self.skip:  # nothing sent meanwhile: idle from now on
+        if not self.arrived:  # nothing sent meanwhile: idle from now on
             self._keep_alive()
         return True
 
