@@ -194,7 +194,8 @@ def test_refusals_count_in_the_loop_cost_at_their_share() -> None:
 
 def test_an_answer_resumes_the_connection_paused_last() -> None:
     """Paused connections come back as answers free room, newest first (its request, if it
-    sent one, has waited least); each resume runs once, however it is reached."""
+    sent one, has waited least); each resume runs once, however it is reached; and none
+    while the requests arriving are refused (they take the room)."""
     gate = Gate(GateSettings())
     resumed: list[str] = []
     for name in ("a", "b", "c"):
@@ -211,6 +212,13 @@ def test_an_answer_resumes_the_connection_paused_last() -> None:
     gate.hold(lambda: False)
     gate.answered()  # skips the stale resume on top, resumes "d"
     assert resumed == ["c", "b", "a", "d"] and len(gate.held) == 1  # the stale one below
+    gate.hold(lambda: resumed.append("e") is None)
+    gate.refused(0.0)  # requests arriving are refused: they take the room answers free
+    gate.answered()
+    assert resumed == ["c", "b", "a", "d"] and gate.full
+    gate.let_through(0.0)  # one was let through: the next answer's room is the paused one's
+    gate.answered()
+    assert resumed == ["c", "b", "a", "d", "e"] and not gate.full
     with pytest.raises(ValueError, match="pause_share"):
         GateSettings(pause_share=1.5)
 
