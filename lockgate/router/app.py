@@ -24,6 +24,11 @@ For each request, in order:
 7. Deadlines: a `request-timeout` header (seconds) is passed on less the time already
    spent in the router; past it, 504 at once.
 
+The KServe v2 inference requests that need none of 1, 3 (a canary), 5 or the shadow below, nor
+a sticky session, take the lane (`lane.py`): passed to the replica and back from the
+connections' own callbacks, below ASGI; an attempt there that gets no answer or a 503 comes
+back to this path for its retries (6).
+
 Answers, server-sent events included, are passed through as they arrive. A shadow
 (`shadow.py`) may copy a v2 inference request to a candidate beside it; the client's answer is
 then also kept for the comparison, never held up. When the answer has passed, a token quota is
@@ -54,6 +59,7 @@ from lockgate.router.canary import Canary, CanaryRule
 from lockgate.router.client_connection import HOLD
 from lockgate.router.groups import MAIN, ReplicaGroups
 from lockgate.router.hedge import HedgePolicy, finished_within
+from lockgate.router.lane import LANE_SCOPE, LaneCall, LaneClient, LaneHead
 from lockgate.router.llm_request import EMBEDDINGS_PATH, OPENAI_PATHS, LLMRequest
 from lockgate.router.llm_routing import LLMRouting, LLMRoutingSettings
 from lockgate.router.model_counts import ModelCounts
@@ -65,7 +71,7 @@ from lockgate.router.route import Route
 from lockgate.router.shadow import Mirror, Shadow, ShadowSettings
 from lockgate.router.sticky import Sticky
 from lockgate.router.tally import Tally
-from lockgate.router.upstream import HOP_BY_HOP, Response, UpstreamError
+from lockgate.router.upstream import HOP_BY_HOP, Response, UpstreamError, encode
 from lockgate.router.usage import HiddenUsage, Metered
 
 log = logging.getLogger("lockgate.router")
@@ -80,6 +86,8 @@ _OWN_PATHS = frozenset(
     {"/v2/health/live", "/health", "/v2/health/ready", "/metrics", "/router/replicas"}
 )
 _STATUS = {status: (str(status),) for status in range(100, 600)}  # label values, made once
+_STATUS_TEXT = {status: str(status) for status in range(100, 600)}
+_ANSWERED, _APP_PATH = ("answered",), ("app_path",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +167,15 @@ class RouterApp:
                 ("replica", "outcome"),
             )
         )
+        self.lane_outcomes = Tally(
+            registry.counter(
+                "lockgate_router_lane_total",
+                "KServe v2 inference requests sent to a replica on the lane (below ASGI), by "
+                "outcome: 'answered' there, or 'app_path' (no answer or a 503: retried along "
+                "the app's path).",
+                ("outcome",),
+            )
+        )
         self.retried = registry.counter(
             "lockgate_router_retries_total", "Attempts sent again to another replica."
         )
@@ -198,7 +215,11 @@ class RouterApp:
             return
         path = scope["path"]
         if path not in _OWN_PATHS:  # the request goes to a replica
+            lane: LaneCall | None = scope.get(LANE_SCOPE)
             arrived = time.monotonic()
+            if lane is not None:
+                arrived = lane.arrived
+                self.lane_outcomes.inc(_APP_PATH)
             status = await self._serve(scope, receive, send, arrived)
             labels = _STATUS.get(status) or (str(status),)
             self.requests.inc(labels)
@@ -212,7 +233,8 @@ class RouterApp:
             await _json(send, 200 if ready else 503, {"ready": ready})
         elif path == "/metrics":
             accept = next((v for k, v in scope["headers"] if k.lower() == b"accept"), b"")
-            for tally in (self.requests, self.attempts, self.model_counts.requests):
+            tallies = (self.requests, self.attempts, self.model_counts.requests, self.lane_outcomes)
+            for tally in tallies:
                 tally.flush()
             body, content_type = self.registry.exposition(accept.decode("latin-1"))
             await _respond(send, 200, body, content_type.encode())
@@ -280,7 +302,17 @@ class RouterApp:
             hidden = metered.hidden if metered is not None else None
             taps: list[Tap] = [tap for tap in (meter, mirror) if tap is not None]
             status = await self._forward(
-                scope["method"], route, headers, body, arrived, timeout, send, receive, taps, hidden
+                scope["method"],
+                route,
+                headers,
+                body,
+                arrived,
+                timeout,
+                send,
+                receive,
+                taps,
+                hidden,
+                scope.get(LANE_SCOPE),
             )
             return status
         finally:
@@ -303,21 +335,24 @@ class RouterApp:
         receive: Receive,
         taps: list[Tap],
         hidden: HiddenUsage | None = None,
+        lane: LaneCall | None = None,
     ) -> int:
+        """`lane`: the request's attempt on the lane, which counted it already."""
         now = time.monotonic()
-        self.retries.request(now)
-        if self.settings.hedge.enabled:  # the hedge budget is spent only by hedging
-            self.hedges.request(now)
+        if lane is None:
+            self.retries.request(now)
+            if self.settings.hedge.enabled:  # the hedge budget is spent only by hedging
+                self.hedges.request(now)
         if self.draining:
             return await _error(send, 503, "router is shutting down", retry_after=1)
-        if self.pool.all_full(now):
+        if lane is None and self.pool.all_full(now):  # (the lane looked before its attempt)
             self.shed.inc()
             retry = self.settings.shed_retry_after
             return await _error(send, 503, "every replica is full: retry later", retry)
         model = route.target.model if route.target and route.target.verb == "infer" else None
         try:
             response, replica = await self._answer(
-                method, route, headers, body, arrived, timeout, model
+                method, route, headers, body, arrived, timeout, model, lane
             )
         except Failure as exc:
             wait = 1 if exc.status == 503 else None
@@ -325,6 +360,71 @@ class RouterApp:
         except TimeoutError:
             return await _error(send, 504, "deadline passed in the router")
         return await self._pass(response, replica, send, receive, taps, hidden)
+
+    # -- the lane ----------------------------------------------------------------------------
+    def lane(self, client: LaneClient, head: LaneHead, body: bytes) -> LaneCall | None:
+        """Send the request `head` and `body` make to a replica on the lane (`lane.py`); None
+        when it takes this app's path instead."""
+        if self.draining or self.limits is not None or self.sticky is not None:
+            return None
+        target = ModelPath.parse("POST", head.path)
+        if target is None or target.verb != "infer" or head.length > self.settings.max_body_bytes:
+            return None
+        model = target.model
+        if model in self.canary.rules or model in self.shadow.rules:
+            return None
+        now = time.monotonic()
+        if self.pool.all_full(now):
+            return None
+        timeout = _timeout(head.headers)
+        if timeout is False:
+            return None
+        replica = self._pick(Route(head.path, head.path, target), now, ())
+        if replica is None:
+            return None
+        hedge = self.settings.hedge
+        if hedge.delay(model) is not None and self.has_other(MAIN, now, (replica,)):
+            return None  # a hedge to time: the app's path times it
+        # a request-timeout passes as it came: the time spent here is the parse of its head
+        message = encode("POST", head.path, replica.upstream.name, head.headers, body)
+        call = LaneCall(self, client, head, body, now, model, target.version, replica)
+        if not call.send(message):
+            return None  # no idle connection: this app's path makes one
+        self.retries.request(now)
+        if hedge.enabled:
+            self.hedges.request(now)
+        return call
+
+    def lane_attempt(self, call: LaneCall, response: Response | None, now: float) -> bool:
+        """A lane attempt ended, as `_attempt` counts one: False when it gave no answer to
+        pass on (none, or a 503)."""
+        replica = call.replica
+        replica.in_flight -= 1
+        if response is None:
+            self.attempts.inc((replica.url, "error"))
+            self._failed(replica)
+            return False
+        status = response.status
+        self.attempts.inc((replica.url, _STATUS_TEXT.get(status) or str(status)))
+        if status == 503:
+            replica.refused(now, self.pool.health)
+            return False
+        if status >= 500 and status != 504:
+            self._failed(replica)
+        else:
+            reported = response.header(b"x-lockgate-inflight")
+            replica.succeeded(int(reported) if reported and reported.isdigit() else None)
+        if status == 200 and self.settings.hedge.enabled:
+            self.settings.hedge.observe(call.model, now - call.arrived)
+        return True
+
+    def lane_done(self, call: LaneCall, status: int, now: float) -> None:
+        """A lane request's answer has gone to its client: counted as `__call__` counts."""
+        labels = _STATUS.get(status) or (str(status),)
+        self.requests.inc(labels)
+        self.latency.observe(labels, now - call.arrived)
+        self.model_counts.count(call.model, call.version, MAIN, status)
+        self.lane_outcomes.inc(_ANSWERED)
 
     def _route(self, scope: Scope, headers: list[tuple[bytes, bytes]], body: bytes) -> Route:
         """Where the request goes: its path after a canary, its group, what balancing reads."""
@@ -399,11 +499,15 @@ class RouterApp:
         arrived: float,
         timeout: float | None,
         model: str | None,
+        lane: LaneCall | None = None,
     ) -> tuple[Response, Replica]:
-        """The answer to pass on, after retries and hedges."""
-        tried: list[Replica] = []
+        """The answer to pass on, after retries and hedges (`lane`: the attempt made on the
+        lane, which gave none)."""
+        tried: list[Replica] = [lane.replica] if lane is not None and lane.tried else []
         last: tuple[Response, Replica] | None = None
-        for attempt in range(self.settings.max_attempts):
+        if lane is not None and lane.refused is not None:
+            last = (lane.refused, lane.replica)
+        for attempt in range(len(tried), self.settings.max_attempts):
             now = time.monotonic()
             if attempt and not self.retries.try_spend(now):
                 self.retries_denied.inc()

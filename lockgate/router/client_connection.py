@@ -10,6 +10,12 @@ writes that wait while the client does not read, `http.disconnect` when the clie
 400 on a request the parser rejects, 500 when the app fails before answering, and uvicorn's
 graceful shutdown (`shutdown`, the server's table of connections and tasks).
 
+A KServe v2 inference POST whose head arrives whole, at a message boundary, is offered, once
+its body has come, to the app's lane first (`lane.py`, `RouterApp.lane`): taken there, it
+never reaches the parser, and bytes the client sends meanwhile wait, unread, for its answer;
+an attempt there that ends without an answer to pass on comes back as an ordinary request of
+this connection (`lane_failed`), its body whole.
+
 Answers carry uvicorn's default headers (`date`, `server`) unless they bring their own (a
 replica's answer does: each header is sent once), and are framed as uvicorn frames
 them: by their `content-length`, else chunked. An answer's head written with `HOLD` waits for
@@ -31,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httptools
+
+from lockgate.router.lane import LANE_SCOPE, LaneCall, LaneHead
 
 log = logging.getLogger("lockgate.router")
 
@@ -98,6 +106,12 @@ class ClientConnection(asyncio.Protocol):
         self.read_paused = False
         self.write_paused = False
         self.drained: asyncio.Future[None] | None = None
+        self.lane_app = getattr(self.app, "lane", None)  # RouterApp.lane, if the app has one
+        self.between = True  # the parser is between messages: a new head starts here
+        self.lane: LaneCall | None = None  # the request on the lane now
+        self.pending: LaneHead | None = None  # a lane request whose body is still arriving
+        self.held = bytearray()  # its bytes so far; or what came while the lane had one
+        self.closing = False  # the server is stopping: close once the lane's answer is out
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -109,6 +123,9 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.state.connections.discard(self)
         self._cancel_idle_timer()
+        if self.lane is not None:
+            self.lane.cancel()
+            self.lane = None
         for exchange in (self.exchange, *self.waiting):
             if exchange is not None:
                 exchange.disconnected = True
@@ -120,6 +137,49 @@ class ClientConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._cancel_idle_timer()
+        if self.lane is not None:  # answers leave in order: this waits for the lane's
+            self.held += data
+            self._pause_reading()
+            return
+        if self.pending is not None:  # the rest of a lane request's body
+            self.held += data
+            if len(self.held) < self.pending.size:
+                self._arm_idle_timer()
+                return
+            pending, data, self.pending = self.pending, bytes(self.held), None
+            self.held.clear()
+            self._offer(pending, data)
+            return
+        if (
+            self.between
+            and self.exchange is None
+            and data[:5] == b"POST "
+            and self.lane_app is not None
+            and (head := LaneHead.parse(data)) is not None
+        ):
+            if len(data) >= head.size:
+                self._offer(head, data)
+                return
+            if head.length <= HIGH_WATER:  # its body is still to come (most clients send it
+                self.pending = head  # in a write of its own)
+                self.held += data
+                self._arm_idle_timer()
+                return
+        self._feed(data)
+
+    def _offer(self, head: LaneHead, data: bytes) -> None:
+        """The request `head` starts `data`, its body all in: to the lane, or the parser."""
+        assert self.lane_app is not None
+        call = self.lane_app(self, head, data[head.size - head.length : head.size])
+        if call is None:
+            self._feed(data)
+            return
+        self.lane = call
+        if len(data) > head.size:
+            self.held += data[head.size :]
+            self._pause_reading()
+
+    def _feed(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -141,8 +201,64 @@ class ClientConnection(asyncio.Protocol):
             self.drained = self.loop.create_future()
         await self.drained
 
+    # -- the lane ------------------------------------------------------------------------------
+    def lane_answered(self, data: bytes) -> None:
+        """The lane's request is answered: `data` goes to the client whole."""
+        self.lane = None
+        self.state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.transport.write(data)
+        if self.closing:
+            self.transport.close()
+            return
+        self._next_after_lane()
+
+    def lane_failed(self, call: LaneCall) -> None:
+        """The lane's attempt gave no answer to pass on: the request goes on along the app's
+        path, as if it had been parsed here."""
+        self.lane = None
+        if self.transport.is_closing():
+            return
+        scope = {
+            "type": "http",
+            "asgi": _ASGI,
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": "http",
+            "method": "POST",
+            "root_path": "",
+            "path": call.path,
+            "raw_path": call.path.encode("ascii"),
+            "query_string": b"",
+            "headers": call.headers,
+            LANE_SCOPE: call,
+        }
+        exchange = _Exchange(self, scope, not self.closing, False)
+        exchange.body.append(call.body)
+        exchange.more_body = False
+        self.exchange = exchange
+        self._start(exchange)
+        self._next_after_lane()
+
+    def _next_after_lane(self) -> None:
+        """Read on: what the client sent while the lane had its request, then the socket."""
+        held = bytes(self.held)
+        self.held.clear()
+        self._resume_reading()
+        if held:
+            self.data_received(held)
+        elif self.exchange is None:
+            self._arm_idle_timer()
+
+    def _arm_idle_timer(self) -> None:
+        self._cancel_idle_timer()
+        self.idle_timer = self.loop.call_later(self.keep_alive_timeout, self._idle)
+
     # -- httptools callbacks ---------------------------------------------------------------
     def on_message_begin(self) -> None:
+        self.between = False
         self.url = b""
         self.headers = []
         self.expect_continue = False
@@ -197,6 +313,7 @@ class ClientConnection(asyncio.Protocol):
         exchange.wake()
 
     def on_message_complete(self) -> None:
+        self.between = True
         exchange = self.waiting[-1] if self.waiting else self.exchange
         if exchange is None or exchange.complete:
             return
@@ -227,6 +344,9 @@ class ClientConnection(asyncio.Protocol):
 
     def shutdown(self) -> None:
         """The server is stopping: close now if idle, else once the answer has ended."""
+        if self.lane is not None:
+            self.closing = True
+            return
         if self.exchange is None or self.exchange.complete:
             self.transport.close()
         else:

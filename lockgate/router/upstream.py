@@ -9,6 +9,10 @@ left) aborts its connection, so the replica sees the disconnect and drops the wo
 A request sent on a reused connection that the replica had already closed (its idle
 timeout) fails before any byte of an answer: it is sent again once on a new connection,
 which cannot run it twice.
+
+The router's lane (`lane.py`) sends on an idle connection with `send_lane` and is told of the
+whole answer at once (`Listener`): its raw bytes, to pass on as they came, beside the head and
+the decoded body.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httptools
 
@@ -41,6 +46,19 @@ HOP_BY_HOP = frozenset(
 
 class UpstreamError(Exception):
     """The replica could not be reached, or its connection broke before the answer ended."""
+
+
+class Listener(Protocol):
+    """Told of a lane request's answer (`Upstream.send_lane`)."""
+
+    def answered(
+        self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes, body: bytes
+    ) -> None:
+        """The whole answer: `raw` as it came (head and body), `body` decoded."""
+
+    def broke(self, answered_nothing: bool) -> None:
+        """The connection broke (or the answer was not HTTP) before the answer ended;
+        `answered_nothing`: not a byte of it had come."""
 
 
 @dataclass(slots=True)
@@ -123,6 +141,10 @@ class _Connection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.received = 0  # bytes of the current answer
         self.closed = False
+        self.listener: Listener | None = None  # a lane request's, told of the whole answer
+        self.raw: list[bytes] = []  # the lane answer's bytes as they came
+        self.parts: list[bytes] = []  # its body, decoded
+        self.status = 0
 
     # -- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -130,6 +152,8 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)
+        if self.listener is not None:
+            self.raw.append(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -149,15 +173,21 @@ class _Connection(asyncio.Protocol):
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        if self.listener is not None:
+            self.status = self.parser.get_status_code()
+            return
         self.response = Response(self.parser.get_status_code(), self.headers, connection=self)
         if self.head is not None and not self.head.done():
             self.head.set_result(self.response)
 
     def on_body(self, body: bytes) -> None:
-        if self.response is not None:
+        if self.listener is not None:
+            self.parts.append(body)
+        elif self.response is not None:
             self.response.put(body)
 
     def on_message_complete(self) -> None:
+        listener, self.listener = self.listener, None
         response, self.response, self.head = self.response, None, None
         if response is not None:
             response.put(None)
@@ -166,6 +196,10 @@ class _Connection(asyncio.Protocol):
             self.upstream.release(self)
         else:
             self.abort()
+        if listener is not None:
+            raw, body = b"".join(self.raw), b"".join(self.parts)
+            self.raw, self.parts = [], []
+            listener.answered(self.status, self.headers, raw, body)
 
     # -- use -------------------------------------------------------------------------------
     def send(self, request: bytes) -> asyncio.Future[Response]:
@@ -175,6 +209,12 @@ class _Connection(asyncio.Protocol):
         self.transport.write(request)
         return self.head
 
+    def send_lane(self, request: bytes, listener: Listener) -> None:
+        assert self.transport is not None
+        self.received = 0
+        self.listener = listener
+        self.transport.write(request)
+
     def abort(self) -> None:
         self.closed = True
         if self.transport is not None:
@@ -182,6 +222,10 @@ class _Connection(asyncio.Protocol):
         self.upstream.forget(self)
 
     def _fail(self, error: UpstreamError) -> None:
+        listener, self.listener = self.listener, None
+        if listener is not None:
+            self.raw, self.parts = [], []
+            listener.broke(not self.received)
         if self.head is not None and not self.head.done():
             self.head.set_exception(error)
         if self.response is not None:
@@ -209,7 +253,7 @@ class Upstream:
     ) -> Response:
         """Send a request; the answer once its head arrives. UpstreamError when the replica
         cannot be reached or the connection breaks first."""
-        message = _encode(method, path, self.name, headers, body)
+        message = encode(method, path, self.name, headers, body)
         reused = bool(self.idle)
         connection = self.idle.pop() if reused else await self._connect(connect_timeout)
         try:
@@ -219,6 +263,16 @@ class Upstream:
                 raise
         # the replica had closed the idle connection: once more, on a new one
         return await self._send(await self._connect(connect_timeout), message)
+
+    def send_lane(self, message: bytes, listener: Listener) -> _Connection | None:
+        """Send on an idle connection, telling `listener` of the answer; None (nothing sent)
+        when no connection is idle. The connection returned is the one to `abort`."""
+        if not self.idle:
+            return None
+        connection = self.idle.pop()
+        self.busy.add(connection)
+        connection.send_lane(message, listener)
+        return connection
 
     async def _send(self, connection: _Connection, message: bytes) -> Response:
         self.busy.add(connection)
@@ -256,7 +310,7 @@ class Upstream:
             connection.abort()
 
 
-def _encode(
+def encode(
     method: str, path: str, host: str, headers: list[tuple[bytes, bytes]], body: bytes
 ) -> bytes:
     lines = [f"{method} {path} HTTP/1.1".encode(), b"host: " + host.encode()]

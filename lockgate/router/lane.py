@@ -1,0 +1,231 @@
+"""The router's lane: KServe v2 inference passed to a replica and back below ASGI.
+
+A `POST /v2/models/{m}[/versions/{v}]/infer` whose head arrives whole, at a message boundary
+of a kept-alive HTTP/1.1 connection, is read from its raw bytes (`LaneHead.parse`), and its
+body (up to 64 KiB; larger ones take the app's path) gathered as it comes.
+When nothing about it needs the app's general path (`RouterApp.lane`: no rate limits, sticky
+sessions, canary or shadow for its model, no hedge to time, no deadline already spent, a
+body within the limit, a replica not shedding) and the replica chosen has an idle connection
+at hand, the request is written to that connection from the client connection's own callback
+(`LaneCall.send`), and the answer's bytes are written back to the client from the replica
+connection's callback (`LaneCall.answered`) as they came: no task, no ASGI messages, no
+answer head built again. The replica's answer is passed on as it is when its head has no
+`connection` header and frames the body by `content-length` (a lockgate replica's always
+does); other answers have their head built as the app's path builds it.
+
+The lane keeps what the app's path does for such a request: power of two choices over the
+usable replicas, the `request-timeout` header less the time spent, the replica's reported
+load, its health (a 503 marks it full, other 5xx and broken connections count toward its
+ejection), the request and attempt counters and the latency histogram. An attempt that gets
+no answer, a 503 or another 5xx (504 aside) goes on along the app's path (`RouterApp._serve`
+with the replica tried), which retries it on another replica within the retry budget and,
+when none is left, passes the 503 on. A client that leaves closes the replica's connection,
+so the replica drops the work. Everything else (other paths, chunked bodies, `Expect`,
+`Connection: close`, HTTP/1.0, encoded paths or a query, heads split over reads)
+takes the app's path from the start.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Protocol
+
+from lockgate.router.replica import Replica
+from lockgate.router.upstream import HOP_BY_HOP, Response
+
+LANE_SCOPE = "lockgate.lane"  # in the scope of a request the lane hands to the app's path
+# headers that leave a request to the app's path
+_APP_PATH_HEADERS = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+_INFER = b"/infer"
+_MODELS = b"/v2/models/"
+
+
+@dataclass(slots=True)
+class LaneHead:
+    """A request head split from raw bytes: what the lane needs of it."""
+
+    path: str
+    headers: list[tuple[bytes, bytes]]  # names in lower case, as ASGI gives them
+    length: int  # Content-Length
+    size: int  # bytes of the head and its body
+
+    @classmethod
+    def parse(cls, data: bytes, max_head: int = 64 * 1024) -> LaneHead | None:
+        """The head of a v2 inference POST at the start of `data`, when it is all in `data`
+        and the lane can take it; else None (the app's path takes it). Its body may be still
+        to come (`size` past the end of `data`)."""
+        end = data.find(b"\r\n\r\n", 0, max_head)
+        if end < 0:
+            return None
+        lines = data[:end].split(b"\r\n")
+        parts = lines[0].split(b" ")
+        if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
+            return None
+        raw = parts[1]
+        if not raw.startswith(_MODELS) or not raw.endswith(_INFER) or b"%" in raw or b"?" in raw:
+            return None
+        headers = []
+        length = -1
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon or not name or name[-1:] in b" \t" or line[:1] in b" \t":
+                return None
+            name = name.lower()
+            value = value.strip(b" \t")
+            if name == b"content-length":
+                if length >= 0 or not value.isdigit() or len(value) > 18:
+                    return None
+                length = int(value)
+            elif name == b"connection":
+                if value.lower() != b"keep-alive":  # close, or a list: the app's path
+                    return None
+            elif name in _APP_PATH_HEADERS:
+                return None
+            headers.append((name, value))
+        if length < 0:
+            return None
+        return cls(raw.decode("ascii", "replace"), headers, length, end + 4 + length)
+
+
+class _Aborts(Protocol):
+    def abort(self) -> None: ...
+
+
+class LaneClient(Protocol):
+    """The client connection a lane request came on (`client_connection.ClientConnection`)."""
+
+    def lane_answered(self, data: bytes) -> None: ...
+    def lane_failed(self, call: LaneCall) -> None: ...
+
+
+class LaneApp(Protocol):
+    """What a lane request reports to (`app.RouterApp`)."""
+
+    def lane_attempt(self, call: LaneCall, response: Response | None, now: float) -> bool: ...
+    def lane_done(self, call: LaneCall, status: int, now: float) -> None: ...
+
+
+class LaneCall:
+    """One request on the lane (an `upstream.Listener`): sent to `replica`; answered, or handed
+    to the app's path (`LaneClient.lane_failed`) with the replica tried (`tried`) and its 503
+    (`refused`) when it answered one."""
+
+    __slots__ = (
+        "app",
+        "arrived",
+        "body",
+        "client",
+        "connection",
+        "gone",
+        "headers",
+        "model",
+        "path",
+        "refused",
+        "replica",
+        "tried",
+        "version",
+    )
+
+    def __init__(
+        self,
+        app: LaneApp,
+        client: LaneClient,
+        head: LaneHead,
+        body: bytes,
+        arrived: float,
+        model: str,
+        version: str | None,
+        replica: Replica,
+    ) -> None:
+        self.app = app
+        self.client = client
+        self.path = head.path
+        self.headers = head.headers
+        self.body = body
+        self.arrived = arrived
+        self.model = model
+        self.version = version
+        self.replica = replica
+        self.connection: _Aborts | None = None  # the replica's, while it answers
+        self.tried = False  # the replica gave no answer to pass on: the app's path skips it
+        self.refused: Response | None = None  # its 503, passed on if no other replica answers
+        self.gone = False  # the client left: nothing more is written to it
+
+    def send(self, message: bytes) -> bool:
+        """Send to the replica on an idle connection; False (nothing sent) if none is idle."""
+        self.connection = self.replica.upstream.send_lane(message, self)
+        if self.connection is None:
+            return False
+        self.replica.in_flight += 1
+        return True
+
+    def answered(
+        self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes, body: bytes
+    ) -> None:
+        self.connection = None
+        now = time.monotonic()
+        response = Response(status, headers)
+        if not self.app.lane_attempt(self, response, now):  # a 503: another replica may take it
+            response.put(body)
+            response.put(None)
+            self.refused, self.tried = response, True
+            self._fail()
+            return
+        if self.gone:
+            return
+        self.client.lane_answered(raw if _as_is(headers) else _rebuilt(status, headers, body))
+        self.app.lane_done(self, status, now)
+
+    def broke(self, answered_nothing: bool) -> None:
+        self.connection = None
+        if self.gone:  # closed for the client that left (`cancel`)
+            return
+        if answered_nothing:  # most likely an idle connection the replica had closed: the
+            self.replica.in_flight -= 1  # app's path sends it again, on a new connection
+        else:
+            self.app.lane_attempt(self, None, time.monotonic())
+            self.tried = True
+        self._fail()
+
+    def _fail(self) -> None:
+        if not self.gone:
+            self.client.lane_failed(self)
+
+    def cancel(self) -> None:
+        """The client left: the replica's connection closes, and the replica drops the work."""
+        if self.gone:
+            return
+        self.gone = True
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            self.replica.in_flight -= 1
+            connection.abort()
+
+
+def _as_is(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether an answer's head may pass as it came: framed by content-length, and nothing
+    in it describes the replica's connection rather than the message."""
+    length = False
+    for name, _ in headers:
+        if name == b"content-length":
+            length = True
+        elif name in HOP_BY_HOP:
+            return False
+    return length
+
+
+def _rebuilt(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """The answer with its head built as the app's path builds it: hop-by-hop headers out,
+    framed by the length of its (whole, decoded) body."""
+    kept = [b"%s: %s\r\n" % (k, v) for k, v in headers if k not in HOP_BY_HOP]
+    line = b"HTTP/1.1 %d %s\r\n" % (status, _reason(status))
+    return line + b"".join(kept) + b"content-length: %d\r\n\r\n" % len(body) + body
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""

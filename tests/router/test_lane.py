@@ -1,0 +1,268 @@
+"""The router's lane (`lockgate/router/lane.py`): KServe v2 inference passed to a replica and
+back below ASGI, and back on the app's path when an attempt there gives no answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lockgate.router.lane import LaneHead
+from tests.conftest import RunningServer, free_port, start_server
+from tests.router.test_router import body, metric, repository, start_router
+
+INFER = "/v2/models/who/infer"
+
+
+def raw_request(value: float, extra: str = "") -> bytes:
+    data = json.dumps(body(value)).encode()
+    head = f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{extra}"
+    return f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data
+
+
+def read_answers(sock: socket.socket, count: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """`count` answers framed by their content-length: (status, headers, body)."""
+    buffer = b""
+    answers = []
+    while len(answers) < count:
+        end = buffer.find(b"\r\n\r\n")
+        if end >= 0:
+            head = buffer[:end].decode("latin-1").split("\r\n")
+            headers = dict(line.lower().split(": ", 1) for line in head[1:])
+            size = end + 4 + int(headers["content-length"])
+            if len(buffer) >= size:
+                answers.append((int(head[0].split()[1]), headers, buffer[end + 4 : size]))
+                buffer = buffer[size:]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed after {len(answers)} answers"
+        buffer += chunk
+    return answers
+
+
+def lane(router: RunningServer, outcome: str) -> float:
+    return metric(router.url, f'lockgate_router_lane_total{{outcome="{outcome}"}}')
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    root = tmp_path_factory.mktemp("lane-replica")
+    server = start_server(repository(root, 7), root)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def router(
+    replica: RunningServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    server = start_router(tmp_path_factory.mktemp("lane-router"), "--replica", replica.url)
+    yield server
+    server.stop()
+
+
+def test_inference_goes_on_the_lane_and_answers_as_the_app_path_does(
+    router: RunningServer, replica: RunningServer
+) -> None:
+    """Kept-alive requests after the first are answered on the lane, with the replica's answer
+    as it came; a `Connection: close` request takes the app's path and closes."""
+    before = lane(router, "answered")
+    with httpx.Client(base_url=router.url) as client:
+        for i in range(20):
+            r = client.post(INFER, json=body(float(i)))
+            assert r.status_code == 200
+            assert r.json()["outputs"][0]["data"] == [float(i), 1.0]
+            assert r.headers["x-lockgate-inflight"].isdigit()
+            direct = httpx.post(replica.url + INFER, json=body(float(i)))
+            assert r.json() == direct.json()
+        bad = client.post(INFER, content=b"{not json")
+        assert bad.status_code == 400 and "error" in bad.json()
+    assert lane(router, "answered") - before >= 19  # the first may open the connection
+    assert metric(router.url, 'lockgate_router_requests_total{status="200"}') >= 20
+    assert metric(router.url, 'lockgate_router_model_requests_total{group="main",model="who"') >= 21
+    with socket.create_connection(("127.0.0.1", router.port)) as sock:
+        sock.sendall(raw_request(3.0, "Connection: close\r\n"))
+        ((status, headers, _),) = read_answers(sock, 1)
+        assert status == 200 and headers.get("connection") == "close"
+        assert sock.recv(1) == b""  # closed after the answer
+
+
+def test_pipelined_requests_are_answered_in_order(router: RunningServer) -> None:
+    """Requests sent together, the first taken on the lane, are answered in the order sent."""
+    with socket.create_connection(("127.0.0.1", router.port)) as sock:
+        sock.sendall(raw_request(1.0))  # opens the router's connection to the replica
+        read_answers(sock, 1)
+        sock.sendall(b"".join(raw_request(float(v)) for v in (10, 11, 12, 13)))
+        answers = read_answers(sock, 4)
+    values = [json.loads(data)["outputs"][0]["data"][0] for _, _, data in answers]
+    assert [status for status, _, _ in answers] == [200] * 4
+    assert values == [10.0, 11.0, 12.0, 13.0]
+
+
+def test_a_client_that_leaves_mid_request_frees_the_replica(router: RunningServer) -> None:
+    """A client gone while its request is on the lane closes the replica's connection: the
+    router's count of its requests on the replica returns to zero, and it keeps serving."""
+    with socket.create_connection(("127.0.0.1", router.port)) as sock:
+        sock.sendall(raw_request(1.0))
+        read_answers(sock, 1)
+        sock.sendall(raw_request(1.0).replace(b"/who/", b"/slow/"))  # sleeps 0.3 s
+        time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        replicas = httpx.get(router.url + "/router/replicas").json()["replicas"]
+        if replicas[0]["in_flight"] == 0:
+            break
+        time.sleep(0.02)
+    assert replicas[0]["in_flight"] == 0
+    assert httpx.post(router.url + INFER, json=body(2.0)).status_code == 200
+
+
+def test_the_head_parse_leaves_what_it_cannot_take_to_the_app_path() -> None:
+    whole = raw_request(1.0)
+    head = LaneHead.parse(whole + b"POST")
+    assert head is not None and head.path == INFER and head.size == len(whole)
+    assert ("content-type", "application/json") in [
+        (k.decode(), v.decode()) for k, v in head.headers
+    ]
+    partial = LaneHead.parse(whole[:-1])  # the body is not all in: it is to come
+    assert partial is not None and partial.size == len(whole)
+    assert LaneHead.parse(whole[: whole.find(b"\r\n\r\n") + 2]) is None  # nor the head
+    for changed in (
+        whole.replace(b"HTTP/1.1", b"HTTP/1.0"),
+        whole.replace(b"/infer", b"/infer?x=1"),
+        whole.replace(b"/who/", b"/w%6Fo/"),
+        whole.replace(b"/infer", b"/ready"),
+        whole.replace(b"Host: x\r\n", b"Expect: 100-continue\r\n"),
+        whole.replace(b"Host: x\r\n", b"Connection: close\r\n"),
+        whole.replace(b"Host: x\r\n", b"Transfer-Encoding: chunked\r\n"),
+        whole.replace(b"Host: x\r\n", b"Content-Length: 3\r\n"),
+        whole.replace(b"Host: x\r\n", b" folded\r\n"),
+    ):
+        assert LaneHead.parse(changed) is None, changed[:120]
+
+
+class FakeReplica:
+    """A replica on a raw socket, in a thread: ready, and answers inference with `status`.
+    `drop_second`: it reads the second request of each connection and closes the connection
+    without answering, as a replica closing an idle connection at that moment does."""
+
+    def __init__(self, status: int, drop_second: bool = False) -> None:
+        self.status = status
+        self.drop_second = drop_second
+        self.port = free_port()
+        self.inference = 0  # answered
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self.thread.start()
+        started.wait(5)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(
+            asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        )
+        started.set()
+        self.loop.run_forever()
+        server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests = 0
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    break
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                await reader.readexactly(int(length[1]) if length else 0)
+                requests += 1
+                if head.startswith(b"GET"):
+                    status, data = 200, b'{"ready": true}'
+                elif self.drop_second and requests == 2:
+                    break
+                else:
+                    self.inference += 1
+                    status, data = self.status, b'{"fake": %d}' % self.port
+                extra = b"retry-after: 1\r\n" if status == 503 else b""
+                writer.write(
+                    b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\n%s"
+                    b"content-length: %d\r\n\r\n%s" % (status, extra, len(data), data)
+                )
+                await writer.drain()
+        finally:
+            writer.close()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def fakes() -> Iterator[list[FakeReplica]]:
+    made: list[FakeReplica] = []
+    yield made
+    for fake in made:
+        fake.stop()
+
+
+def test_a_replica_connection_that_closes_before_answering_loses_no_request(
+    tmp_path: Path, fakes: list[FakeReplica]
+) -> None:
+    """The replica closes each kept-alive connection on its second request, unanswered: each
+    such request, sent from the lane, is sent again along the app's path on a new connection,
+    without counting against the replica's health."""
+    fakes.append(FakeReplica(200, drop_second=True))
+    router = start_router(tmp_path, "--replica", fakes[0].url, "--probe-interval", "60")
+    try:
+        with httpx.Client(base_url=router.url) as client:
+            for _ in range(6):
+                r = client.post(INFER, json=body())
+                assert r.status_code == 200, r.text
+        assert lane(router, "app_path") >= 5  # (the first may have opened the connection)
+        assert fakes[0].inference == 6
+        assert metric(router.url, 'lockgate_router_attempts_total{outcome="error"') == 0
+        replicas = httpx.get(router.url + "/router/replicas").json()["replicas"]
+        assert replicas[0]["usable"] and replicas[0]["in_flight"] == 0
+    finally:
+        router.stop()
+
+
+def test_a_503_on_the_lane_is_retried_on_another_replica_or_passed_on(
+    tmp_path: Path, fakes: list[FakeReplica]
+) -> None:
+    """A replica whose admission refuses: the lane's attempt goes on along the app's path, to
+    the other replica; with no other, the replica's 503 and its Retry-After reach the client."""
+    fakes.extend([FakeReplica(503), FakeReplica(200)])
+    router = start_router(tmp_path, "--replica", fakes[0].url, "--replica", fakes[1].url)
+    try:
+        with httpx.Client(base_url=router.url) as client:
+            answers = [client.post(INFER, json=body()) for _ in range(30)]
+        assert [r.status_code for r in answers] == [200] * 30
+        assert all(r.json() == {"fake": fakes[1].port} for r in answers)
+        assert lane(router, "answered") > 0
+    finally:
+        router.stop()
+    alone = start_router(tmp_path, "--replica", fakes[0].url)
+    try:
+        with httpx.Client(base_url=alone.url) as client:
+            for _ in range(5):
+                r = client.post(INFER, json=body())
+                assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                assert r.json() == {"fake": fakes[0].port}
+                time.sleep(0.15)  # past the moment the router counts the replica full
+        assert lane(alone, "app_path") >= 1
+    finally:
+        alone.stop()
