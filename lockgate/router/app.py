@@ -71,7 +71,7 @@ from lockgate.router.route import Route
 from lockgate.router.shadow import Mirror, Shadow, ShadowSettings
 from lockgate.router.sticky import Sticky
 from lockgate.router.tally import Tally
-from lockgate.router.upstream import HOP_BY_HOP, Response, UpstreamError, encode
+from lockgate.router.upstream import HOP_BY_HOP, Response, UpstreamError
 from lockgate.router.usage import HiddenUsage, Metered
 
 log = logging.getLogger("lockgate.router")
@@ -88,6 +88,7 @@ _OWN_PATHS = frozenset(
 _STATUS = {status: (str(status),) for status in range(100, 600)}  # label values, made once
 _STATUS_TEXT = {status: str(status) for status in range(100, 600)}
 _ANSWERED, _APP_PATH = ("answered",), ("app_path",)
+_LANE_TARGETS = 4096  # request paths whose model the lane remembers
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +142,7 @@ class RouterApp:
         self.limits = RateLimiter(limits) if limits is not None and limits.enabled else None
         self.llm_routing = LLMRouting(settings.llm_routing, registry)
         self.model_counts = ModelCounts(registry, settings.max_model_series)
+        self.lane_targets: dict[str, ModelPath] = {}  # the model each lane path names
         self.rate_limited = registry.counter(
             "lockgate_router_rate_limited_total",
             "Requests refused 429 by a rate limit ('requests') or a token quota ('tokens').",
@@ -362,33 +364,41 @@ class RouterApp:
         return await self._pass(response, replica, send, receive, taps, hidden)
 
     # -- the lane ----------------------------------------------------------------------------
-    def lane(self, client: LaneClient, head: LaneHead, body: bytes) -> LaneCall | None:
-        """Send the request `head` and `body` make to a replica on the lane (`lane.py`); None
-        when it takes this app's path instead."""
+    def lane(self, client: LaneClient, head: LaneHead, request: bytes) -> LaneCall | None:
+        """Send `request` (its head is `head`, its body all in) to a replica on the lane
+        (`lane.py`), as it came; None when it takes this app's path instead."""
         if self.draining or self.limits is not None or self.sticky is not None:
             return None
-        target = ModelPath.parse("POST", head.path)
-        if target is None or target.verb != "infer" or head.length > self.settings.max_body_bytes:
-            return None
+        target = self.lane_targets.get(head.path)
+        if target is None:
+            target = ModelPath.parse("POST", head.path)
+            if target is None or target.verb != "infer":
+                return None
+            if len(self.lane_targets) < _LANE_TARGETS:
+                self.lane_targets[head.path] = target
         model = target.model
+        if head.length > self.settings.max_body_bytes:
+            return None
         if model in self.canary.rules or model in self.shadow.rules:
             return None
+        if head.timeout is not None and _timeout([(b"request-timeout", head.timeout)]) is False:
+            return None  # the app's path answers 400
         now = time.monotonic()
         if self.pool.all_full(now):
-            return None
-        timeout = _timeout(head.headers)
-        if timeout is False:
             return None
         replica = self._pick(Route(head.path, head.path, target), now, ())
         if replica is None:
             return None
         hedge = self.settings.hedge
-        if hedge.delay(model) is not None and self.has_other(MAIN, now, (replica,)):
+        if (
+            hedge.enabled
+            and hedge.delay(model) is not None
+            and self.has_other(MAIN, now, (replica,))
+        ):
             return None  # a hedge to time: the app's path times it
-        # a request-timeout passes as it came: the time spent here is the parse of its head
-        message = encode("POST", head.path, replica.upstream.name, head.headers, body)
-        call = LaneCall(self, client, head, body, now, model, target.version, replica)
-        if not call.send(message):
+        # passed as it came: its request-timeout less nothing but this parse
+        call = LaneCall(self, client, head, request, now, model, target.version, replica)
+        if not call.send():
             return None  # no idle connection: this app's path makes one
         self.retries.request(now)
         if hedge.enabled:

@@ -102,7 +102,10 @@ class ClientConnection(asyncio.Protocol):
         self.expect_continue = False
         self.exchange: _Exchange | None = None  # the request being answered
         self.waiting: deque[_Exchange] = deque()  # pipelined requests, in order
+        # closes the connection once it has been idle `keep_alive_timeout` seconds: armed once,
+        # and when it fires early (the connection was busy meanwhile) set again for the rest
         self.idle_timer: asyncio.TimerHandle | None = None
+        self.idle_since: float | None = None  # loop time it went idle; None: busy
         self.read_paused = False
         self.write_paused = False
         self.drained: asyncio.Future[None] | None = None
@@ -122,7 +125,9 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state.connections.discard(self)
-        self._cancel_idle_timer()
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
         if self.lane is not None:
             self.lane.cancel()
             self.lane = None
@@ -170,7 +175,7 @@ class ClientConnection(asyncio.Protocol):
     def _offer(self, head: LaneHead, data: bytes) -> None:
         """The request `head` starts `data`, its body all in: to the lane, or the parser."""
         assert self.lane_app is not None
-        call = self.lane_app(self, head, data[head.size - head.length : head.size])
+        call = self.lane_app(self, head, data[: head.size])
         if call is None:
             self._feed(data)
             return
@@ -253,8 +258,9 @@ class ClientConnection(asyncio.Protocol):
             self._arm_idle_timer()
 
     def _arm_idle_timer(self) -> None:
-        self._cancel_idle_timer()
-        self.idle_timer = self.loop.call_later(self.keep_alive_timeout, self._idle)
+        self.idle_since = self.loop.time()
+        if self.idle_timer is None:
+            self.idle_timer = self.loop.call_later(self.keep_alive_timeout, self._idle)
 
     # -- httptools callbacks ---------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -340,7 +346,7 @@ class ClientConnection(asyncio.Protocol):
             self.exchange = self.waiting.popleft()
             self._start(self.exchange)
         else:
-            self.idle_timer = self.loop.call_later(self.keep_alive_timeout, self._idle)
+            self._arm_idle_timer()
 
     def shutdown(self) -> None:
         """The server is stopping: close now if idle, else once the answer has ended."""
@@ -354,13 +360,17 @@ class ClientConnection(asyncio.Protocol):
 
     def _idle(self) -> None:
         self.idle_timer = None
-        if not self.transport.is_closing():
+        if self.idle_since is None:  # busy: armed again when it next goes idle
+            return
+        left = self.idle_since + self.keep_alive_timeout - self.loop.time()
+        if left > 0:  # it was busy meanwhile
+            self.idle_timer = self.loop.call_later(left, self._idle)
+        elif not self.transport.is_closing():
             self.transport.close()
 
     def _cancel_idle_timer(self) -> None:
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
+        """The connection is busy: the idle timer, when it fires, waits for it to go idle."""
+        self.idle_since = None
 
     def _pause_reading(self) -> None:
         if not self.read_paused:

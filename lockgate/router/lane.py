@@ -36,57 +36,75 @@ from lockgate.router.replica import Replica
 from lockgate.router.upstream import HOP_BY_HOP, Response
 
 LANE_SCOPE = "lockgate.lane"  # in the scope of a request the lane hands to the app's path
-# headers that leave a request to the app's path
-_APP_PATH_HEADERS = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
-_INFER = b"/infer"
-_MODELS = b"/v2/models/"
+_LINE_START = b"POST /v2/models/"
+_LINE_END = b"/infer HTTP/1.1"
+# header lines that leave a request to the app's path (searched for in the lowered head)
+_APP_PATH = (b"\r\ntransfer-encoding:", b"\r\nexpect:", b"\r\nupgrade:", b"\r\n ", b"\r\n\t")
+_LENGTH = b"\r\ncontent-length:"
+_CONNECTION = b"\r\nconnection:"
+_TIMEOUT = b"\r\nrequest-timeout:"
 
 
 @dataclass(slots=True)
 class LaneHead:
-    """A request head split from raw bytes: what the lane needs of it."""
+    """A request head found in raw bytes: what the lane needs of it. The request is passed
+    on as it came, so its header lines are split only if it goes to the app's path
+    (`headers`)."""
 
     path: str
-    headers: list[tuple[bytes, bytes]]  # names in lower case, as ASGI gives them
     length: int  # Content-Length
     size: int  # bytes of the head and its body
+    timeout: bytes | None  # the request-timeout header's value
 
     @classmethod
     def parse(cls, data: bytes, max_head: int = 64 * 1024) -> LaneHead | None:
         """The head of a v2 inference POST at the start of `data`, when it is all in `data`
         and the lane can take it; else None (the app's path takes it). Its body may be still
-        to come (`size` past the end of `data`)."""
+        to come (`size` past the end of `data`). It is found, not parsed: the replica parses
+        it, and a request whose framing could read two ways (two lengths, a folded line, a
+        length the search does not see) goes to the app's path."""
         end = data.find(b"\r\n\r\n", 0, max_head)
         if end < 0:
             return None
-        lines = data[:end].split(b"\r\n")
-        parts = lines[0].split(b" ")
-        if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
+        first = data.find(b"\r\n")
+        line = data[:first]
+        if not line.startswith(_LINE_START) or not line.endswith(_LINE_END):
             return None
-        raw = parts[1]
-        if not raw.startswith(_MODELS) or not raw.endswith(_INFER) or b"%" in raw or b"?" in raw:
+        path = line[5:-9]
+        if b" " in path or b"%" in path or b"?" in path:
             return None
-        headers = []
-        length = -1
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon or not name or name[-1:] in b" \t" or line[:1] in b" \t":
+        head = data[first : end + 2].lower()  # every header line starts with \r\n
+        for token in _APP_PATH:
+            if token in head:
                 return None
-            name = name.lower()
-            value = value.strip(b" \t")
-            if name == b"content-length":
-                if length >= 0 or not value.isdigit() or len(value) > 18:
-                    return None
-                length = int(value)
-            elif name == b"connection":
-                if value.lower() != b"keep-alive":  # close, or a list: the app's path
-                    return None
-            elif name in _APP_PATH_HEADERS:
-                return None
-            headers.append((name, value))
-        if length < 0:
+        at = head.find(_CONNECTION)
+        if at >= 0 and (
+            head[at + 13 : head.find(b"\r\n", at + 2)].strip(b" \t") != b"keep-alive"
+            or head.find(_CONNECTION, at + 2) >= 0
+        ):
+            return None  # close, or a list: the app's path
+        at = head.find(_LENGTH)
+        if at < 0 or head.find(_LENGTH, at + 2) >= 0:
             return None
-        return cls(raw.decode("ascii", "replace"), headers, length, end + 4 + length)
+        value = head[at + 17 : head.find(b"\r\n", at + 2)].strip(b" \t")
+        if not value.isdigit() or len(value) > 18:
+            return None
+        at = head.find(_TIMEOUT)
+        timeout = None
+        if at >= 0:
+            timeout = head[at + 18 : head.find(b"\r\n", at + 2)].strip(b" \t")
+        length = int(value)
+        return cls(path.decode("ascii", "replace"), length, end + 4 + length, timeout)
+
+
+def header_lines(request: bytes) -> list[tuple[bytes, bytes]]:
+    """The header lines of a raw request, names in lower case (as ASGI gives them)."""
+    end = request.find(b"\r\n\r\n")
+    headers = []
+    for line in request[request.find(b"\r\n") + 2 : end].split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        headers.append((name.lower(), value.strip(b" \t")))
+    return headers
 
 
 class _Aborts(Protocol):
@@ -119,11 +137,11 @@ class LaneCall:
         "client",
         "connection",
         "gone",
-        "headers",
         "model",
         "path",
         "refused",
         "replica",
+        "request",
         "tried",
         "version",
     )
@@ -133,7 +151,7 @@ class LaneCall:
         app: LaneApp,
         client: LaneClient,
         head: LaneHead,
-        body: bytes,
+        request: bytes,
         arrived: float,
         model: str,
         version: str | None,
@@ -142,8 +160,8 @@ class LaneCall:
         self.app = app
         self.client = client
         self.path = head.path
-        self.headers = head.headers
-        self.body = body
+        self.request = request  # head and body, as they came and went to the replica
+        self.body = request[head.size - head.length :]
         self.arrived = arrived
         self.model = model
         self.version = version
@@ -153,9 +171,9 @@ class LaneCall:
         self.refused: Response | None = None  # its 503, passed on if no other replica answers
         self.gone = False  # the client left: nothing more is written to it
 
-    def send(self, message: bytes) -> bool:
+    def send(self) -> bool:
         """Send to the replica on an idle connection; False (nothing sent) if none is idle."""
-        self.connection = self.replica.upstream.send_lane(message, self)
+        self.connection = self.replica.upstream.send_lane(self.request, self)
         if self.connection is None:
             return False
         self.replica.in_flight += 1
@@ -188,6 +206,10 @@ class LaneCall:
             self.app.lane_attempt(self, None, time.monotonic())
             self.tried = True
         self._fail()
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return header_lines(self.request)
 
     def _fail(self) -> None:
         if not self.gone:

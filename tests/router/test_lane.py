@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lockgate.router.lane import LaneHead
+from lockgate.router.lane import LaneHead, header_lines
 from tests.conftest import RunningServer, free_port, start_server
 from tests.router.test_router import body, metric, repository, start_router
 
@@ -129,9 +129,12 @@ def test_the_head_parse_leaves_what_it_cannot_take_to_the_app_path() -> None:
     whole = raw_request(1.0)
     head = LaneHead.parse(whole + b"POST")
     assert head is not None and head.path == INFER and head.size == len(whole)
-    assert ("content-type", "application/json") in [
-        (k.decode(), v.decode()) for k, v in head.headers
-    ]
+    assert head.timeout is None
+    assert (b"content-type", b"application/json") in header_lines(whole)
+    timed = LaneHead.parse(whole.replace(b"Host: x", b"Request-Timeout:  2.5"))
+    assert timed is not None and timed.timeout == b"2.5"
+    kept = LaneHead.parse(whole.replace(b"Host: x", b"Connection: Keep-Alive"))
+    assert kept is not None
     partial = LaneHead.parse(whole[:-1])  # the body is not all in: it is to come
     assert partial is not None and partial.size == len(whole)
     assert LaneHead.parse(whole[: whole.find(b"\r\n\r\n") + 2]) is None  # nor the head
@@ -145,6 +148,8 @@ def test_the_head_parse_leaves_what_it_cannot_take_to_the_app_path() -> None:
         whole.replace(b"Host: x\r\n", b"Transfer-Encoding: chunked\r\n"),
         whole.replace(b"Host: x\r\n", b"Content-Length: 3\r\n"),
         whole.replace(b"Host: x\r\n", b" folded\r\n"),
+        whole.replace(b"Host: x\r\n", b"Connection: keep-alive, Upgrade\r\n"),
+        whole.replace(b"Content-Length", b"Content-Length "),  # not the exact header
     ):
         assert LaneHead.parse(changed) is None, changed[:120]
 
