@@ -24,10 +24,10 @@ For each request, in order:
 7. Deadlines: a `request-timeout` header (seconds) is passed on less the time already
    spent in the router; past it, 504 at once.
 
-The KServe v2 inference requests that need none of 1, 3 (a canary), 5 or the shadow below, nor
-a sticky session, take the lane (`lane.py`): passed to the replica and back from the
-connections' own callbacks, below ASGI; an attempt there that gets no answer or a 503 comes
-back to this path for its retries (6).
+The KServe v2 inference requests that need none of 1, 3 (a canary) or the shadow below, nor a
+sticky session, take the lane (`lane.py`): passed to the replica and back from the
+connections' own callbacks, below ASGI, and hedged there as in 5; an attempt there that gets
+no answer or a 503 comes back to this path for its retries (6).
 
 Answers, server-sent events included, are passed through as they arrive. A shadow
 (`shadow.py`) may copy a v2 inference request to a candidate beside it; the client's answer is
@@ -390,25 +390,23 @@ class RouterApp:
         if replica is None:
             return None
         hedge = self.settings.hedge
-        if (
-            hedge.enabled
-            and hedge.delay(model) is not None
-            and self.has_other(MAIN, now, (replica,))
-        ):
-            return None  # a hedge to time: the app's path times it
+        delay = hedge.delay(model) if hedge.enabled else None
+        if delay is not None and not self.has_other(MAIN, now, (replica,)):
+            delay = None  # no other replica could take a second copy: no hedge to time
         # passed as it came: its request-timeout less nothing but this parse
         call = LaneCall(self, client, head, request, now, model, target.version, replica)
-        if not call.send():
+        if not call.send(delay):
             return None  # no idle connection: this app's path makes one
         self.retries.request(now)
         if hedge.enabled:
             self.hedges.request(now)
         return call
 
-    def lane_attempt(self, call: LaneCall, response: Response | None, now: float) -> bool:
-        """A lane attempt ended, as `_attempt` counts one: False when it gave no answer to
-        pass on (none, or a 503)."""
-        replica = call.replica
+    def lane_attempt(
+        self, call: LaneCall, replica: Replica, response: Response | None, now: float
+    ) -> bool:
+        """A lane attempt on `replica` ended, as `_attempt` counts one: False when it gave no
+        answer to pass on (none, or a 503)."""
         replica.in_flight -= 1
         if response is None:
             self.attempts.inc((replica.url, "error"))
@@ -428,8 +426,20 @@ class RouterApp:
             self.settings.hedge.observe(call.model, now - call.arrived)
         return True
 
-    def lane_done(self, call: LaneCall, status: int, now: float) -> None:
-        """A lane request's answer has gone to its client: counted as `__call__` counts."""
+    def lane_hedge(self, call: LaneCall) -> Replica | None:
+        """The replica for a lane request's second copy, if one is usable and the hedge
+        budget allows it (as `_hedged` asks)."""
+        now = time.monotonic()
+        second = self._pick(Route(call.path, call.path), now, [c.replica for c in call.copies])
+        if second is None or not self.hedges.try_spend(now):
+            return None
+        return second
+
+    def lane_done(self, call: LaneCall, status: int, now: float, hedged: str | None) -> None:
+        """A lane request's answer has gone to its client: counted as `__call__` counts;
+        `hedged`: which copy answered first, when a second was sent."""
+        if hedged is not None:
+            self.hedged.inc((hedged,))
         labels = _STATUS.get(status) or (str(status),)
         self.requests.inc(labels)
         self.latency.observe(labels, now - call.arrived)
@@ -513,10 +523,8 @@ class RouterApp:
     ) -> tuple[Response, Replica]:
         """The answer to pass on, after retries and hedges (`lane`: the attempt made on the
         lane, which gave none)."""
-        tried: list[Replica] = [lane.replica] if lane is not None and lane.tried else []
-        last: tuple[Response, Replica] | None = None
-        if lane is not None and lane.refused is not None:
-            last = (lane.refused, lane.replica)
+        tried: list[Replica] = list(lane.tried) if lane is not None else []
+        last = lane.refused if lane is not None else None
         for attempt in range(len(tried), self.settings.max_attempts):
             now = time.monotonic()
             if attempt and not self.retries.try_spend(now):

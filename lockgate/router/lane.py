@@ -27,6 +27,7 @@ takes the app's path from the start.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -121,27 +122,63 @@ class LaneClient(Protocol):
 class LaneApp(Protocol):
     """What a lane request reports to (`app.RouterApp`)."""
 
-    def lane_attempt(self, call: LaneCall, response: Response | None, now: float) -> bool: ...
-    def lane_done(self, call: LaneCall, status: int, now: float) -> None: ...
+    def lane_attempt(
+        self, call: LaneCall, replica: Replica, response: Response | None, now: float
+    ) -> bool: ...
+    def lane_hedge(self, call: LaneCall) -> Replica | None: ...
+    def lane_done(self, call: LaneCall, status: int, now: float, hedged: str | None) -> None: ...
+
+
+class _Copy:
+    """One copy of a lane request on one replica (an `upstream.Listener`)."""
+
+    __slots__ = ("call", "connection", "replica")
+
+    def __init__(self, call: LaneCall, replica: Replica) -> None:
+        self.call = call
+        self.replica = replica
+        self.connection: _Aborts | None = None  # the replica's, while it answers
+
+    def answered(
+        self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes, body: bytes
+    ) -> None:
+        self.connection = None
+        self.call.answered(self, status, headers, raw, body)
+
+    def broke(self, answered_nothing: bool) -> None:
+        self.connection = None
+        self.call.broke(self, answered_nothing)
+
+    def abort(self) -> None:
+        """Close the replica's connection: the replica drops the work."""
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            self.replica.in_flight -= 1
+            connection.abort()
 
 
 class LaneCall:
-    """One request on the lane (an `upstream.Listener`): sent to `replica`; answered, or handed
-    to the app's path (`LaneClient.lane_failed`) with the replica tried (`tried`) and its 503
-    (`refused`) when it answered one."""
+    """One request on the lane: sent to `replica`, and after `delay` (a hedge) a second copy
+    to another replica; the first answer other than a 503 goes to the client and the other
+    copy's connection closes. With none, the request goes to the app's path
+    (`LaneClient.lane_failed`), skipping the replicas that gave no answer (`tried`) and with
+    the first 503 (`refused`) to pass on if no other replica answers."""
 
     __slots__ = (
         "app",
         "arrived",
         "body",
         "client",
-        "connection",
+        "copies",
+        "done",
         "gone",
+        "hedged",
         "model",
         "path",
         "refused",
         "replica",
         "request",
+        "timer",
         "tried",
         "version",
     )
@@ -165,65 +202,113 @@ class LaneCall:
         self.arrived = arrived
         self.model = model
         self.version = version
-        self.replica = replica
-        self.connection: _Aborts | None = None  # the replica's, while it answers
-        self.tried = False  # the replica gave no answer to pass on: the app's path skips it
-        self.refused: Response | None = None  # its 503, passed on if no other replica answers
+        self.replica = replica  # the first copy's
+        self.copies: list[_Copy] = []  # those still waiting for their answer
+        self.timer: asyncio.TimerHandle | None = None  # the hedge's
+        self.tried: list[Replica] = []  # replicas that gave no answer: the app's path skips them
+        self.refused: tuple[Response, Replica] | None = None  # the first 503 received
+        self.done = False  # answered, or handed to the app's path
+        self.hedged = False  # a second copy was sent
         self.gone = False  # the client left: nothing more is written to it
 
-    def send(self) -> bool:
-        """Send to the replica on an idle connection; False (nothing sent) if none is idle."""
-        self.connection = self.replica.upstream.send_lane(self.request, self)
-        if self.connection is None:
+    def send(self, delay: float | None) -> bool:
+        """Send to the replica on an idle connection, and time a hedge after `delay` seconds
+        (None: none); False (nothing sent) if no connection is idle."""
+        if not self._send(self.replica):
             return False
-        self.replica.in_flight += 1
+        if delay is not None:
+            self.timer = asyncio.get_running_loop().call_later(delay, self._hedge)
         return True
 
+    def _send(self, replica: Replica) -> bool:
+        copy = _Copy(self, replica)
+        copy.connection = replica.upstream.send_lane(self.request, copy)
+        if copy.connection is None:
+            return False
+        replica.in_flight += 1
+        self.copies.append(copy)
+        return True
+
+    def _hedge(self) -> None:
+        """No answer yet after the hedge delay: a second copy, if a replica and the hedge
+        budget have room and that replica has an idle connection."""
+        self.timer = None
+        if self.done or not self.copies:
+            return
+        second = self.app.lane_hedge(self)
+        if second is not None:
+            self.hedged = self._send(second)
+
     def answered(
-        self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes, body: bytes
+        self,
+        copy: _Copy,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        raw: bytes,
+        body: bytes,
     ) -> None:
-        self.connection = None
+        if copy not in self.copies:  # closed: the other copy won, or the client left
+            return
+        self.copies.remove(copy)
         now = time.monotonic()
         response = Response(status, headers)
-        if not self.app.lane_attempt(self, response, now):  # a 503: another replica may take it
-            response.put(body)
-            response.put(None)
-            self.refused, self.tried = response, True
-            self._fail()
+        if not self.app.lane_attempt(self, copy.replica, response, now):  # a 503
+            self.tried.append(copy.replica)
+            if self.refused is None:
+                response.put(body)
+                response.put(None)
+                self.refused = (response, copy.replica)
+            self._failed()
             return
+        if self.done:
+            return  # the other copy answered first
+        self._finish()
         if self.gone:
             return
         self.client.lane_answered(raw if _as_is(headers) else _rebuilt(status, headers, body))
-        self.app.lane_done(self, status, now)
+        winner = None
+        if self.hedged:
+            winner = "first" if copy.replica is self.replica else "second"
+        self.app.lane_done(self, status, now, winner)
 
-    def broke(self, answered_nothing: bool) -> None:
-        self.connection = None
-        if self.gone:  # closed for the client that left (`cancel`)
+    def broke(self, copy: _Copy, answered_nothing: bool) -> None:
+        if copy not in self.copies:  # closed: the other copy won, or the client left
             return
+        self.copies.remove(copy)
         if answered_nothing:  # most likely an idle connection the replica had closed: the
-            self.replica.in_flight -= 1  # app's path sends it again, on a new connection
+            copy.replica.in_flight -= 1  # app's path sends it again, on a new connection
         else:
-            self.app.lane_attempt(self, None, time.monotonic())
-            self.tried = True
-        self._fail()
+            self.app.lane_attempt(self, copy.replica, None, time.monotonic())
+            self.tried.append(copy.replica)
+        self._failed()
+
+    def _failed(self) -> None:
+        """A copy gave no answer to pass on: wait for the other, else the app's path."""
+        if self.done or self.copies:
+            return
+        self._finish()
+        if not self.gone:
+            self.client.lane_failed(self)
+
+    def _finish(self) -> None:
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        for other in self.copies:  # the hedge that lost: the replica drops its work
+            other.abort()
+        self.copies.clear()
+
+    def cancel(self) -> None:
+        """The client left: the replicas' connections close, and they drop the work."""
+        if self.gone:
+            return
+        self.gone = True
+        self._finish()
 
     @property
     def headers(self) -> list[tuple[bytes, bytes]]:
         return header_lines(self.request)
-
-    def _fail(self) -> None:
-        if not self.gone:
-            self.client.lane_failed(self)
-
-    def cancel(self) -> None:
-        """The client left: the replica's connection closes, and the replica drops the work."""
-        if self.gone:
-            return
-        self.gone = True
-        connection, self.connection = self.connection, None
-        if connection is not None:
-            self.replica.in_flight -= 1
-            connection.abort()
 
 
 def _as_is(headers: list[tuple[bytes, bytes]]) -> bool:

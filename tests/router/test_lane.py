@@ -159,9 +159,11 @@ class FakeReplica:
     `drop_second`: it reads the second request of each connection and closes the connection
     without answering, as a replica closing an idle connection at that moment does."""
 
-    def __init__(self, status: int, drop_second: bool = False) -> None:
+    def __init__(self, status: int, drop_second: bool = False, delay: float = 0.0) -> None:
         self.status = status
         self.drop_second = drop_second
+        self.delay = delay  # seconds before each inference answer
+        self.cut = 0  # inference requests whose client closed before their answer
         self.port = free_port()
         self.inference = 0  # answered
         self.loop = asyncio.new_event_loop()
@@ -199,6 +201,11 @@ class FakeReplica:
                 elif self.drop_second and requests == 2:
                     break
                 else:
+                    if self.delay:
+                        await asyncio.sleep(self.delay)
+                        if reader.at_eof():  # the router closed it: the other copy won
+                            self.cut += 1
+                            break
                     self.inference += 1
                     status, data = self.status, b'{"fake": %d}' % self.port
                 extra = b"retry-after: 1\r\n" if status == 503 else b""
@@ -271,3 +278,31 @@ def test_a_503_on_the_lane_is_retried_on_another_replica_or_passed_on(
         assert lane(alone, "app_path") >= 1
     finally:
         alone.stop()
+
+
+def test_a_slow_replica_is_hedged_on_the_lane(tmp_path: Path, fakes: list[FakeReplica]) -> None:
+    """One of two replicas answers after 300 ms: requests sent to it get a second copy on the
+    other after the hedge delay, the first answer goes to the client, and the slow copy's
+    connection is closed."""
+    fakes.extend([FakeReplica(200, delay=0.3), FakeReplica(200)])
+    flags = ("--hedge-delay-ms", "20", "--hedge-budget", "1")
+    router = start_router(tmp_path, "--replica", fakes[0].url, "--replica", fakes[1].url, *flags)
+    try:
+        times = []
+        with httpx.Client(base_url=router.url) as client:
+            for _ in range(20):
+                t0 = time.perf_counter()
+                r = client.post(INFER, json=body())
+                times.append(time.perf_counter() - t0)
+                assert r.status_code == 200 and r.json() == {"fake": fakes[1].port}
+        assert max(times) < 0.25, times
+        assert metric(router.url, 'lockgate_router_hedges_total{winner="second"}') >= 1
+        # the fast replica's answers stay on the lane; a closed loser's replica has no idle
+        # connection for its next request, which opens one along the app's path (hedged too)
+        assert lane(router, "answered") >= 5
+        time.sleep(0.4)  # the slow replica's copies end
+        assert fakes[0].inference == 0 and fakes[0].cut >= 1
+        replicas = httpx.get(router.url + "/router/replicas").json()["replicas"]
+        assert [r["in_flight"] for r in replicas] == [0, 0]
+    finally:
+        router.stop()

@@ -208,12 +208,14 @@ def test_hedging_cuts_the_tail_of_a_stalling_replica(
                     times.append(time.perf_counter() - t0)
             tails[name] = float(np.percentile(times, 99))
         hedges = metric(hedged.url, "lockgate_router_hedges_total")
+        on_lane = metric(hedged.url, 'lockgate_router_lane_total{outcome="answered"}')
     finally:
         plain.stop()
         hedged.stop()
     assert tails["plain"] >= 0.2, tails  # replica 2 stalls 250 ms on 5% of its calls
     assert tails["hedged"] < tails["plain"] / 2, tails
     assert 0 < hedges <= 0.2 * 400 + 1
+    assert on_lane >= 200  # most on the router's lane (`lockgate/router/lane.py`), hedged there
 
 
 def test_a_replica_killed_under_load_loses_no_request(
