@@ -359,14 +359,15 @@ def pin(pid: int, core: int) -> bool:
 
 
 def answered_by_server(server: RunningServer) -> float:
-    """Infer answers the app sent plus requests the connection gate refused."""
+    """Infer answers the app sent plus requests the connection gate refused with a 503 (the
+    other reasons close a connection and answer no request)."""
     total = 0.0
     for line in httpx.get(server.url + "/metrics").text.splitlines():
         if line.startswith('lockgate_http_request_duration_seconds_count{route="infer"'):
             total += float(line.rsplit(" ", 1)[1])
         elif line.startswith("lockgate_http_refused_total{"):
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            if reason in ("loop_lag", "requests", "model_admission"):
+            if reason in ("loop_lag", "queue_delay", "requests", "model_admission"):
                 total += float(line.rsplit(" ", 1)[1])
     return total
 
