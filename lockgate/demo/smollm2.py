@@ -51,7 +51,7 @@ def build_smollm2(folder: Path, say: Callable[[str], None]) -> None:
             "kv_cache_gib": "1.0",
             "max_model_len": "2048",
             "max_num_seqs": "64",
-            "max_num_batched_tokens": "512",
+            "max_num_batched_tokens": "1536",
             "max_waiting": "256",
         },
     }

@@ -34,6 +34,13 @@ class EngineConfig:
     gives queued prompts the budget first while any wait, and decodes what they leave, so
     first tokens come sooner and decodes pause, for at most `max_decode_stall_ms` at a time.
 
+    `max_num_batched_tokens` (1536): a larger step multiplies larger matrices, which this
+    CPU runs faster per token, so a burst of prompts is prefilled sooner. SmolLM2 at 32
+    concurrent streams of the shared 64-request workload gave 270 to 289 output tokens/s and
+    a TTFT p99 of 3.42 to 3.47 s in four runs with 1536, against 234 to 264 tokens/s and 4.2
+    to 5.2 s in three with 512 (1024: 259 to 292 tokens/s, 3.5 to 4.2 s; 2048: 282 to 295,
+    3.6 s); at 8 streams 180 against 189 tokens/s, and a TTFT p99 of 1.0 against 1.9 s.
+
     Speculative decoding (`speculative: ngram`, off by default) drafts up to
     `num_speculative_tokens` tokens per decoding sequence and step by looking up its last
     `prompt_lookup_max` down to `prompt_lookup_min` tokens earlier in its prompt and output,
@@ -45,7 +52,7 @@ class EngineConfig:
     kv_cache_blocks: int | None = None
     kv_cache_gib: float | None = 1.0
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 1536  # see the docstring
     max_waiting: int = 1024
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -12,7 +12,7 @@ A model folder whose config says `backend: llm` holds the weights in its version
 | block_size | tokens per KV block | 16 |
 | max_model_len | prompt + output tokens of one sequence | 2048 |
 | max_num_seqs | sequences in one step | 64 |
-| max_num_batched_tokens | tokens in one step (prefill chunks + decodes) | 512 |
+| max_num_batched_tokens | tokens in one step (prefill chunks + decodes) | 1536 |
 | max_waiting | waiting requests before 429 | 256 |
 | enable_prefix_caching | share KV blocks of common prefixes | true |
 | enable_chunked_prefill | split long prompts across steps | true |
@@ -90,7 +90,7 @@ def engine_config_from(config: ModelConfig) -> EngineConfig:
         kv_cache_blocks=blocks,  # type: ignore[arg-type]
         kv_cache_gib=None if blocks is not None else number("kv_cache_gib", float, 1.0),  # type: ignore[arg-type]
         max_num_seqs=number("max_num_seqs", int, 64),  # type: ignore[arg-type]
-        max_num_batched_tokens=number("max_num_batched_tokens", int, 512),  # type: ignore[arg-type]
+        max_num_batched_tokens=number("max_num_batched_tokens", int, 1536),  # type: ignore[arg-type]
         max_waiting=number("max_waiting", int, 256),  # type: ignore[arg-type]
         enable_prefix_caching=flag("enable_prefix_caching", True),
         enable_chunked_prefill=flag("enable_chunked_prefill", True),
