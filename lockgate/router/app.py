@@ -412,17 +412,10 @@ class RouterApp:
             self.attempts.inc((replica.url, "error"))
             self._failed(replica)
             return False
-        status = response.status
-        self.attempts.inc((replica.url, _STATUS_TEXT.get(status) or str(status)))
-        if status == 503:
-            replica.refused(now, self.pool.health)
+        self._answered_by(replica, response, now)
+        if response.status == 503:
             return False
-        if status >= 500 and status != 504:
-            self._failed(replica)
-        else:
-            reported = response.header(b"x-lockgate-inflight")
-            replica.succeeded(int(reported) if reported and reported.isdigit() else None)
-        if status == 200 and self.settings.hedge.enabled:
+        if response.status == 200 and self.settings.hedge.enabled:
             self.settings.hedge.observe(call.model, now - call.arrived)
         return True
 
@@ -595,16 +588,21 @@ class RouterApp:
                 raise Failure(str(exc)) from exc
         finally:
             replica.in_flight -= 1
-        now = time.monotonic()
-        self.attempts.inc((replica.url, str(response.status)))
-        if response.status == 503:
+        self._answered_by(replica, response, time.monotonic())
+        return response
+
+    def _answered_by(self, replica: Replica, response: Response, now: float) -> None:
+        """Count an answer of `replica` and what it says of the replica: full (503),
+        failing (another 5xx but 504), else healthy, with its reported load."""
+        status = response.status
+        self.attempts.inc((replica.url, _STATUS_TEXT.get(status) or str(status)))
+        if status == 503:
             replica.refused(now, self.pool.health)
-        elif response.status >= 500 and response.status != 504:
+        elif status >= 500 and status != 504:
             self._failed(replica)
         else:
             reported = response.header(b"x-lockgate-inflight")
             replica.succeeded(int(reported) if reported and reported.isdigit() else None)
-        return response
 
     def _failed(self, replica: Replica) -> None:
         if replica.failed(time.monotonic(), self.pool.health):

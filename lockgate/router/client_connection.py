@@ -27,7 +27,6 @@ they are a replica's, which httptools parsed, or the router's own.
 from __future__ import annotations
 
 import asyncio
-import http
 import logging
 import re
 import urllib.parse
@@ -39,6 +38,7 @@ from typing import Any
 import httptools
 
 from lockgate.router.lane import LANE_SCOPE, LaneCall, LaneHead
+from lockgate.router.upstream import STATUS_LINES
 
 log = logging.getLogger("lockgate.router")
 
@@ -54,17 +54,6 @@ _BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 _BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"date", b"server"})
-
-
-def _status_line(status: int) -> bytes:
-    try:
-        phrase = http.HTTPStatus(status).phrase.encode()
-    except ValueError:
-        phrase = b""
-    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
-
-
-_STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
 
 
 @dataclass(slots=True)
@@ -141,7 +130,7 @@ class ClientConnection(asyncio.Protocol):
         self.write_paused = False
 
     def data_received(self, data: bytes) -> None:
-        self._cancel_idle_timer()
+        self._busy()
         if self.lane is not None:  # answers leave in order: this waits for the lane's
             self.held += data
             self._pause_reading()
@@ -368,7 +357,7 @@ class ClientConnection(asyncio.Protocol):
         elif not self.transport.is_closing():
             self.transport.close()
 
-    def _cancel_idle_timer(self) -> None:
+    def _busy(self) -> None:
         """The connection is busy: the idle timer, when it fires, waits for it to go idle."""
         self.idle_since = None
 
@@ -384,7 +373,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _bad_request(self) -> None:
         body = b"Invalid HTTP request received."
-        head = [_STATUS_LINE[400]]
+        head = [STATUS_LINES[400]]
         head += [name + b": " + value + b"\r\n" for name, value in self.state.default_headers]
         head.append(b"content-type: text/plain; charset=utf-8\r\n")
         head.append(b"content-length: %d\r\n" % len(body))
@@ -563,7 +552,7 @@ class _Exchange:
             default = b"".join([b"%s: %s\r\n" % h for h in defaults if h[0] not in own])
         else:
             default = _DEFAULT_HEAD.of(defaults)
-        lines = [_STATUS_LINE[status], default]
+        lines = [STATUS_LINES[status], default]
         lines += [b"%s: %s\r\n" % header for header in headers]
         if not self.keep_alive and not close:
             lines.append(b"connection: close\r\n")

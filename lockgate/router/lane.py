@@ -30,17 +30,16 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Protocol
 
 from lockgate.router.replica import Replica
-from lockgate.router.upstream import HOP_BY_HOP, Response
+from lockgate.router.upstream import HOP_BY_HOP, STATUS_LINES, Response
 
 LANE_SCOPE = "lockgate.lane"  # in the scope of a request the lane hands to the app's path
 _LINE_START = b"POST /v2/models/"
 _LINE_END = b"/infer HTTP/1.1"
 # header lines that leave a request to the app's path (searched for in the lowered head)
-_APP_PATH = (b"\r\ntransfer-encoding:", b"\r\nexpect:", b"\r\nupgrade:", b"\r\n ", b"\r\n\t")
+_LEAVE_TO_APP = (b"\r\ntransfer-encoding:", b"\r\nexpect:", b"\r\nupgrade:", b"\r\n ", b"\r\n\t")
 _LENGTH = b"\r\ncontent-length:"
 _CONNECTION = b"\r\nconnection:"
 _TIMEOUT = b"\r\nrequest-timeout:"
@@ -75,7 +74,7 @@ class LaneHead:
         if b" " in path or b"%" in path or b"?" in path:
             return None
         head = data[first : end + 2].lower()  # every header line starts with \r\n
-        for token in _APP_PATH:
+        for token in _LEAVE_TO_APP:
             if token in head:
                 return None
         at = head.find(_CONNECTION)
@@ -167,12 +166,12 @@ class LaneCall:
     __slots__ = (
         "app",
         "arrived",
-        "body",
         "client",
         "copies",
         "done",
         "gone",
         "hedged",
+        "length",
         "model",
         "path",
         "refused",
@@ -198,7 +197,7 @@ class LaneCall:
         self.client = client
         self.path = head.path
         self.request = request  # head and body, as they came and went to the replica
-        self.body = request[head.size - head.length :]
+        self.length = head.length  # of the body, at the end of `request`
         self.arrived = arrived
         self.model = model
         self.version = version
@@ -308,7 +307,12 @@ class LaneCall:
 
     @property
     def headers(self) -> list[tuple[bytes, bytes]]:
+        """The request's header lines (split only on the way to the app's path)."""
         return header_lines(self.request)
+
+    @property
+    def body(self) -> bytes:
+        return self.request[len(self.request) - self.length :]
 
 
 def _as_is(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -327,12 +331,5 @@ def _rebuilt(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> by
     """The answer with its head built as the app's path builds it: hop-by-hop headers out,
     framed by the length of its (whole, decoded) body."""
     kept = [b"%s: %s\r\n" % (k, v) for k, v in headers if k not in HOP_BY_HOP]
-    line = b"HTTP/1.1 %d %s\r\n" % (status, _reason(status))
+    line = STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status
     return line + b"".join(kept) + b"content-length: %d\r\n\r\n" % len(body) + body
-
-
-def _reason(status: int) -> bytes:
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b""

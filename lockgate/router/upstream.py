@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -42,6 +43,17 @@ HOP_BY_HOP = frozenset(
         b"expect",  # the body goes with the head; a 100 Continue would pass for the answer
     }
 )
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        phrase = http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        phrase = b""
+    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+
+
+STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}  # with their \r\n
 
 
 class UpstreamError(Exception):
