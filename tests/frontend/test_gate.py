@@ -161,7 +161,11 @@ def test_by_default_more_refusals_than_answers_pause_for_up_to_the_whole_budget(
 
 def test_loop_cost_is_the_loop_cpu_per_answered_request() -> None:
     cost = LoopCost(window=0.1, least=4, weight=0.5)
-    cost.sample(0.0, 10.0)  # starts the first window
+    cost.sample(-0.2, 9.0)  # starts the first window: first-time costs, not counted
+    for _ in range(4):
+        cost.answer()
+    cost.sample(0.0, 10.0)  # 1 s of CPU for 4 answers
+    assert cost.per_request == 0.0
     for _ in range(10):
         cost.answer()
     cost.sample(0.05, 10.002)  # the window is not over: nothing yet
@@ -174,15 +178,41 @@ def test_loop_cost_is_the_loop_cpu_per_answered_request() -> None:
     assert cost.per_request == pytest.approx(0.0004)
     for _ in range(8):
         cost.answer()
-    cost.sample(0.3, 10.012)  # 8 ms for 10: 0.8 ms, half weight
-    assert cost.per_request == pytest.approx(0.0006)
-    assert cost.wait(5) == pytest.approx(0.003)
+    cost.sample(0.3, 10.012)  # 8 ms for 10, with half of the 4 ms for 10 before
+    assert cost.per_request == pytest.approx(0.010 / 15)
+    assert cost.wait(3) == pytest.approx(0.002)
+
+
+def test_a_few_costly_first_answers_count_as_few() -> None:
+    """A cold server's first answers (16 for 120 ms of loop CPU, as measured) are not counted,
+    and a costly window after them does not make the next second's arrivals look late: the
+    windows after it count by their answers."""
+    cost = LoopCost(window=0.1, least=8, weight=0.3)
+    cost.sample(0.0, 0.0)
+    for _ in range(16):
+        cost.answer()
+    cost.sample(0.2, 0.120)  # the first window: not counted
+    assert cost.per_request == 0.0
+    for _ in range(15):
+        cost.answer()
+    cost.sample(0.31, 0.249)  # had it been the first, costlier still
+    assert cost.per_request == pytest.approx(0.0086)
+    for _ in range(320):
+        cost.answer()
+    cost.sample(0.42, 0.342)  # 93 ms for 320
+    assert cost.per_request < 0.6e-3
+    for _ in range(440):
+        cost.answer()
+    cost.sample(0.53, 0.442)  # 100 ms for 440
+    assert cost.per_request < 0.35e-3
+    assert cost.wait(31) < 0.011  # 31 requests in progress: well inside a 50 ms SLO
 
 
 def test_refusals_count_in_the_loop_cost_at_their_share() -> None:
     """A storm of refusals does not make each answer look as costly as all the loop's CPU."""
     gate = Gate(GateSettings(penalty_pause=0.0))
     cost = gate.loop_cost
+    cost.warm = True  # past the first window
     cost.sample(0.0, 0.0)
     for _ in range(10):
         cost.answer()
