@@ -173,17 +173,14 @@ class QueueDelay:
 @dataclass(slots=True)
 class LoopCost:
     """The event loop's CPU seconds per answered request, over windows of `window` seconds with
-    at least `least` answers. Pure: the caller gives the clock and the loop thread's CPU time.
+    at least `least` answers (an exponential average across windows, newest weight
+    `weight`). Pure: the caller gives the clock and the loop thread's CPU time.
 
-    Across windows, the loop's CPU and the answers are summed, each sum fading by `weight` per
-    window, and divided: each window counts by its answers, not once. A server's first
-    answers cost tens of times the rest (connections opened, code paths run the first time:
-    15 answers for 129 ms of CPU, where the next windows took 100 ms for 300 to 900); taken
-    as one window in an average of windows, they made every arrival for the next second look
-    tens of milliseconds late, and a closed loop of 32 clients was refused a fifth of its
-    requests on a model answering in 3 ms. The first window of all is not counted: those
-    first-time costs are most of it (16 answers for 120 ms of CPU left 50 refusals in the next
-    100 ms, even counted by its answers).
+    The first window of all is not counted. A server's first answers cost tens of times the
+    rest (connections opened, code paths run for the first time: 15 answers for 129 ms of
+    CPU, where the next windows took 100 ms for 300 to 900 answers); counted, they made
+    every arrival for the next second look tens of milliseconds late, and a closed loop of 32
+    clients on a model answering in 3 ms was refused a fifth of its requests.
 
     Requests let through on arrival wait for the loop's work already taken on: their
     handlers run after those of the requests in progress. Admission on arrival multiplies
@@ -200,8 +197,6 @@ class LoopCost:
     started: float | None = None  # when the current window began
     cpu_at_start: float = 0.0
     answered: float = 0.0  # answers, and refusals at REFUSAL_SHARE each
-    cpu_total: float = 0.0  # the windows' CPU seconds, each window's faded by `weight` since
-    answers_total: float = 0.0  # their answers, faded alike
     warm: bool = False  # the first window with enough answers is over (and not counted)
 
     def answer(self) -> None:
@@ -216,10 +211,9 @@ class LoopCost:
         if self.started is not None and self.answered >= self.least and not self.warm:
             self.warm = True
         elif self.started is not None and self.answered >= self.least:
-            keep = 1.0 - self.weight
-            self.cpu_total = keep * self.cpu_total + (cpu - self.cpu_at_start)
-            self.answers_total = keep * self.answers_total + self.answered
-            self.per_request = self.cpu_total / self.answers_total
+            cost = (cpu - self.cpu_at_start) / self.answered
+            old = self.per_request
+            self.per_request = cost if not old else old + self.weight * (cost - old)
         if (
             self.started is None
             or self.answered >= self.least
