@@ -22,7 +22,12 @@ The rule, for a model with a latency SLO (all times in seconds):
   any size, sizes it has not measured are predicted from those it has: between two of them
   by a straight line, above the largest, B* by B, as rows·(its time per row). That
   overestimates a batch that amortises a fixed cost, so the cap grows only as batches of the
-  larger size are measured, never past what traffic has shown.
+  larger size are measured, never past what traffic has shown. Traffic's very first batch
+  is not counted at all: it runs cold (a worker thread started, caches filled, first-time
+  code paths), at several times its size's real cost (4.6 ms for one row of a scikit-learn
+  model whose batches under the same load took 1 to 2 ms), and taken as the figure for its
+  size, then per row for every size above it, it had perf_analyzer's first requests at 16
+  concurrent refused as certain to miss a 50 ms SLO.
 - Batches of one size vary with their inputs. The ratios of the last 64 batches' times to
   their predictions give `tail`, their 90th percentile over their median (1 to 3), each
   batch weighed by its time: how much longer a slow batch runs. Admission plans with it
@@ -71,6 +76,7 @@ class ServiceProfile:
     ratios: deque[float] = field(default_factory=lambda: deque([1.0, 1.0], maxlen=3))
     settle: int = 3  # traffic's first batches at a size whose median replaces warmup's figure
     sealed: bool = False  # warmup ended: traffic's figures replace warmup's
+    cold: bool = True  # traffic's first batch, which is not counted, is still to come
     traffic: set[int] = field(default_factory=set)  # sizes traffic has measured
     measured: list[int] = field(default_factory=list)  # the same, ascending
     first: dict[int, list[float]] = field(default_factory=dict)  # traffic's first, unscaled
@@ -91,6 +97,9 @@ class ServiceProfile:
         a page fault) counts as `outlier` times the average, so one stall cannot move it far.
         The scale follows a lasting change within about a second."""
         now = time.monotonic() if now is None else now
+        if self.sealed and self.cold:
+            self.cold = False  # traffic's first batch ran cold: not its size's cost
+            return
         if self.sealed and (batch_size not in self.traffic or batch_size in self.first):
             self._settle(batch_size, seconds)
             return
