@@ -72,10 +72,18 @@ class Executor:
         cached = config.response_cache.enable
         digest = ""
         if cached:
+            metrics, labels = self.models.metrics, (config.name, str(served.version))
+            looked = time.monotonic()
             digest = request_key(config.name, served.version, request.inputs, request.outputs)
             hit = await self.cache.get(config.name, served.version, config.response_cache, digest)
+            done = time.monotonic()
             if hit is not None:
+                metrics.cache_hit_latency.observe(labels, done - looked)
+                metrics.requests.inc((*labels, "success"))
+                metrics.request_latency.observe(labels, done - request.arrival, request.trace_id)
+                served.last_inference_ms = int(time.time() * 1000)
                 return Answer(hit.outputs, served, "cache")
+            metrics.cache_miss_latency.observe(labels, done - looked)
         try:
             if cached and config.response_cache.coalesce:
                 key = f"{config.name}:{served.version}:{digest}"
@@ -112,6 +120,24 @@ class Executor:
             raise BackendError(
                 f"model '{request.model}': compositions nest deeper than {MAX_DEPTH}"
             )
+        labels = (served.config.name, str(served.version))
+        metrics = self.models.metrics
+        try:
+            outputs = await self._compose(request, served, depth)
+        except ServingError as error:
+            metrics.requests.inc((*labels, error.kind))
+            raise
+        # counted as the model's own answers (GET /v2/models/{m}/stats, /metrics): one
+        # execution of the composition per request; its steps count in their own models
+        done = time.monotonic()
+        metrics.requests.inc((*labels, "success"))
+        metrics.request_latency.observe(labels, done - request.arrival, request.trace_id)
+        metrics.batch_size.observe(labels, request.rows)
+        served.last_inference_ms = int(time.time() * 1000)
+        return outputs
+
+    async def _compose(self, request: InferRequest, served: ServedVersion, depth: int) -> Arrays:
+        service = served.service
         ctx = Context(self, request, depth + 1)
         if isinstance(service, Ensemble):
             outputs = await service.run(request.inputs, ctx)

@@ -15,6 +15,8 @@ class ServingMetrics:
     queue_latency: Histogram
     compute_latency: Histogram
     batch_size: Histogram
+    cache_hit_latency: Histogram  # requests answered from the response cache
+    cache_miss_latency: Histogram  # response-cache lookups that found nothing
     batches: Counter
     queue_depth: Gauge
     inflight: Gauge
@@ -53,6 +55,16 @@ class ServingMetrics:
             ),
             batch_size=registry.histogram(
                 "lockgate_batch_size", "Rows per executed batch.", mv, BATCH_BUCKETS
+            ),
+            cache_hit_latency=registry.histogram(
+                "lockgate_cache_hit_duration_seconds",
+                "Time to answer a request from the response cache, in seconds.",
+                mv,
+            ),
+            cache_miss_latency=registry.histogram(
+                "lockgate_cache_miss_duration_seconds",
+                "Time a response-cache lookup took that found no answer, in seconds.",
+                mv,
             ),
             batches=registry.counter("lockgate_batches_total", "Batches executed.", mv),
             queue_depth=registry.gauge(

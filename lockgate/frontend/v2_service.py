@@ -312,6 +312,16 @@ class V2Service:
         failures = sum(
             v for k, v in m.requests.values().items() if k[:2] == labels and k[2] != "success"
         )
+        hits = m.cache_hit_latency.totals(labels)
+        if served.service is not None:
+            # a composition has no queue of its own (its steps wait in their models' queues,
+            # counted there): each request passes it at once. Counted, as Triton counts an
+            # ensemble's, so perf_analyzer finds the model's requests in its statistics
+            queue = (e2e[0] + int(failures), 0.0)
+        elif hits[0]:
+            # as Triton counts them: a request answered from the cache passed the queue at
+            # once (its queue time is the time before the lookup: none here)
+            queue = (queue[0] + hits[0], queue[1])
         return ModelStats(
             name=served.config.name,
             version=str(served.version),
@@ -324,6 +334,8 @@ class V2Service:
             compute_input=_duration(computes, batcher.input_seconds if batcher else 0.0),
             compute_infer=_duration(computes, compute_seconds),
             compute_output=_duration(computes, batcher.output_seconds if batcher else 0.0),
+            cache_hit=_duration(*hits),
+            cache_miss=_duration(*m.cache_miss_latency.totals(labels)),
             batch_stats=[],
         )
 

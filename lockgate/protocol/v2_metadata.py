@@ -13,7 +13,13 @@ from typing import Any
 
 import msgspec
 
-from lockgate.config import ModelConfig, TensorSpec, VersionPolicyKind, WarmupSample
+from lockgate.config import (
+    EnsembleStep,
+    ModelConfig,
+    TensorSpec,
+    VersionPolicyKind,
+    WarmupSample,
+)
 
 Document = dict[str, Any]
 
@@ -78,7 +84,20 @@ def model_config(config: ModelConfig, runtime: Runtime) -> Document:
     }
     if config.dynamic_batching is not None:
         doc["dynamic_batching"] = _dynamic_batching(config)
+    if config.response_cache.enable:
+        doc["response_cache"] = {"enable": True}
+    if config.ensemble:
+        doc["ensemble_scheduling"] = {"step": [_ensemble_step(step) for step in config.ensemble]}
     return doc
+
+
+def _ensemble_step(step: EnsembleStep) -> dict[str, Any]:
+    return {
+        "model_name": step.model,
+        "model_version": -1 if step.version is None else step.version,
+        "input_map": dict(step.input_map),
+        "output_map": dict(step.output_map),
+    }
 
 
 def _version_policy(config: ModelConfig) -> dict[str, Any]:
