@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import ROOT, RunningServer, start_server
+from tests.conftest import ROOT, RunningServer, free_port, start_server
 
 PERF_ANALYZER = ROOT / ".venv-perf" / "bin" / "perf_analyzer_wrapped"
 
@@ -67,13 +67,15 @@ def composed(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "digits_chain",
         {"backend": "ensemble", "ensemble": [{"model": "digits_onnx", **maps}]},
     )
-    server = start_server(repo, tmp_path_factory.mktemp("composed-server"), "--no-llm")
+    tmp = tmp_path_factory.mktemp("composed-server")
+    server = start_server(repo, tmp, "--no-llm", grpc_port=free_port())
     yield server
     server.stop()
 
 
-def _perf_analyzer(server: RunningServer, model: str) -> str:
-    command = [str(PERF_ANALYZER), "-m", model, "-u", server.address, "-i", "http"]
+def _perf_analyzer(server: RunningServer, model: str, protocol: str = "http") -> str:
+    address = server.grpc_address if protocol == "grpc" else server.address
+    command = [str(PERF_ANALYZER), "-m", model, "-u", address, "-i", protocol]
     command += ["--concurrency-range", "2", "--measurement-interval", "500"]
     command += ["--max-trials", "3", "--stability-percentage", "100"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
@@ -81,12 +83,15 @@ def _perf_analyzer(server: RunningServer, model: str) -> str:
     return done.stdout
 
 
-def test_perf_analyzer_measures_an_ensemble_and_its_steps(composed: RunningServer) -> None:
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzer_measures_an_ensemble_and_its_steps(
+    composed: RunningServer, protocol: str
+) -> None:
     config = httpx.get(f"{composed.url}/v2/models/digits_chain/config").json()
     assert config["platform"] == "ensemble"
     assert config["ensemble_scheduling"]["step"][0]["model_name"] == "digits_onnx"
     assert config["ensemble_scheduling"]["step"][0]["model_version"] == -1
-    out = _perf_analyzer(composed, "digits_chain")
+    out = _perf_analyzer(composed, "digits_chain", protocol)
     assert "Composing models" in out and "digits_onnx, version: 1" in out
 
 
@@ -105,9 +110,10 @@ def test_perf_analyzer_measures_a_cached_model(composed: RunningServer) -> None:
     assert phases["success"]["count"] >= phases["cache_hit"]["count"]
 
 
-def test_perf_analyzer_measures_a_cascade(composed: RunningServer) -> None:
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzer_measures_a_cascade(composed: RunningServer, protocol: str) -> None:
     before = httpx.get(f"{composed.url}/v2/models/digits_cascade/stats").json()["model_stats"][0]
-    _perf_analyzer(composed, "digits_cascade")
+    _perf_analyzer(composed, "digits_cascade", protocol)
     after = httpx.get(f"{composed.url}/v2/models/digits_cascade/stats").json()["model_stats"][0]
     served = (
         after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"]

@@ -435,8 +435,45 @@ class ModelTransactionPolicy(_message.Message):
     decoupled: bool
     def __init__(self, decoupled: bool = ...) -> None: ...
 
+class ModelEnsembling(_message.Message):
+    __slots__ = ("step",)
+    class Step(_message.Message):
+        __slots__ = ("model_name", "model_version", "input_map", "output_map")
+        class InputMapEntry(_message.Message):
+            __slots__ = ("key", "value")
+            KEY_FIELD_NUMBER: _ClassVar[int]
+            VALUE_FIELD_NUMBER: _ClassVar[int]
+            key: str
+            value: str
+            def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+        class OutputMapEntry(_message.Message):
+            __slots__ = ("key", "value")
+            KEY_FIELD_NUMBER: _ClassVar[int]
+            VALUE_FIELD_NUMBER: _ClassVar[int]
+            key: str
+            value: str
+            def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+        MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+        MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+        INPUT_MAP_FIELD_NUMBER: _ClassVar[int]
+        OUTPUT_MAP_FIELD_NUMBER: _ClassVar[int]
+        model_name: str
+        model_version: int
+        input_map: _containers.ScalarMap[str, str]
+        output_map: _containers.ScalarMap[str, str]
+        def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[int] = ..., input_map: _Optional[_Mapping[str, str]] = ..., output_map: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: _containers.RepeatedCompositeFieldContainer[ModelEnsembling.Step]
+    def __init__(self, step: _Optional[_Iterable[_Union[ModelEnsembling.Step, _Mapping]]] = ...) -> None: ...
+
+class ModelResponseCache(_message.Message):
+    __slots__ = ("enable",)
+    ENABLE_FIELD_NUMBER: _ClassVar[int]
+    enable: bool
+    def __init__(self, enable: bool = ...) -> None: ...
+
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "backend", "version_policy", "max_batch_size", "input", "output", "dynamic_batching", "instance_group", "default_model_filename", "parameters", "model_warmup", "model_transaction_policy")
+    __slots__ = ("name", "platform", "backend", "version_policy", "max_batch_size", "input", "output", "dynamic_batching", "ensemble_scheduling", "instance_group", "default_model_filename", "parameters", "model_warmup", "model_transaction_policy", "response_cache")
     class ParametersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -452,11 +489,13 @@ class ModelConfig(_message.Message):
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    ENSEMBLE_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_GROUP_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MODEL_FILENAME_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_WARMUP_FIELD_NUMBER: _ClassVar[int]
     MODEL_TRANSACTION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_CACHE_FIELD_NUMBER: _ClassVar[int]
     name: str
     platform: str
     backend: str
@@ -465,12 +504,14 @@ class ModelConfig(_message.Message):
     input: _containers.RepeatedCompositeFieldContainer[ModelInput]
     output: _containers.RepeatedCompositeFieldContainer[ModelOutput]
     dynamic_batching: ModelDynamicBatching
+    ensemble_scheduling: ModelEnsembling
     instance_group: _containers.RepeatedCompositeFieldContainer[ModelInstanceGroup]
     default_model_filename: str
     parameters: _containers.MessageMap[str, ModelParameter]
     model_warmup: _containers.RepeatedCompositeFieldContainer[ModelWarmup]
     model_transaction_policy: ModelTransactionPolicy
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ..., model_warmup: _Optional[_Iterable[_Union[ModelWarmup, _Mapping]]] = ..., model_transaction_policy: _Optional[_Union[ModelTransactionPolicy, _Mapping]] = ...) -> None: ...
+    response_cache: ModelResponseCache
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., ensemble_scheduling: _Optional[_Union[ModelEnsembling, _Mapping]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ..., model_warmup: _Optional[_Iterable[_Union[ModelWarmup, _Mapping]]] = ..., model_transaction_policy: _Optional[_Union[ModelTransactionPolicy, _Mapping]] = ..., response_cache: _Optional[_Union[ModelResponseCache, _Mapping]] = ...) -> None: ...
 
 class ModelStatisticsRequest(_message.Message):
     __slots__ = ("name", "version")
