@@ -21,6 +21,16 @@ import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PERF_ANALYZER = ROOT / ".venv-perf" / "bin" / "perf_analyzer_wrapped"  # install-perf-analyzer.sh
+
+
+def http_post(path: str, body: bytes, port: int) -> bytes:
+    """A raw HTTP/1.1 POST of a JSON `body` to `path`, kept alive."""
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
 
 
 def free_port() -> int:

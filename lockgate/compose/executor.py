@@ -79,9 +79,7 @@ class Executor:
             done = time.monotonic()
             if hit is not None:
                 metrics.cache_hit_latency.observe(labels, done - looked)
-                metrics.requests.inc((*labels, "success"))
-                metrics.request_latency.observe(labels, done - request.arrival, request.trace_id)
-                served.last_inference_ms = int(time.time() * 1000)
+                self._answered(request, served, done)
                 return Answer(hit.outputs, served, "cache")
             metrics.cache_miss_latency.observe(labels, done - looked)
         try:
@@ -121,20 +119,23 @@ class Executor:
                 f"model '{request.model}': compositions nest deeper than {MAX_DEPTH}"
             )
         labels = (served.config.name, str(served.version))
-        metrics = self.models.metrics
         try:
             outputs = await self._compose(request, served, depth)
         except ServingError as error:
-            metrics.requests.inc((*labels, error.kind))
+            self.models.metrics.requests.inc((*labels, error.kind))
             raise
-        # counted as the model's own answers (GET /v2/models/{m}/stats, /metrics): one
-        # execution of the composition per request; its steps count in their own models
-        done = time.monotonic()
+        # one execution of the composition per request; its steps count in their own models
+        self.models.metrics.batch_size.observe(labels, request.rows)
+        self._answered(request, served, time.monotonic())
+        return outputs
+
+    def _answered(self, request: InferRequest, served: ServedVersion, done: float) -> None:
+        """Count an answer no batcher counted (a cache hit, a composition's) as the model's
+        own, for GET /v2/models/{m}/stats and /metrics."""
+        metrics, labels = self.models.metrics, (served.config.name, str(served.version))
         metrics.requests.inc((*labels, "success"))
         metrics.request_latency.observe(labels, done - request.arrival, request.trace_id)
-        metrics.batch_size.observe(labels, request.rows)
         served.last_inference_ms = int(time.time() * 1000)
-        return outputs
 
     async def _compose(self, request: InferRequest, served: ServedVersion, depth: int) -> Arrays:
         service = served.service

@@ -208,12 +208,12 @@ class LoopCost:
     def sample(self, now: float, cpu: float) -> None:
         if self.started is not None and now - self.started < self.window:
             return
-        if self.started is not None and self.answered >= self.least and not self.warm:
+        if self.started is not None and self.answered >= self.least:
+            if self.warm:
+                cost = (cpu - self.cpu_at_start) / self.answered
+                old = self.per_request
+                self.per_request = cost if not old else old + self.weight * (cost - old)
             self.warm = True
-        elif self.started is not None and self.answered >= self.least:
-            cost = (cpu - self.cpu_at_start) / self.answered
-            old = self.per_request
-            self.per_request = cost if not old else old + self.weight * (cost - old)
         if (
             self.started is None
             or self.answered >= self.least

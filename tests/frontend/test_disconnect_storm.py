@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, http_post
 
 CLIENTS = 200
 LLM_MODEL = "SmolLM2-135M-Instruct"
@@ -35,14 +35,6 @@ def wait_for_zero(
         if time.monotonic() - start > within:
             pytest.fail(f"still busy {within} s after the clients left: {values}")
         time.sleep(0.05)
-
-
-def http_post(path: str, body: bytes, port: int) -> bytes:
-    head = (
-        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
-        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
 
 
 async def hang_up(port: int, raw: bytes, read_first: bool, linger: float) -> bool:

@@ -28,7 +28,7 @@ from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
 from lockgate.protocol.v2_codec import tensor_bytes
 from tests.conftest import (
-    ROOT,
+    PERF_ANALYZER,
     RunningServer,
     _write_python_model,
     digits_rows,
@@ -36,7 +36,6 @@ from tests.conftest import (
     start_server,
 )
 
-PERF_ANALYZER = ROOT / ".venv-perf" / "bin" / "perf_analyzer_wrapped"
 TEXT = np.array([[b"the weather is lovely today"], ["caf\u00e9 cr\u00e8me".encode()]], dtype=object)
 
 

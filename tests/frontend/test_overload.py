@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from benchmarks.overload_real import minilm_bodies as benchmark_bodies
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, http_post, start_server
 
 SLO_S = 0.500  # the latency objective, sent as each request's timeout
 SERVICE_S = 0.050  # the model sleeps this long per batch, whatever its size
@@ -510,11 +510,10 @@ def test_a_cold_server_admits_a_closed_loop_well_inside_its_slo(
     body = json.dumps(
         {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}
     ).encode()
-    head = "POST /v2/models/digits_onnx/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-    head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     server = start_server(repo, tmp_path)
     try:
-        statuses = asyncio.run(_raw_closed_loop(server.port, head.encode() + body, 32, 2.0))
+        request = http_post("/v2/models/digits_onnx/infer", body, server.port)
+        statuses = asyncio.run(_raw_closed_loop(server.port, request, 32, 2.0))
     finally:
         server.stop()
     total = sum(statuses.values())

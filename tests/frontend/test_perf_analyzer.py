@@ -15,9 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import ROOT, RunningServer, free_port, start_server
-
-PERF_ANALYZER = ROOT / ".venv-perf" / "bin" / "perf_analyzer_wrapped"
+from tests.conftest import PERF_ANALYZER, RunningServer, free_port, start_server
 
 pytestmark = pytest.mark.skipif(
     not PERF_ANALYZER.exists(),

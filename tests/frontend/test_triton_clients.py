@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tests.conftest import ROOT, RunningServer, digits_rows
-
-PERF_ANALYZER = ROOT / ".venv-perf" / "bin" / "perf_analyzer_wrapped"
+from tests.conftest import PERF_ANALYZER, RunningServer, digits_rows
 
 
 @pytest.fixture(scope="module")
