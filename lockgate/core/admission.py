@@ -63,6 +63,23 @@ class QueueState:
     opens: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """When a request joining the queue now would be answered, and the batch it would ride."""
+
+    finish: float  # time.monotonic() seconds
+    batch: int  # rows planned in its batch
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """An admitted request's prediction, which its answer is compared with."""
+
+    predicted: float  # seconds from admission to the answer, the margin included
+    margin: float  # the calibration margin in it
+    batch: int  # rows planned in its batch
+
+
 _ERROR = operator.itemgetter(1)  # of a calibration entry (when, error)
 
 
@@ -88,6 +105,11 @@ class Calibration:
         self._since += 1
         if self._since >= 8 or len(self.errors) < 32:  # refresh every few requests
             self._refresh()
+
+    def clear(self) -> None:
+        self.errors.clear()
+        self.margin = 0.0
+        self._since = 0
 
     def current(self, now: float) -> float:
         """The margin, once errors past the horizon are dropped."""
@@ -116,14 +138,15 @@ class Admission:
             settings.calibration_quantile,
             settings.calibration_horizon,
         )
+        self._reshaped = 0.0  # the profile's last reshape the calibration has forgotten
 
     def predicted_finish(self, request: InferRequest, now: float, queue: QueueState) -> float:
         """When the request would be answered if it joined the queue now."""
-        return self._finish(request.rows, now, queue)
+        return self.plan(request.rows, now, queue).finish
 
-    def _finish(self, rows: int, now: float, queue: QueueState) -> float:
+    def plan(self, rows: int, now: float, queue: QueueState) -> Plan:
         if not queue.free_at:
-            return now
+            return Plan(now, rows)
         cap = max(1, queue.cap)
         rows += queue.rows_ahead
         k = max(1, math.ceil(rows / cap))  # the request rides in the k-th batch
@@ -138,11 +161,13 @@ class Admission:
             free = queue.opens
         # If it waits, requests admitted after it join its batch until the batch leaves, so
         # the batch it rides in is planned full; if not, it is the first batch: all it holds.
-        own = t_cap if k > 1 or free > now else profile.service_time(rows)
+        batch = cap if k > 1 or free > now else rows
+        own = t_cap if batch == cap else profile.service_time(rows)
         # Planned as slow batches: each runs up to `tail` times the typical, and the excess of
         # several independent batches adds in quadrature (a long queue averages it out).
         spread = math.sqrt(waiting * waiting + ahead * t_cap * t_cap + own * own)
-        return max(now, free) + ahead * t_cap + own + (profile.tail - 1.0) * spread
+        finish = max(now, free) + ahead * t_cap + own + (profile.tail - 1.0) * spread
+        return Plan(finish, batch)
 
     def check(
         self, request: InferRequest, now: float, queue: QueueState, delay: float = 0.0
@@ -158,7 +183,8 @@ class Admission:
         if isinstance(verdict, Unavailable):
             return verdict
         if verdict is not None:
-            request.predicted, request.margin = verdict
+            request.predicted, request.margin = verdict.predicted, verdict.margin
+            request.planned_rows = verdict.batch
         return None
 
     def verdict(
@@ -169,22 +195,25 @@ class Admission:
         now: float,
         queue: QueueState,
         delay: float = 0.0,
-    ) -> Unavailable | tuple[float, float] | None:
-        """`check` on a request's deadline and rows alone: the refusal; or, admitted, the
-        predicted seconds to its answer and the calibration margin in them (None: admitted
-        with no prediction to make)."""
+    ) -> Unavailable | Admit | None:
+        """`check` on a request's deadline and rows alone: the refusal; or, admitted, its
+        prediction (None: admitted with no prediction to make)."""
         if not self.settings.deadline_aware:
             return None
         if not self.profile.known or not queue.free_at:
             return None
+        if self.profile.reshaped > self._reshaped:  # errors of predictions since remade
+            self._reshaped = self.profile.reshaped
+            self.calibration.clear()
         margin = self.calibration.current(now)
-        predicted = self._finish(rows, now + delay, queue) - now + margin
+        plan = self.plan(rows, now + delay, queue)
+        predicted = plan.finish - now + margin
         budget = deadline - now
         idle = queue.rows_ahead == 0 and queue.free_at[0] <= now
         if predicted <= budget * self.settings.slack or (soft_deadline and idle):
             # admitted; an idle model admits a request under its SLO default whatever the
             # prediction (the default bounds waiting, not the model), and learns from it
-            return predicted, margin
+            return Admit(predicted, margin, plan.batch)
         return Unavailable(
             f"request would miss its deadline: predicted {predicted * 1000:.1f} ms "
             f"(margin {margin * 1000:.1f} ms, scale {self.profile.scale:.2f}) with "
@@ -193,9 +222,21 @@ class Admission:
         )
 
     def answered(self, request: InferRequest, now: float) -> None:
-        """An admitted request was answered: compare the time it took with its prediction."""
-        if request.predicted > 0:
+        """An admitted request was answered: compare the time it took with its prediction,
+        made again for the batch it rode in when that held more rows than planned.
+
+        Only a request planned to leave at once in the first batch (all it saw queued) can
+        ride a larger batch: when a burst arrives in one loop turn, or while the batch is held
+        for its window, the burst's first requests cannot see the rest coming. That batch
+        still stays within the cap, which the SLO bounds; counted as the prediction's error,
+        the burst would add its front's wait to every later prediction, and a closed loop
+        that comes back all at once (perf_analyzer's) would be refused near its deadline
+        while its answers take well under it."""
+        if request.predicted > 0 and request.admitted >= self.profile.reshaped:
             raw = request.predicted - request.margin
+            if request.batch_rows > request.planned_rows > 0:
+                service = self.profile.service_time
+                raw += service(request.batch_rows) - service(request.planned_rows)
             self.calibration.observe(raw, now - request.admitted, now)
 
     @staticmethod

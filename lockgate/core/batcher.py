@@ -271,6 +271,8 @@ class Batcher:
         max_rows = max(1, self.config.max_batch_size)
         slo = self.slo
         if slo is not None and self.profile.known:
+            if self.admission.settings.deadline_aware:  # a full batch waits behind a full
+                slo *= self.admission.settings.slack  # batch and is still admitted
             best = self.profile.batch_cap(slo)
             window = self.profile.window(slo, self.rate.current(now), best)
             return min(max_rows, best), window
@@ -450,7 +452,7 @@ class Batcher:
             self.metrics.requests.inc((*self.labels, found.kind))
             return found
         if found is not None:  # admitted with a prediction: reused while it has room
-            spare = EARLY_ADMIT_SHARE * budget - found[0] - spent
+            spare = EARLY_ADMIT_SHARE * budget - found.predicted - spent
             if spare > 0:
                 self._admitting = EarlyAdmit(budget, until, loop_wait + spent + spare)
         return None

@@ -36,6 +36,7 @@ class InferRequest:
     admitted: float = 0.0  # when admission let it in
     predicted: float = 0.0  # seconds from admission to answer admission predicted; 0: none
     margin: float = 0.0  # the calibration margin included in `predicted`
+    planned_rows: int = 0  # rows admission planned in the batch it rides
     seq: int = field(default_factory=lambda: next(_ids))
     trace_id: str = ""  # when the request is traced: the exemplar of its latency
     # its way through the batcher, time.monotonic() seconds (0.0: not reached)

@@ -80,6 +80,8 @@ class ServiceProfile:
     traffic: set[int] = field(default_factory=set)  # sizes traffic has measured
     measured: list[int] = field(default_factory=list)  # the same, ascending
     first: dict[int, list[float]] = field(default_factory=dict)  # traffic's first, unscaled
+    reshaped: float = 0.0  # when a figure of traffic's first batches last moved past `band`
+    warm: dict[int, float] = field(default_factory=dict)  # warmup's figures, kept at seal
     tail_quantile: float = 0.9  # of recent batches' ratios, for `tail`
     # recent batches' (ratio, seconds): the tail weighs each by its time
     spread: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
@@ -101,7 +103,7 @@ class ServiceProfile:
             self.cold = False  # traffic's first batch ran cold: not its size's cost
             return
         if self.sealed and (batch_size not in self.traffic or batch_size in self.first):
-            self._settle(batch_size, seconds)
+            self._settle(batch_size, seconds, now)
             return
         old = self.times.get(batch_size)
         if old is None:
@@ -120,15 +122,21 @@ class ServiceProfile:
             self.refit()
 
     def seal(self) -> None:
-        """Warmup ended: what it measured is provisional until traffic measures it."""
+        """Warmup ended: what it measured is provisional until traffic measures it, but its
+        shape still says how T(B) falls below the smallest size traffic has measured."""
         self.sealed = True
+        self.warm = dict(self.times)
 
-    def _settle(self, batch_size: int, seconds: float) -> None:
+    def _settle(self, batch_size: int, seconds: float, now: float) -> None:
         """One of traffic's first batches at a size: the median of them so far is its figure.
-        The scale holds (the gap from warmup's figure is the shape, not the load)."""
+        The scale holds (the gap from warmup's figure is the shape, not the load). A figure
+        that moves outside `band` reshapes the profile: predictions made before are void."""
+        before = self.service_time(batch_size) / self.scale
         samples = self.first.setdefault(batch_size, [])
         samples.append(seconds / self.scale)
-        self.times[batch_size] = statistics.median(samples)
+        self.times[batch_size] = after = statistics.median(samples)
+        if before > 0 and not 1 / self.band <= after / before <= self.band:
+            self.reshaped = now
         if batch_size not in self.traffic:
             self.traffic.add(batch_size)
             self.measured = sorted(self.traffic)
@@ -203,10 +211,37 @@ class ServiceProfile:
             return times[top] * batch_size / top  # its time per row: never less
         above = sizes[i]
         if i == 0:
-            return times[above]
+            return self._below(batch_size)
         low = sizes[i - 1]
         share = (batch_size - low) / (above - low)
         return times[low] + share * (times[above] - times[low])
+
+    def _below(self, batch_size: int) -> float:
+        """Unscaled T(B) below the smallest size traffic has measured: that size's time, cut
+        as warmup's T(B) falls from it to B, and never below its time per row (warmup's short
+        inputs overstate the share of a batch's fixed cost, so this errs long, not short)."""
+        lowest = self.measured[0]
+        top = self.times[lowest]
+        if batch_size >= lowest:
+            return top
+        warm = self._warm(lowest)
+        share = self._warm(batch_size) / warm if warm > 0 else 1.0
+        return top * min(1.0, max(batch_size / lowest, share))
+
+    def _warm(self, batch_size: int) -> float:
+        """Warmup's T(B): between the sizes it measured, on the straight line joining them."""
+        warm = self.warm
+        measured = warm.get(batch_size)
+        if measured is not None or not warm:
+            return measured or 0.0
+        sizes = sorted(warm)
+        i = bisect.bisect_left(sizes, batch_size)
+        if i == 0:
+            return warm[sizes[0]]
+        if i == len(sizes):
+            return warm[sizes[-1]] * batch_size / sizes[-1]
+        low, above = sizes[i - 1], sizes[i]
+        return warm[low] + (batch_size - low) / (above - low) * (warm[above] - warm[low])
 
     def batch_cap(self, slo: float) -> int:
         """The largest B with 2·T(B)·tail ≤ SLO (at least 1)."""
@@ -250,8 +285,10 @@ class ServiceProfile:
                 while sizes[i] < size:
                     i += 1
                 above = sizes[i]
-                if above == size or i == 0:
+                if above == size:
                     base = times[above]
+                elif i == 0:
+                    base = self._below(size)
                 else:
                     low = sizes[i - 1]
                     base = times[low] + (size - low) / (above - low) * (times[above] - times[low])

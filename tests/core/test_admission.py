@@ -157,3 +157,45 @@ def test_admission_learns_from_requests_that_took_longer_than_predicted() -> Non
     assert admission.calibration.current(NOW + 0.080) == pytest.approx(0.040)
     refusal = admission.check(request(budget=0.05), NOW, state(4))  # now 80 ms predicted
     assert refusal is not None and "predicted 80.0 ms" in refusal.message
+
+
+def test_a_reshaped_profile_voids_the_calibration() -> None:
+    """Errors of predictions made with warmup's figures say nothing of predictions made with
+    traffic's: when traffic reshapes the profile, the margin starts again, and requests
+    admitted before the reshape are not compared when they are answered."""
+    profile = constant_profile()
+    profile.seal()
+    profile.observe(1, T, now=NOW)  # traffic's first batch: cold, not counted
+    admission = Admission(AdmissionSettings(), profile)
+    before = request(budget=1.0)
+    before.admitted = NOW
+    assert admission.check(before, NOW, state(4)) is None
+    for _ in range(32):  # warmup's figures were far off: requests took 150 ms longer
+        admission.calibration.observe(0.040, 0.190, NOW)
+    assert admission.calibration.current(NOW) == pytest.approx(0.150)
+    profile.observe(4, 0.100, now=NOW + 0.1)  # traffic: 100 ms where warmup said 20
+    assert admission.check(request(budget=1.0), NOW + 0.1, state(0)) is None
+    assert admission.calibration.current(NOW + 0.1) == 0.0
+    admission.answered(before, NOW + 0.3)  # predicted with the old figures: not compared
+    assert not admission.calibration.errors
+
+
+def test_a_burst_that_joins_a_first_batch_is_not_the_predictions_error() -> None:
+    """A request that found the instance free planned to leave alone; a burst arrived in the
+    same turn and rode with it, a batch of 4 rows. Its error is measured against the batch it
+    rode in (here none), not against the batch of one it planned."""
+    profile = ServiceProfile(4)
+    for size in (1, 2, 4):
+        profile.observe(size, 0.010 * size)
+    admission = Admission(AdmissionSettings(), profile)
+    alone = request(budget=1.0)
+    alone.admitted = NOW
+    assert admission.check(alone, NOW, state(0)) is None
+    assert alone.planned_rows == 1 and alone.predicted == pytest.approx(0.010)
+    alone.batch_rows = 4
+    admission.answered(alone, NOW + 0.040)
+    assert [error for _, error in admission.calibration.errors] == [pytest.approx(0.0)]
+    waiting = request(budget=1.0)  # behind a running batch: planned full at the cap
+    waiting.admitted = NOW
+    assert admission.check(waiting, NOW, state(0, (NOW + 0.040,))) is None
+    assert waiting.planned_rows == 4

@@ -219,3 +219,48 @@ def test_the_jitter_of_tiny_batches_does_not_make_a_tail() -> None:
         size, factor = (1, 3.0) if i % 4 == 0 else (32, 1.0)
         profile.observe(size, factor * (A + B * size), now=now)
     assert profile.tail < 1.2
+
+
+def test_sizes_below_traffics_smallest_fall_as_warmups_did() -> None:
+    """Traffic's first batches were 11 rows of sentences at 267 ms (as measured on minilm).
+    One row is not 267 ms: it costs that less as much as warmup's one row cost less than its 11
+    rows, and never less than 11 rows' time per row. Taken as the whole 267 ms, every smaller
+    batch looked as slow, and the cap for a 500 ms SLO fell to 1."""
+    profile = warm_then_sealed()  # warmup: 1 ms + 0.1 ms a row
+    profile.observe(11, 0.267, now=0.1)
+    warm = {b: 0.001 + 0.0001 * b for b in (1, 4)}
+    for size in (1, 4):
+        share = max(size / 11, warm[size] / (0.001 + 0.0011))
+        assert profile.service_time(size) == pytest.approx(0.267 * share)
+    assert profile.service_time(1) == pytest.approx(0.267 * 0.0011 / 0.0021)
+    assert profile.batch_cap(0.5) == 9  # 2·T(9) = 2·9/11·267 ms ≤ 500 ms < 2·T(10)
+
+
+def test_per_row_bounds_sizes_below_traffics_smallest() -> None:
+    """Warmup's batches all cost the same (a fixed cost alone): below traffic's smallest size
+    the same time holds; when warmup's cost grew faster than its rows, the time per row does."""
+    flat = ServiceProfile(32)
+    for size in (1, 8, 32):
+        flat.observe(size, 0.002, now=0.0)
+    flat.seal()
+    flat.observe(1, 0.5, now=0.0)  # cold: not counted
+    flat.observe(8, 0.080, now=0.1)
+    assert flat.service_time(2) == pytest.approx(0.080)
+    steep = ServiceProfile(32)
+    for size in (1, 8, 32):
+        steep.observe(size, 0.00001 * size * size, now=0.0)
+    steep.seal()
+    steep.observe(1, 0.5, now=0.0)
+    steep.observe(8, 0.080, now=0.1)
+    assert steep.service_time(2) == pytest.approx(0.080 * 2 / 8)
+
+
+def test_a_figure_that_moves_past_the_band_reshapes_the_profile() -> None:
+    profile = warm_then_sealed()
+    profile.observe(1, 0.027, now=0.1)  # 27 ms against warmup's 1.1: reshaped
+    assert profile.reshaped == 0.1
+    profile.observe(1, 0.028, now=0.2)  # the median moves within the band: not
+    profile.observe(2, 2 * 0.027 * 1.1, now=0.3)  # as the profile predicted it, within 20%
+    assert profile.reshaped == 0.1
+    profile.observe(4, 0.300, now=0.4)  # 300 ms against 108 predicted
+    assert profile.reshaped == 0.4
