@@ -24,7 +24,11 @@ Whatever the profile misses (inputs whose cost varies, batches that vary around 
 the event loop's work between batches) shows up in the errors within a few hundred
 requests, so admitted requests keep to their deadlines in the tail, not only on average.
 (The profile's own scale follows a change of load as a whole; the margin covers the spread
-around it.)
+around it.) Two kinds of error are not the prediction's to learn: those of predictions made
+before traffic's first batches reshaped the profile (warmup's three words against real
+sentences), which would keep a margin of 140 ms for two seconds after the profile had
+learned; and the rows a burst added to a first batch planned to leave at once, which no
+prediction made at the burst's front can see, and which the cap bounds.
 """
 
 from __future__ import annotations

@@ -35,9 +35,13 @@ def batch_capacity(batch: int, service_time: ServiceTime) -> float:
     return batch / service_time(batch)
 
 
+ADMITTED_SHARE = 0.8  # of the SLO, what the server's admission and its batcher plan within
+
+
 def batch_window(t_one: float, t_cap: float, arrival_rate: float, slo: float) -> float:
     """The SLO batcher's window: 0 while lambda T(1) < 1, else
-    min(SLO - 2 T(B*), sqrt(T(1) / lambda)).
+    min(0.8 SLO - 2 T(B*), sqrt(T(1) / lambda)) (0.8: `ADMITTED_SHARE`, admission's default
+    slack).
 
     Below that load an idle instance takes what is queued at once: waiting cannot raise the
     throughput, and batches still grow while the instance is busy. Above it, sqrt(T / lambda)
@@ -49,7 +53,8 @@ def batch_window(t_one: float, t_cap: float, arrival_rate: float, slo: float) ->
         raise BadRequest(f"arrival rate must be > 0, got {arrival_rate}")
     if arrival_rate * t_one < 1:
         return 0.0
-    return max(0.0, min(slo - 2 * t_cap, math.sqrt(t_one / arrival_rate)))
+    budget = ADMITTED_SHARE * slo - 2 * t_cap
+    return max(0.0, min(budget, math.sqrt(t_one / arrival_rate)))
 
 
 def max_batch_within_slo(

@@ -29,9 +29,9 @@ def test_latency_and_capacity() -> None:
 def test_window_follows_the_slo_batchers_rule() -> None:
     # lambda T(1) < 1: one-row service keeps up, so an idle instance does not wait
     assert batch_window(0.004, 0.010, 200.0, 0.050) == 0.0
-    # above it: min(SLO - 2 T(B*), sqrt(T(1) / lambda))
+    # above it: min(0.8 SLO - 2 T(B*), sqrt(T(1) / lambda)), 0.8 the share admission plans in
     assert batch_window(0.004, 0.010, 1000.0, 0.050) == pytest.approx(math.sqrt(0.004 / 1000))
-    assert batch_window(0.004, 0.020, 1000.0, 0.041) == pytest.approx(0.001)  # SLO - 2 T binds
+    assert batch_window(0.004, 0.020, 1000.0, 0.05125) == pytest.approx(0.001)  # 0.8 SLO binds
     assert batch_window(0.004, 0.030, 1000.0, 0.050) == 0.0
 
 
