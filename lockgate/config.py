@@ -138,6 +138,9 @@ class ModelConfig:
     outputs: tuple[TensorSpec, ...] = ()
     dynamic_batching: DynamicBatching | None = None
     latency_slo_ms: float | None = None
+    # admit a request when its predicted answer is within this share of its deadline (None:
+    # the server's default, 0.8); the rest pays for the network and the HTTP layer
+    admission_slack: float | None = None
     instance_count: int = 1
     version_policy: VersionPolicy = VersionPolicy()
     warmup: tuple[WarmupSample, ...] = ()

@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -228,7 +228,10 @@ class Batcher:
         self.running: dict[Instance, Batch] = {}  # the batch each busy instance runs
         self._back_to_back: dict[Instance, tuple[float, int]] = {}  # start, rows of last batch
         self.rate = RateMeter()
-        self.admission = Admission(admission or AdmissionSettings(), profile)
+        admitting = admission or AdmissionSettings()
+        if config.admission_slack is not None:
+            admitting = replace(admitting, slack=config.admission_slack)
+        self.admission = Admission(admitting, profile)
         self.accepting = True
         self.input_seconds = 0.0  # total time spent gathering batch inputs
         self.output_seconds = 0.0  # total time spent splitting batch outputs

@@ -72,6 +72,7 @@ _TOP_LEVEL = frozenset(
         "outputs",
         "dynamic_batching",
         "latency_slo_ms",
+        "admission_slack",
         "instance_count",
         "instance_group",
         "version_policy",
@@ -217,6 +218,7 @@ class _Reader:
             outputs=outputs,
             dynamic_batching=self.dynamic_batching(batching, max_batch_size),
             latency_slo_ms=self.latency_slo(raw.get("latency_slo_ms")),
+            admission_slack=self.admission_slack(raw.get("admission_slack")),
             instance_count=self.instance_count(raw),
             version_policy=self.version_policy(raw.get("version_policy")),
             warmup=self.warmup(raw.get("warmup"), inputs, max_batch_size),
@@ -326,6 +328,14 @@ class _Reader:
         if slo <= 0:
             raise self.error("latency_slo_ms", f"must be > 0, got {value}")
         return slo
+
+    def admission_slack(self, value: Any) -> float | None:
+        if value is None:
+            return None
+        slack = self.number(value, "admission_slack")
+        if not 0 < slack <= 1:
+            raise self.error("admission_slack", f"must be in (0, 1], got {value}")
+        return slack
 
     def instance_count(self, raw: Mapping[str, Any]) -> int:
         if "instance_count" in raw and "instance_group" in raw:

@@ -44,6 +44,7 @@ _BATCHING_FIELDS = frozenset(
 _QUEUE_POLICY_FIELDS = frozenset({"max_queue_size", "default_timeout_microseconds"})
 _STEP_FIELDS = frozenset({"model_name", "model_version", "input_map", "output_map"})
 _LOCATION = re.compile(r"^\d+(?::\d+)? : ")  # ParseError's "line:column : " prefix
+_LOCKGATE_FIELDS = ("latency_slo_ms", "admission_slack")  # given as parameters in a config.pbtxt
 
 
 def parse_pbtxt_config(text: str, *, path: str, folder: str) -> ModelConfig:
@@ -159,9 +160,18 @@ class _TritonTranslator:
         ]
 
     def _field_parameters(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
-        raw["parameters"] = {
-            key: config.parameters[key].string_value for key in sorted(config.parameters)
-        }
+        """Backend settings; lockgate's own fields that Triton's schema lacks
+        (`latency_slo_ms`, `admission_slack`) are given as parameters of the same name."""
+        parameters = {key: config.parameters[key].string_value for key in sorted(config.parameters)}
+        for key in _LOCKGATE_FIELDS:
+            if key in parameters:
+                value = parameters.pop(key)
+                try:
+                    raw[key] = float(value)
+                except ValueError:
+                    problem = f"expected a number, got {value!r}"
+                    raise self.error(f"parameters.{key}", problem) from None
+        raw["parameters"] = parameters
 
     def _field_response_cache(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
         raw["response_cache"] = {"enable": config.response_cache.enable}

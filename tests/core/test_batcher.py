@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -410,6 +410,10 @@ def test_slo_mode_caps_batches_at_the_profile_cap() -> None:
     # a full batch behind a full batch is still within admission's share of the SLO
     assert cap == profile.batch_cap(0.020 * AdmissionSettings().slack) < 32
     assert 2 * profile.service_time(cap) <= 0.8 * 0.020 < 2 * profile.service_time(cap + 1)
+    wider = replace(make_config(max_batch_size=32, slo_ms=20.0), admission_slack=1.0)
+    loose = make_batcher(backend, wider, profile)  # the model's own share
+    assert loose.admission.settings.slack == 1.0
+    assert loose.cap_and_window(time.monotonic())[0] == profile.batch_cap(0.020) > cap
 
     async def body() -> None:
         backend.gate.clear()

@@ -120,6 +120,8 @@ def test_instance_group_counts_are_summed() -> None:
         ("backend: python\nname: other", "name", "does not match"),
         ("backend: python\nlatency_slo_ms: 0", "latency_slo_ms", "> 0"),
         ("backend: python\nlatency_slo_ms: -5", "latency_slo_ms", "> 0"),
+        ("backend: python\nadmission_slack: 0", "admission_slack", "(0, 1]"),
+        ("backend: python\nadmission_slack: 1.5", "admission_slack", "(0, 1]"),
         ("backend: python\ninstance_count: 0", "instance_count", ">= 1"),
         ("backend: python\nbatch_size: 4", "batch_size", "unknown key"),
         (

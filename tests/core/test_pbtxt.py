@@ -365,3 +365,22 @@ def test_a_server_serves_the_good_models_and_reports_the_misspelt_one(tmp_path: 
         assert 'no field named "max_batch_sise"' in typo["reason"]
     finally:
         server.stop()
+
+
+def test_lockgates_own_fields_come_as_parameters() -> None:
+    """Triton's schema has no SLO: `latency_slo_ms` and `admission_slack` are given as
+    parameters of the same name, and leave the backend's parameters."""
+    text = PYTHON_TWO_INPUTS.replace(
+        "parameters: {",
+        'parameters: { key: "latency_slo_ms", value: { string_value: "50" } }\n'
+        'parameters: { key: "admission_slack", value: { string_value: "0.9" } }\nparameters: {',
+    )
+    config = parse_pbtxt_config(text, path="c.pbtxt", folder="add_sub")
+    assert config.latency_slo_ms == 50.0 and config.admission_slack == 0.9
+    assert config.parameters == {"EXECUTION_ENV_PATH": "$$TRITON_MODEL_DIRECTORY/env"}
+    bad = PYTHON_TWO_INPUTS.replace(
+        "parameters: {",
+        'parameters: { key: "latency_slo_ms", value: { string_value: "soon" } }\nparameters: {',
+    )
+    with pytest.raises(ConfigError, match=r"latency_slo_ms.*expected a number"):
+        parse_pbtxt_config(bad, path="c.pbtxt", folder="add_sub")
