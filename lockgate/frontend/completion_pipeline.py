@@ -272,6 +272,7 @@ class CompletionPipeline:
             stop=tuple(stop),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,

@@ -153,12 +153,15 @@ class OpenAIRoutes:
         messages = tool_calls.prompt_messages(body.messages, tools, takes_tools)
         definitions = tools.definitions() if tools is not None and takes_tools else None
         prompt_ids = await self.pipeline.tokenize_chat(service, messages, definitions)
+        limit = body.max_completion_tokens
+        if limit is not None and limit < 1:
+            raise BadRequest("max_completion_tokens must be at least 1")
         prepared = self.pipeline.prepare(
             request,
             service,
             body,
             prompt_ids,
-            max_tokens=body.max_completion_tokens or body.max_tokens,
+            max_tokens=limit if limit is not None else body.max_tokens,
             default_max=None,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             namespace=CHAT.id_prefix,
@@ -416,6 +419,7 @@ def _check_supported(body: oa.CompletionRequest | oa.ChatRequest) -> None:
     name = body.unsupported()
     if name is not None:
         raise BadRequest(f"'{name}' is not supported by lockgate; leave it out")
+    body.check_options()
 
 
 def _openai_reason(reason: str | None) -> str | None:
@@ -505,9 +509,10 @@ def _token_text(service: LLMService, token_id: int) -> str:
     return service.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _legacy_logprobs(service: LLMService, entries: list[Any]) -> dict[str, Any]:
+def _legacy_logprobs(service: LLMService, entries: list[Any], start: int = 0) -> dict[str, Any]:
+    """`start`: where in the choice's text these tokens begin (a stream's earlier chunks)."""
     tokens = [_token_text(service, e.token_id) for e in entries]
-    offsets, position = [], 0
+    offsets, position = [], start
     for t in tokens:
         offsets.append(position)
         position += len(t)
@@ -549,8 +554,14 @@ Piece = Callable[[str, str, "RequestOutput", int, bool], dict[str, Any] | None]
 
 
 def _completion_piece(service: LLMService, tools: oa.ToolUse | None) -> Piece:
+    """Each output's text; its logprobs' `text_offset` counts from the start of the choice's
+    text, as in an answer sent whole."""
+    sent: dict[int, int] = {}  # choice index -> characters of text in its earlier chunks
+
     def piece(rid: str, model: str, out: RequestOutput, index: int, first: bool) -> dict[str, Any]:
-        logprobs = _legacy_logprobs(service, out.logprobs) if out.logprobs else None
+        start = sent.get(index, 0)
+        sent[index] = start + len(out.text)
+        logprobs = _legacy_logprobs(service, out.logprobs, start) if out.logprobs else None
         reason = _openai_reason(out.finish_reason.value if out.finish_reason else None)
         return oa.completion_chunk(rid, model, out.text, reason, logprobs)
 

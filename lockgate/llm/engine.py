@@ -237,11 +237,13 @@ class LLMEngine:
 
     def _cut_at_stop_string(self, seq: Sequence, old_len: int) -> bool:
         """If a stop string appears in the text added since `old_len`, cut the output text
-        before it (the stop string is not returned) and return True."""
+        before it (after it with `include_stop_str_in_output`) and return True."""
         window = max(0, old_len - max(len(s) for s in seq.params.stop) + 1)
-        hits = [i for s in seq.params.stop if (i := seq.output_text.find(s, window)) >= 0]
+        hits = [(i, s) for s in seq.params.stop if (i := seq.output_text.find(s, window)) >= 0]
         if hits:
-            seq.output_text = seq.output_text[: min(hits)]
+            at, stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+            keep = len(stop) if seq.params.include_stop_str_in_output else 0
+            seq.output_text = seq.output_text[: at + keep]
         return bool(hits)
 
     def _emit_text(self, seq: Sequence) -> str:

@@ -8,8 +8,10 @@ Random rows sample by inverting the CDF: one uniform number per row, located in 
 cumulative probabilities (one cumsum and a binary search; an exponential race or
 `torch.multinomial` would draw V random numbers per row). Unseeded rows share the sampler's
 generator. A seeded row draws its number from a generator seeded by (seed, index of the
-token being generated), so its output does not depend on which other requests share the
-batch, nor on preemption and recompute.
+token being generated), so its draws do not depend on which other requests share the batch,
+nor on preemption and recompute. Its logits can: a quantized model runs a step of few rows
+on the int4 kernel and a larger one on the dense copy (`quantized_linear`), whose sums round
+differently, and where two tokens are nearly tied the same draw lands on either.
 
 Top-p looks for the nucleus among each row's `TOP_P_WINDOW` largest logits and sorts the
 whole row only when the nucleus is larger than that.
@@ -18,8 +20,12 @@ Rows under a grammar (guided decoding) have the tokens it does not allow next se
 after the logit biases and before temperature and the filters; a batch without such rows
 computes no mask.
 
-Logprobs are the log_softmax of the processed logits, the distribution the token was drawn
-from (after penalties, temperature and filters; filtered tokens have -inf).
+Logprobs are the model's own: the log_softmax of the raw logits, before penalties, biases,
+the grammar's mask, temperature and filters (as OpenAI's, and vLLM's default
+`raw_logprobs`), so they do not depend on how a token was drawn. Taken after the filters, a
+request at the model's default temperature and top_p had nearly every chosen token at 0.0
+and its other top tokens at -inf (null in JSON). A token the model gives no chance at all
+is -9999.0, as in vLLM (JSON has no -inf).
 """
 
 from __future__ import annotations
@@ -215,20 +221,21 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logits = apply_penalties(logits.float(), batch)  # [N, V]
+        raw = logits.float()  # [N, V]
+        logits = apply_penalties(raw, batch)
         if batch.bias is not None:
             logits = batch.bias.apply(logits)
         if batch.mask is not None:
             logits = batch.mask.apply(logits)
         if batch.all_greedy:
-            processed, tokens = logits, logits.argmax(dim=-1)
+            tokens = logits.argmax(dim=-1)
         else:
             processed = self._filter(logits / batch.temperature.unsqueeze(1), batch)
             tokens = self._draw(processed, batch)
             if bool(batch.is_greedy.any()):
                 tokens = torch.where(batch.is_greedy, processed.argmax(dim=-1), tokens)
         token_list: list[int] = tokens.tolist()
-        return SamplerOutput(token_list, _logprobs(processed, tokens, batch.num_logprobs))
+        return SamplerOutput(token_list, _logprobs(raw, tokens, batch.num_logprobs))
 
     def _filter(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.top_p is not None:
@@ -320,12 +327,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+LOGPROB_FLOOR = -9999.0  # what a token of probability 0 reports
+
+
 def _logprobs(
-    processed: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
+    raw: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
 ) -> list[TokenLogprobs | None]:
     if all(n is None for n in wanted):
         return [None] * len(wanted)
-    logprobs = processed.log_softmax(dim=-1)  # [N, V]
+    logprobs = raw.log_softmax(dim=-1).clamp_(min=LOGPROB_FLOOR)  # [N, V]
     chosen: list[float] = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
     k = max(n or 0 for n in wanted)
     top = logprobs.topk(k, dim=-1) if k else None

@@ -150,6 +150,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
+    guided_choice: list[str] | None = None  # the output is exactly one of these strings
+    include_stop_str_in_output: bool = False  # vLLM's: a stop string ends the text, kept
     # known to the OpenAI API, not implemented by lockgate (or not on this route): refused
     # by name when given (`unsupported_fields`)
     best_of: Any = None
@@ -159,16 +161,57 @@ class _Sampling(msgspec.Struct, kw_only=True):
     function_call: Any = None
     suffix: Any = None
     parallel_tool_calls: Any = None
+    # vLLM's sampling and prompt extensions lockgate does not implement: refused by name, so
+    # a request that counts on one is not answered as if it had been applied
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    length_penalty: Any = None
+    use_beam_search: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
     unsupported_fields: ClassVar[tuple[str, ...]] = ()
+    unsupported_everywhere: ClassVar[tuple[str, ...]] = (
+        "repetition_penalty",
+        "min_tokens",
+        "length_penalty",
+        "use_beam_search",
+        "bad_words",
+        "allowed_token_ids",
+        "prompt_logprobs",
+        "truncate_prompt_tokens",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "structured_outputs",
+        "logits_processors",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "return_tokens_as_token_ids",
+    )
 
     def unsupported(self) -> str | None:
-        """The first field given that lockgate does not implement on this route, if any."""
-        for name in self.unsupported_fields:
+        """The first field given that lockgate does not implement on this route, if any.
+        (`repetition_penalty: 1`, `min_tokens: 0` and their like, the values that change
+        nothing, are let through.)"""
+        for name in (*self.unsupported_fields, *self.unsupported_everywhere):
             value = getattr(self, name)
-            if value is None or (name == "best_of" and value == 1):
+            if value is None or value == _NO_EFFECT.get(name, object()):
                 continue
             return name
         return None
+
+    def check_options(self) -> None:
+        """Options that mean nothing without another (400, as vLLM and OpenAI answer)."""
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options can only be given with stream: true")
 
     def output_constraint(self, limits: OpenAILimits) -> OutputConstraint | None:
         """What the request holds its output to, if anything: at most one of
@@ -179,7 +222,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
             names = ", ".join(c.field.partition(".")[0] for c in given)
             raise BadRequest(
                 "give one of response_format (json_object or json_schema), guided_json, "
-                f"guided_regex and guided_grammar, not several: {names}"
+                f"guided_regex, guided_grammar and guided_choice, not several: {names}"
             )
         if not given:
             return None
@@ -204,7 +247,31 @@ class _Sampling(msgspec.Struct, kw_only=True):
             found.append(OutputConstraint("guided_regex", "regex", self.guided_regex))
         if self.guided_grammar is not None:
             found.append(OutputConstraint("guided_grammar", "lark", self.guided_grammar))
+        if self.guided_choice is not None:
+            found.append(OutputConstraint("guided_choice", "regex", _choices(self.guided_choice)))
         return found
+
+
+# values of the refused vLLM fields that change nothing, and so are let through
+_NO_EFFECT: dict[str, Any] = {
+    "repetition_penalty": 1,
+    "min_tokens": 0,
+    "length_penalty": 1,
+    "use_beam_search": False,
+    "bad_words": [],
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "return_tokens_as_token_ids": False,
+}
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _choices(choices: list[str]) -> str:
+    """guided_choice as a regular expression: one of the strings, whole."""
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise BadRequest("guided_choice must be a list of non-empty strings")
+    escaped = ("".join("\\" + ch if ch in _REGEX_META else ch for ch in c) for c in choices)
+    return "(" + "|".join(escaped) + ")"
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,6 +468,14 @@ class ChatRequest(_Sampling, kw_only=True):
         "function_call",
         "suffix",
     )
+
+    def check_options(self) -> None:
+        super().check_options()
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise BadRequest("top_logprobs needs logprobs: true")
+            if not 0 <= self.top_logprobs <= 20:
+                raise BadRequest(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
 
     def tool_use(self, limits: OpenAILimits) -> ToolUse | None:
         """The tools the model is offered, checked (400 naming the problem), and how it may

@@ -70,7 +70,9 @@ class LLMRequest:
             return cls(model, None, False, b"", generates=False)
         options = decoded.stream_options
         asks = isinstance(options, dict) and options.get("include_usage") is True
-        budget = decoded.max_completion_tokens or decoded.max_tokens
+        budget = decoded.max_completion_tokens
+        if budget is None:
+            budget = decoded.max_tokens
         max_tokens = budget if isinstance(budget, int) and budget > 0 else None
         if decoded.messages is not None:
             text = _rendered(decoded.messages, prefix_chars)

@@ -162,3 +162,82 @@ def test_disconnect_mid_stream_frees_kv_blocks(llm_server: RunningServer) -> Non
     assert llm_server.metric("lockgate_llm_kv_cache_usage_perc") == 0
     text = httpx.get(llm_server.url + "/metrics").text
     assert 'finished_reason="abort"' in text
+
+
+def test_logprobs_are_the_models_whatever_the_sampling(client: openai.OpenAI) -> None:
+    """The first token's top logprobs are the model's: the same numbers at temperature 0 and
+    at the model's default sampling (temperature 0.2, top_p 0.9), never null or all 0.0."""
+    tops = []
+    for extra in ({"temperature": 0}, {}):
+        result = client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=1, logprobs=3, **extra
+        )
+        lps = result.choices[0].logprobs
+        assert lps is not None and lps.top_logprobs is not None
+        tops.append(lps.top_logprobs[0])
+    greedy, sampled = tops
+    assert len(greedy) == 3 and set(greedy) == set(sampled)
+    for token, value in greedy.items():
+        assert isinstance(value, float) and value < 0.0
+        assert sampled[token] == pytest.approx(value, abs=1e-3)
+
+
+def test_streamed_text_offsets_count_from_the_start_of_the_text(client: openai.OpenAI) -> None:
+    ask = {"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    whole = client.completions.create(**ask).choices[0]  # type: ignore[call-overload]
+    assert whole.logprobs is not None and whole.logprobs.text_offset is not None
+    offsets = []
+    for chunk in client.completions.create(**ask, stream=True):  # type: ignore[call-overload]
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            offsets += chunk.choices[0].logprobs.text_offset or []
+    assert offsets == whole.logprobs.text_offset
+    assert offsets == sorted(offsets) and offsets[-1] > 0
+
+
+def test_guided_choice_and_a_kept_stop_string(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+        max_tokens=8,
+        extra_body={"guided_choice": ["yes", "no", "it depends (why?)"]},
+    )
+    assert answer.choices[0].message.content in ("yes", "no", "it depends (why?)")
+    kept = client.completions.create(
+        model=MODEL,
+        prompt="1, 2, 3, 4,",
+        max_tokens=20,
+        temperature=0,
+        stop=[" 7"],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].text.endswith(" 7") and kept.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"max_completion_tokens": 0}, "max_completion_tokens must be at least 1"),
+        ({"repetition_penalty": 1.3}, "'repetition_penalty' is not supported"),
+        ({"min_tokens": 4}, "'min_tokens' is not supported"),
+        ({"stream_options": {"include_usage": True}}, "stream_options can only be given"),
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
+    ],
+)
+def test_what_a_request_cannot_have_is_refused_by_name(
+    llm_server: RunningServer, extra: dict[str, object], fragment: str
+) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    answer = httpx.post(llm_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert answer.status_code == 400, answer.text
+    assert fragment in answer.json()["error"]["message"]
+
+
+def test_values_that_change_nothing_pass(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"repetition_penalty": 1.0, "min_tokens": 0},
+    )
+    assert result.choices[0].finish_reason in ("stop", "length")

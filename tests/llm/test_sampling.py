@@ -1,13 +1,12 @@
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from lockgate.errors import BadRequest
 from lockgate.llm import sampling
 from lockgate.llm.sampling import (
+    LOGPROB_FLOOR,
     Sampler,
     SamplingBatch,
     apply_min_p,
@@ -120,25 +119,36 @@ def test_penalties_subtract_counts_and_presence() -> None:
     assert out.token_ids[0] not in (3, 7)
 
 
-def test_logprobs_are_top_n_of_the_processed_distribution() -> None:
+def test_logprobs_are_the_models_whatever_the_sampling() -> None:
+    """Logprobs are the log_softmax of the raw logits: temperature, top-k, penalties and
+    biases change what is drawn, not what the model said of it (a filtered token is not
+    -inf, and the chosen token of a low temperature is not 0.0)."""
     logits = random_logits(3, seed=9)
     params = [
         SamplingParams(temperature=0.0, logprobs=5),
-        SamplingParams(temperature=0.5, top_k=4, logprobs=3),
+        SamplingParams(temperature=0.2, top_k=4, logprobs=3, presence_penalty=1.0),
         SamplingParams(temperature=1.0),
     ]
-    out = Sampler(seed=0)(logits, batch_for(params))
+    out = Sampler(seed=0)(logits, SamplingBatch.build(params, [[1], [2], []], [1, 1, 1], V))
     greedy, filtered, none = out.logprobs
     assert none is None and greedy is not None and filtered is not None
     expected = logits[0].log_softmax(-1)
     assert greedy.token_id == out.token_ids[0]
     assert greedy.logprob == pytest.approx(float(expected.max()), abs=1e-5)
     assert greedy.top_token_ids == expected.topk(5).indices.tolist()
-    assert len(filtered.top_logprobs) == 3
-    top4 = (logits[1] / 0.5).topk(4).values.log_softmax(-1)
-    assert filtered.top_logprobs == pytest.approx(top4[:3].tolist(), abs=1e-5)
-    assert math.fsum(math.exp(x) for x in top4.tolist()) == pytest.approx(1.0)
-    assert min(abs(filtered.logprob - x) for x in top4.tolist()) < 1e-5  # one of the 4 kept
+    model = logits[1].log_softmax(-1)
+    assert filtered.top_token_ids == model.topk(3).indices.tolist()
+    assert filtered.top_logprobs == pytest.approx(model.topk(3).values.tolist(), abs=1e-5)
+    assert filtered.logprob == pytest.approx(float(model[out.token_ids[1]]), abs=1e-5)
+    assert filtered.logprob < -1e-3  # not the 0.0 of the filtered distribution
+
+
+def test_a_token_of_no_chance_reports_a_finite_floor() -> None:
+    logits = random_logits(1, seed=3)
+    logits[0, 5:] = float("-inf")
+    out = Sampler(seed=0)(logits, batch_for([SamplingParams(temperature=0.0, logprobs=8)]))
+    (row,) = out.logprobs
+    assert row is not None and min(row.top_logprobs) == LOGPROB_FLOOR == -9999.0
 
 
 @pytest.mark.parametrize(
