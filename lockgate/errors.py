@@ -50,6 +50,20 @@ class NotFound(ServingError):
     kind = "not_found"
 
 
+class MethodNotAllowed(ServingError):
+    """The path exists, but not for this method; `allow` lists those it takes."""
+
+    status = 405
+    kind = "method_not_allowed"
+
+    def __init__(self, message: str, allow: str) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+    def headers(self) -> dict[str, str]:
+        return {"allow": self.allow}
+
+
 class PayloadTooLarge(ServingError):
     status = 413
     kind = "payload_too_large"

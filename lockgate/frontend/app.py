@@ -51,7 +51,7 @@ from lockgate.frontend.http import (
 from lockgate.frontend.lane import LaneRequest
 from lockgate.frontend.openapi import openapi_document
 from lockgate.frontend.v2_service import V2Service
-from lockgate.protocol.openai import OpenAILimits
+from lockgate.protocol.openai import OpenAILimits, error_body
 
 if TYPE_CHECKING:
     from lockgate.frontend.otel import Tracing
@@ -357,7 +357,7 @@ class App:
 
     async def _error(self, request: HttpRequest, exc: ServingError, openai: bool) -> None:
         if openai:
-            payload = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
+            payload = error_body(exc.message, exc.kind, exc.status)
             await respond_json(request.send, exc.status, payload, error_headers(exc))
         else:
             await respond_reply(request.send, error_reply(exc))

@@ -23,7 +23,7 @@ from lockgate.config import ModelConfig
 from lockgate.core.manager import ServedVersion
 from lockgate.core.request import InferRequest
 from lockgate.datatypes import Arrays
-from lockgate.errors import BadRequest, NotFound, ServingError
+from lockgate.errors import BadRequest, MethodNotAllowed, NotFound, ServingError
 from lockgate.frontend.app import App
 from lockgate.frontend.completion_pipeline import (
     CHAT_COMPLETION,
@@ -70,16 +70,21 @@ class OpenAIRoutes:
     async def __call__(self, request: HttpRequest, parts: list[str]) -> None:
         route = "/".join(parts)
         method = request.method
-        if route == "models" and method == "GET":
-            await respond_json(request.send, 200, self._models())
-        elif route == "completions" and method == "POST":
-            await self._completions(request)
-        elif route == "chat/completions" and method == "POST":
-            await self._chat(request)
-        elif route == "embeddings" and method == "POST":
-            await self._embeddings(request)
-        else:
+        allowed = "GET" if route == "models" or route.startswith("models/") else "POST"
+        if route not in _ROUTES and not route.startswith("models/"):
             raise NotFound(f"no route for {method} /v1/{route[:200]}")
+        if method != allowed:
+            raise MethodNotAllowed(f"/v1/{route[:200]} takes {allowed}, not {method}", allowed)
+        if route == "models":
+            await respond_json(request.send, 200, self._models())
+        elif route.startswith("models/"):
+            await respond_json(request.send, 200, self._model(route.removeprefix("models/")))
+        elif route == "completions":
+            await self._completions(request)
+        elif route == "chat/completions":
+            await self._chat(request)
+        else:
+            await self._embeddings(request)
 
     # -- models ------------------------------------------------------------------------
     def _models(self) -> dict[str, Any]:
@@ -99,6 +104,13 @@ class OpenAIRoutes:
             for name in self._embedding_models()
         ]
         return {"object": "list", "data": data}
+
+    def _model(self, name: str) -> dict[str, Any]:
+        """GET /v1/models/{name}: one entry of the list, or 404."""
+        for entry in self._models()["data"]:
+            if entry["id"] == name:
+                return entry
+        raise NotFound(f"the model '{name[:200]}' does not exist")
 
     def _service(self, name: str, version: int | None) -> LLMService:
         """The language model served as `name`, at `version` (None: its newest ready one)."""
@@ -413,6 +425,7 @@ def _vector(v: np.ndarray, encoding: str) -> Any:
 
 
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_ROUTES = frozenset({"models", "completions", "chat/completions", "embeddings"})
 
 
 def _check_supported(body: oa.CompletionRequest | oa.ChatRequest) -> None:

@@ -241,3 +241,13 @@ def test_values_that_change_nothing_pass(client: openai.OpenAI) -> None:
         extra_body={"repetition_penalty": 1.0, "min_tokens": 0},
     )
     assert result.choices[0].finish_reason in ("stop", "length")
+
+
+def test_one_model_and_a_wrong_method(client: openai.OpenAI, llm_server: RunningServer) -> None:
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    wrong = httpx.get(llm_server.url + "/v1/chat/completions", timeout=10)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["param"] is None
