@@ -68,8 +68,11 @@ def decode(body: bytes) -> GenerateRequest:
     does not define is ever built."""
     top = _typed(body, _BODY, inner=False)
     text = _value(top.text_input, "text_input")
-    if not isinstance(text, str):
+    if text is None:
         raise BadRequest("text_input is required: the prompt, as a string")
+    if not isinstance(text, str):
+        kind = "a list or an object" if text is _NESTED else type(text).__name__
+        raise BadRequest(f"text_input must be a string (the prompt), got {kind}")
     raw_parameters = bytes(top.parameters)
     if raw_parameters.strip() in (b"", b"null"):
         parameters = _PARAMETERS()

@@ -109,7 +109,8 @@ def test_generate_stream_events_add_up_to_the_generate_text(server: RunningServe
     ("body", "says"),
     [
         ({"parameters": {"max_tokens": 4}}, "text_input is required"),
-        ({"text_input": 7}, "text_input is required"),
+        ({"text_input": 7}, "text_input must be a string (the prompt), got int"),
+        ({"text_input": ["hi"]}, "text_input must be a string (the prompt), got a list or an"),
         (
             {"text_input": "hi", "parameters": {"beam_width": 2, "bad_words": ""}},
             "'bad_words', 'beam_width'",
