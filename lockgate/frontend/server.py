@@ -860,7 +860,11 @@ async def serve(options: ServeOptions) -> int:
     loader = asyncio.get_running_loop().create_task(load(app, options))
     server.shared, server.loading = shared, loader
     log.info("lockgate listening on http://%s:%d", options.host, options.port)
-    await server.serve(sockets)
+    try:
+        await server.serve(sockets)
+    except SystemExit:  # uvicorn's own start-up failed (it logged why): stop what started
+        log.error("lockgate could not start serving HTTP")
+        server.started = False
     sentinel.stop()
     if health_port is not None:
         health_port.stop()
@@ -874,7 +878,7 @@ async def serve(options: ServeOptions) -> int:
     for closer in app.closers:
         await closer()
     log.info("lockgate stopped")
-    return 0
+    return 0 if server.started else 1
 
 
 async def _start_grpc(app: App, options: ServeOptions) -> Any:
@@ -894,11 +898,11 @@ async def _start_grpc(app: App, options: ServeOptions) -> Any:
     return await start_grpc(app, settings)
 
 
-def _sockets_now(options: ServeOptions) -> list[socket.socket] | None:
-    """The sockets uvicorn serves from the start (None: it binds host:port itself). With
+def _sockets_now(options: ServeOptions) -> list[socket.socket]:
+    """The sockets uvicorn serves from the start, bound here before anything else starts, so
+    a port in use fails start-up at once with exit status 1 (left to uvicorn, the bind failed
+    after the gRPC server and the models' threads had started, and the process hung). With
     `reuse_port` the shared port is not among them: it is listened on once started."""
-    if not options.reuse_port and options.private_port is None:
-        return None
     now = [] if options.reuse_port else [_bind(options.host, options.port)]
     if options.private_port is not None:
         now.append(_bind(options.host, options.private_port))

@@ -6,6 +6,9 @@ import concurrent.futures
 import re
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,3 +206,18 @@ def test_second_signal_stops_the_drain(
     finally:
         pool.shutdown(wait=False)
         server.stop()
+
+
+def test_a_taken_port_stops_startup_at_once(demo_repo: Path) -> None:
+    """The HTTP port is bound before anything else starts: taken, start-up ends with exit
+    status 1 and says why. (Left to uvicorn, the bind failed once the gRPC server and the
+    models' threads had started, and the process never exited.)"""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "lockgate.cli", "serve", str(demo_repo), "--no-llm"]
+        command += ["--port", str(port), "--grpc-port", "off"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "cannot listen" in done.stderr and "in use" in done.stderr
