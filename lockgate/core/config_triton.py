@@ -17,7 +17,7 @@ import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import EnumDescriptor
 from google.protobuf.message import Message
 
@@ -51,6 +51,21 @@ def parse_pbtxt_config(text: str, *, path: str, folder: str) -> ModelConfig:
     """Parse the text of a Triton `config.pbtxt` for the model in folder `folder`."""
     message = read_pbtxt(text, path=path)
     return config_from_dict(_TritonTranslator(path).translate(message), path=path, folder=folder)
+
+
+def parse_json_config(text: str, *, path: str, folder: str, backend: str = "") -> ModelConfig:
+    """Triton's model config in its JSON form (a load request's `config`, the form
+    `GET .../config` answers), for the model in folder `folder`. `backend`: the one used when
+    the JSON names neither a backend nor a platform (the repository config's)."""
+    message = pb.ModelConfig()
+    try:
+        json_format.Parse(text, message)
+    except json_format.ParseError as exc:
+        raise ConfigError(path, "config", str(exc)) from exc
+    raw = _TritonTranslator(path).translate(message)
+    if "backend" not in raw and backend:
+        raw["backend"] = backend
+    return config_from_dict(raw, path=path, folder=folder)
 
 
 def read_pbtxt(text: str, *, path: str) -> pb.ModelConfig:

@@ -19,6 +19,7 @@ from lockgate.backends.base import autocomplete, model_file
 from lockgate.config import ModelConfig
 from lockgate.core.config_files import load_model_config
 from lockgate.core.config_reader import check_warmup_inputs
+from lockgate.core.config_triton import parse_json_config
 from lockgate.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -62,14 +63,19 @@ def scan_repository(root: Path) -> list[ModelEntry]:
     return entries
 
 
-def scan_model(resolved_root: Path, folder: Path) -> ModelEntry:
-    """Read one model folder. Problems become the entry's `error`, never an exception."""
+def scan_model(resolved_root: Path, folder: Path, config_json: str | None = None) -> ModelEntry:
+    """Read one model folder. Problems become the entry's `error`, never an exception.
+    `config_json`: a config in Triton's JSON form that replaces the folder's (a load request's
+    override), taking the folder config's backend when it names none."""
     entry = ModelEntry(name=folder.name, path=folder)
     try:
         _check_inside(resolved_root, folder, "model folder")
         if not is_safe_name(folder.name):
             raise ConfigError(str(folder), "name", f"unsafe model name {folder.name!r}")
-        config = load_model_config(folder)
+        if config_json is None:
+            config = load_model_config(folder)
+        else:
+            config = _override(folder, config_json)
         available = _version_folders(resolved_root, folder)
         entry.versions = config.version_policy.select(available)
         if not entry.versions:
@@ -90,6 +96,15 @@ def scan_model(resolved_root: Path, folder: Path) -> ModelEntry:
         entry.config = None
         log.error("model %s: %s", folder.name, entry.error)
     return entry
+
+
+def _override(folder: Path, config_json: str) -> ModelConfig:
+    try:
+        backend = load_model_config(folder).backend
+    except ConfigError:
+        backend = ""  # the folder's own config is broken: the override must name one
+    where = f"{folder} (the load request's config)"
+    return parse_json_config(config_json, path=where, folder=folder.name, backend=backend)
 
 
 def _check_inside(resolved_root: Path, path: Path, what: str) -> Path:

@@ -52,6 +52,13 @@ from lockgate.frontend.lane import LaneRequest
 from lockgate.frontend.openapi import openapi_document
 from lockgate.frontend.v2_service import V2Service
 from lockgate.protocol.openai import OpenAILimits, error_body
+from lockgate.protocol.repository_control import (
+    LoadRequest,
+    UnloadRequest,
+    load_request,
+    parameters_of,
+    unload_request,
+)
 
 if TYPE_CHECKING:
     from lockgate.frontend.otel import Tracing
@@ -500,18 +507,17 @@ class App:
         if len(rest) == 3 and rest[0] == "models" and request.method == "POST":
             name, action = rest[1], rest[2]
             if action in ("load", "unload"):
-                self._check_model_control(name)
-            if action == "load":
-                await self._load(name)
-                await respond_json(request.send, 200, {})
-                return
-            if action == "unload":
-                await self.models.unload(name)
+                self.check_model_control(name)
+                parameters = parameters_of(await request.body())
+                if action == "load":
+                    await self.load(name, load_request(parameters))
+                else:
+                    await self.unload(name, unload_request(parameters))
                 await respond_json(request.send, 200, {})
                 return
         raise NotFound(f"no route for {request.method} {request.path[:200]}")
 
-    def _check_model_control(self, name: str) -> None:
+    def check_model_control(self, name: str) -> None:
         """Load and unload are served only in explicit model control mode, as in Triton."""
         from lockgate.core.repository import is_safe_name
 
@@ -522,22 +528,47 @@ class App:
                 "model load and unload are off: start lockgate with --model-control-mode explicit"
             )
 
-    async def _load(self, name: str) -> None:
-        from lockgate.core.repository import scan_repository
+    async def load(self, name: str, ask: LoadRequest) -> None:
+        """Load (or reload without a gap) the repository's model `name`, with the config the
+        request gives in place of the repository's when it gives one."""
+        from lockgate.core.repository import scan_model
 
-        root = self.settings.repository
-        if root is None:
-            raise BadRequest("the server was started without a model repository")
-        entries = {e.name: e for e in scan_repository(root)}
-        entry = entries.get(name)
-        if entry is None:
-            raise NotFound(f"no model '{name}' in the repository")
+        folder = self._model_folder(name)
+        entry = scan_model(folder.parent.resolve(), folder, ask.config)
+        if ask.config is not None and entry.error:
+            raise BadRequest(f"model '{name}': {entry.error}")
         model = await self.models.load_model(
             entry.name, entry.path, entry.config, entry.versions, entry.error
         )
         if model.latest_ready() is None:
             reason = model.error or self.models._why_not_ready(model)
             raise BadRequest(f"model '{name}' failed to load: {reason}")
+
+    async def unload(self, name: str, ask: UnloadRequest) -> None:
+        """Unload `name` (a model of the repository that is not loaded: nothing to do, as in
+        Triton), and with `dependents` the models its ensemble or cascade runs."""
+        served = self.models.models.get(name)
+        if served is None:
+            self._model_folder(name)  # 404 when the repository has no such model
+            return
+        config = served.config
+        steps: tuple[str, ...] = ()
+        if ask.dependents and config is not None:
+            steps = tuple(step.model for step in config.ensemble)
+            steps += config.cascade.models if config.cascade is not None else ()
+        await self.models.unload(name)
+        for step in dict.fromkeys(steps):
+            if step in self.models.models:
+                await self.models.unload(step)
+
+    def _model_folder(self, name: str) -> Path:
+        root = self.settings.repository
+        if root is None:
+            raise BadRequest("the server was started without a model repository")
+        folder = root / name
+        if not folder.is_dir():
+            raise NotFound(f"no model '{name[:200]}' in the repository")
+        return folder
 
 
 class _LaneCount:

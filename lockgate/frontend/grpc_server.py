@@ -38,6 +38,7 @@ from lockgate.frontend.v2_service import SERVER_METADATA, Deadline
 from lockgate.protocol.grpc import codec
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
+from lockgate.protocol.repository_control import load_request, unload_request
 
 if TYPE_CHECKING:
     from lockgate.frontend.otel import RequestTrace
@@ -58,6 +59,8 @@ STATUS_CODES = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 PUBLIC_METHODS = frozenset({"ServerLive", "ServerReady"})  # as the REST health routes
+MODEL_CONTROL_METHODS = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
+_CONTROL_PATH = "/v2/repository/models/-/load"  # a model control route, for its keys
 # the codes that mark a traced request's span as an error (as 5xx on HTTP)
 ERROR_CODES = frozenset(
     {
@@ -141,6 +144,28 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         self, request: pb.RepositoryIndexRequest, context: Context
     ) -> pb.RepositoryIndexResponse:
         return await self._run("RepositoryIndex", context, lambda: self._index(request))
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Context
+    ) -> pb.RepositoryModelLoadResponse:
+        return await self._run("RepositoryModelLoad", context, lambda: self._load(request))
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context
+    ) -> pb.RepositoryModelUnloadResponse:
+        return await self._run("RepositoryModelUnload", context, lambda: self._unload(request))
+
+    async def _load(self, request: pb.RepositoryModelLoadRequest) -> pb.RepositoryModelLoadResponse:
+        self.app.check_model_control(request.model_name)
+        await self.app.load(request.model_name, load_request(_parameters(request.parameters)))
+        return pb.RepositoryModelLoadResponse()
+
+    async def _unload(
+        self, request: pb.RepositoryModelUnloadRequest
+    ) -> pb.RepositoryModelUnloadResponse:
+        self.app.check_model_control(request.model_name)
+        await self.app.unload(request.model_name, unload_request(_parameters(request.parameters)))
+        return pb.RepositoryModelUnloadResponse()
 
     async def _live(self) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -274,6 +299,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             self.latency.observe((method, code.name), elapsed, self._end_trace(traced, code))
 
     def _authenticate(self, method: str, context: Context) -> None:
+        if method in MODEL_CONTROL_METHODS:  # the admin keys, as for the REST routes
+            self.app.authenticate("POST", _CONTROL_PATH, lambda: _bearer(context))
+            return
         keys = self.app.settings.api_keys
         if not keys or method in PUBLIC_METHODS:
             return
@@ -344,6 +372,15 @@ def _stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStream
         model_name=request.model_name, model_version=request.model_version, id=request.id
     )
     return pb.ModelStreamInferResponse(error_message=message, infer_response=response)
+
+
+def _parameters(parameters: Any) -> dict[str, Any]:
+    """A load or unload request's parameters map, as plain values."""
+    found: dict[str, Any] = {}
+    for key, parameter in parameters.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        found[key] = getattr(parameter, choice) if choice is not None else None
+    return found
 
 
 def _bearer(context: Context) -> bytes | None:

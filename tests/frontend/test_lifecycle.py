@@ -84,7 +84,9 @@ def test_unload_then_load(server: RunningServer) -> None:
     assert httpx.post(infer, json=ECHO).status_code in (404, 503)
     assert httpx.get(server.url + "/v2/models/echo/ready").status_code in (404, 503)
     assert httpx.post(server.url + "/v2/models/slow/infer", json=slow_body(0)).status_code == 200
-    assert httpx.post(server.url + "/v2/repository/models/echo/unload").status_code == 404
+    # a model of the repository that is not loaded: nothing to do, as in Triton
+    assert httpx.post(server.url + "/v2/repository/models/echo/unload").status_code == 200
+    assert httpx.post(server.url + "/v2/repository/models/nosuch/unload").status_code == 404
     r = httpx.post(server.url + "/v2/repository/models/echo/load", timeout=60)
     assert r.status_code == 200, r.text
     assert httpx.get(server.url + "/v2/models/echo/ready").status_code == 200

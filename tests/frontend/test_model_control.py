@@ -1,0 +1,115 @@
+"""Model load and unload (explicit model control mode) through tritonclient, HTTP and gRPC:
+a load's config override, its errors, and unloading an ensemble with its steps."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import RunningServer, free_port, start_server
+from tests.frontend.test_composition import COUNTING, XY, _model
+
+
+@pytest.fixture(scope="module")
+def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    repo = tmp_path_factory.mktemp("control-repo")
+    shutil.copytree(demo_repo / "digits_onnx", repo / "digits_onnx")
+    py = "backend: python\n"
+    _model(repo, "double", COUNTING, py + XY + "parameters: {factor: '2'}\n")
+    _model(repo, "add_one", COUNTING, py + XY + "parameters: {offset: '1'}\n")
+    (repo / "pipeline" / "1").mkdir(parents=True)
+    (repo / "pipeline" / "config.yaml").write_text(
+        "backend: ensemble\nmax_batch_size: 8\n"
+        "inputs: [{name: x, datatype: FP32, dims: [4]}]\n"
+        "outputs: [{name: y, datatype: FP32, dims: [4]}]\nensemble:\n"
+        "  - {model: add_one, input_map: {x: doubled}, output_map: {y: y}}\n"
+        "  - {model: double, input_map: {x: x}, output_map: {y: doubled}}\n"
+    )
+    logs = tmp_path_factory.mktemp("control-logs")
+    # a load's warmup threads hold the GIL at times: the loop-lag refusals are off, so a
+    # request right after a load is never refused as saturated on a busy machine
+    running = start_server(
+        repo,
+        logs,
+        "--no-llm",
+        "--model-control-mode",
+        "explicit",
+        "--max-loop-lag-ms",
+        "0",
+        "--queue-target-ms",
+        "0",
+        grpc_port=free_port(),
+    )
+    yield running
+    running.stop()
+
+
+def http_client(server: RunningServer) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+
+
+def test_a_load_applies_the_config_it_gives(server: RunningServer) -> None:
+    """The config read back, changed and sent with the load replaces the repository's (as in
+    Triton); a load without one goes back to the repository's."""
+    client = http_client(server)
+    config = client.get_model_config("digits_onnx")
+    assert config["max_batch_size"] == 64
+    config["max_batch_size"] = 8
+    config["model_warmup"] = []  # its batches of 64 would not fit (400, as in Triton)
+    client.load_model("digits_onnx", config=json.dumps(config))
+    assert client.get_model_config("digits_onnx")["max_batch_size"] == 8
+    client.load_model("digits_onnx", config=json.dumps({"max_batch_size": 16}))
+    changed = client.get_model_config("digits_onnx")  # backend and tensors as the model has them
+    assert changed["max_batch_size"] == 16 and changed["input"][0]["name"] == "input"
+    client.load_model("digits_onnx")
+    assert client.get_model_config("digits_onnx")["max_batch_size"] == 64
+    assert client.is_model_ready("digits_onnx")
+
+
+@pytest.mark.parametrize(
+    ("config", "files", "fragment"),
+    [
+        ("{not json", None, "the load request's config"),
+        (json.dumps({"max_batch_size": "many"}), None, "the load request's config"),
+        (json.dumps({"name": "other"}), None, "does not match"),
+        (None, {"file:1/model.onnx": b"\x00"}, "lockgate loads model files from the repository"),
+    ],
+)
+def test_a_load_that_cannot_be_applied_is_refused(
+    server: RunningServer, config: str | None, files: dict[str, bytes] | None, fragment: str
+) -> None:
+    client = http_client(server)
+    with pytest.raises(InferenceServerException) as refused:
+        if files is not None:
+            client.load_model("digits_onnx", config="{}", files=files)
+        else:
+            client.load_model("digits_onnx", config=config)
+    assert fragment in str(refused.value)
+    assert client.get_model_config("digits_onnx")["max_batch_size"] == 64  # still as it was
+
+
+def test_grpc_unloads_an_ensemble_with_its_steps_and_loads_it_again(
+    server: RunningServer,
+) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    http = http_client(server)
+    assert all(http.is_model_ready(m) for m in ("pipeline", "add_one", "double"))
+    client.unload_model("pipeline", unload_dependents=True)
+    assert not any(http.is_model_ready(m) for m in ("pipeline", "add_one", "double"))
+    assert http.is_model_ready("digits_onnx")  # not one of its steps
+    client.unload_model("pipeline")  # not loaded: nothing to do, as in Triton
+    for model in ("double", "add_one", "pipeline"):
+        client.load_model(model)
+    assert all(http.is_model_ready(m) for m in ("pipeline", "add_one", "double"))
+    client.unload_model("double")  # without dependents: the ensemble's steps stay
+    assert http.is_model_ready("add_one")
+    client.load_model("double")
+    with pytest.raises(InferenceServerException, match="no model 'nosuch' in the repository"):
+        client.load_model("nosuch")
