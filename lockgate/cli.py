@@ -144,6 +144,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="explicit: serve POST /v2/repository/models/{m}/load and /unload (as Triton)",
     )
     p.add_argument(
+        "--load-model",
+        action="append",
+        metavar="NAME",
+        help="with --model-control-mode explicit: a model to load at start-up (repeat it; '*': "
+        "all); without it, explicit mode loads none, as in Triton",
+    )
+    p.add_argument(
         "--metrics-public",
         action="store_true",
         help="serve /metrics without an API key even when LOCKGATE_API_KEYS is set",
@@ -452,7 +459,11 @@ def _serve(args: argparse.Namespace) -> int:
         otel_endpoint=args.otel_endpoint,
         openai=limits,
     )
+    if args.load_model and args.model_control_mode != "explicit":
+        print("lockgate: --load-model needs --model-control-mode explicit", file=sys.stderr)
+        return 2
     serving = ServingSettings(
+        startup_models=_startup_models(args),
         hang_timeout=args.hang_timeout,
         unload_drain_timeout=args.drain_timeout,
         admission=AdmissionSettings(deadline_aware=not args.no_admission),
@@ -492,6 +503,15 @@ def _serve(args: argparse.Namespace) -> int:
         health_stale_s=args.health_stale_s,
     )
     return run(options)
+
+
+def _startup_models(args: argparse.Namespace) -> frozenset[str] | None:
+    """The models loaded at start-up (None: all): in explicit mode, --load-model's, as in
+    Triton."""
+    if args.model_control_mode != "explicit":
+        return None
+    names = frozenset(args.load_model or ())
+    return None if "*" in names else names
 
 
 def _build_demo(build: Callable[..., Path], dest: Path) -> Path | None:

@@ -95,6 +95,9 @@ class ServingSettings:
     unload_drain_timeout: float = 30.0  # seconds an unloaded or replaced version may drain
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     language_models: bool = True  # False: `backend: llm` models are listed, not loaded
+    # the repository's models loaded at start-up (None: all); explicit model control mode
+    # loads only those of --load-model, as in Triton
+    startup_models: frozenset[str] | None = None
 
 
 def synthetic_input(spec: TensorSpec, rows: int, batching: bool, kind: str = "zero") -> np.ndarray:
@@ -126,6 +129,7 @@ class ModelManager:
         self.metrics = ServingMetrics.create(registry)
         self.settings = settings or ServingSettings()
         self.models: dict[str, ServedModel] = {}
+        self.repository: Path | None = None  # the repository loaded from, once known
         # T(B) is measured one model at a time: models that load together would otherwise
         # share the cores while timed, and start with a profile several times too slow,
         # which refuses their first requests
@@ -186,10 +190,19 @@ class ModelManager:
         from lockgate.core.repository import scan_repository
 
         start = time.monotonic()
+        self.repository = root
+        chosen = self.settings.startup_models
+        scanned = scan_repository(root)
+        if chosen is not None:
+            for name in sorted(chosen - {e.name for e in scanned}):
+                log.error("--load-model %s: no such model in the repository %s", name, root)
         entries = [
             e
-            for e in scan_repository(root)
-            if self.settings.language_models or e.config is None or e.config.backend != LLM_BACKEND
+            for e in scanned
+            if (chosen is None or e.name in chosen)
+            and (
+                self.settings.language_models or e.config is None or e.config.backend != LLM_BACKEND
+            )
         ]
         await asyncio.gather(
             *(self.load_model(e.name, e.path, e.config, e.versions, e.error) for e in entries)

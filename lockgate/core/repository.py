@@ -63,6 +63,20 @@ def scan_repository(root: Path) -> list[ModelEntry]:
     return entries
 
 
+def model_names(root: Path) -> list[str]:
+    """The names of the repository's model folders, sorted, without reading their configs
+    (a folder that cannot be listed: none)."""
+    try:
+        folders = list(root.iterdir())
+    except OSError:
+        return []
+    return sorted(
+        f.name
+        for f in folders
+        if not f.name.startswith(".") and is_safe_name(f.name) and f.is_dir()
+    )
+
+
 def scan_model(resolved_root: Path, folder: Path, config_json: str | None = None) -> ModelEntry:
     """Read one model folder. Problems become the entry's `error`, never an exception.
     `config_json`: a config in Triton's JSON form that replaces the folder's (a load request's

@@ -16,6 +16,7 @@ from lockgate.backends.base import spec_of
 from lockgate.compose.executor import Executor
 from lockgate.config import ModelConfig
 from lockgate.core.manager import ModelManager, ModelState, ServedVersion
+from lockgate.core.repository import model_names
 from lockgate.core.request import InferRequest
 from lockgate.core.validate import validate_inputs, validate_outputs, validate_shapes
 from lockgate.datatypes import Arrays
@@ -299,6 +300,13 @@ class V2Service:
                 for m in self.models.models.values()
                 if not m.versions
             ]
+            root = self.models.repository
+            if root is not None:  # the repository's models not loaded, as Triton lists them
+                index += [
+                    IndexEntry(name, "", "UNAVAILABLE", "unloaded")
+                    for name in model_names(root)
+                    if name not in self.models.models
+                ]
         return index
 
     def _stats_of(self, served: ServedVersion) -> ModelStats:

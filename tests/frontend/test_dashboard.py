@@ -36,7 +36,13 @@ def dashboard_server(
     for name in ("echo", "slow"):
         shutil.copytree(test_repo / name, repo / name)
     server = start_server(
-        repo, tmp_path_factory.mktemp("dashboard"), "--no-llm", "--model-control-mode", "explicit"
+        repo,
+        tmp_path_factory.mktemp("dashboard"),
+        "--no-llm",
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "*",
     )
     yield server
     server.stop()

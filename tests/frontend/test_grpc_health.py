@@ -31,6 +31,8 @@ def health_server(
         "--no-llm",
         "--model-control-mode",
         "explicit",
+        "--load-model",
+        "*",
         grpc_port=free_port(),
     )
     yield server

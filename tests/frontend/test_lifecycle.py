@@ -43,7 +43,15 @@ def small_repo(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 def start(repo: Path, tmp_path_factory: pytest.TempPathFactory, drain: float) -> RunningServer:
     tmp = tmp_path_factory.mktemp("lifecycle-server")
     return start_server(
-        repo, tmp, "--no-llm", "--drain-timeout", str(drain), "--model-control-mode", "explicit"
+        repo,
+        tmp,
+        "--no-llm",
+        "--drain-timeout",
+        str(drain),
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "*",
     )
 
 

@@ -30,6 +30,8 @@ def explicit_llm_server(
         tmp_path_factory.mktemp("llm-lifecycle"),
         "--model-control-mode",
         "explicit",
+        "--load-model",
+        "*",
         "--drain-timeout",
         "30",
         ready_timeout=600,

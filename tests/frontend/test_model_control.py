@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +43,8 @@ def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "--no-llm",
         "--model-control-mode",
         "explicit",
+        "--load-model",
+        "*",
         "--max-loop-lag-ms",
         "0",
         "--queue-target-ms",
@@ -113,3 +117,32 @@ def test_grpc_unloads_an_ensemble_with_its_steps_and_loads_it_again(
     client.load_model("double")
     with pytest.raises(InferenceServerException, match="no model 'nosuch' in the repository"):
         client.load_model("nosuch")
+
+
+def test_explicit_mode_loads_what_load_model_names_and_lists_the_rest(
+    tmp_path: Path,
+) -> None:
+    """As in Triton: explicit mode loads at start-up only the --load-model models, and the
+    repository index lists every model of the repository, those not loaded as UNAVAILABLE
+    ("unloaded")."""
+    repo = tmp_path / "repo"
+    py = "backend: python\n"
+    _model(repo, "double", COUNTING, py + XY + "parameters: {factor: '2'}\n")
+    _model(repo, "add_one", COUNTING, py + XY + "parameters: {offset: '1'}\n")
+    running = start_server(
+        repo, tmp_path, "--no-llm", "--model-control-mode", "explicit", "--load-model", "double"
+    )
+    try:
+        client = http_client(running)
+        index = {m["name"]: m for m in client.get_model_repository_index()}
+        assert index["double"]["state"] == "READY"
+        assert index["add_one"]["state"] == "UNAVAILABLE"
+        assert index["add_one"]["reason"] == "unloaded"
+        assert client.is_server_ready() and not client.is_model_ready("add_one")
+        client.load_model("add_one")
+        assert client.is_model_ready("add_one")
+    finally:
+        running.stop()
+    command = [sys.executable, "-m", "lockgate.cli", "serve", str(repo), "--load-model", "x"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--model-control-mode explicit" in done.stderr

@@ -50,6 +50,8 @@ def fuzz_server(
         tmp_path_factory.mktemp("fuzz-server"),
         "--model-control-mode",
         "explicit",
+        "--load-model",
+        "*",
         ready_timeout=600,
     )
     yield running

@@ -67,6 +67,8 @@ def secured(
         str(LIMIT),
         "--model-control-mode",
         "explicit",
+        "--load-model",
+        "*",
         env=env,
     )
     yield running
