@@ -21,6 +21,7 @@ import numpy as np
 
 from lockgate.config import ModelConfig
 from lockgate.core.admission import Admission, AdmissionSettings, QueueState
+from lockgate.core.batch_times import BatchTimes
 from lockgate.core.request import Arrays, InferRequest
 from lockgate.core.runner import Instance
 from lockgate.core.serving_metrics import ServingMetrics
@@ -233,8 +234,7 @@ class Batcher:
             admitting = replace(admitting, slack=config.admission_slack)
         self.admission = Admission(admitting, profile)
         self.accepting = True
-        self.input_seconds = 0.0  # total time spent gathering batch inputs
-        self.output_seconds = 0.0  # total time spent splitting batch outputs
+        self.times = BatchTimes()  # batches run, by size, and their phase times
         self.inline_seconds = float(config.parameters.get("inline_max_us", "150")) / 1e6
         self.inline_bytes: dict[int, int] = {}  # rows -> largest input bytes timed cheap
         self._wake = asyncio.Event()
@@ -709,9 +709,8 @@ class Batcher:
         except ServingError as exc:
             self._fail(batch, exc)
             return
-        self.input_seconds += gather
-        self.output_seconds += time.monotonic() - split_start
         compute = instance.last_seconds
+        self.times.record(batch.rows, gather, compute, time.monotonic() - split_start)
         self.compute.observe(batch.rows, compute)
         if self.queued_rows >= self.cap_and_window(time.monotonic())[0]:
             # A full batch is waiting, so the next one leaves at once (no window): time this

@@ -31,7 +31,7 @@ import grpc
 from grpc.aio import ServicerContext as Context
 
 from lockgate.core.manager import ModelManager
-from lockgate.errors import Forbidden, ServingError, Unauthorized
+from lockgate.errors import Forbidden, NotFound, ServingError, Unauthorized
 from lockgate.frontend.app import App
 from lockgate.frontend.grpc_health import add_health_service
 from lockgate.frontend.v2_service import SERVER_METADATA, Deadline
@@ -174,7 +174,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return pb.ServerReadyResponse(ready=self.app.not_ready() is None)
 
     async def _model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
-        reason = self.v2.model_ready(request.name, request.version or None)
+        # as Triton's: an unknown model or version is not ready, not an error (REST says 404)
+        try:
+            reason = self.v2.model_ready(request.name, request.version or None)
+        except NotFound:
+            return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=reason is None)
 
     async def _server_metadata(self) -> pb.ServerMetadataResponse:
@@ -247,6 +251,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             outputs=result.outputs,
             requested=decoded.outputs,
             datatypes=result.output_datatypes,
+            batched=result.batched,
             parameters=result.parameters,
         )
 

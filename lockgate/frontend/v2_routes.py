@@ -82,6 +82,7 @@ async def infer_reply(
         outputs=result.outputs,
         requested=decoded.outputs or None,
         binary_default=decoded.binary_default,
+        batched=result.batched,
         datatypes=result.output_datatypes,
         parameters=result.parameters,
     )

@@ -15,6 +15,7 @@ from lockgate import __version__
 from lockgate.backends.base import spec_of
 from lockgate.compose.executor import Executor
 from lockgate.config import ModelConfig
+from lockgate.core.batch_times import BatchTimes
 from lockgate.core.manager import ModelManager, ModelState, ServedVersion
 from lockgate.core.repository import model_names
 from lockgate.core.request import InferRequest
@@ -23,7 +24,7 @@ from lockgate.datatypes import Arrays
 from lockgate.errors import BadRequest, Forbidden, NotFound
 from lockgate.protocol import v2_metadata
 from lockgate.protocol.v2_codec import DeclaredInput, V2InferRequest
-from lockgate.protocol.v2_metadata import Document, Duration, ModelStats, Runtime
+from lockgate.protocol.v2_metadata import BatchStats, Document, Duration, ModelStats, Runtime
 
 EXTENSIONS = (
     "binary_tensor_data",
@@ -100,6 +101,11 @@ class InferResult:
     @property
     def output_datatypes(self) -> dict[str, str]:
         return {s.name: s.datatype for s in self.served.config.outputs}
+
+    @property
+    def batched(self) -> bool:
+        """The model batches: the first dim of each output is the batch."""
+        return self.served.config.batching
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,9 +280,15 @@ class V2Service:
         return v2_metadata.model_config(config, _runtime(config))
 
     def statistics(self, name: str | None, version_text: str | None) -> Document:
+        """Every version of the model (`name`; None: of every model), or one version of it;
+        404 for an unknown model or version, as its config and metadata."""
         version = parse_version(version_text)
-        if name is not None and name not in self.models.models:
-            raise NotFound(f"unknown model '{name}'")
+        if name is not None:
+            named = self.models.models.get(name)
+            if named is None:
+                raise NotFound(f"unknown model '{name}'")
+            if version is not None and version not in named.versions:
+                raise NotFound(f"unknown version {version} of model '{name}'")
         stats = [
             self._stats_of(served)
             for model in self.models.models.values()
@@ -339,12 +351,12 @@ class V2Service:
             success=_duration(*e2e),
             fail=_duration(int(failures), 0.0),
             queue=_duration(*queue),
-            compute_input=_duration(computes, batcher.input_seconds if batcher else 0.0),
+            compute_input=_duration(computes, batcher.times.input_seconds if batcher else 0.0),
             compute_infer=_duration(computes, compute_seconds),
-            compute_output=_duration(computes, batcher.output_seconds if batcher else 0.0),
+            compute_output=_duration(computes, batcher.times.output_seconds if batcher else 0.0),
             cache_hit=_duration(*hits),
             cache_miss=_duration(*m.cache_miss_latency.totals(labels)),
-            batch_stats=[],
+            batch_stats=_batch_stats(batcher.times) if batcher else [],
         )
 
 
@@ -355,3 +367,16 @@ def _runtime(config: ModelConfig) -> Runtime:
 
 def _duration(count: int, seconds: float) -> Duration:
     return Duration(count=count, ns=int(seconds * 1e9))
+
+
+def _batch_stats(times: BatchTimes) -> list[BatchStats]:
+    """Triton's batch_stats: per batch size executed, its executions and phase times."""
+    return [
+        BatchStats(
+            batch_size=rows,
+            compute_input=_duration(phases.count, phases.input_seconds),
+            compute_infer=_duration(phases.count, phases.infer_seconds),
+            compute_output=_duration(phases.count, phases.output_seconds),
+        )
+        for rows, phases in times.by_size()
+    ]

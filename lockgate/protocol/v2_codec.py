@@ -507,12 +507,14 @@ def encode_infer_response(
     outputs: dict[str, np.ndarray],
     requested: list[RequestedOutput] | None,
     binary_default: bool,
+    batched: bool,
     parameters: dict[str, Any] | None = None,
     datatypes: dict[str, str] | None = None,
 ) -> tuple[bytes, int | None]:
     """Encode an inference response: the body and its JSON header length (None: all JSON).
 
     `requested` empty or None returns every output, in binary when `binary_default`.
+    `batched`: the model batches (max_batch_size > 0), so an output's first dim is the batch.
     `datatypes` names the datatype of an output when its array does not say it (BF16 bits,
     or a cast to the configured type).
     """
@@ -520,7 +522,7 @@ def encode_infer_response(
     chunks: list[bytes] = []
     any_binary = False
     for want in _selected(outputs, requested, binary_default):
-        array, datatype = _output_array(want, outputs[want.name], datatypes)
+        array, datatype = _output_array(want, outputs[want.name], datatypes, batched)
         entry: dict[str, Any] = {"name": want.name, "datatype": datatype, "shape": array.shape}
         if want.binary_data:
             raw = tensor_bytes(array, datatype)
@@ -557,7 +559,7 @@ def _selected(
 
 
 def _output_array(
-    want: RequestedOutput, array: np.ndarray, datatypes: dict[str, str] | None
+    want: RequestedOutput, array: np.ndarray, datatypes: dict[str, str] | None, batched: bool
 ) -> tuple[np.ndarray, str]:
     array = np.asarray(array)
     datatype = (datatypes or {}).get(want.name) or datatype_of(array)
@@ -568,7 +570,7 @@ def _output_array(
             raise BadRequest(
                 f"output '{want.name}': classification needs a numeric output, not {datatype}"
             )
-        return classify(array, want.class_count), "BYTES"
+        return classify(array, want.class_count, batched), "BYTES"
     return array, datatype
 
 
@@ -608,20 +610,23 @@ def _text(item: object) -> str:
     return item if isinstance(item, str) else str(item)
 
 
-def classify(array: np.ndarray, class_count: int) -> np.ndarray:
-    """Triton's classification extension: the top classes of each row as b"value:index".
+def classify(array: np.ndarray, class_count: int, batched: bool) -> np.ndarray:
+    """Triton's classification extension: the top classes as b"value:index".
 
-    An array of rank 2 or more has rows along its first dim; a lower rank is one row.
-    Returns a BYTES array of shape [rows, k] (or [k] for one row), k = min(count, classes).
+    For a batching model (`batched`) the first dim is the batch: each of its rows is
+    classified alone, into BYTES of shape [batch, k]. Otherwise the whole tensor is one row,
+    classified into shape [k]. k = min(count, the elements of a row).
     """
-    rows = array.reshape(array.shape[0], -1) if array.ndim >= 2 else array.reshape(1, -1)
+    # rows: [batch, elements of one row] or [1, elements]
+    batch = array.shape[0] if batched and array.ndim else 1
+    rows = array.reshape(batch, array.size // batch if batch else 0)
     k = min(class_count, rows.shape[1])
     order = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]
     out = np.empty(order.shape, dtype=np.object_)
     for r, indices in enumerate(order.tolist()):
         for c, index in enumerate(indices):
             out[r, c] = f"{float(rows[r, index]):f}:{index}".encode()
-    return out if array.ndim >= 2 else out.reshape(k)
+    return out if batched and array.ndim else out.reshape(k)
 
 
 def encode_error(message: str) -> bytes:

@@ -151,7 +151,6 @@ def test_health_and_metadata_match_rest(
     assert client.is_server_ready()
     assert client.is_model_ready("digits_onnx")
     assert not client.is_model_ready("broken")
-    expect_error(grpc.StatusCode.NOT_FOUND, "unknown model 'nope'", client.is_model_ready, "nope")
     metadata = client.get_server_metadata(as_json=True)
     assert metadata == httpx.get(server.url + "/v2").json()
     for model in ("digits_onnx", "digits_sklearn", "minilm"):
@@ -185,6 +184,50 @@ def test_statistics_and_repository_index(client: grpcclient.InferenceServerClien
     assert states["broken"] == "UNAVAILABLE"
     assert next(m.reason for m in index if m.name == "broken")
     expect_error(grpc.StatusCode.NOT_FOUND, "unknown model", client.get_model_config, "nope")
+
+
+def test_model_ready_of_an_unknown_model_or_version_is_false(
+    client: grpcclient.InferenceServerClient, rest: httpclient.InferenceServerClient
+) -> None:
+    """As Triton's ModelReady: not ready, not an error; as tritonclient.http says over REST."""
+    for name, version in (("nope", ""), ("digits_onnx", "2"), ("digits_onnx", "x")):
+        assert client.is_model_ready(name, version) is False
+        assert rest.is_model_ready(name, version) is False
+    assert client.is_model_ready("digits_onnx", "1") is True
+
+
+def test_statistics_of_an_unknown_model_or_version_is_not_found(
+    client: grpcclient.InferenceServerClient,
+) -> None:
+    stats = client.get_inference_statistics
+    expect_error(grpc.StatusCode.NOT_FOUND, "unknown version 2", stats, "digits_onnx", "2")
+    expect_error(grpc.StatusCode.NOT_FOUND, "unknown model 'nope'", stats, "nope")
+    assert [s.version for s in stats("digits_onnx", "1").model_stats] == ["1"]
+
+
+def test_batch_statistics_are_the_rest_ones(
+    client: grpcclient.InferenceServerClient, server: RunningServer
+) -> None:
+    """InferBatchStatistics: per batch size that ran, sorted, as REST's batch_stats."""
+    for rows in (3, 1, 3):
+        client.infer("digits_sklearn", [grpc_input("input", digits_rows(rows), "FP32")])
+    (ours,) = client.get_inference_statistics("digits_sklearn").model_stats
+    rest = httpx.get(f"{server.url}/v2/models/digits_sklearn/stats").json()["model_stats"][0]
+    phases = ("compute_input", "compute_infer", "compute_output")
+    got = [
+        (b.batch_size, *((getattr(b, p).count, getattr(b, p).ns) for p in phases))
+        for b in ours.batch_stats
+    ]
+    expected = [
+        (b["batch_size"], *((b[p]["count"], b[p]["ns"]) for p in phases))
+        for b in rest["batch_stats"]
+    ]
+    assert got == expected
+    sizes = [b.batch_size for b in ours.batch_stats]
+    assert {1, 3} <= set(sizes) and sizes == sorted(set(sizes))
+    assert sum(b.compute_infer.count for b in ours.batch_stats) == ours.execution_count
+    rows = sum(b.batch_size * b.compute_infer.count for b in ours.batch_stats)
+    assert rows == ours.inference_count
 
 
 # -- inference ---------------------------------------------------------------------------
@@ -237,6 +280,24 @@ def test_output_selection_and_classification(client: grpcclient.InferenceServerC
         [grpc_input("input", x, "FP32")],
         outputs=[grpcclient.InferRequestedOutput("nope")],
     )
+
+
+def test_classification_has_a_row_per_batch_row(client: grpcclient.InferenceServerClient) -> None:
+    """Triton's classification of a batching model: BYTES [batch, count], row by row."""
+    x = [grpc_input("input", digits_rows(3), "FP32")]
+    plain = client.infer("digits_sklearn", x)
+    labels, probs = plain.as_numpy("label"), plain.as_numpy("probabilities")
+    assert labels is not None and probs is not None
+    top = [
+        grpcclient.InferRequestedOutput("label", class_count=1),
+        grpcclient.InferRequestedOutput("probabilities", class_count=1),
+    ]
+    result = client.infer("digits_sklearn", x, outputs=top)
+    label_classes, prob_classes = result.as_numpy("label"), result.as_numpy("probabilities")
+    assert label_classes is not None and label_classes.shape == (3, 1)
+    assert label_classes[:, 0].tolist() == [f"{float(v):f}:0".encode() for v in labels]
+    assert prob_classes is not None and prob_classes.shape == (3, 1)
+    assert [int(c.split(b":")[1]) for c in prob_classes[:, 0]] == probs.argmax(axis=1).tolist()
 
 
 def test_request_id_and_parameters(client: grpcclient.InferenceServerClient) -> None:
@@ -652,6 +713,7 @@ def test_codec_response_is_raw_and_selected() -> None:
         outputs=outputs,
         requested=[RequestedOutput("t"), RequestedOutput("y", class_count=1)],
         datatypes={},
+        batched=True,
     )
     assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [
         ("t", "BYTES", [1]),

@@ -64,8 +64,9 @@ def test_data_far_longer_than_its_shape_is_refused_before_it_is_decoded(
 def test_classification_of_a_bytes_output_is_a_400() -> None:
     want = v2.RequestedOutput("label", False, 3)
     with pytest.raises(BadRequest, match="numeric"):
-        v2._output_array(want, np.array([b"a", b"b"], dtype=object), {"label": "BYTES"})
-    values, datatype = v2._output_array(want, np.array([[0.1, 0.7, 0.2]], np.float32), None)
+        v2._output_array(want, np.array([b"a", b"b"], dtype=object), {"label": "BYTES"}, True)
+    scores = np.array([[0.1, 0.7, 0.2]], np.float32)
+    values, datatype = v2._output_array(want, scores, None, True)
     assert datatype == "BYTES" and values[0, 0].endswith(b":1")
 
 

@@ -63,6 +63,34 @@ def test_minilm_bytes(client: httpclient.InferenceServerClient, binary: bool) ->
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-3)
 
 
+@pytest.mark.parametrize("binary", [False, True])
+def test_classification_has_a_row_per_batch_row(
+    client: httpclient.InferenceServerClient, binary: bool
+) -> None:
+    """Triton's classification of a batching model: BYTES [batch, count], row by row."""
+    x = digits_rows(3)
+    inp = httpclient.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    plain = client.infer("digits_sklearn", [inp])
+    labels, probs = plain.as_numpy("label"), plain.as_numpy("probabilities")
+    assert labels is not None and probs is not None
+    top = [
+        httpclient.InferRequestedOutput("label", binary_data=binary, class_count=1),
+        httpclient.InferRequestedOutput("probabilities", binary_data=binary, class_count=1),
+    ]
+    result = client.infer("digits_sklearn", [inp], outputs=top)
+    label_classes, prob_classes = result.as_numpy("label"), result.as_numpy("probabilities")
+    assert label_classes is not None and label_classes.shape == (3, 1)
+    assert [_text(c) for c in label_classes[:, 0]] == [f"{float(v):f}:0" for v in labels]
+    assert prob_classes is not None and prob_classes.shape == (3, 1)
+    indices = [int(_text(c).split(":")[1]) for c in prob_classes[:, 0]]
+    assert indices == probs.argmax(axis=1).tolist()
+
+
+def _text(item: bytes | str) -> str:
+    return item.decode() if isinstance(item, bytes) else item
+
+
 def test_async_requests_batch(client: httpclient.InferenceServerClient) -> None:
     x = digits_rows(20)
     pending = []

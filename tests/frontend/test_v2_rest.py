@@ -270,6 +270,47 @@ def test_statistics_endpoint(server: RunningServer) -> None:
     assert int(entry["inference_stats"]["success"]["count"]) >= 1
 
 
+def test_statistics_of_an_unknown_model_or_version_are_404(server: RunningServer) -> None:
+    for path in ("digits_onnx/versions/2/stats", "nope/stats", "nope/versions/1/stats"):
+        answer = httpx.get(f"{server.url}/v2/models/{path}")
+        assert answer.status_code == 404, (path, answer.text)
+        assert "unknown" in answer.json()["error"]
+    one = httpx.get(server.url + "/v2/models/digits_onnx/versions/1/stats").json()
+    assert [s["version"] for s in one["model_stats"]] == ["1"]
+
+
+def test_batch_statistics_per_batch_size(server: RunningServer) -> None:
+    """Triton's batch_stats: per batch size that ran, its executions and phase times."""
+    url = server.url + "/v2/models/digits_onnx/stats"
+
+    def executions(rows: int) -> int:
+        batches = httpx.get(url).json()["model_stats"][0]["batch_stats"]
+        return sum(b["compute_infer"]["count"] for b in batches if b["batch_size"] == rows)
+
+    before = executions(5)
+    for _ in range(2):
+        post(server, "/v2/models/digits_onnx/infer", infer_body("input", digits_rows(5)))
+    assert executions(5) - before == 2
+
+    def one(_: int) -> None:
+        r = post(server, "/v2/models/digits_onnx/infer", infer_body("input", digits_rows(1)))
+        assert r.status_code == 200, r.text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(32)))  # batched dynamically
+    stats = httpx.get(url).json()["model_stats"][0]
+    batches = stats["batch_stats"]
+    sizes = [b["batch_size"] for b in batches]
+    assert sizes == sorted(set(sizes)) and 5 in sizes
+    assert sum(b["compute_infer"]["count"] for b in batches) == stats["execution_count"]
+    rows = sum(b["batch_size"] * b["compute_infer"]["count"] for b in batches)
+    assert rows == stats["inference_count"]
+    for b in batches:
+        phases = (b["compute_input"], b["compute_infer"], b["compute_output"])
+        assert phases[0]["count"] == phases[1]["count"] == phases[2]["count"] > 0
+    assert sum(b["compute_infer"]["ns"] for b in batches) > 0
+
+
 def test_openapi_document(server: RunningServer) -> None:
     doc = httpx.get(server.url + "/openapi.json").json()
     assert doc["openapi"].startswith("3.")

@@ -530,6 +530,7 @@ def encode(outputs: dict[str, np.ndarray], **kwargs: Any) -> tuple[bytes, int | 
         "request_id": "",
         "requested": None,
         "binary_default": False,
+        "batched": True,
     }
     fields.update(kwargs)
     return encode_infer_response(outputs=outputs, **fields)
@@ -623,7 +624,24 @@ def test_classification_output() -> None:
     doc = msgspec.json.decode(body)["outputs"][0]
     assert doc["datatype"] == "BYTES" and doc["shape"] == [2, 2]
     assert doc["data"] == ["0.700000:1", "0.200000:2", "0.500000:0", "0.400000:2"]
-    assert classify(np.array([3.0, 9.0]), 5).tolist() == [b"9.000000:1", b"3.000000:0"]
+    assert classify(np.array([3.0, 9.0]), 5, False).tolist() == [b"9.000000:1", b"3.000000:0"]
+
+
+def test_classification_of_a_batch_has_a_row_per_batch_row() -> None:
+    """A batching model's first dim is the batch, whatever the rank: [batch, k]."""
+    labels = np.array([7, 2, 7], np.int64)  # one scalar per row
+    body, _length = encode({"label": labels}, requested=[RequestedOutput("label", False, 1)])
+    doc = msgspec.json.decode(body)["outputs"][0]
+    assert doc["shape"] == [3, 1] and doc["data"] == ["7.000000:0", "2.000000:0", "7.000000:0"]
+    scores = np.array([[[0.1, 0.9]], [[0.8, 0.2]]], np.float32)  # [2, 1, 2]
+    assert classify(scores, 1, True).tolist() == [[b"0.900000:1"], [b"0.800000:0"]]
+
+
+def test_classification_without_batching_is_of_the_whole_tensor() -> None:
+    scores = np.array([[0.1, 0.7], [0.9, 0.2]], np.float32)
+    body, _length = encode({"p": scores}, requested=[RequestedOutput("p", False, 2)], batched=False)
+    doc = msgspec.json.decode(body)["outputs"][0]
+    assert doc["shape"] == [2] and doc["data"] == ["0.900000:2", "0.700000:1"]
 
 
 def test_encode_error() -> None:
