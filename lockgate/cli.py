@@ -47,7 +47,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "server stops reading the stream",
     )
     p.add_argument(
-        "--max-body-mb", type=float, default=64.0, help="request body limit (HTTP, gRPC)"
+        "--max-body-mb",
+        type=float,
+        default=64.0,
+        help="request body limit (HTTP, gRPC; a gzip or deflate body counts inflated)",
     )
     p.add_argument(
         "--body-timeout",

@@ -69,6 +69,11 @@ class PayloadTooLarge(ServingError):
     kind = "payload_too_large"
 
 
+class UnsupportedMediaType(ServingError):
+    status = 415
+    kind = "unsupported_media_type"
+
+
 class TooManyRequests(ServingError):
     status = 429
     kind = "rate_limited"

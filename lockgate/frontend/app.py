@@ -25,6 +25,7 @@ from lockgate.core.manager import ModelManager, ServedVersion
 from lockgate.errors import (
     BadRequest,
     Forbidden,
+    MethodNotAllowed,
     NotFound,
     ServingError,
     Unauthorized,
@@ -72,6 +73,14 @@ READ_ONLY_PATHS = frozenset(
         *("/v2", "/dashboard", "/"),
     }
 )
+READ = ("GET", "HEAD")  # the methods of a route that only reads
+WRITE = ("POST",)
+# the methods of each route under /v2/models/{m}[/versions/{v}], by its last segment
+# ("": the model's metadata)
+MODEL_ROUTES = {
+    **dict.fromkeys(("", "ready", "config", "stats"), READ),
+    **dict.fromkeys(("infer", "generate", "generate_stream"), WRITE),
+}
 TRACED_KINDS = ("infer", "generate", "openai")  # route kinds whose requests may be traced
 OpenAIHandler = Callable[[HttpRequest, list[str]], Awaitable[None]]
 # Triton's generate extension: (request, model, version, streamed)
@@ -88,20 +97,6 @@ def _request_timeout(headers: list[tuple[bytes, bytes]]) -> float | None:
                 raise ValueError(f"Request-Timeout out of range: {timeout}")
             return timeout
     return None
-
-
-class MethodNotAllowed(ServingError):
-    """The path exists but does not take this method; `Allow` lists those it takes."""
-
-    status = 405
-    kind = "method_not_allowed"
-
-    def __init__(self, message: str, allow: str) -> None:
-        super().__init__(message)
-        self.allow = allow
-
-    def headers(self) -> dict[str, str]:
-        return {"allow": self.allow}
 
 
 @dataclass(slots=True)
@@ -420,10 +415,11 @@ class App:
     # -- routing -----------------------------------------------------------------------
     async def _route(self, request: HttpRequest) -> None:
         path, method = request.path, request.method
-        if path in READ_ONLY_PATHS and method not in ("GET", "HEAD"):
-            raise MethodNotAllowed(f"{method[:20]} is not allowed on {path}", "GET, HEAD")
+        if path in READ_ONLY_PATHS:
+            _allow(method, path, READ)
         parts = [p for p in path.split("/") if p]
-        if parts == ["v2", "models", "stats"] and method == "GET":  # before model "stats"
+        if parts == ["v2", "models", "stats"]:  # before a model named "stats"
+            _allow(method, path, READ)
             await v2_routes.document(request, self.v2.statistics(None, None))
         elif parts[:2] == ["v2", "models"] and len(parts) >= 3:
             await self._model_route(request, parts[2:])
@@ -457,26 +453,26 @@ class App:
         if len(rest) >= 2 and rest[0] == "versions":
             version, rest = rest[1], rest[2:]
         action = rest[0] if rest else ""
-        if len(rest) > 1:
+        allowed = MODEL_ROUTES.get(action) if len(rest) <= 1 else None
+        if allowed is None:
             raise NotFound(f"no route for {request.method} {request.path[:200]}")
-        method = request.method
-        if action == "infer" and method == "POST":
+        if action.startswith("generate") and self.generate is None:
+            raise NotFound("generate serves language models: this server runs without them")
+        _allow(request.method, request.path, allowed)
+        if action == "infer":
             granted = not self.settings.priority_keys or self.priority_granted(request.bearer())
             await v2_routes.infer(request, self.v2, name, version, granted)
-        elif action in ("generate", "generate_stream") and method == "POST":
-            if self.generate is None:
-                raise NotFound("generate serves language models: this server runs without them")
+        elif action in ("generate", "generate_stream"):
+            assert self.generate is not None
             await self.generate(request, name, version, action == "generate_stream")
-        elif action == "" and method == "GET":
+        elif action == "":
             await v2_routes.document(request, self.v2.model_metadata(name, version))
-        elif action == "ready" and method == "GET":
+        elif action == "ready":
             await v2_routes.model_ready(request, self.v2, name, version)
-        elif action == "config" and method == "GET":
+        elif action == "config":
             await v2_routes.document(request, self.v2.model_config(name, version))
-        elif action == "stats" and method == "GET":
+        else:  # stats
             await v2_routes.document(request, self.v2.statistics(name, version))
-        else:
-            raise NotFound(f"no route for {method} {request.path[:200]}")
 
     def not_ready(self) -> str | None:
         """Why the server is not ready (REST, gRPC and the gRPC health service ask this),
@@ -501,21 +497,21 @@ class App:
             await respond_json(request.send, 503, {"ready": False, "error": reason})
 
     async def _repository(self, request: HttpRequest, rest: list[str]) -> None:
-        if rest == ["index"] and request.method == "POST":
+        control = len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload")
+        if rest != ["index"] and not control:
+            raise NotFound(f"no route for {request.method} {request.path[:200]}")
+        _allow(request.method, request.path, WRITE)
+        if not control:
             await v2_routes.repository_index(request, self.v2)
             return
-        if len(rest) == 3 and rest[0] == "models" and request.method == "POST":
-            name, action = rest[1], rest[2]
-            if action in ("load", "unload"):
-                self.check_model_control(name)
-                parameters = parameters_of(await request.body())
-                if action == "load":
-                    await self.load(name, load_request(parameters))
-                else:
-                    await self.unload(name, unload_request(parameters))
-                await respond_json(request.send, 200, {})
-                return
-        raise NotFound(f"no route for {request.method} {request.path[:200]}")
+        name, action = rest[1], rest[2]
+        self.check_model_control(name)
+        parameters = parameters_of(await request.body())
+        if action == "load":
+            await self.load(name, load_request(parameters))
+        else:
+            await self.unload(name, unload_request(parameters))
+        await respond_json(request.send, 200, {})
 
     def check_model_control(self, name: str) -> None:
         """Load and unload are served only in explicit model control mode, as in Triton."""
@@ -585,6 +581,13 @@ class _LaneCount:
             "(their head came whole in one read); the others took the ASGI path.",
             value=self.app.lane_answered,
         )
+
+
+def _allow(method: str, path: str, allowed: tuple[str, ...]) -> None:
+    """405, with `allowed` as its Allow header, unless the route on `path` takes `method`."""
+    if method not in allowed:
+        allow = ", ".join(allowed)
+        raise MethodNotAllowed(f"{method[:20]} is not allowed on {path[:200]}: {allow}", allow)
 
 
 def _is_model_control(method: str, parts: list[str]) -> bool:

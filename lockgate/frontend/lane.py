@@ -13,8 +13,9 @@ cost more than the model on a small one (see "Operating under load" in the READM
 The answers are the same as the ASGI path's: status, body, headers, metrics, deadlines,
 admission, authentication and priority keys. Bytes a client sends while its request runs
 here wait, unread, for its answer (answers leave in order); a disconnect cancels the
-request. Chunked bodies, `Expect`, HTTP/1.0, encoded paths, heads split over reads, and
-every request while the access log or tracing is on, take the ASGI path.
+request. Chunked bodies, compressed bodies (`Content-Encoding`), `Expect`, HTTP/1.0,
+encoded paths, heads split over reads, and every request while the access log or tracing
+is on, take the ASGI path.
 """
 
 from __future__ import annotations

@@ -185,7 +185,8 @@ _ERRORS = {
     403: "The API key is not accepted, or the action is turned off.",
     404: "No such model, version or route.",
     408: "The body did not arrive in time.",
-    413: "The body is over the size limit.",
+    413: "The body is over the size limit (inflated, when it has a Content-Encoding).",
+    415: "The body's Content-Encoding is neither gzip, deflate nor identity.",
     429: "The language model's queue is full.",
     500: "The model raised; only the requests of its batch see this.",
     503: "Saturated, draining, or the model is not ready: retry after Retry-After seconds.",
@@ -341,7 +342,7 @@ def _infer(params: tuple[dict[str, Any], ...], at: str) -> dict[str, Any]:
         f"infer{at}",
         "Inference (KServe v2)",
         {"200": {"description": description, "content": content}},
-        (400, 403, 404, 408, 413, 500, 503, 504),
+        (400, 403, 404, 408, 413, 415, 500, 503, 504),
         tag="v2",
         params=(*params, _TIMEOUT, _HEADER_LENGTH),
         body=body,
@@ -380,7 +381,7 @@ def _generate(params: tuple[dict[str, Any], ...], at: str, stream: bool) -> dict
         operation_id,
         summary,
         ok,
-        (400, 403, 404, 408, 413, 429, 503, 504),
+        (400, 403, 404, 408, 413, 415, 429, 503, 504),
         tag="v2",
         params=(_LLM_MODEL, *params[1:], _TIMEOUT),
         body=body,
@@ -443,7 +444,7 @@ def _generation(operation_id: str, summary: str, request: str, answer: str) -> d
     streamed = {**example, "stream": True, "stream_options": {"include_usage": True}}
     examples = {"whole": {"value": example}, "streamed": {"value": streamed}}
     body = {"application/json": {"schema": _ref(request), "examples": examples}}
-    errors = (400, 403, 404, 408, 413, 429, 503, 504)
+    errors = (400, 403, 404, 408, 413, 415, 429, 503, 504)
     operation = _operation(
         operation_id, summary, ok, errors, tag="openai", params=(_TIMEOUT,), body=body
     )
@@ -455,7 +456,7 @@ def _openai_paths() -> dict[str, Any]:
         "embeddings",
         "Embeddings, from a model with one BYTES input and an FP32 output",
         _ok("EmbeddingList"),
-        (400, 404, 408, 413, 500, 503, 504),
+        (400, 404, 408, 413, 415, 500, 503, 504),
         tag="openai",
         body={
             "application/json": {"schema": _ref("EmbeddingRequest"), "example": _EMBEDDING_EXAMPLE}

@@ -213,7 +213,8 @@ class _Protocol(HttpToolsProtocol):
         """Judge the request head at the start of `data`: the bytes it and its body took
         when it was refused (all of `data` when the body is still to come), or 0 when it
         goes to the parser (let through, or anything this reading does not handle: a head
-        not yet complete, chunked bodies, `Expect`, upgrades, encoded paths, HTTP/1.0)."""
+        not yet complete, chunked or content-encoded bodies, `Expect`, upgrades, encoded
+        paths, HTTP/1.0)."""
         end = data.find(b"\r\n\r\n", 0, self.max_head_bytes)
         if end < 0 or (self.cycle is not None and not self.cycle.response_complete):
             return 0
@@ -579,8 +580,9 @@ _REASONS = {
     431: b"Request Header Fields Too Large",
 }
 _SATURATED = encode_error("server is saturated: retry later")
-# headers that leave a request to the parser (a refusal on arrival would misread it)
-_PARSER_HEADERS = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+# headers that leave a request to the parser: a refusal on arrival would misread it, or
+# (content-encoding) its body is decoded on the ASGI path, not on the lane
+_PARSER_HEADERS = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"content-encoding"})
 DISCARD_BYTES = 64 * 1024  # a refused request's body up to this is skipped, not read
 
 
