@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -114,7 +115,17 @@ def test_grpc_unloads_an_ensemble_with_its_steps_and_loads_it_again(
     assert all(http.is_model_ready(m) for m in ("pipeline", "add_one", "double"))
     client.unload_model("double")  # without dependents: the ensemble's steps stay
     assert http.is_model_ready("add_one")
+    assert not http.is_model_ready("pipeline")  # one of its steps is gone
+    x = np.ones((1, 4), dtype=np.float32)
+    inputs = [httpclient.InferInput("x", [1, 4], "FP32")]
+    inputs[0].set_data_from_numpy(x)
+    with pytest.raises(InferenceServerException, match="the model 'double' it runs") as down:
+        http.infer("pipeline", inputs)
+    assert down.value.status() == "503"
     client.load_model("double")
+    assert http.is_model_ready("pipeline")
+    answer = http.infer("pipeline", inputs).as_numpy("y")
+    assert answer is not None and answer.tolist() == [[3.0, 3.0, 3.0, 3.0]]
     with pytest.raises(InferenceServerException, match="no model 'nosuch' in the repository"):
         client.load_model("nosuch")
 
