@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -104,6 +105,7 @@ _STEP_KEYS = frozenset(
 _CASCADE_KEYS = frozenset({"models", "confidence_output", "threshold", "rule"})
 _WARMUP_KEYS = frozenset({"name", "batch_size", "count", "inputs"})
 _WARMUP_KINDS = ("zero", "random")
+_SAFE_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a warmup file: one plain name
 _DEFAULT_BATCHING = DynamicBatching()
 _INSTANCE_KINDS = ("KIND_AUTO", "KIND_CPU", "KIND_GPU", "KIND_MODEL")
 
@@ -398,8 +400,13 @@ class _Reader:
             raise self.error(f"{field}.batch_size", problem)
         kinds = self.mapping(raw.get("inputs"), f"{field}.inputs", _AnyKey())
         for name, kind in kinds.items():
-            if kind not in _WARMUP_KINDS:
-                problem = f"expected one of {_WARMUP_KINDS}, got {kind!r}"
+            if isinstance(kind, str) and kind.startswith("file:"):
+                filename = kind.removeprefix("file:")
+                if not _SAFE_FILE.fullmatch(filename) or ".." in filename:
+                    problem = f"a file name in the model's warmup folder, got {filename!r}"
+                    raise self.error(f"{field}.inputs.{name}", problem)
+            elif kind not in _WARMUP_KINDS:
+                problem = f"expected one of {_WARMUP_KINDS} or 'file:<name>', got {kind!r}"
                 raise self.error(f"{field}.inputs.{name}", problem)
         return WarmupSample(
             name=self.string(raw.get("name", field), f"{field}.name"),

@@ -277,10 +277,8 @@ class _TritonTranslator:
         if data.zero_data:
             return "zero"
         if data.HasField("input_data_file"):
-            raise self.error(
-                f"{field}.input_data_file", "not supported; use zero_data or random_data"
-            )
-        raise self.error(field, "give zero_data: true or random_data: true")
+            return f"file:{data.input_data_file}"  # in the model's warmup folder, as in Triton
+        raise self.error(field, "give zero_data, random_data or input_data_file")
 
     def ensemble_step(self, step: pb.ModelEnsembling.Step, field: str) -> dict[str, Any]:
         self.warn_unused(step, field, _STEP_FIELDS)

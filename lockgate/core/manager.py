@@ -28,7 +28,7 @@ from lockgate.backends.base import (
     get_factory,
     get_service_factory,
 )
-from lockgate.config import ModelConfig, TensorSpec
+from lockgate.config import ModelConfig
 from lockgate.core.admission import AdmissionSettings
 from lockgate.core.batcher import Arriving, Batcher, batch_bytes
 from lockgate.core.metrics import Instrumented, Registry
@@ -36,6 +36,7 @@ from lockgate.core.request import InferRequest
 from lockgate.core.runner import Instance, instance_thread
 from lockgate.core.serving_metrics import ServingMetrics
 from lockgate.core.slo import ServiceProfile
+from lockgate.core.warmup import profile_sample, sample_batch, synthetic_batch
 from lockgate.errors import BadRequest, NotFound, Unavailable
 
 log = logging.getLogger("lockgate.models")
@@ -98,29 +99,6 @@ class ServingSettings:
     # the repository's models loaded at start-up (None: all); explicit model control mode
     # loads only those of --load-model, as in Triton
     startup_models: frozenset[str] | None = None
-
-
-def synthetic_input(spec: TensorSpec, rows: int, batching: bool, kind: str = "zero") -> np.ndarray:
-    """Warmup data for one input: `rows` rows of zeros or random values (BYTES: short text)."""
-    dims = tuple(1 if d < 0 else d for d in spec.dims)
-    shape = ((rows,) if batching else ()) + dims
-    if spec.datatype == "BYTES":
-        return np.full(shape, b"lockgate warmup text", dtype=object)
-    from lockgate.datatypes import numpy_dtype
-
-    dtype = numpy_dtype(spec.datatype)
-    if kind == "random":
-        rng = np.random.default_rng(0)
-        return rng.random(shape).astype(dtype)
-    return np.zeros(shape, dtype=dtype)
-
-
-def synthetic_batch(config: ModelConfig, rows: int, kind: str = "zero") -> Arrays:
-    return {
-        spec.name: synthetic_input(spec, rows, config.batching, kind)
-        for spec in config.inputs
-        if not spec.optional
-    }
 
 
 class ModelManager:
@@ -351,10 +329,18 @@ class ModelManager:
         start = time.monotonic()
         profile = ServiceProfile(max(1, config.max_batch_size))
         await asyncio.gather(
-            *(loop.run_in_executor(i.executor, self._warm, config, i) for i in instances)
+            *(
+                loop.run_in_executor(i.executor, self._warm, config, served.path.parent, i)
+                for i in instances
+            )
         )
         timed = await loop.run_in_executor(
-            instances[0].executor, self._measure, config, instances[0], profile
+            instances[0].executor,
+            self._measure,
+            config,
+            served.path.parent,
+            instances[0],
+            profile,
         )
         served.warmup_seconds = time.monotonic() - start
         self.metrics.warmup_seconds.set(labels, served.warmup_seconds)
@@ -374,16 +360,15 @@ class ModelManager:
         batcher.start()
         served.batcher = batcher
 
-    def _warm(self, config: ModelConfig, instance: Instance) -> None:
+    def _warm(self, config: ModelConfig, folder: Path, instance: Instance) -> None:
         """Run the configured warmup samples on an instance (on its own thread)."""
         for sample in config.warmup:
-            kind = next(iter(sample.inputs.values()), "zero")
-            inputs = synthetic_batch(config, sample.batch_size, kind)
+            inputs = sample_batch(config, folder, sample, sample.batch_size)
             for _ in range(sample.count):
                 instance.infer_sync(inputs)
 
     def _measure(
-        self, config: ModelConfig, instance: Instance, profile: ServiceProfile
+        self, config: ModelConfig, folder: Path, instance: Instance, profile: ServiceProfile
     ) -> dict[int, int]:
         """Measure T(B) on an instance (on its own thread, where traffic will run it). Returns
         the input bytes of the batch timed at each size."""
@@ -391,16 +376,26 @@ class ModelManager:
             return {}
         sizes = _profile_sizes(config.max_batch_size) if config.batching else [1]
         with self._profiling:
-            timed = self._profile(instance, config, sizes, profile)
+            timed = self._profile(instance, config, folder, sizes, profile)
         profile.seal()  # traffic's own batches replace what synthetic inputs measured
         return timed
 
     def _profile(
-        self, instance: Instance, config: ModelConfig, sizes: list[int], profile: ServiceProfile
+        self,
+        instance: Instance,
+        config: ModelConfig,
+        folder: Path,
+        sizes: list[int],
+        profile: ServiceProfile,
     ) -> dict[int, int]:
+        """T(B) on the warmup's data from a file when a sample gives one, else on random."""
         timed = {}
+        sample = profile_sample(config)
         for rows in sizes:
-            inputs = synthetic_batch(config, rows, "random")
+            if sample is not None:
+                inputs = sample_batch(config, folder, sample, rows)
+            else:
+                inputs = synthetic_batch(config, rows, "random")
             timed[rows] = batch_bytes(inputs)
             instance.infer_sync(inputs)  # first run at a new shape pays for allocation
             times = []

@@ -166,11 +166,15 @@ def _warmup(config: ModelConfig, sample: WarmupSample) -> dict[str, Any]:
     inputs: dict[str, Any] = {}
     for spec in config.inputs:
         kind = sample.inputs.get(spec.name, "zero")
-        data_key = "random_data" if kind == "random" else "zero_data"
+        data: dict[str, Any] = {"zero_data": True}
+        if kind == "random":
+            data = {"random_data": True}
+        elif kind.startswith("file:"):
+            data = {"input_data_file": kind.removeprefix("file:")}
         inputs[spec.name] = {
             "data_type": config_datatype(spec.datatype),
             "dims": list(spec.dims),
-            data_key: True,
+            **data,
         }
     return {
         "name": sample.name,

@@ -358,14 +358,15 @@ def test_triton_latest_and_all_policies() -> None:
         ('backend: "python" instance_group { count: -1 }', "instance_group[0].count", ">= 1"),
         ('backend: "python" input: "x"', "pbtxt", 'line 1, column 26: Expected "{"'),
         (
-            'backend: "python" model_warmup { inputs { key: "x" value { input_data_file: "f" } } }',
-            "model_warmup[0].inputs.x.input_data_file",
-            "not supported",
+            'backend: "python" model_warmup { inputs { key: "x" value { input_data_file: "../f" } }'
+            " }",
+            "warmup[0].inputs.x",
+            "a file name in the model's warmup folder",
         ),
         (
             'backend: "python" model_warmup { inputs { key: "x" value { zero_data: false } } }',
             "model_warmup[0].inputs.x",
-            "zero_data: true",
+            "zero_data, random_data or input_data_file",
         ),
         ('backend: "python"\nmax_batch_size: {', "pbtxt", "line 2, column 17"),
         ('backend: "python" version_policy { }', "version_policy", "exactly one"),
