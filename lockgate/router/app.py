@@ -345,8 +345,8 @@ class RouterApp:
             self.retries.request(now)
             if self.settings.hedge.enabled:  # the hedge budget is spent only by hedging
                 self.hedges.request(now)
-        if self.draining:
-            return await _error(send, 503, "router is shutting down", retry_after=1)
+        # draining (`--drain-delay`): readiness says 503 so load balancers stop sending, and
+        # what they still send is served until the port closes
         if lane is None and self.pool.all_full(now):  # (the lane looked before its attempt)
             self.shed.inc()
             retry = self.settings.shed_retry_after

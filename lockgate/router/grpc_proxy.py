@@ -344,9 +344,8 @@ class GrpcFront:
             if attempt and not router.retries.try_spend(now):
                 router.retries_denied.inc()
                 break
-            replica = router.balancer.pick(
-                router.groups.members(router.pool.replicas, MAIN), now, tried
-            )
+            main = router.groups.members(router.pool.replicas, MAIN)
+            replica = router.balancer.pick(main, now, [*tried, *_out(router, now)])
             if replica is None:
                 break
             if attempt:
@@ -382,7 +381,7 @@ class GrpcFront:
         finally:
             replica.in_flight -= 1
         self.router.attempts.inc((replica.url, "OK"))
-        replica.succeeded(None)
+        replica.succeeded(None, grpc=True)
         return response
 
     async def _hedged(
@@ -402,7 +401,7 @@ class GrpcFront:
                 return one.result()  # an answer, a status, or the _Retry it ended with
             now = time.monotonic()
             main = router.groups.members(router.pool.replicas, MAIN)
-            second = router.balancer.pick(main, now, [*tried, first])
+            second = router.balancer.pick(main, now, [*tried, first, *_out(router, now)])
             if second is not None and router.hedges.try_spend(now):
                 copies[loop.create_task(self._attempt(second, call))] = second
             pending = set(copies)
@@ -431,22 +430,21 @@ class GrpcFront:
             replica.refused(now, self.router.pool.health)
             return _Retry(status)
         if status.code == grpc.StatusCode.UNAVAILABLE or status.code in REPLICA_FAULTS:
-            if replica.failed(now, self.router.pool.health):
-                log.warning("router: %s ejected after repeated failures", replica.url)
+            if replica.failed(now, self.router.pool.health, grpc=True):
+                log.warning("router: %s ejected from gRPC after repeated failures", replica.url)
             if status.code == grpc.StatusCode.UNAVAILABLE:
                 return _Retry(status)
         elif status.code != grpc.StatusCode.DEADLINE_EXCEEDED:
-            replica.succeeded(None)  # an answer: the request's own fault (NOT_FOUND, ...)
+            replica.succeeded(None, grpc=True)  # an answer: the request's fault (NOT_FOUND, ...)
         return status
 
     def _admit(self) -> None:
-        """Count the call in the retry and hedge budgets; refuse it while draining or all are
-        full."""
+        """Count the call in the retry and hedge budgets; refuse it when every replica is full.
+        (While draining, health says NOT_SERVING and calls are still served until the front
+        stops.)"""
         router, now = self.router, time.monotonic()
         router.retries.request(now)
         router.hedges.request(now)
-        if router.draining:
-            raise _Status(grpc.StatusCode.UNAVAILABLE, "router is shutting down", _retry_after())
         if router.pool.all_full(now):
             router.shed.inc()
             wait = router.settings.shed_retry_after
@@ -476,9 +474,9 @@ class GrpcFront:
     async def _stream(self, method: str, requests: AsyncIterator[bytes], context: Context) -> None:
         metadata = _forwarded(context.invocation_metadata())
         self._admit()
-        replica = self.router.balancer.pick(
-            self.router.groups.members(self.router.pool.replicas, MAIN), time.monotonic()
-        )
+        now = time.monotonic()
+        main = self.router.groups.members(self.router.pool.replicas, MAIN)
+        replica = self.router.balancer.pick(main, now, _out(self.router, now))
         if replica is None:
             raise self._unanswered()
         link = self.links.get(replica, self.router.pool.replicas)
@@ -504,7 +502,7 @@ class GrpcFront:
             trailing = _forwarded(await call.trailing_metadata())
             raise self._failed_stream(replica, _Status(code, details or "", trailing))
         self.router.attempts.inc((replica.url, "OK"))
-        replica.succeeded(None)
+        replica.succeeded(None, grpc=True)
 
     def _failed_stream(self, replica: Replica, status: _Status) -> _Status:
         """A stream is never sent again: whatever it ended with is passed on."""
@@ -626,6 +624,11 @@ def _time_left(context: Context) -> float | None:
     if left is not None and left <= 0:
         raise _Status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed in the router")
     return left
+
+
+def _out(router: RouterApp, now: float) -> list[Replica]:
+    """Replicas ejected from gRPC calls (their gRPC port failed), whatever their HTTP."""
+    return [r for r in router.pool.replicas if r.grpc.out(now)]
 
 
 def _retry_after(seconds: int = 1) -> Metadata:

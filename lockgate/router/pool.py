@@ -109,6 +109,11 @@ class ReplicaPool:
                 response = await replica.upstream.request("GET", "/v2/health/ready", [], b"")
                 await response.read()
             replica.ready = response.status == 200
+            # the load it reports, less this probe: refreshed here too, so a replica this
+            # router stopped sending to (its last answer reported it busy) is seen idle again
+            reported = response.header(b"x-lockgate-inflight")
+            if reported is not None and reported.isdigit():
+                replica.reported = max(0, int(reported) - 1)
         except (UpstreamError, TimeoutError):
             replica.ready = False
         if replica.ready != was:

@@ -48,6 +48,19 @@ def test_full_replicas_are_a_last_resort_and_ejected_ones_are_skipped() -> None:
     assert not c.usable(16.9) and c.usable(17.1)  # a second ejection lasts twice as long
 
 
+def test_grpc_failures_eject_a_replica_from_grpc_calls_alone() -> None:
+    """A replica whose gRPC port fails (a server started without one) keeps its HTTP traffic;
+    its gRPC calls go elsewhere until the cool-down ends."""
+    settings = HealthSettings(eject_after=2, eject_for=5.0)
+    a = replica(1)
+    assert not a.failed(1.0, settings, grpc=True)
+    assert a.failed(1.0, settings, grpc=True)
+    assert a.usable(2.0) and a.grpc.out(2.0) and not a.http.out(2.0)
+    assert not a.grpc.out(6.1)
+    a.succeeded(None, grpc=True)
+    assert a.grpc.failures == 0 and a.grpc.ejections == 0
+
+
 def test_hedge_delay_follows_the_models_latency() -> None:
     policy = HedgePolicy(quantile=0.95, min_delay=0.001)
     assert policy.delay("m") is None  # nothing seen yet: no hedge

@@ -366,3 +366,54 @@ def test_serve_with_replicas_runs_a_router_over_them(tmp_path: Path) -> None:
     for port in (base, base + 1):  # the replicas drained and exited with the router
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=1)
+
+
+def test_the_drain_delay_serves_while_readiness_says_503(
+    replicas: list[RunningServer], tmp_path: Path
+) -> None:
+    """SIGTERM with --drain-delay: readiness turns 503 at once, and what a load balancer still
+    sends meanwhile is served (it was refused 503 for the whole delay); then the router exits
+    cleanly."""
+    args = [a for r in replicas for a in ("--replica", r.url)]
+    router = start_router(tmp_path, *args, "--no-hedge", "--drain-delay", "2")
+    router.process.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    with httpx.Client() as client:
+        assert client.get(router.url + "/v2/health/ready").status_code == 503
+        served = [client.post(router.url + "/v2/models/who/infer", json=body()) for _ in range(5)]
+    assert [r.status_code for r in served] == [200] * 5, served[0].text
+    assert router.process.wait(timeout=30) == 0, router.log()
+
+
+def test_a_replica_without_grpc_keeps_its_http_traffic(
+    replicas: list[RunningServer], tmp_path: Path
+) -> None:
+    """gRPC calls to a replica with no gRPC port fail: they eject it from gRPC calls (which go
+    to the replica that has one), never from HTTP traffic. (They ejected it from everything:
+    a gRPC client turned the router's HTTP answers into 503 "no replica is ready".)"""
+    import tritonclient.grpc as grpcclient
+
+    with_grpc = start_server(repository(tmp_path, 7), tmp_path, grpc_port=free_port())
+    without = replicas[0]
+    router_grpc = free_port()
+    args = ["--replica", f"{without.url}?grpc={free_port()}"]  # nothing listens there
+    args += ["--replica", f"{with_grpc.url}?grpc={with_grpc.grpc_address.rsplit(':', 1)[1]}"]
+    router = start_router(tmp_path, *args, "--no-hedge", "--grpc-port", str(router_grpc))
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{router_grpc}")
+        x = grpcclient.InferInput("x", [1, 2], "FP32")
+        x.set_data_from_numpy(np.array([[1000.0, 1.0]], dtype=np.float32))
+        answered = 0
+        for _ in range(30):
+            try:
+                client.infer("who", [x])
+                answered += 1
+            except Exception:
+                pass
+        assert answered >= 20  # once ejected from gRPC, its calls go to the other
+        with httpx.Client() as http:
+            seen = Counter(who(http, router.url) for _ in range(40))
+        assert seen[0] > 0 and seen[7] > 0, seen  # both still take HTTP
+    finally:
+        router.stop()
+        with_grpc.stop()
