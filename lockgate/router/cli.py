@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -132,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--hedge-quantile must be between 0 and 1")
         if args.max_attempts < 1:
             raise ValueError("--max-attempts must be at least 1")
+        _check_limits(args)
         grpc = _grpc_front(args)
         rollout = _rollout(args)
     except ValueError as exc:
@@ -154,6 +156,41 @@ def run(args: argparse.Namespace) -> int:
     )
     app = build(discovery, health, settings)
     return serve(app, args.host, args.port, args.drain_delay, grpc=grpc)
+
+
+# flag -> (the least it may be, whether that bound is excluded, the most it may be)
+_BOUNDS: dict[str, tuple[float, bool, float]] = {
+    "probe_interval": (0.0, True, math.inf),  # 0 probed every replica without pause
+    "resolve_interval": (0.0, True, math.inf),
+    "eject_after": (1, False, math.inf),
+    "eject_for": (0.0, False, math.inf),
+    "full_ms": (0.0, False, math.inf),
+    "retry_budget": (0.0, False, 1.0),
+    "hedge_budget": (0.0, False, 1.0),
+    "hedge_delay_ms": (0.0, False, math.inf),
+    "max_body_mb": (0.0, True, math.inf),  # 0 answered every request 413
+    "drain_delay": (0.0, False, math.inf),
+    "grpc_max_concurrent_rpcs": (1, False, math.inf),
+    "grpc_max_stream_inflight": (1, False, math.inf),
+    "grpc_drain_timeout": (0.0, False, math.inf),
+}
+
+
+def _check_limits(args: argparse.Namespace) -> None:
+    """ValueError naming the first flag out of its range (a negative budget, a probe interval
+    of 0, ... were taken as given)."""
+    for name, (low, open_low, high) in _BOUNDS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        below = value <= low if open_low else value < low
+        if below or value > high or value != value:
+            flag = "--" + name.replace("_", "-")
+            if math.isinf(high):
+                want = f"> {low:g}" if open_low else f">= {low:g}"
+            else:
+                want = f"between {low:g} and {high:g}"
+            raise ValueError(f"{flag} must be {want}, got {value:g}")
 
 
 def _grpc_front(args: argparse.Namespace) -> GrpcFrontSettings | None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+
+import pytest
+
 from lockgate.router.balancer import Balancer
 from lockgate.router.budget import Budget
+from lockgate.router.cli import add_arguments, run
 from lockgate.router.hedge import HedgePolicy
 from lockgate.router.replica import HealthSettings, Replica
 from lockgate.router.upstream import Upstream
@@ -77,3 +82,26 @@ def test_a_budget_never_spent_still_forgets_old_requests() -> None:
     for i in range(3000):  # 30 s at 100 requests per second, no retry at all
         budget.request(i * 0.01)
     assert len(budget.requests) <= 1001
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--probe-interval", "0"], "--probe-interval must be > 0"),
+        (["--max-body-mb", "0"], "--max-body-mb must be > 0"),
+        (["--hedge-budget", "5"], "--hedge-budget must be between 0 and 1"),
+        (["--retry-budget", "-0.5"], "--retry-budget must be between 0 and 1"),
+        (["--eject-after", "0"], "--eject-after must be >= 1"),
+        (["--hedge-delay-ms", "-5"], "--hedge-delay-ms must be >= 0"),
+        (["--drain-delay", "-1"], "--drain-delay must be >= 0"),
+        (["--grpc-max-concurrent-rpcs", "0"], "--grpc-max-concurrent-rpcs must be >= 1"),
+    ],
+)
+def test_route_refuses_a_limit_out_of_range(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--replica", "http://127.0.0.1:1", *flags])
+    assert run(args) == 2
+    assert message in capsys.readouterr().err
