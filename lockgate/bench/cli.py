@@ -58,7 +58,31 @@ def _numbers(text: str | None, kind: type, name: str) -> tuple:  # type: ignore[
         raise BadRequest(f"{name}: expected comma-separated numbers, got {text!r}") from exc
 
 
+def _check_counts(args: argparse.Namespace) -> None:
+    """400-style refusals of runs that cannot measure anything (they ran and printed nan)."""
+    positive = {"--duration": args.duration, "--timeout": args.timeout}
+    at_least_one = {
+        "--num-requests": args.num_requests,
+        "--batch-size": args.batch_size,
+        "--num-payloads": args.num_payloads,
+        "--max-connections": args.max_connections,
+        "--max-tokens": args.max_tokens,
+    }
+    for flag, value in positive.items():
+        if value is not None and not value > 0:
+            raise BadRequest(f"{flag} must be > 0, got {value:g}")
+    for flag, value in at_least_one.items():
+        if value is not None and value < 1:
+            raise BadRequest(f"{flag} must be at least 1, got {value}")
+    if args.warmup < 0:
+        raise BadRequest(f"--warmup must be >= 0, got {args.warmup:g}")
+    for flag, text in (("--rate", args.rate), ("--concurrency", args.concurrency)):
+        if text and any(not part.strip() for part in text.split(",")):
+            raise BadRequest(f"{flag}: an empty value in {text!r}")
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    _check_counts(args)
     words = _numbers(args.prompt_words, int, "--prompt-words")
     if len(words) != 2 or not 1 <= words[0] <= words[1]:
         raise BadRequest("--prompt-words takes MIN,MAX with 1 <= MIN <= MAX")
@@ -103,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
             from lockgate.bench.plot import plot_sweep
 
             plot_sweep(report, args.plot)
+        if report.levels and all(level.completed == 0 for level in report.levels):
+            print("lockgate bench: no request succeeded", file=sys.stderr)
+            return 1
     except ServingError as exc:
         print(f"lockgate bench: {exc.message}", file=sys.stderr)
         return 2

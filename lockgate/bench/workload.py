@@ -77,7 +77,8 @@ async def fetch_v2_metadata(session: Any, target: V2Target) -> dict[str, Any]:
 
 
 async def first_openai_model(session: Any, url: str) -> str:
-    """The first model that GET /v1/models lists."""
+    """The first language model that GET /v1/models lists (those it gives a `max_model_len`;
+    an embedding model cannot complete)."""
     import aiohttp
 
     try:
@@ -88,7 +89,10 @@ async def first_openai_model(session: Any, url: str) -> str:
     models = listing.get("data") if isinstance(listing, dict) else None
     if not models:
         raise NotFound(f"{url}/v1/models lists no model; pass --model")
-    return str(models[0]["id"])
+    fitting = [m for m in models if "max_model_len" in m]
+    if not fitting:
+        raise NotFound(f"{url}/v1/models lists no language model; pass --model")
+    return str(fitting[0]["id"])
 
 
 def _random_tensor(datatype: str, count: int, rng: np.random.Generator) -> list[Any]:

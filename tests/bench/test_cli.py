@@ -63,3 +63,23 @@ def test_no_keep_alive_flag_reaches_the_config() -> None:
     base += ["--num-requests", "1"]
     assert cli.config_from_args(_args(base)).keep_alive
     assert not cli.config_from_args(_args([*base, "--no-keep-alive"])).keep_alive
+
+
+def test_runs_that_measure_nothing_are_refused(capsys) -> None:
+    base = ["--url", "http://127.0.0.1:1", "--model", "toy", "--concurrency", "1"]
+    for flags, message in (
+        (["--duration", "0"], "--duration must be > 0"),
+        (["--num-requests", "0"], "--num-requests must be at least 1"),
+        (["--num-requests", "2", "--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--duration", "1", "--concurrency", "1,,2"], "--concurrency: an empty value"),
+    ):
+        assert cli.run(_args([*base, *flags])) == 2, flags
+        assert message in capsys.readouterr().err
+
+
+def test_a_run_where_every_request_failed_exits_1(capsys) -> None:
+    """A CI gate on `lockgate bench` notices: every request refused is not a measurement."""
+    with serve(Behaviour(fail=lambda n: 503)) as (url, _):
+        argv = ["--url", url, "--model", "toy", "--concurrency", "2", "--num-requests", "10"]
+        assert cli.run(_args([*argv, "--quiet"])) == 1
+    assert "no request succeeded" in capsys.readouterr().err
