@@ -305,9 +305,12 @@ def plan(inputs: PlanInputs) -> Plan:
 
 
 def _binding(n_slo: int, n_throughput: int, with_headroom: int, with_redundancy: int) -> str:
-    if with_redundancy > with_headroom:
-        return "redundancy"
-    return "slo" if n_slo > n_throughput else "throughput"
+    """Which count the recommendation is: the throughput count only when it exceeds the SLO
+    count with its headroom and with its spares (a load of 0.1 replica, 1 by throughput, with
+    2 for headroom was called throughput-bound)."""
+    if n_throughput >= max(with_headroom, with_redundancy) and n_slo <= n_throughput:
+        return "throughput"  # (a loose SLO's count is the throughput count itself)
+    return "redundancy" if with_redundancy > with_headroom else "slo"
 
 
 def _split_slo(inputs: PlanInputs) -> tuple[float, float]:

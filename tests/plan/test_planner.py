@@ -141,3 +141,12 @@ def test_batch_model_plans_with_the_servers_cap() -> None:
         )
     )
     assert one_row.replicas_throughput == 2  # without batches 300/s needs two replicas
+
+
+def test_headroom_over_a_tiny_load_is_not_throughput_bound() -> None:
+    """0.1 replica of work: 1 replica by throughput, 2 with the SLO count's headroom."""
+    result = plan(
+        PlanInputs(rate=100, slo_p99_s=0.05, service_time_s=0.001, headroom=0.3, redundancy=0)
+    )
+    assert result.replicas_throughput == 1 and result.replicas == 2
+    assert result.binding == "slo"
