@@ -156,13 +156,14 @@ def profile_server(
     timeout_s: float = 60.0,
     seed: int = 0,
     cpu_seconds: float = 2.0,
+    say: Callable[[str], None] | None = None,
 ) -> ReplicaProfile:
     """Time one B-row v2 request at a time against a running server, for each batch size, then
-    (`cpu_seconds` > 0) the server's CPU per one-row request."""
+    (`cpu_seconds` > 0) the server's CPU per one-row request. `say` is told each step."""
     if not 0 <= cpu_seconds < math.inf:
         raise BadRequest(f"cpu seconds must be a finite number >= 0, got {cpu_seconds}")
     settings = _Settings(url, model, version, max_batch_size, repeats, warmup, seed, cpu_seconds)
-    return asyncio.run(_profile_server(settings, timeout_s))
+    return asyncio.run(_profile_server(settings, timeout_s, say or (lambda _: None)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +205,9 @@ async def _timed_request(
     return elapsed, (after - before) / 1e9
 
 
-async def _profile_server(settings: _Settings, timeout_s: float) -> ReplicaProfile:
+async def _profile_server(
+    settings: _Settings, timeout_s: float, say: Callable[[str], None]
+) -> ReplicaProfile:
     import aiohttp
 
     from lockgate.bench.workload import V2Target, fetch_v2_metadata, synthesize_v2_body
@@ -218,8 +221,12 @@ async def _profile_server(settings: _Settings, timeout_s: float) -> ReplicaProfi
         bodies = {b: [synthesize_v2_body(metadata, b, rng) for _ in range(BODIES)] for b in sizes}
         # one-row requests first and apart: one right after a large batch runs slower (its
         # allocations are still being cleaned up), which is not what a one-row request costs
+        rounds = settings.warmup + max(1, settings.repeats)
         for sizes_now in ((1,), sizes[1:]):
-            for round_index in range(settings.warmup + max(1, settings.repeats)):
+            for round_index in range(rounds):
+                if sizes_now:
+                    shown = ", ".join(str(b) for b in sizes_now)
+                    say(f"round {round_index + 1} of {rounds}: batch sizes {shown}")
                 for batch in sizes_now:
                     body = bodies[batch][round_index % BODIES]
                     timed = await _timed_request(session, target, body)
@@ -227,6 +234,7 @@ async def _profile_server(settings: _Settings, timeout_s: float) -> ReplicaProfi
                         samples.add(batch, *timed)
         cpu = None
         if settings.cpu_seconds > 0:
+            say(f"measuring the server's CPU per request for {settings.cpu_seconds:g} s")
             cpu = await _cpu_per_request(session, target, bodies[1], settings.cpu_seconds)
     service = _server_profile(settings.model, sizes, samples.round_trip, samples.compute)
     cv = variation(samples.compute[1] or samples.round_trip[1])

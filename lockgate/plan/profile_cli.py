@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds of one-row requests to measure the server's CPU per request (0: skip)",
     )
     parser.add_argument("--output", help="write the profile JSON here")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def _progress(line: str) -> None:
+    print(f"lockgate profile: {line}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             timeout_s=args.timeout,
             cpu_seconds=args.cpu_seconds,
+            say=None if args.quiet else _progress,
         )
     except ServingError as exc:
         print(f"lockgate profile: {exc.message}", file=sys.stderr)

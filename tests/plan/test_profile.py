@@ -47,8 +47,11 @@ def test_in_process_profile_recovers_the_slope() -> None:
 
 def test_profile_through_a_server() -> None:
     behaviour = Behaviour(rows_sleep=lambda rows: 0.002 + 0.002 * rows)
+    said: list[str] = []
     with serve(behaviour) as (url, _):
-        replica = profile_server(url, "toy", 8, repeats=3)
+        replica = profile_server(url, "toy", 8, repeats=3, say=said.append)
+    assert said[0] == "round 1 of 4: batch sizes 1"  # progress, as it goes
+    assert said[-1] == "round 4 of 4: batch sizes 2, 4, 8"
     profile = replica.service
     assert profile.batch_sizes == (1, 2, 4, 8)
     assert profile.median_s[-1] >= 0.018
