@@ -51,7 +51,10 @@ def test_profile_through_a_server() -> None:
     with serve(behaviour) as (url, _):
         replica = profile_server(url, "toy", 8, repeats=3, say=said.append)
     assert said[0] == "round 1 of 4: batch sizes 1"  # progress, as it goes
-    assert said[-1] == "round 4 of 4: batch sizes 2, 4, 8"
+    assert said[-2:] == [
+        "round 4 of 4: batch sizes 2, 4, 8",
+        "measuring the server's CPU per request for 2 s",
+    ]
     profile = replica.service
     assert profile.batch_sizes == (1, 2, 4, 8)
     assert profile.median_s[-1] >= 0.018
