@@ -89,9 +89,8 @@ async def first_openai_model(session: Any, url: str) -> str:
     models = listing.get("data") if isinstance(listing, dict) else None
     if not models:
         raise NotFound(f"{url}/v1/models lists no model; pass --model")
-    fitting = [m for m in models if "max_model_len" in m]
-    if not fitting:
-        raise NotFound(f"{url}/v1/models lists no language model; pass --model")
+    fitting = [m for m in models if "max_model_len" in m] or models  # (a server that tells
+    # no model's length, OpenAI's own: its first)
     return str(fitting[0]["id"])
 
 

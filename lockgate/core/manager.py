@@ -89,6 +89,9 @@ class ServedModel:
         return None
 
 
+PROFILE_BUDGET_S = 0.25  # seconds of timed runs per batch size at most (one at least)
+
+
 @dataclass(frozen=True, slots=True)
 class ServingSettings:
     hang_timeout: float | None = 30.0  # seconds a batch may run before its instance restarts
@@ -391,19 +394,27 @@ class ModelManager:
         """T(B) on the warmup's data from a file when a sample gives one, else on random."""
         timed = {}
         sample = profile_sample(config)
+        slo = config.latency_slo_ms / 1000 if config.latency_slo_ms else None
         for rows in sizes:
             if sample is not None:
                 inputs = sample_batch(config, folder, sample, rows)
             else:
                 inputs = synthetic_batch(config, rows, "random")
             timed[rows] = batch_bytes(inputs)
+            t0 = time.perf_counter()
             instance.infer_sync(inputs)  # first run at a new shape pays for allocation
+            first = time.perf_counter() - t0
+            # a slow size is timed fewer times (traffic's batches replace these figures)
+            repeats = min(self.settings.profile_repeats, int(PROFILE_BUDGET_S / first) + 1)
             times = []
-            for _ in range(self.settings.profile_repeats):
+            for _ in range(repeats):
                 t0 = time.perf_counter()
                 instance.infer_sync(inputs)
                 times.append(time.perf_counter() - t0)
-            profile.observe(rows, statistics.median(times))
+            median = statistics.median(times)
+            profile.observe(rows, median)
+            if slo is not None and 2 * median > slo:
+                break  # no batch this size or larger fits the SLO: the cap stays below it
         return timed
 
     def services(self) -> list[ModelService]:

@@ -99,7 +99,8 @@ def test_unknown_model_404s_are_counted(server: RunningServer, tmp_path: Path) -
         *("--url", server.url, "--model", "no_such_model", "--input-file", str(bodies)),
         *("--rate", "50", "--num-requests", "40", "--output-json", str(out)),
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 1, done.stderr  # every request failed: counted, and exit 1
+    assert "no request succeeded" in done.stderr
     level = json.loads(out.read_text())["levels"][0]
     assert level["requests"] == 40 and level["completed"] == 0
     assert level["errors"] == {"http_404": 40}

@@ -402,16 +402,18 @@ class ModelParameter(_message.Message):
 class ModelWarmup(_message.Message):
     __slots__ = ("name", "batch_size", "inputs", "count")
     class Input(_message.Message):
-        __slots__ = ("data_type", "dims", "zero_data", "random_data")
+        __slots__ = ("data_type", "dims", "zero_data", "random_data", "input_data_file")
         DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
         DIMS_FIELD_NUMBER: _ClassVar[int]
         ZERO_DATA_FIELD_NUMBER: _ClassVar[int]
         RANDOM_DATA_FIELD_NUMBER: _ClassVar[int]
+        INPUT_DATA_FILE_FIELD_NUMBER: _ClassVar[int]
         data_type: DataType
         dims: _containers.RepeatedScalarFieldContainer[int]
         zero_data: bool
         random_data: bool
-        def __init__(self, data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., zero_data: bool = ..., random_data: bool = ...) -> None: ...
+        input_data_file: str
+        def __init__(self, data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., zero_data: bool = ..., random_data: bool = ..., input_data_file: _Optional[str] = ...) -> None: ...
     class InputsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
