@@ -2,7 +2,8 @@
 
 The rule, for a model with a latency SLO (all times in seconds):
 
-- T(B) is measured at warmup for B = 1, 2, 4, ... max_batch_size, then kept current with an
+- T(B) is measured at warmup for B = 1, 2, 4, ... max_batch_size (see `core/warmup.py` and
+  `ModelManager._profile`), then kept current with an
   exponentially weighted average of every batch the model runs. Between measured sizes,
   T(B) = a + b·B from a least-squares fit.
 - What the CPU does now: the average moves slowly (one stall must not move it), so a second,
