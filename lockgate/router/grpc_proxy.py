@@ -56,6 +56,10 @@ _DESCRIBED = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods
 KNOWN = frozenset(PREFIX + m.name for m in _DESCRIBED)
 STREAMS = frozenset(PREFIX + m.name for m in _DESCRIBED if m.client_streaming)
 MODEL_INFER = PREFIX + "ModelInfer"  # idempotent: hedged
+SERVER_READY = PREFIX + "ServerReady"  # answered not ready by the router itself when it is not
+NOT_READY = b""  # a ServerReadyResponse with ready false (proto3 leaves a false bool out)
+SERVER_LIVE = PREFIX + "ServerLive"  # the router's own liveness, as REST's /v2/health/live
+LIVE = b"\x08\x01"  # a ServerLiveResponse with live true (field 1, varint 1)
 # the replica's own faults: counted towards ejection, as a 5xx on HTTP
 REPLICA_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 # metadata that belongs to the call or its connection, not to the request: never forwarded
@@ -331,6 +335,10 @@ class GrpcFront:
             self.latency.observe((_label(method), code.name), time.perf_counter() - start)
 
     async def _unary(self, method: str, request: bytes, context: Context) -> bytes:
+        if method == SERVER_LIVE:
+            return LIVE
+        if method == SERVER_READY and (self.router.draining or not self.router.pool.ready()):
+            return NOT_READY  # as REST's readiness says 503: not an error to the client
         arrived = time.monotonic()
         metadata = _forwarded(context.invocation_metadata())
         self._admit()

@@ -307,3 +307,34 @@ def test_a_killed_replicas_calls_go_to_the_others(
     listed = httpx.get(front.router.url + "/router/replicas").json()["replicas"]
     dead = [r for r in listed if r["url"] == replicas[1].url]
     assert dead and not dead[0]["usable"]
+
+
+def test_server_ready_with_no_ready_replica_is_false(tmp_path: Path) -> None:
+    """As REST's readiness answers 503: tritonclient's is_server_ready() is False, not an
+    error (the usual polling loop raised)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    port, grpc_port = free_port(), free_port()
+    command = [sys.executable, "-m", "lockgate.cli", "route", "--port", str(port)]
+    command += ["--grpc-port", str(grpc_port), "--replica", f"http://127.0.0.1:{free_port()}"]
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                live = client.is_server_live()
+                break
+            except InferenceServerException:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert live is True  # the router's own liveness
+        assert client.is_server_ready() is False
+    finally:
+        process.terminate()
+        process.wait(10)
