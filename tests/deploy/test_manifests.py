@@ -438,7 +438,7 @@ def test_keda_overlays_scale_the_server_on_queued_work(directory: str) -> None:
         assert f'namespace="{namespace}"' in query, query  # written in by the overlay
         for metric in re.findall(r"lockgate_[a-z0-9_]+", query):
             assert metric in defined, f"{metric} is not a metric lockgate exports"
-    assert any(q.startswith("sum(lockgate_queue_depth") for q in queries)
+    assert any(q.startswith("sum(max_over_time(lockgate_queue_depth") for q in queries)
 
 
 def test_thresholds_are_set_per_overlay() -> None:
