@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from lockgate.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServingError
-from lockgate.frontend.content_coding import coding_of, inflate
+from lockgate.protocol.content_coding import coding_of, inflate
 from lockgate.protocol.v2_codec import encode_error
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class HttpRequest:
 
     async def body(self) -> bytes:
         """The whole body, refused with 413 past `max_body` bytes (declared or streamed), and
-        decoded when it has a `Content-Encoding` (`frontend/content_coding.py`): inflated
+        decoded when it has a `Content-Encoding` (`protocol/content_coding.py`): inflated
         under the same limit, 415 for a coding lockgate does not decode."""
         coding = coding_of(self.header(b"content-encoding"))  # before any body is read
         body = await self._raw_body()

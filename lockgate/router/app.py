@@ -52,6 +52,8 @@ import msgspec
 
 from lockgate.core.heap import freeze_heap
 from lockgate.core.metrics import Registry
+from lockgate.errors import ServingError
+from lockgate.protocol.content_coding import coding_of, inflate
 from lockgate.protocol.openai import MODEL_VERSION_HEADER
 from lockgate.router.balancer import Balancer
 from lockgate.router.budget import Budget
@@ -283,6 +285,12 @@ class RouterApp:
         timeout = _timeout(headers)
         if timeout is False:
             return await _error(send, 400, "request-timeout must be a positive number of seconds")
+        if scope["method"] == "POST" and scope["path"] in OPENAI_PATHS:
+            # read for routing, metering and shadows: a compressed body goes on inflated
+            try:
+                body, headers = await self._inflated(body, headers)
+            except ServingError as exc:
+                return await _error(send, exc.status, exc.message)
         route = self._route(scope, headers, body)
         if route.pin is not None:
             headers = [*headers, (MODEL_VERSION_HEADER, route.pin.encode())]
@@ -438,6 +446,17 @@ class RouterApp:
         self.latency.observe(labels, now - call.arrived)
         self.model_counts.count(call.model, call.version, MAIN, status)
         self.lane_outcomes.inc(_ANSWERED)
+
+    async def _inflated(
+        self, body: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """An OpenAI request's body decoded from its Content-Encoding (gzip or deflate; 415
+        for another, 413 past the body limit inflated), and its headers without it."""
+        coding = coding_of(_header(headers, b"content-encoding"))
+        if coding is None:
+            return body, headers
+        body = await inflate(body, coding, self.settings.max_body_bytes)
+        return body, [(k, v) for k, v in headers if k != b"content-encoding"]
 
     def _route(self, scope: Scope, headers: list[tuple[bytes, bytes]], body: bytes) -> Route:
         """Where the request goes: its path after a canary, its group, what balancing reads."""

@@ -1,4 +1,4 @@
-"""Compressed request bodies (`frontend/content_coding.py`), through a real server: gzip and
+"""Compressed request bodies (`protocol/content_coding.py`), through a real server: gzip and
 deflate bodies are inflated for v2 inference (JSON and binary tensors) and the other JSON
 routes, under the body limit counted on the inflated bytes; other codings get 415.
 Compressed requests take the ASGI path, not the lane."""

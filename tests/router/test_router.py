@@ -417,3 +417,33 @@ def test_a_replica_without_grpc_keeps_its_http_traffic(
     finally:
         router.stop()
         with_grpc.stop()
+
+
+def test_a_compressed_openai_body_is_read_and_sent_on_inflated(
+    llm_server: RunningServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A gzip body on an OpenAI route is inflated at the router: its model is read (counted
+    per model, and open to canaries and token quotas), and the replica gets it plain."""
+    import gzip
+    import json as json_module
+
+    tmp = tmp_path_factory.mktemp("gzip-router")
+    # every minilm request pinned to a version the replica lacks: a request whose model the
+    # router read gets the replica's 404 for it
+    pinned = start_router(tmp, "--replica", llm_server.url, "--canary", "minilm:9=100")
+    router = start_router(tmp, "--replica", llm_server.url)
+    try:
+        body = {"model": "minilm", "input": ["a sentence to embed"]}
+        packed = gzip.compress(json_module.dumps(body).encode())
+        headers = {"content-encoding": "gzip", "content-type": "application/json"}
+        answer = httpx.post(router.url + "/v1/embeddings", content=packed, headers=headers)
+        assert answer.status_code == 200, answer.text
+        assert len(answer.json()["data"][0]["embedding"]) == 384
+        read = httpx.post(pinned.url + "/v1/embeddings", content=packed, headers=headers)
+        assert read.status_code == 404 and "9" in read.text, read.text[:300]
+        headers["content-encoding"] = "br"
+        refused = httpx.post(router.url + "/v1/embeddings", content=packed, headers=headers)
+        assert refused.status_code == 415
+    finally:
+        router.stop()
+        pinned.stop()
