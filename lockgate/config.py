@@ -169,5 +169,14 @@ class ModelConfig:
         return self.max_batch_size > 0
 
     @property
+    def runs(self) -> tuple[tuple[str, int | None], ...]:
+        """The models a composition runs, as (model, version; None: its default): an
+        ensemble's steps, then a cascade's models. Empty for any other model."""
+        steps = tuple((step.model, step.version) for step in self.ensemble)
+        if self.cascade is not None:
+            steps += tuple((model, None) for model in self.cascade.models)
+        return steps
+
+    @property
     def batcher(self) -> DynamicBatching:
         return self.dynamic_batching or DynamicBatching()

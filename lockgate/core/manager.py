@@ -132,8 +132,7 @@ class ModelManager:
             if served is None:
                 reason = model.error or self._why_not_ready(model)
                 raise Unavailable(f"model '{name}' is not ready: {reason}", retry_after=1)
-            if served.config.ensemble or served.config.cascade is not None:
-                self._check_steps(name, served.config)
+            self._check_steps(name, served.config)
             return served
         served_version = model.versions.get(version)
         if served_version is None:
@@ -145,17 +144,15 @@ class ModelManager:
             raise Unavailable(
                 f"model '{name}' version {version} is not ready: {reason}", retry_after=1
             )
-        if served_version.config.ensemble or served_version.config.cascade is not None:
-            self._check_steps(name, served_version.config)
+        self._check_steps(name, served_version.config)
         return served_version
 
     def _check_steps(self, name: str, config: ModelConfig) -> None:
         """A composition is ready when every model it runs is: 503 naming the first that is
         not (an ensemble whose step was unloaded answered 404 for the step)."""
-        steps = [(step.model, step.version) for step in config.ensemble]
-        if config.cascade is not None:
-            steps += [(model, None) for model in config.cascade.models]
-        for step, version in steps:
+        if not config.ensemble and config.cascade is None:
+            return  # not a composition: the request path's common case
+        for step, version in config.runs:
             model = self.models.get(step)
             ready = model is not None and (
                 model.latest_ready() is not None

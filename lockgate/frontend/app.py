@@ -547,13 +547,9 @@ class App:
         if served is None:
             self._model_folder(name)  # 404 when the repository has no such model
             return
-        config = served.config
-        steps: tuple[str, ...] = ()
-        if ask.dependents and config is not None:
-            steps = tuple(step.model for step in config.ensemble)
-            steps += config.cascade.models if config.cascade is not None else ()
+        runs = served.config.runs if ask.dependents and served.config is not None else ()
         await self.models.unload(name)
-        for step in dict.fromkeys(steps):
+        for step in dict.fromkeys(model for model, _ in runs):
             if step in self.models.models:
                 await self.models.unload(step)
 
