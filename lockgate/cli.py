@@ -239,6 +239,8 @@ _OPENAI_LIMITS = {
     "max_embedding_inputs": "texts of one /v1/embeddings request (more: 400)",
     "max_embedding_chars": "characters of one text to embed (more: 400)",
     "max_n": "choices (n) and candidates (best_of) of one completion (more: 400)",
+    "max_prompts": "prompts of one /v1/completions request, a list of them answered as one "
+    "choice each (more: 400)",
     "max_grammar_chars": "characters of a response_format JSON schema, guided_json, "
     "guided_regex or guided_grammar (more: 400; 0: guided decoding refused)",
     "max_grammar_mask_ms": "CPU milliseconds of one token mask of a guided request's grammar "

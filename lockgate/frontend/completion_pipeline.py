@@ -87,6 +87,8 @@ class Collected:
     text: str
     logprobs: list[Any]  # one entry per generated token, when logprobs were asked
     last: RequestOutput | None  # None: no output at all
+    prompt_logprobs: list[Any] | None = None  # one per prompt token, when they were asked
+    echo_logprobs: list[Any] | None = None  # the prompt's in front of `logprobs` (echo)
 
     @property
     def finish_reason(self) -> str | None:
@@ -154,11 +156,8 @@ class CompletionPipeline:
         return self.app.settings.openai
 
     # -- tokenize ----------------------------------------------------------------------
-    async def tokenize(self, service: LLMService, prompt: object) -> list[int]:
-        """The token ids of a prompt: a string, token ids, or a list of one of those (raw
-        JSON as /v1/completions decodes it, checked before a list is built)."""
-        if isinstance(prompt, msgspec.Raw):
-            prompt = oa.prompt_of(prompt, service.engine_config.max_model_len)
+    async def tokenize(self, service: LLMService, prompt: oa.Prompt) -> list[int]:
+        """The token ids of a prompt: a string, or token ids (checked against the vocabulary)."""
         return await self._off_loop(self._prompt_ids, service, prompt)
 
     async def tokenize_chat(
@@ -187,24 +186,16 @@ class CompletionPipeline:
         finally:
             self.tokenizing -= 1
 
-    def _prompt_ids(self, service: LLMService, prompt: object) -> list[int]:
-        if isinstance(prompt, msgspec.Raw):  # counted, then decoded, off the event loop
-            prompt = oa.prompt_of(prompt, service.engine_config.max_model_len)
+    def _prompt_ids(self, service: LLMService, prompt: oa.Prompt) -> list[int]:
         if isinstance(prompt, str):
             check_length(service, len(prompt), self.limits.max_prompt_chars)
             return service.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
-            bad = [t for t in ids if not 0 <= t < service.vocab_size]
-            if bad:
-                raise BadRequest(
-                    f"prompt token id {bad[0]} is outside the vocabulary "
-                    f"(0..{service.vocab_size - 1})"
-                )
-            return ids
-        if isinstance(prompt, list) and len(prompt) == 1:
-            return self._prompt_ids(service, prompt[0])
-        raise BadRequest("prompt must be a string, a list of token ids, or a list of one of those")
+        bad = [t for t in prompt if not 0 <= t < service.vocab_size]
+        if bad:
+            raise BadRequest(
+                f"prompt token id {bad[0]} is outside the vocabulary (0..{service.vocab_size - 1})"
+            )
+        return list(prompt)
 
     # -- prepare -----------------------------------------------------------------------
     def prepare(
@@ -219,16 +210,20 @@ class CompletionPipeline:
         logprobs: int | None,
         namespace: str,
         tools: oa.ToolUse | None = None,
+        prompt_logprobs: int | None = None,
     ) -> PreparedCompletion:
         """Check a completion against the model's context and the server's limits (400),
         and its priority against the client's key (403). `default_max` is the max_tokens of
         a request without one (None: the rest of the context); `namespace` is the cache's
-        (TEXT_COMPLETION or CHAT_COMPLETION); `tools`, a chat's tools offered."""
+        (TEXT_COMPLETION or CHAT_COMPLETION); `tools`, a chat's tools offered;
+        `prompt_logprobs`, the top tokens to report at each prompt token (None: none)."""
         best_of = body.best_of if isinstance(body, oa.CompletionRequest) else None
         sequences = self.limits.sequences(body.n, best_of, body.stream)
         params = self.sampling(
             service, body, len(prompt_ids), max_tokens, default_max, logprobs, tools
         )
+        if prompt_logprobs is not None:
+            params = replace(params, prompt_logprobs=prompt_logprobs)
         priority = self.priority(request, service, body.priority)
         key = self.cache_key(service, namespace, prompt_ids, params) if sequences == 1 else None
         if request.trace is not None and not request.trace.model:  # /v2 routes know it
@@ -366,18 +361,26 @@ class CompletionPipeline:
             return None
         return await self.completions.get(prepared.key)
 
-    def submit(self, request: HttpRequest, prepared: PreparedCompletion, rid: str) -> Generation:
-        """Hand the completion to the engine, whose admission refuses it here (429, 503)."""
+    def submit(self, request: HttpRequest, batch: list[PreparedCompletion], rid: str) -> Generation:
+        """Hand the completions of a batch (one per prompt; one alone but for a batch of
+        prompts) to the engine, whose admission refuses them all or none here (429, 503). The
+        outputs' indexes run over the prompts in order, each prompt's `best_of` sequences in
+        turn."""
         if self.app.draining:
             raise Unavailable("server is shutting down", retry_after=1)
-        service = prepared.service
-        candidates = prepared.candidates()
+        service = batch[0].service
+        prompts: list[list[int]] = []
+        candidates: list[SamplingParams] = []
+        for prepared in batch:
+            mine = prepared.candidates()
+            candidates += mine
+            prompts += [prepared.prompt_ids] * len(mine)
         ids: list[str | None] = (
             [rid] if len(candidates) == 1 else [f"{rid}-{i}" for i in range(len(candidates))]
         )
         try:
             outputs = service.engine.generate_choices(
-                prepared.prompt_ids, candidates, ids, deadline(request), prepared.priority
+                prompts, candidates, ids, deadline(request), batch[0].priority
             )
         except ServingError as exc:
             if service.engine.draining and self.superseded(service):
@@ -422,6 +425,8 @@ class CompletionPipeline:
                 texts[index].append(out.text)
                 if out.logprobs:
                     joined[index].logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    joined[index].prompt_logprobs = out.prompt_logprobs
                 joined[index].last = out
         for collected, pieces in zip(joined, texts, strict=True):
             collected.text = "".join(pieces)

@@ -67,7 +67,8 @@ class GenerateRoutes:
         pipeline = self.pipeline
         service = _language_model(served.service, name)
         ask = body.completion
-        ids = await pipeline.tokenize(service, ask.prompt)
+        prompt = oa.prompts_of(ask.prompt, service.engine_config.max_model_len, 1)[0]
+        ids = await pipeline.tokenize(service, prompt)
         prepared = pipeline.prepare(
             request,
             service,
@@ -85,7 +86,7 @@ class GenerateRoutes:
             cached = [(b"x-lockgate-cache", b"hit")]
             await _answer_whole(request, stream, reply(prefix + hit.text), cached)
             return
-        outputs = pipeline.submit(request, prepared, oa.new_id("gen"))
+        outputs = pipeline.submit(request, [prepared], oa.new_id("gen"))
         if stream:
             text, last = await _stream(request, outputs, prefix, reply)
         else:

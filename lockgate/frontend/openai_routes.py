@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from lockgate.frontend.completion_pipeline import (
     send_event,
 )
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
+from lockgate.llm.sequence import TokenLogprobs
 from lockgate.llm.service import LLMMetrics, LLMService
 from lockgate.protocol import openai as oa
 from lockgate.protocol import tool_calls
@@ -134,22 +136,36 @@ class OpenAIRoutes:
         await self.pipeline.resubmitted(lambda: self._completion(request, body))
 
     async def _completion(self, request: HttpRequest, body: oa.CompletionRequest) -> None:
+        """One prompt or a batch of them; with `echo`, each choice's text (and logprobs)
+        begins with its prompt's, and max_tokens 0 answers the prompt alone (its tokens'
+        logprobs, as an evaluation harness scores a text)."""
         service = self._service(body.model, _version(request))
-        if body.echo:
-            raise BadRequest("echo is not supported")
         _check_supported(body)
-        prompt_ids = await self.pipeline.tokenize(service, body.prompt)
-        prepared = self.pipeline.prepare(
-            request,
-            service,
-            body,
-            prompt_ids,
-            max_tokens=body.max_tokens,
-            default_max=16,
-            logprobs=body.logprobs,
-            namespace=COMPLETION.id_prefix,
-        )
-        await self._generate(request, prepared, body, COMPLETION)
+        most_ids = service.engine_config.max_model_len
+        prompts = oa.prompts_of(body.prompt, most_ids, self.limits.max_prompts)
+        ids = await asyncio.gather(*(self.pipeline.tokenize(service, p) for p in prompts))
+        prompt_only = body.echo and body.max_tokens == 0  # one token computed, not answered
+        batch = [
+            self.pipeline.prepare(
+                request,
+                service,
+                body,
+                prompt_ids,
+                max_tokens=1 if prompt_only else body.max_tokens,
+                default_max=16,
+                logprobs=body.logprobs,
+                namespace=COMPLETION.id_prefix,
+                prompt_logprobs=body.logprobs if body.echo else None,
+            )
+            for prompt_ids in ids
+        ]
+        echoes = None
+        if body.echo:
+            echoes = [
+                _Echo(p if isinstance(p, str) else service.tokenizer.decode(i), i, not prompt_only)
+                for p, i in zip(prompts, ids, strict=True)
+            ]
+        await self._generate(request, batch, body, COMPLETION, echoes=echoes)
 
     async def _chat(self, request: HttpRequest) -> None:
         body = oa.decode(await request.body(), oa.ChatRequest)
@@ -179,39 +195,53 @@ class OpenAIRoutes:
             namespace=CHAT.id_prefix,
             tools=tools,
         )
-        await self._generate(request, prepared, body, CHAT, tools)
+        await self._generate(request, [prepared], body, CHAT, tools)
 
     async def _generate(
         self,
         request: HttpRequest,
-        prepared: PreparedCompletion,
+        batch: list[PreparedCompletion],
         body: oa.CompletionRequest | oa.ChatRequest,
         kind: _Kind,
         tools: oa.ToolUse | None = None,
+        echoes: list[_Echo] | None = None,
     ) -> None:
-        """Run a prepared completion and answer it, whole or streamed; a chat's output is
-        split into content and calls when it was offered `tools`."""
+        """Run prepared completions (one per prompt of a batch) and answer them, whole or
+        streamed, as one response whose choices run over the prompts in order, `n` each; a
+        chat's output is split into content and calls when it was offered `tools`."""
         rid = oa.new_id(kind.id_prefix)
-        service = prepared.service
-        hit = await self.pipeline.cached(prepared)
+        service = batch[0].service
+        alone = batch[0] if len(batch) == 1 and echoes is None else None  # may be cached
+        hit = await self.pipeline.cached(alone) if alone is not None else None
         if hit is not None:
             await self._replay(request, hit, rid, service, body, kind, tools)
             return
-        outputs = self.pipeline.submit(request, prepared, rid)
+        outputs = self.pipeline.submit(request, batch, rid)
+        per_prompt = batch[0].best_of
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             piece = kind.piece(service, tools)
+            if echoes is not None:
+                piece = _completion_piece(service, tools, echoes, per_prompt)
             text, last = await self._stream(
-                request, outputs, rid, service, kind.chunk_object, include_usage, piece
+                request, outputs, rid, service, kind.chunk_object, include_usage, piece, per_prompt
             )
         else:
-            candidates = await self.pipeline.collect_choices(request, outputs, prepared.best_of)
-            chosen = self.pipeline.choose(prepared, candidates)
-            usage = _usage([c.last for c in candidates])
-            answer = _answer(kind, service, rid, chosen, usage, tools)
+            sequences = per_prompt * len(batch)
+            candidates = await self.pipeline.collect_choices(request, outputs, sequences)
+            chosen = []
+            for i, prepared in enumerate(batch):
+                group = candidates[i * per_prompt : (i + 1) * per_prompt]
+                picked = self.pipeline.choose(prepared, group)
+                if echoes is not None:
+                    picked = [_echoed(c, echoes[i]) for c in picked]
+                chosen += picked
+            usage = _usage(dict(enumerate(c.last for c in candidates)), per_prompt)
+            answer = _answer(kind, service, rid, chosen, usage, tools, echoes, body.n)
             await respond_json(request.send, 200, answer)
             text, last = chosen[0].text, chosen[0].last
-        self.pipeline.keep(prepared, text, last)
+        if alone is not None:
+            self.pipeline.keep(alone, text, last)
 
     async def _replay(
         self,
@@ -259,6 +289,7 @@ class OpenAIRoutes:
         obj: str,
         include_usage: bool,
         piece: Piece,
+        per_prompt: int = 1,
     ) -> tuple[str, RequestOutput | None]:
         """Send the completion as server-sent events, each chunk of one choice; the text and
         last output of choice 0."""
@@ -283,7 +314,7 @@ class OpenAIRoutes:
                 await send_event(send, oa.error_body(exc.message, exc.kind, exc.status))
                 lasts = {}  # cut short: nothing to keep
             if include_usage and lasts:
-                usage = _usage(lasts.values())
+                usage = _usage(lasts, per_prompt)
                 await send_event(send, oa.usage_chunk(rid, service.name, obj, usage))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         return "".join(texts), lasts.get(0)
@@ -439,15 +470,20 @@ def _openai_reason(reason: str | None) -> str | None:
     return {"deadline": "length", "abort": "abort"}.get(reason, reason) if reason else None
 
 
-def _usage(lasts: Iterable[RequestOutput | None]) -> dict[str, Any]:
-    """The prompt once, and the tokens every sequence of the request generated (best_of's
-    candidates not chosen too: they were computed)."""
-    done = [last for last in lasts if last is not None]
+def _usage(lasts: Mapping[int, RequestOutput | None], per_prompt: int = 1) -> dict[str, Any]:
+    """Each prompt once (sequence i is of prompt i // per_prompt), and the tokens every
+    sequence of the request generated (best_of's candidates not chosen too: they were
+    computed)."""
+    done = {i: last for i, last in lasts.items() if last is not None}
     if not done:
         return oa.usage(0, 0)
-    generated = sum(last.num_output_tokens for last in done)
-    cached = min(last.num_cached_tokens for last in done)
-    return oa.usage(done[0].num_prompt_tokens, generated, cached)
+    generated = sum(last.num_output_tokens for last in done.values())
+    prompts: dict[int, list[RequestOutput]] = {}
+    for i, last in done.items():
+        prompts.setdefault(i // per_prompt, []).append(last)
+    prompt = sum(group[0].num_prompt_tokens for group in prompts.values())
+    cached = sum(min(last.num_cached_tokens for last in group) for group in prompts.values())
+    return oa.usage(prompt, generated, cached)
 
 
 def _answer(
@@ -457,12 +493,21 @@ def _answer(
     chosen: list[Collected],
     usage: dict[str, Any],
     tools: oa.ToolUse | None = None,
+    echoes: list[_Echo] | None = None,
+    n: int = 1,
 ) -> dict[str, Any]:
-    """The response of a completion answered whole: one choice per collected, in order."""
+    """The response of a completion answered whole: one choice per collected, in order (`n`
+    per prompt); with `echoes`, each text and its logprobs begin with its prompt's."""
     payloads = []
     for index, collected in enumerate(chosen):
         logprobs = None
-        if collected.logprobs:
+        if echoes is not None and collected.echo_logprobs is not None:
+            echo = echoes[index // n]
+            logprobs = _joined(
+                _echo_logprobs(service, echo, collected.echo_logprobs),
+                _legacy_logprobs(service, collected.logprobs, len(echo.text)),
+            )
+        elif collected.logprobs:
             logprobs = (_legacy_logprobs if kind.legacy else _chat_logprobs)(
                 service, collected.logprobs
             )
@@ -474,6 +519,44 @@ def _answer(
             payload = _chat_answer(rid, service.name, text, reason, logprobs, usage, tools)
         payloads.append(_as_choice(payload, index))
     return {**payloads[0], "choices": [p["choices"][0] for p in payloads]}
+
+
+@dataclass(frozen=True, slots=True)
+class _Echo:
+    """A prompt as `echo` returns it, before its completion."""
+
+    text: str  # as the request gave it (token ids: decoded)
+    token_ids: list[int]
+    keep_output: bool  # False: max_tokens 0, the prompt alone
+
+
+def _echoed(collected: Collected, echo: _Echo) -> Collected:
+    """A choice answered whole with its prompt in front: its text, and its logprobs (in
+    `echo_logprobs`, the prompt's; the output's stay in `logprobs`), the output's dropped
+    when it is the prompt alone."""
+    output = collected.text if echo.keep_output else ""
+    logprobs = collected.logprobs if echo.keep_output else []
+    prompt = collected.prompt_logprobs
+    return replace(collected, text=echo.text + output, logprobs=logprobs, echo_logprobs=prompt)
+
+
+def _echo_logprobs(
+    service: LLMService, echo: _Echo, entries: list[TokenLogprobs | None]
+) -> dict[str, Any]:
+    """The legacy logprobs of a prompt's tokens: the first has none (null), as in OpenAI's."""
+    tokens = [_token_text(service, t) for t in echo.token_ids]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob if e is not None else None for e in entries],
+        "top_logprobs": [_top_texts(service, e) if e is not None else None for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two runs of legacy logprobs, one after the other."""
+    return {key: first[key] + then[key] for key in first}
 
 
 def _chat_answer(
@@ -532,14 +615,15 @@ def _legacy_logprobs(service: LLMService, entries: list[Any], start: int = 0) ->
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [
-            {
-                _token_text(service, t): lp
-                for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)
-            }
-            for e in entries
-        ],
+        "top_logprobs": [_top_texts(service, e) for e in entries],
         "text_offset": offsets,
+    }
+
+
+def _top_texts(service: LLMService, entry: TokenLogprobs) -> dict[str, float]:
+    return {
+        _token_text(service, t): lp
+        for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=True)
     }
 
 
@@ -566,17 +650,35 @@ def _chat_logprobs(service: LLMService, entries: list[Any]) -> dict[str, Any]:
 Piece = Callable[[str, str, "RequestOutput", int, bool], dict[str, Any] | None]
 
 
-def _completion_piece(service: LLMService, tools: oa.ToolUse | None) -> Piece:
+def _completion_piece(
+    service: LLMService,
+    tools: oa.ToolUse | None,
+    echoes: list[_Echo] | None = None,
+    per_prompt: int = 1,
+) -> Piece:
     """Each output's text; its logprobs' `text_offset` counts from the start of the choice's
-    text, as in an answer sent whole."""
+    text, as in an answer sent whole. With `echoes`, a choice's first chunk begins with its
+    prompt (choice i is of prompt i // per_prompt), and its logprobs with the prompt's."""
     sent: dict[int, int] = {}  # choice index -> characters of text in its earlier chunks
 
     def piece(rid: str, model: str, out: RequestOutput, index: int, first: bool) -> dict[str, Any]:
-        start = sent.get(index, 0)
-        sent[index] = start + len(out.text)
-        logprobs = _legacy_logprobs(service, out.logprobs, start) if out.logprobs else None
+        text, start = out.text, sent.get(index, 0)
+        echo = echoes[index // per_prompt] if echoes is not None and first else None
+        if echo is not None and not echo.keep_output:
+            text = ""
+        logprobs = None
+        if out.logprobs and (echo is None or echo.keep_output):
+            logprobs = _legacy_logprobs(
+                service, out.logprobs, start + len(echo.text if echo else "")
+            )
+        if echo is not None:
+            if out.prompt_logprobs is not None:
+                prompt = _echo_logprobs(service, echo, out.prompt_logprobs)
+                logprobs = _joined(prompt, logprobs) if logprobs else prompt
+            text = echo.text + text
+        sent[index] = start + len(text)
         reason = _openai_reason(out.finish_reason.value if out.finish_reason else None)
-        return oa.completion_chunk(rid, model, out.text, reason, logprobs)
+        return oa.completion_chunk(rid, model, text, reason, logprobs)
 
     return piece
 

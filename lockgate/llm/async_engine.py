@@ -151,31 +151,29 @@ class AsyncLLMEngine:
         priority: int = 1,
     ) -> RequestStream:
         """Submit now (refusals raise here) and stream the outputs."""
-        return self.generate_choices(prompt_token_ids, [params], [request_id], deadline, priority)
+        return self.generate_choices([prompt_token_ids], [params], [request_id], deadline, priority)
 
     def generate_choices(
         self,
-        prompt_token_ids: list[int],
+        prompts: list[list[int]],
         params: list[SamplingParams],
         request_ids: list[str | None],
         deadline: float | None = None,
         priority: int = 1,
     ) -> RequestStream:
-        """Submit one sequence of the prompt per `params`, all or none, and stream the outputs
-        of all. Each is admitted behind the ones submitted before it, so admission counts the
-        work of them all: when it refuses one, those before it are withdrawn and the refusal
-        raises here."""
+        """Submit one sequence per `params`, of the prompt at the same place in `prompts`,
+        all or none, and stream the outputs of all. Each is admitted behind the ones submitted
+        before it, so admission counts the work of them all: when it refuses one, those before
+        it are withdrawn and the refusal raises here."""
         if self._closing or self._draining:
             raise Unavailable("the language model is draining", retry_after=1)
         loop = asyncio.get_running_loop()
         added: list[str] = []
         with self._wakeup:
             try:
-                for choice, request_id in zip(params, request_ids, strict=True):
+                for prompt, choice, request_id in zip(prompts, params, request_ids, strict=True):
                     added.append(
-                        self.engine.add_request(
-                            prompt_token_ids, choice, request_id, deadline, priority
-                        )
+                        self.engine.add_request(prompt, choice, request_id, deadline, priority)
                     )
             except BaseException:
                 for request_id in added:

@@ -25,9 +25,9 @@ from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.kv_cache import BlockManager
 from lockgate.llm.metrics import EngineStats, RequestObserver, RequestTimings, StepCounters
 from lockgate.llm.runner import CausalLM, ModelRunner, RunnerOutput
-from lockgate.llm.sampling import Sampler, SamplerOutput, TokenLogprobs
+from lockgate.llm.sampling import Sampler, SamplerOutput
 from lockgate.llm.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from lockgate.llm.sequence import FinishReason, SamplingParams, Sequence
+from lockgate.llm.sequence import FinishReason, SamplingParams, Sequence, TokenLogprobs
 from lockgate.llm.speculative import SpeculationStats, num_accepted
 
 
@@ -56,6 +56,9 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     timings: RequestTimings
+    # the first output of a sequence that asked for its prompt's logprobs: one per prompt
+    # token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLMEngine:
@@ -137,7 +140,7 @@ class LLMEngine:
             out = self.scheduler.schedule(time.monotonic())
         result = self.runner.run(out) if out.scheduled else None
         with self._lock:
-            outputs = self._postprocess(out, result.sampled if result else SamplerOutput([], []))
+            outputs = self._postprocess(out, result)
         self._record_step(out, result, t0)
         return outputs
 
@@ -181,8 +184,15 @@ class LLMEngine:
         with self._lock:
             self.block_manager.check_invariants(self.scheduler.sequences.values())
 
-    def _postprocess(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
+    def _postprocess(
+        self, out: SchedulerOutput, result: RunnerOutput | None
+    ) -> list[RequestOutput]:
         now = time.monotonic()
+        sampled = result.sampled if result is not None else SamplerOutput([], [])
+        if result is not None and result.prompt_logprobs:
+            for s, entries in zip(out.scheduled, result.prompt_logprobs, strict=True):
+                if entries:
+                    s.seq.record_prompt_logprobs(entries)
         self.scheduler.update(out)
         outputs = []
         for seq in [*out.expired, *self.scheduler.take_shed()]:
@@ -214,7 +224,10 @@ class LLMEngine:
                 self.scheduler.accept_drafts(seq, accepted)
         self.counters.generation_tokens += len(tokens)
         lps = [lp for lp in sampled.logprobs[: len(tokens)] if lp is not None]
-        return self._output(seq, tokens, self._emit_text(seq), lps or None)
+        output = self._output(seq, tokens, self._emit_text(seq), lps or None)
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == len(tokens):
+            output.prompt_logprobs = seq.prompt_logprobs or [None]  # with the first output
+        return output
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.append_token(token)

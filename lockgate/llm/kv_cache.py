@@ -157,7 +157,7 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix, leaving at least one token to compute."""
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and seq.reads_prefix_cache):
             return []
         bs = self.block_size
         hits: list[int] = []

@@ -7,16 +7,18 @@ scheduler's types end here.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from lockgate.llm.attention import AttentionMetadata, KVCache
 from lockgate.llm.guided import GrammarMatcher
-from lockgate.llm.sampling import Sampler, SamplerOutput, SamplingBatch
+from lockgate.llm.sampling import LOGPROB_FLOOR, Sampler, SamplerOutput, SamplingBatch
 from lockgate.llm.scheduler import ScheduledSequence, SchedulerOutput
-from lockgate.llm.sequence import SamplingParams
+from lockgate.llm.sequence import SamplingParams, TokenLogprobs
+
+PROMPT_LOGITS_ROWS = 256  # prompt rows whose logits are computed at once (bounds their memory)
 
 
 class CausalLM(Protocol):
@@ -32,10 +34,23 @@ class CausalLM(Protocol):
 
 
 @dataclass(slots=True)
+class PromptRows:
+    """The rows of T whose logits give prompt tokens' logprobs: row i predicts `targets[i]`,
+    reported with the `top[i]` most likely tokens; `counts[j]` rows belong to scheduled
+    sequence j (in order)."""
+
+    rows: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    top: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class ModelInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
+    prompt_rows: PromptRows = field(default_factory=PromptRows)
 
 
 @dataclass(slots=True)
@@ -45,6 +60,8 @@ class RunnerOutput:
     prepare_time: float
     forward_time: float  # model forward + logits
     sample_time: float
+    # per scheduled sequence, in order: the prompt tokens' logprobs this step computed
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -66,6 +83,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         tables: list[list[int]] = []
+        prompt = PromptRows()
         for s in out.scheduled:
             start, end, table = s.start, s.start + s.num_tokens, s.seq.block_table
             input_ids += s.input_token_ids
@@ -75,6 +93,11 @@ class ModelRunner:
             seq_lens.append(end)
             tables.append(table)
             logits_indices += range(query_start[-1] - s.num_logits, query_start[-1])
+            rows = s.prompt_logprob_rows
+            prompt.rows += (query_start[-2] + t - start for t in rows)
+            prompt.targets += s.seq.token_ids[rows.start + 1 : rows.stop + 1]
+            prompt.top += [s.seq.params.prompt_logprobs or 0] * len(rows)
+            prompt.counts.append(len(rows))
         width = max(len(t) for t in tables)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
@@ -94,6 +117,7 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64),
             meta,
+            prompt,
         )
 
     @torch.inference_mode()
@@ -106,12 +130,42 @@ class ModelRunner:
         hidden = self.model.forward(
             inp.input_ids, inp.positions, inp.meta, self.kv_caches
         )  # [T, H]
+        prompt = self.prompt_logprobs(hidden, inp.prompt_rows) if inp.prompt_rows.rows else []
         if not rows:
-            return RunnerOutput(SamplerOutput([], []), t1 - t0, time.perf_counter() - t1, 0.0)
+            empty = SamplerOutput([], [])
+            return RunnerOutput(empty, t1 - t0, time.perf_counter() - t1, 0.0, prompt)
         logits = self.model.compute_logits(hidden[inp.meta.logits_indices])  # [N, V] fp32
         t2 = time.perf_counter()
         sampled = self.sampler(logits, sampling_batch(rows, vocab_size=logits.shape[1]))
-        return RunnerOutput(sampled, t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return RunnerOutput(sampled, t1 - t0, t2 - t1, time.perf_counter() - t2, prompt)
+
+    def prompt_logprobs(
+        self, hidden: torch.Tensor, prompt: PromptRows
+    ) -> list[list[TokenLogprobs]]:
+        """The logprob of each prompt row's target and its top tokens, as the sampler reports
+        a sampled token's (the raw model's), per scheduled sequence; the logits are computed
+        `PROMPT_LOGITS_ROWS` rows at a time, to bound their memory."""
+        entries: list[TokenLogprobs] = []
+        k = max(prompt.top)
+        for a in range(0, len(prompt.rows), PROMPT_LOGITS_ROWS):
+            rows = torch.tensor(prompt.rows[a : a + PROMPT_LOGITS_ROWS], dtype=torch.int64)
+            targets = torch.tensor(prompt.targets[a : a + PROMPT_LOGITS_ROWS], dtype=torch.int64)
+            logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
+            logprobs = logprobs.clamp_(min=LOGPROB_FLOOR)  # [R, V]
+            chosen: list[float] = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            top = logprobs.topk(k, dim=-1) if k else None
+            ids: list[list[int]] = top.indices.tolist() if top is not None else []
+            values: list[list[float]] = top.values.tolist() if top is not None else []
+            for i, logprob in enumerate(chosen):
+                n = prompt.top[a + i]
+                top_ids = ids[i][:n] if top is not None else []
+                top_lps = values[i][:n] if top is not None else []
+                entries.append(TokenLogprobs(prompt.targets[a + i], logprob, top_ids, top_lps))
+        per_sequence, at = [], 0
+        for count in prompt.counts:
+            per_sequence.append(entries[at : at + count])
+            at += count
+        return per_sequence
 
 
 def sampling_batch(rows: list[ScheduledSequence], vocab_size: int) -> SamplingBatch:

@@ -38,19 +38,11 @@ from dataclasses import dataclass
 import torch
 
 from lockgate.llm.guided import GrammarMatcher
-from lockgate.llm.sequence import SamplingParams
+from lockgate.llm.sequence import SamplingParams, TokenLogprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _U_MAX = 1.0 - 2.0**-24  # uniforms stay below 1 so the search never runs off the end
 TOP_P_WINDOW = 128
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top_token_ids: list[int]
-    top_logprobs: list[float]
 
 
 @dataclass(slots=True)

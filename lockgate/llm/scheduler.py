@@ -69,6 +69,12 @@ class ScheduledSequence:
         return 1 + len(self.draft_token_ids) if self.needs_logits else 0
 
     @property
+    def prompt_logprob_rows(self) -> range:
+        """Positions computed this step whose hidden state gives a prompt token's logprob
+        still to record (its sequence asked for them)."""
+        return self.seq.prompt_logprob_rows(self.start, self.num_tokens)
+
+    @property
     def is_decode(self) -> bool:
         """Computes one output token (and its drafts) to sample its successor."""
         return (

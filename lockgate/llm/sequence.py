@@ -32,6 +32,16 @@ class FinishReason(enum.Enum):
     SHED = "shed"  # refused while waiting, for a request of higher priority
 
 
+@dataclass(slots=True)
+class TokenLogprobs:
+    """A token's logprob, and the `top` most likely tokens at its position with theirs."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Validated on construction."""
@@ -49,6 +59,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # number of top alternatives to report per token
+    # the same for each prompt token after the first (its logprob given the tokens before it;
+    # the completions API's `echo` with `logprobs`); None: none computed
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     grammar: Grammar | None = None  # what the output must match (guided decoding)
 
@@ -70,6 +83,8 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "prompt_logprobs must be in [0, 20]"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
@@ -109,6 +124,9 @@ class Sequence:
     num_emitted_chars: int = 0  # of output_text, already returned to the client
     timings: RequestTimings = field(init=False)
     matcher: GrammarMatcher | None = field(init=False)  # where the output is in its grammar
+    # with params.prompt_logprobs: entry p is prompt token p's (None for the first), filled as
+    # the prompt's chunks are computed
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.timings = RequestTimings(
@@ -154,6 +172,26 @@ class Sequence:
     def is_prefill(self) -> bool:
         """More than the last token still needs computing (a prompt or a recompute)."""
         return len(self.token_ids) - self.num_computed_tokens > 1
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether its prompt may start from cached blocks: not when its prompt's logprobs
+        are asked for, which need every prompt position computed."""
+        return self.params.prompt_logprobs is None
+
+    def prompt_logprob_rows(self, start: int, num_tokens: int) -> range:
+        """The positions among `start`..`start + num_tokens` whose hidden state gives a
+        prompt token's logprob not yet recorded (position t gives token t + 1's)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        first = max(start, len(self.prompt_logprobs) - 1 if self.prompt_logprobs else 0)
+        return range(first, min(start + num_tokens, self.num_prompt_tokens - 1))
+
+    def record_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
+        """The logprobs of the next prompt tokens, in order."""
+        if not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)  # the first token has none
+        self.prompt_logprobs.extend(entries)
 
     @property
     def is_finished(self) -> bool:

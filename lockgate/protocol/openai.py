@@ -39,6 +39,7 @@ class OpenAILimits:
     max_embedding_inputs: int = 2048  # texts of one embeddings request, as the OpenAI API allows
     max_embedding_chars: int = 65536  # characters of one text to embed
     max_n: int = 16  # choices (n) and candidates (best_of) of one completion
+    max_prompts: int = 64  # prompts of one /v1/completions request (a batch)
     max_grammar_chars: int = 8192  # of a request's JSON schema, regex or grammar; 0: refused
     max_grammar_mask_ms: int = 20  # CPU ms of one token mask of a grammar; past it, it ends
     max_tools: int = 128  # function tools of one chat request, as the OpenAI API allows
@@ -116,6 +117,7 @@ _AT_LEAST_ONE = frozenset(
         "max_embedding_inputs",
         "max_embedding_chars",
         "max_n",
+        "max_prompts",
         "max_tools",
     }
 )
@@ -315,7 +317,7 @@ def _json_text(schema: dict[str, Any]) -> str:
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: msgspec.Raw  # a string, token ids, or a list of one of those: see `prompt_of`
+    prompt: msgspec.Raw  # a string, token ids, or a list of either: see `prompts_of`
     best_of: int | None = None  # candidates generated; the n of highest cumulative logprob win
     logprobs: int | None = None
     echo: bool = False
@@ -562,36 +564,49 @@ _NOT_PROMPT = "prompt must be a string, a list of token ids, or a list of one of
 Prompt = str | list[int]
 
 
-def prompt_of(raw: msgspec.Raw, most_ids: int) -> Prompt:
-    """The one prompt of a completion request: a string or token ids, given bare or as the
-    only item of a list. Token ids are counted from the raw bytes before a list is built, and
-    more than `most_ids` (the model's context) are refused, as is a second prompt."""
+def prompts_of(raw: msgspec.Raw, most_ids: int, most_prompts: int) -> list[Prompt]:
+    """The prompts of a completion request: a string or token ids, or a list of strings or of
+    token-id lists (a batch, answered as one choice per prompt and `n`), at most
+    `most_prompts` of them. Strings and token ids are counted from the raw bytes before a list
+    is built: more than `most_ids` token ids per prompt on average (the model's context) are
+    refused, and each prompt is checked against the context once tokenized."""
     data = bytes(raw)
     depth = opening_depth(data)
     if depth == 0:
-        return _prompt_decoded(_TEXT, data)
+        return [_prompt_decoded(_TEXT, data)]
     head = data.lstrip(_SPACE)[depth:].lstrip(_SPACE)[:1]  # the first item's first character
     if depth == 1 and head == b'"':
-        if strings_at_least(data) > 1:
-            raise BadRequest("prompt: one prompt per request is supported, not a list of them")
+        if strings_at_least(data) > most_prompts:
+            raise BadRequest(_too_many_prompts(most_prompts))
         texts = _prompt_decoded(_TEXTS, data)
-        if len(texts) != 1:
-            raise BadRequest(_NOT_PROMPT)
-        return texts[0]
+        if not texts:
+            raise BadRequest(f"{_NOT_PROMPT}: the list is empty")
+        if len(texts) > most_prompts:
+            raise BadRequest(_too_many_prompts(most_prompts))
+        return list(texts)
     if depth > 2 or b'"' in data or b"{" in data:
         raise BadRequest(_NOT_PROMPT)
     counts = count_scalars(data)
-    if counts.lists > depth:
-        raise BadRequest("prompt: one prompt per request is supported, not a list of them")
-    if counts.leaves > most_ids:
+    prompts = max(1, counts.lists - 1) if depth == 2 else 1
+    if depth == 1 and counts.lists > 1:
+        raise BadRequest(_NOT_PROMPT)
+    if prompts > most_prompts:
+        raise BadRequest(_too_many_prompts(most_prompts))
+    if counts.leaves > most_ids * prompts:
         raise BadRequest(
             f"prompt has {counts.leaves} token ids, more than the model's context of "
-            f"{most_ids} tokens"
+            f"{most_ids} tokens" + (f" for each of {prompts} prompts" if prompts > 1 else "")
         )
-    ids = _prompt_decoded(_IDS, data) if depth == 1 else _prompt_decoded(_ID_LISTS, data)[0]
-    if not ids:
+    batch = [_prompt_decoded(_IDS, data)] if depth == 1 else _prompt_decoded(_ID_LISTS, data)
+    if not batch or not all(batch):
         raise BadRequest(f"{_NOT_PROMPT}: the list is empty")
-    return ids
+    return batch
+
+
+def _too_many_prompts(most: int) -> str:
+    if most == 1:
+        return "prompt: one prompt per request is supported, not a list of them"
+    return f"prompt: at most {most} prompts per request (--max-prompts)"
 
 
 def _prompt_decoded(decoder: msgspec.json.Decoder[Any], data: bytes) -> Any:

@@ -76,7 +76,7 @@ def test_a_superseded_version_is_submitted_again_on_the_one_now_serving() -> Non
     resolved = [old_service, new_service]  # what each attempt resolves
 
     async def attempt() -> None:
-        p.submit(request(), prepared(resolved.pop(0)), "cmpl-1")
+        p.submit(request(), [prepared(resolved.pop(0))], "cmpl-1")
 
     asyncio.run(p.resubmitted(attempt))
     assert new.submitted == 1 and not resolved
@@ -90,7 +90,7 @@ def test_a_draining_version_with_no_other_is_a_503_counted_once() -> None:
 
     async def attempt() -> None:
         calls.append(1)
-        p.submit(request(), prepared(service(old)), "cmpl-1")
+        p.submit(request(), [prepared(service(old))], "cmpl-1")
 
     with pytest.raises(Unavailable) as refused_with:
         asyncio.run(p.resubmitted(attempt))
@@ -105,7 +105,7 @@ def test_superseded_twice_is_a_503_counted_once() -> None:
 
     async def attempt() -> None:
         calls.append(1)
-        p.submit(request(), prepared(service(Engine(draining=True))), "cmpl-1")
+        p.submit(request(), [prepared(service(Engine(draining=True)))], "cmpl-1")
 
     with pytest.raises(Superseded):
         asyncio.run(p.resubmitted(attempt))

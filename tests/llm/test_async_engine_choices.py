@@ -37,9 +37,9 @@ def test_choices_stream_together_and_finish_each() -> None:
         engine = AsyncLLMEngine(inner)
         try:
             prompt = list(range(10))
-            stream = engine.generate_choices(prompt, seeded(3), ["r-0", "r-1", "r-2"])
+            stream = engine.generate_choices([prompt] * 3, seeded(3), ["r-0", "r-1", "r-2"])
             outputs = await collect(stream)
-            again = await collect(engine.generate_choices(prompt, seeded(3), [None] * 3))
+            again = await collect(engine.generate_choices([prompt] * 3, seeded(3), [None] * 3))
         finally:
             engine.close()
         tokens = by_choice(stream, outputs)
@@ -66,9 +66,11 @@ def test_admission_counts_every_choice_and_refuses_them_all_or_none() -> None:
         try:
             # the third waits behind 6 prompt tokens of its own request: 90 ms
             with pytest.raises(Unavailable, match="time to first token"):
-                engine.generate_choices(prompt, [short] * 3, ["a-0", "a-1", "a-2"])
+                engine.generate_choices([prompt] * 3, [short] * 3, ["a-0", "a-1", "a-2"])
             assert not inner.has_unfinished  # those admitted before it were withdrawn
-            outputs = await collect(engine.generate_choices(prompt, [short] * 2, ["b-0", "b-1"]))
+            outputs = await collect(
+                engine.generate_choices([prompt] * 2, [short] * 2, ["b-0", "b-1"])
+            )
         finally:
             engine.close()
         assert sorted(o.request_id for o in outputs if o.finished) == ["b-0", "b-1"]
@@ -83,13 +85,13 @@ def test_closing_the_stream_aborts_every_choice() -> None:
         inner = make_engine()
         engine = AsyncLLMEngine(inner)
         try:
-            stream = engine.generate_choices(list(range(10)), [LONG] * 4, [None] * 4)
+            stream = engine.generate_choices([list(range(10))] * 4, [LONG] * 4, [None] * 4)
             async for _ in stream:
                 break  # the client went away after one token
             await stream.aclose()
             assert not inner.has_unfinished
             task = asyncio.create_task(
-                collect(engine.generate_choices(list(range(10)), [LONG] * 4, [None] * 4))
+                collect(engine.generate_choices([list(range(10))] * 4, [LONG] * 4, [None] * 4))
             )
             await asyncio.sleep(0.02)
             task.cancel()  # a cancelled handler (disconnect) aborts them all too
@@ -112,7 +114,7 @@ def test_one_choice_shed_ends_the_request_and_frees_the_others() -> None:
         try:
             running = engine.generate([9, 9, 9], LONG, priority=1)
             await running.__anext__()  # the only slot is taken
-            choices = engine.generate_choices([1, 2, 3], [LONG] * 3, [None] * 3, priority=2)
+            choices = engine.generate_choices([[1, 2, 3]] * 3, [LONG] * 3, [None] * 3, priority=2)
             urgent = engine.generate([4, 5, 6], LONG, priority=1)  # sheds the newest choice
             with pytest.raises(Unavailable, match="shed"):
                 await collect(choices)

@@ -19,7 +19,7 @@ from lockgate.llm.metrics import RequestTimings
 from lockgate.llm.models import allocate_kv_cache as allocate_llama_kv_cache
 from lockgate.llm.runner import CausalLM
 from lockgate.llm.scheduler import QueueFull
-from lockgate.llm.sequence import FinishReason, SamplingParams
+from lockgate.llm.sequence import FinishReason, SamplingParams, TokenLogprobs
 from lockgate.llm.tokenizer import ChatTokenizer, IncrementalDetokenizer
 from tests.llm.conftest import smollm2_engine
 from tests.llm.fake_model import VOCAB, FakeModel, LetterDecoder, allocate_kv_cache, next_token
@@ -475,3 +475,63 @@ def test_kv_cache_size_from_memory_and_capacity_checks() -> None:
         config.num_kv_blocks(bytes_per_block=2**26)
     with pytest.raises(ConfigError, match="do not fit"):
         make_engine(blocks=8, max_model_len=64)
+
+
+def fake_prompt_logprobs(prompt: list[int], top: int) -> list[TokenLogprobs | None]:
+    """What the fake model gives each prompt token after the first, computed directly."""
+    model = FakeModel()
+    entries: list[TokenLogprobs | None] = [None]
+    for p in range(1, len(prompt)):
+        hidden = torch.tensor([[float(next_token(prompt[:p]))]])
+        logprobs = model.compute_logits(hidden).log_softmax(dim=-1)[0]
+        best = logprobs.topk(top)
+        entries.append(
+            TokenLogprobs(
+                prompt[p], float(logprobs[prompt[p]]), best.indices.tolist(), best.values.tolist()
+            )
+        )
+    return entries
+
+
+@pytest.mark.parametrize("blocks", [256, 24])  # 24 blocks of 4: preempted and recomputed
+def test_prompt_logprobs_cover_every_prompt_token_across_chunks_and_the_prefix_cache(
+    blocks: int,
+) -> None:
+    engine = make_engine(blocks, enable_prefix_caching=True, max_model_len=64)
+    prompts = [[(7 * i + 3 * j) % VOCAB for j in range(45)] for i in range(3)]  # 2 chunks each
+    prompts.append(list(prompts[0]))  # the same prompt again: cached blocks are not read
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    ids = [engine.add_request(p, params) for p in prompts]
+    firsts: dict[str, RequestOutput] = {}
+    later: list[RequestOutput] = []
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.request_id in firsts:
+                later.append(out)
+            else:
+                firsts[out.request_id] = out
+            tokens[out.request_id] += out.new_token_ids
+        engine.check_invariants()
+    for rid, prompt in zip(ids, prompts, strict=True):
+        got = firsts[rid].prompt_logprobs
+        want = fake_prompt_logprobs(prompt, 2)
+        assert got is not None and len(got) == len(prompt) and got[0] is None
+        for g, w in zip(got[1:], want[1:], strict=True):
+            assert g is not None and w is not None
+            assert g.token_id == w.token_id and g.top_token_ids == w.top_token_ids
+            assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
+            assert g.top_logprobs == pytest.approx(w.top_logprobs, abs=1e-5)
+    assert all(out.prompt_logprobs is None for out in later)
+    # the outputs themselves are unchanged by asking for the prompt's logprobs
+    assert [tokens[i] for i in ids] == [reference(p, 8) for p in prompts]
+    if blocks == 24:
+        assert engine.stats().num_preemptions > 0
+
+
+def test_a_one_token_prompt_has_one_prompt_logprob_of_none() -> None:
+    engine = make_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    engine.add_request([5], params)
+    (out,) = engine.step()
+    assert out.prompt_logprobs == [None] and out.new_token_ids == [next_token([5])]

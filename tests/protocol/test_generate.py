@@ -23,7 +23,7 @@ def test_sampling_fields_from_parameters_or_the_top_level() -> None:
             "parameters": {"temperature": 0, "stop": ["."], "stream": False},
         }
     )
-    assert body.text_input == "Hello" == oa.prompt_of(body.completion.prompt, 100)
+    assert body.text_input == "Hello" == oa.prompts_of(body.completion.prompt, 100, 1)[0]
     assert body.completion.max_tokens == 5
     assert body.completion.temperature == 0.0
     assert body.completion.stop == ["."]

@@ -1,4 +1,4 @@
-"""A completion request's prompt (`protocol/openai.py`'s `prompt_of`) and the generate
+"""A completion request's prompts (`protocol/openai.py`'s `prompts_of`) and the generate
 body: counted from the raw bytes, decoded by type, and never built when refused."""
 
 from __future__ import annotations
@@ -15,15 +15,25 @@ from lockgate.protocol import generate
 from lockgate.protocol import openai as oa
 
 
-def prompt(value: object, most: int = 100) -> oa.Prompt:
-    return oa.prompt_of(msgspec.Raw(json.dumps(value).encode()), most)
+def prompt(value: object, most: int = 100, prompts: int = 3) -> list[oa.Prompt]:
+    return oa.prompts_of(msgspec.Raw(json.dumps(value).encode()), most, prompts)
 
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("hi", "hi"), (["hi"], "hi"), ([1, 2, 3], [1, 2, 3]), ([[4, 5]], [4, 5]), ('a"b', 'a"b')],
+    [
+        ("hi", ["hi"]),
+        (["hi"], ["hi"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[4, 5]], [[4, 5]]),
+        ('a"b', ['a"b']),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2, 3], [4]], [[1], [2, 3], [4]]),
+    ],
 )
-def test_one_prompt_as_text_or_token_ids(value: object, expected: oa.Prompt) -> None:
+def test_prompts_as_text_or_token_ids_alone_or_in_a_batch(
+    value: object, expected: list[oa.Prompt]
+) -> None:
     assert prompt(value) == expected
 
 
@@ -32,8 +42,10 @@ def test_one_prompt_as_text_or_token_ids(value: object, expected: oa.Prompt) -> 
     [
         ([], "the list is empty"),
         ([[]], "the list is empty"),
-        ([[1], [2]], "one prompt per request"),
-        (["a", "b"], "one prompt per request"),
+        ([[1], [2], [3], [4]], "at most 3 prompts per request"),
+        (["a", "b", "c", "d"], "at most 3 prompts per request"),
+        ([[1], []], "the list is empty"),
+        ([1, [2]], "prompt must be a string"),
         ([1, "a"], "prompt must be a string"),
         ({"a": 1}, "got `object`"),
         (7, "got `int`"),
@@ -41,6 +53,7 @@ def test_one_prompt_as_text_or_token_ids(value: object, expected: oa.Prompt) -> 
         ([[[1]]], "prompt must be a string"),
         ([1.5], "$.prompt[0]"),
         (list(range(101)), "101 token ids, more than the model's context of 100"),
+        ([[1] * 150, [2] * 60], "210 token ids, more than the model's context of 100 tokens for"),
     ],
 )
 def test_anything_else_is_400_with_a_message(value: object, says: str) -> None:
@@ -62,7 +75,7 @@ def peak_bytes(work: Callable[[], object]) -> int:
 def test_too_many_token_ids_are_refused_before_a_list_is_built() -> None:
     data = b"[" + b"1," * 1_000_000 + b"1]"  # 2 MB of JSON: 36 MB as a Python list
     raw = msgspec.Raw(data)
-    assert peak_bytes(lambda: oa.prompt_of(raw, 8192)) < 3 * len(data)
+    assert peak_bytes(lambda: oa.prompts_of(raw, 8192, 64)) < 3 * len(data)
 
 
 def test_a_completion_body_keeps_its_prompt_raw() -> None:
