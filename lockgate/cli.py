@@ -59,6 +59,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="seconds to receive a request body in full; past it, 408 and the connection closes",
     )
     p.add_argument(
+        "--compress-min-bytes",
+        type=int,
+        default=4096,
+        help="answers of at least this many bytes go out gzip or deflate to a client that "
+        "accepts it (Accept-Encoding; event streams never); 0: never compressed",
+    )
+    p.add_argument(
         "--keep-alive-timeout",
         type=int,
         default=75.0,
@@ -450,9 +457,13 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"lockgate: {exc}", file=sys.stderr)
         return 2
+    if args.compress_min_bytes < 0:
+        print("lockgate: --compress-min-bytes must be 0 (off) or more", file=sys.stderr)
+        return 2
     http = ServerSettings(
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         body_timeout_s=args.body_timeout,
+        compress_min_bytes=args.compress_min_bytes,
         api_keys=_env_keys("LOCKGATE_API_KEYS"),
         admin_keys=_env_keys("LOCKGATE_ADMIN_KEYS"),
         priority_keys=_env_keys("LOCKGATE_PRIORITY_KEYS"),

@@ -36,6 +36,7 @@ from lockgate.frontend.access_log import AccessEntry, AccessLog, model_of, reque
 from lockgate.frontend.dashboard import dashboard_page
 from lockgate.frontend.http import (
     ClientDisconnected,
+    CompressingSend,
     HttpRequest,
     Message,
     Receive,
@@ -52,6 +53,7 @@ from lockgate.frontend.http import (
 from lockgate.frontend.lane import LaneRequest
 from lockgate.frontend.openapi import openapi_document
 from lockgate.frontend.v2_service import V2Service
+from lockgate.protocol.content_coding import accepted_coding
 from lockgate.protocol.openai import OpenAILimits, error_body
 from lockgate.protocol.repository_control import (
     LoadRequest,
@@ -115,6 +117,9 @@ class ServerSettings:
     redis: RedisSettings | None = None  # the response cache's shared tier; None: in-process only
     otel_endpoint: str = ""  # OTLP/HTTP base URL: trace inference requests; "": no tracing
     openai: OpenAILimits = field(default_factory=OpenAILimits)  # what one OpenAI request may ask
+    # answers of at least this many bytes go out gzip or deflate to a client that accepts it
+    # (Accept-Encoding); 0: never compressed
+    compress_min_bytes: int = 4096
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
             {
@@ -200,10 +205,14 @@ class App:
                 entry.bytes_out += len(message.get("body", b""))
             await send(message)
 
+        coding = self.response_coding(scope["headers"])
+        out = (
+            timed_send if coding is None else CompressingSend(timed_send, coding, self.compressing)
+        )
         request = HttpRequest(
             scope,
             receive,
-            timed_send,
+            out,
             scope["method"],
             scope["path"],
             self.settings.max_body_bytes,
@@ -233,6 +242,20 @@ class App:
                 self.access.write(entry)
             if traced is not None and self.tracing is not None:
                 self.tracing.finish_http(traced, status, time.monotonic())
+
+    @property
+    def compressing(self) -> int:
+        """Answers of at least this many bytes are compressed for a client that takes it."""
+        return self.settings.compress_min_bytes
+
+    def response_coding(self, headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+        """The coding to answer a request with these headers in, if any (compression on)."""
+        if not self.settings.compress_min_bytes:
+            return None
+        for name, value in headers:
+            if name == b"accept-encoding":
+                return accepted_coding(value)
+        return None
 
     @property
     def lane_open(self) -> bool:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from lockgate.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServingError
-from lockgate.protocol.content_coding import coding_of, inflate
+from lockgate.protocol.content_coding import coding_of, compress, inflate
 from lockgate.protocol.v2_codec import encode_error
 
 if TYPE_CHECKING:
@@ -168,6 +168,64 @@ class Reply:
     body: bytes
     content_type: bytes = JSON
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+async def compressed(reply: Reply, coding: bytes | None, min_bytes: int) -> Reply:
+    """`reply` with its body in `coding` when it is at least `min_bytes` (0: never) and
+    compressing makes it smaller; else `reply` itself."""
+    if coding is None or not min_bytes or len(reply.body) < min_bytes:
+        return reply
+    body = await compress(reply.body, coding)
+    if len(body) >= len(reply.body):
+        return reply
+    headers = [*reply.headers, (b"content-encoding", coding), (b"vary", b"accept-encoding")]
+    return Reply(reply.status, body, reply.content_type, headers)
+
+
+class CompressingSend:
+    """An ASGI send that compresses a whole answer: one body message, its length in the
+    head, at least `min_bytes`, not already coded and not an event stream. The head is held
+    until the body comes; anything else passes as it is."""
+
+    __slots__ = ("coding", "held", "min_bytes", "send")
+
+    def __init__(self, send: Send, coding: bytes, min_bytes: int) -> None:
+        self.send = send
+        self.coding = coding
+        self.min_bytes = min_bytes
+        self.held: Message | None = None
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            if self._whole_and_large(message):
+                self.held = message
+                return
+        elif self.held is not None:
+            start, self.held = self.held, None
+            if not message.get("more_body", False):
+                start, message = await self._compressed(start, message)
+            await self.send(start)
+        await self.send(message)
+
+    def _whole_and_large(self, start: Message) -> bool:
+        length = -1
+        for name, value in start.get("headers", ()):
+            if name == b"content-length" and value.isdigit():
+                length = int(value)
+            elif name == b"content-encoding" or (
+                name == b"content-type" and value.startswith(b"text/event-stream")
+            ):
+                return False
+        return length >= self.min_bytes
+
+    async def _compressed(self, start: Message, body: Message) -> tuple[Message, Message]:
+        headers = [(k, v) for k, v in start.get("headers", ()) if k != b"content-length"]
+        reply = Reply(start["status"], body.get("body", b""), b"", headers)
+        packed = await compressed(reply, self.coding, self.min_bytes)
+        if packed is reply:
+            return start, body
+        length = (b"content-length", b"%d" % len(packed.body))
+        return {**start, "headers": [*packed.headers, length]}, {**body, "body": packed.body}
 
 
 async def respond_reply(send: Send, reply: Reply) -> None:

@@ -55,7 +55,7 @@ from lockgate.frontend.access_log import request_id
 from lockgate.frontend.app import App, ServerSettings
 from lockgate.frontend.gate import Gate, GateSettings
 from lockgate.frontend.health_port import HealthPort, HealthState
-from lockgate.frontend.http import Disconnect
+from lockgate.frontend.http import Disconnect, compressed
 from lockgate.frontend.lane import BodiesArriving, Lane, LaneRequest, lane_target, reply_bytes
 from lockgate.protocol.v2_codec import encode_error
 
@@ -362,8 +362,12 @@ class _Protocol(HttpToolsProtocol):
     async def _lane(self, request: LaneRequest) -> None:
         request.started = True
         self.lockgate_app.models.arriving.started(request.name)
+        app = self.lockgate_app
         try:
-            reply = await self.lockgate_app.infer_lane(request)
+            reply = await app.infer_lane(request)
+            coding = app.response_coding(request.headers)
+            if coding is not None:
+                reply = await compressed(reply, coding, app.compressing)
         finally:
             self.lane.task = None
         if self.transport.is_closing():

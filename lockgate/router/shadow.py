@@ -15,10 +15,13 @@ import asyncio
 import contextlib
 import random
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from lockgate.core.metrics import Registry
+from lockgate.errors import ServingError
+from lockgate.protocol.content_coding import Inflater, coding_of
 from lockgate.router.canary import parse_percent
 from lockgate.router.compare import Answer, agree
 from lockgate.router.groups import check_label
@@ -84,11 +87,13 @@ class Mirror:
         self.parts: list[bytes] = []
         self.size = 0
         self.complete = False
+        self.coding: bytes | None = None  # the client's answer's Content-Encoding
         self.answered: asyncio.Future[Answer | None] = asyncio.get_running_loop().create_future()
 
     def head(self, response: Response) -> None:
         self.status = response.status
         self.header_length = _header_length(response)
+        self.coding = response.header(b"content-encoding")
 
     def feed(self, chunk: bytes) -> None:
         self.size += len(chunk)
@@ -106,6 +111,8 @@ class Mirror:
         if self.answered.done():
             return
         body = b"".join(self.parts) if self.size <= self.limit else None
+        if body is not None and self.coding is not None:
+            body = _inflated(body, self.coding, self.limit)
         whole = self.complete and self.status > 0
         self.answered.set_result(Answer(self.status, body, self.header_length) if whole else None)
 
@@ -160,7 +167,9 @@ class Shadow:
             self.outcomes.inc((model, "dropped"))
             return None
         mirror = Mirror(self.settings.compare_max_bytes)
-        copy = [*headers, (b"x-lockgate-shadow", b"1")]
+        # the candidate answers plain, to be compared (the client's answer is inflated)
+        copy = [(k, v) for k, v in headers if k != b"accept-encoding"]
+        copy.append((b"x-lockgate-shadow", b"1"))
         task = asyncio.create_task(self._shadow(model, upstream, method, path, copy, body, mirror))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -233,6 +242,20 @@ async def _read(response: Response, limit: int) -> Answer:
         response.abort()
         raise
     return Answer(response.status, b"".join(parts), _header_length(response))
+
+
+def _inflated(body: bytes, header: bytes, limit: int) -> bytes | None:
+    """An answer's body decoded from its Content-Encoding; None when it cannot be (another
+    coding, a bad stream) or inflates past `limit`: then it is not compared."""
+    try:
+        coding = coding_of(header)
+        if coding is None:
+            return body
+        inflater = Inflater(body, coding, limit)
+        inflater.run()
+    except (ServingError, zlib.error):
+        return None
+    return inflater.result()
 
 
 def _header_length(response: Response) -> int | None:

@@ -1,7 +1,9 @@
-"""Compressed request bodies (`protocol/content_coding.py`), through a real server: gzip and
-deflate bodies are inflated for v2 inference (JSON and binary tensors) and the other JSON
-routes, under the body limit counted on the inflated bytes; other codings get 415.
-Compressed requests take the ASGI path, not the lane."""
+"""Content codings (`protocol/content_coding.py`), through a real server. Compressed request
+bodies: gzip and deflate bodies are inflated for v2 inference (JSON and binary tensors) and
+the other JSON routes, under the body limit counted on the inflated bytes; other codings get
+415. Compressed requests take the ASGI path, not the lane. Compressed answers: a client that
+accepts gzip or deflate gets answers of at least `--compress-min-bytes` in it, on the lane
+and on the ASGI path alike."""
 
 from __future__ import annotations
 
@@ -149,3 +151,70 @@ def test_compressed_requests_leave_the_lane(server: RunningServer) -> None:
         sock.sendall(b"".join(head_and_body(INFER, body, LONG)))
         assert read_response(sock).status == 200
     assert lane_count(server) == before + 1
+
+
+@pytest.mark.parametrize("binary", [False, True])
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_tritonclient_asks_for_compressed_answers_and_reads_them(
+    server: RunningServer, coding: str, binary: bool
+) -> None:
+    client = httpclient.InferenceServerClient(server.address)
+    x = digits_rows(64)  # 64 rows of 10 probabilities: about 8 KB of JSON
+    inp = httpclient.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    outputs = [httpclient.InferRequestedOutput("probabilities", binary_data=binary)]
+    plain = client.infer("digits_onnx", [inp], outputs=outputs)
+    packed = client.infer(
+        "digits_onnx", [inp], outputs=outputs, response_compression_algorithm=coding
+    )
+    expected = plain.as_numpy("probabilities")
+    assert expected is not None and expected.shape == (64, 10)
+    np.testing.assert_array_equal(packed.as_numpy("probabilities"), expected)
+
+
+def raw_answer(server: RunningServer, accept: str | None) -> tuple[dict[str, str], bytes]:
+    """The headers and the raw (still coded) body of an answer of 64 digits rows, asked on a
+    raw keep-alive connection: the lane answers it."""
+    x = digits_rows(64)
+    tensor = {"name": "input", "shape": [64, 64], "datatype": "FP32", "data": x.ravel().tolist()}
+    body = json.dumps({"inputs": [tensor]}).encode()
+    extra = [LONG] + ([f"Accept-Encoding: {accept}"] if accept is not None else [])
+    head, body = head_and_body(INFER, body, *extra)
+    sock = connect(server)
+    try:
+        sock.sendall(head + body)
+        answer = read_response(sock)
+    finally:
+        sock.close()
+    assert answer.status == 200, answer.body[:200]
+    return answer.headers, answer.body
+
+
+def test_the_lane_compresses_large_answers_for_clients_that_accept_it(
+    server: RunningServer,
+) -> None:
+    before = lane_count(server)
+    headers, body = raw_answer(server, "br;q=1.0, gzip;q=0.5")
+    assert headers["content-encoding"] == "gzip" and headers["vary"] == "accept-encoding"
+    answer = json.loads(gzip.decompress(body))
+    assert len(body) < len(json.dumps(answer)) / 2
+    headers, body = raw_answer(server, "deflate")
+    assert headers["content-encoding"] == "deflate"
+    assert json.loads(zlib.decompress(body)) == answer
+    for refused in (None, "identity", "gzip;q=0, deflate;q=0", "br"):
+        headers, body = raw_answer(server, refused)
+        assert "content-encoding" not in headers and json.loads(body) == answer
+    assert lane_count(server) == before + 6
+
+
+def test_asgi_answers_are_compressed_too_and_small_ones_never(server: RunningServer) -> None:
+    accept = {"accept-encoding": "gzip"}
+    metrics = httpx.get(server.url + "/metrics", headers=accept)
+    assert metrics.headers["content-encoding"] == "gzip"  # httpx inflates it
+    assert "lockgate_http_request_duration_seconds" in metrics.text
+    small = httpx.get(server.url + "/v2/health/ready", headers=accept)
+    assert "content-encoding" not in small.headers
+    body = json.dumps({"model": "minilm", "input": ["an embedding of 384 numbers"] * 4})
+    answer = httpx.post(server.url + "/v1/embeddings", content=body, headers=accept, timeout=30)
+    assert answer.status_code == 200 and answer.headers["content-encoding"] == "gzip"
+    assert len(answer.json()["data"]) == 4

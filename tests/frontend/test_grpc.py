@@ -723,3 +723,18 @@ def test_codec_response_is_raw_and_selected() -> None:
     assert response.raw_output_contents[1] == tensor_bytes(
         np.array([[b"2.000000:2"], [b"5.000000:2"]], object), "BYTES"
     )
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_grpc_calls_are_answered(
+    client: grpcclient.InferenceServerClient, algorithm: str
+) -> None:
+    """tritonclient's `compression_algorithm`: gRPC's own message compression, both ways."""
+    x = digits_rows(32)
+    plain = client.infer("digits_onnx", [grpc_input("input", x, "FP32")])
+    packed = client.infer(
+        "digits_onnx", [grpc_input("input", x, "FP32")], compression_algorithm=algorithm
+    )
+    expected = plain.as_numpy("probabilities")
+    assert expected is not None and expected.shape == (32, 10)
+    np.testing.assert_array_equal(packed.as_numpy("probabilities"), expected)
