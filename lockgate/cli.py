@@ -149,9 +149,18 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--model-control-mode",
-        choices=("none", "explicit"),
+        choices=("none", "explicit", "poll"),
         default="none",
-        help="explicit: serve POST /v2/repository/models/{m}/load and /unload (as Triton)",
+        help="explicit: serve POST /v2/repository/models/{m}/load and /unload (as Triton); "
+        "poll: watch the repository and load, reload or unload the models whose folders "
+        "change (as Triton)",
+    )
+    p.add_argument(
+        "--repository-poll-secs",
+        type=float,
+        default=15.0,
+        help="with --model-control-mode poll: seconds between looks at the repository; a "
+        "change is acted on once it has held for one more look",
     )
     p.add_argument(
         "--load-model",
@@ -457,6 +466,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"lockgate: {exc}", file=sys.stderr)
         return 2
+    if not 0 < args.repository_poll_secs < 1e6:
+        print("lockgate: --repository-poll-secs must be a positive number", file=sys.stderr)
+        return 2
     if args.compress_min_bytes < 0:
         print("lockgate: --compress-min-bytes must be 0 (off) or more", file=sys.stderr)
         return 2
@@ -480,6 +492,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     serving = ServingSettings(
         startup_models=_startup_models(args),
+        repository_poll_s=args.repository_poll_secs if args.model_control_mode == "poll" else None,
         hang_timeout=args.hang_timeout,
         unload_drain_timeout=args.drain_timeout,
         admission=AdmissionSettings(deadline_aware=not args.no_admission),

@@ -102,6 +102,8 @@ class ServingSettings:
     # the repository's models loaded at start-up (None: all); explicit model control mode
     # loads only those of --load-model, as in Triton
     startup_models: frozenset[str] | None = None
+    # poll mode: seconds between looks at the repository for changes (None: no polling)
+    repository_poll_s: float | None = None
 
 
 class ModelManager:

@@ -153,6 +153,7 @@ class App:
         self.started = False  # set once the repository has been loaded
         self.draining = False
         self.closers: list[Callable[[], Awaitable[None]]] = [self.cache.close]  # at shutdown
+        self.background: list[asyncio.Task[None]] = []  # cancelled before the models close
         # told each request's delay from its first byte to its handler (the connection gate)
         self.front_delay: Callable[[float, float], None] | None = None
         self.answered: Callable[[], None] | None = None  # told of each request answered

@@ -802,6 +802,8 @@ async def load(app: App, options: ServeOptions) -> None:
     try:
         if options.repository is not None:
             await app.models.load_repository(options.repository)
+            if options.serving.repository_poll_s is not None:
+                _start_polling(app, options.repository, options.serving.repository_poll_s)
         for extension in options.extensions:
             await extension(app)
     except Exception:
@@ -809,6 +811,15 @@ async def load(app: App, options: ServeOptions) -> None:
     freeze_heap()
     app.started = True
     log.info("start-up complete in %.2f s", time.monotonic() - start)
+
+
+def _start_polling(app: App, repository: Path, interval: float) -> None:
+    """Poll mode: watch the repository for changes until the server stops."""
+    from lockgate.core.repository_poll import polling
+
+    poller = polling(app.models, repository, interval)
+    app.background.append(asyncio.get_running_loop().create_task(poller.run()))
+    log.info("polling the repository %s every %g s for changes", repository, interval)
 
 
 async def serve(options: ServeOptions) -> int:
@@ -875,6 +886,10 @@ async def serve(options: ServeOptions) -> int:
     if health_port is not None:
         health_port.stop()
     loader.cancel()
+    for task in app.background:  # before the models close: a poll loads no model after it
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     if shared is not None:
         shared.close()  # when never listened on
     if grpc_server is not None:
