@@ -25,7 +25,6 @@ from lockgate.core.manager import ModelManager, ServedVersion
 from lockgate.errors import (
     BadRequest,
     Forbidden,
-    MethodNotAllowed,
     NotFound,
     ServingError,
     Unauthorized,
@@ -44,6 +43,7 @@ from lockgate.frontend.http import (
     Scope,
     Send,
     bearer_of,
+    check_method,
     error_headers,
     error_reply,
     respond,
@@ -159,6 +159,7 @@ class App:
         self.answered: Callable[[], None] | None = None  # told of each request answered
         self.in_flight = 0  # HTTP requests received and not yet answered
         self.tracing = _tracing(self.settings.otel_endpoint, self.closers)
+        self.closers.append(self._close_shared_memory)
         models.registry.gauge(
             "lockgate_http_requests_in_progress", "HTTP requests received and not yet answered."
         ).set_function((), lambda: float(self.in_flight))
@@ -243,6 +244,9 @@ class App:
                 self.access.write(entry)
             if traced is not None and self.tracing is not None:
                 self.tracing.finish_http(traced, status, time.monotonic())
+
+    async def _close_shared_memory(self) -> None:
+        self.v2.shared_memory.close()
 
     @property
     def compressing(self) -> int:
@@ -440,10 +444,10 @@ class App:
     async def _route(self, request: HttpRequest) -> None:
         path, method = request.path, request.method
         if path in READ_ONLY_PATHS:
-            _allow(method, path, READ)
+            check_method(method, path, READ)
         parts = [p for p in path.split("/") if p]
         if parts == ["v2", "models", "stats"]:  # before a model named "stats"
-            _allow(method, path, READ)
+            check_method(method, path, READ)
             await v2_routes.document(request, self.v2.statistics(None, None))
         elif parts[:2] == ["v2", "models"] and len(parts) >= 3:
             await self._model_route(request, parts[2:])
@@ -468,6 +472,10 @@ class App:
             await respond_json(request.send, 200, openapi_document())
         elif parts[:2] == ["v2", "repository"]:
             await self._repository(request, parts[2:])
+        elif parts[:2] == ["v2", "systemsharedmemory"]:
+            await v2_routes.shared_memory(request, self.v2.shared_memory, parts[2:])
+        elif parts[:2] == ["v2", "cudasharedmemory"]:
+            raise BadRequest("CUDA shared memory is not supported: lockgate runs on the CPU")
         else:
             raise NotFound(f"no route for {method} {path[:200]}")
 
@@ -482,7 +490,7 @@ class App:
             raise NotFound(f"no route for {request.method} {request.path[:200]}")
         if action.startswith("generate") and self.generate is None:
             raise NotFound("generate serves language models: this server runs without them")
-        _allow(request.method, request.path, allowed)
+        check_method(request.method, request.path, allowed)
         if action == "infer":
             granted = not self.settings.priority_keys or self.priority_granted(request.bearer())
             await v2_routes.infer(request, self.v2, name, version, granted)
@@ -524,7 +532,7 @@ class App:
         control = len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload")
         if rest != ["index"] and not control:
             raise NotFound(f"no route for {request.method} {request.path[:200]}")
-        _allow(request.method, request.path, WRITE)
+        check_method(request.method, request.path, WRITE)
         if not control:
             await v2_routes.repository_index(request, self.v2)
             return
@@ -601,13 +609,6 @@ class _LaneCount:
             "(their head came whole in one read); the others took the ASGI path.",
             value=self.app.lane_answered,
         )
-
-
-def _allow(method: str, path: str, allowed: tuple[str, ...]) -> None:
-    """405, with `allowed` as its Allow header, unless the route on `path` takes `method`."""
-    if method not in allowed:
-        allow = ", ".join(allowed)
-        raise MethodNotAllowed(f"{method[:20]} is not allowed on {path[:200]}: {allow}", allow)
 
 
 def _is_model_control(method: str, parts: list[str]) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -155,6 +156,41 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     ) -> pb.RepositoryModelUnloadResponse:
         return await self._run("RepositoryModelUnload", context, lambda: self._unload(request))
 
+    # -- system shared memory ----------------------------------------------------------
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: Context
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        async def status() -> pb.SystemSharedMemoryStatusResponse:
+            response = pb.SystemSharedMemoryStatusResponse()
+            for region in self.v2.shared_memory.status(request.name or None):
+                entry = response.regions[region["name"]]
+                entry.name, entry.key = region["name"], region["key"]
+                entry.offset, entry.byte_size = region["offset"], region["byte_size"]
+            return response
+
+        return await self._run("SystemSharedMemoryStatus", context, status)
+
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        async def register() -> pb.SystemSharedMemoryRegisterResponse:
+            _on_this_host(context)
+            regions = self.v2.shared_memory
+            regions.register(request.name, request.key, request.offset, request.byte_size)
+            return pb.SystemSharedMemoryRegisterResponse()
+
+        return await self._run("SystemSharedMemoryRegister", context, register)
+
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        async def unregister() -> pb.SystemSharedMemoryUnregisterResponse:
+            _on_this_host(context)
+            self.v2.shared_memory.unregister(request.name or None)
+            return pb.SystemSharedMemoryUnregisterResponse()
+
+        return await self._run("SystemSharedMemoryUnregister", context, unregister)
+
     async def _load(self, request: pb.RepositoryModelLoadRequest) -> pb.RepositoryModelLoadResponse:
         self.app.check_model_control(request.model_name)
         await self.app.load(request.model_name, load_request(_parameters(request.parameters)))
@@ -237,7 +273,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         name = request.model_name
         served = self.v2.served(name, request.model_version)
         check = functools.partial(self.v2.check_declared, served)  # before any data is decoded
-        decoded = codec.decode_infer_request(request, check=check)
+        shared = self.v2.shared_memory
+        decoded = codec.decode_infer_request(request, check=check, shared_memory=shared)
         deadline = Deadline(received, transport_seconds=context.time_remaining())
         granted = self.app.priority_granted(_bearer(context))
         trace_id = traced.trace_id if traced is not None else ""
@@ -253,6 +290,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             datatypes=result.output_datatypes,
             batched=result.batched,
             parameters=result.parameters,
+            shared_memory=shared,
         )
 
     def _trace(
@@ -430,3 +468,16 @@ async def start_grpc(app: App, settings: GrpcSettings) -> grpc.aio.Server | None
     await server.start()
     log.info("lockgate gRPC listening on %s", address)
     return server
+
+
+def _on_this_host(context: Context) -> None:
+    """Shared memory regions are registered by clients on this host only (`frontend/v2_routes`)."""
+    peer = context.peer() or ""
+    kind, _, address = peer.partition(":")
+    host = address.rpartition(":")[0].strip("[]") if kind in ("ipv4", "ipv6") else ""
+    try:
+        local = kind == "unix" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = False
+    if not local:
+        raise Forbidden("system shared memory is for clients on this host")

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from lockgate.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServingError
+from lockgate.errors import (
+    BadRequest,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServingError,
+)
 from lockgate.protocol.content_coding import coding_of, compress, inflate
 from lockgate.protocol.v2_codec import encode_error
 
@@ -226,6 +232,13 @@ class CompressingSend:
             return start, body
         length = (b"content-length", b"%d" % len(packed.body))
         return {**start, "headers": [*packed.headers, length]}, {**body, "body": packed.body}
+
+
+def check_method(method: str, path: str, allowed: tuple[str, ...]) -> None:
+    """405, with `allowed` as its Allow header, unless the route on `path` takes `method`."""
+    if method not in allowed:
+        allow = ", ".join(allowed)
+        raise MethodNotAllowed(f"{method[:20]} is not allowed on {path[:200]}: {allow}", allow)
 
 
 async def respond_reply(send: Send, reply: Reply) -> None:

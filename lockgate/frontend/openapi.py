@@ -22,6 +22,7 @@ from lockgate.frontend import openapi_schemas as out
 from lockgate.frontend.v2_service import IndexEntry
 from lockgate.protocol import generate, v2_codec
 from lockgate.protocol import openai as oa
+from lockgate.protocol.shared_memory import RegisterRequest
 
 # --- schemas ------------------------------------------------------------------------------
 
@@ -34,6 +35,7 @@ _SCHEMA_TYPES = (
     *(v for v in vars(out).values() if isinstance(v, type) and issubclass(v, msgspec.Struct)),
     list[IndexEntry],
     v2_codec._RequestIn,
+    RegisterRequest,
     oa.CompletionRequest,
     oa.ChatRequest,
     oa.EmbeddingRequest,
@@ -98,11 +100,13 @@ _HAND_CHECKED: dict[tuple[str, str], dict[str, Any]] = {
         "description": "the size of the model's own embeddings: they are not shortened",
     },
     ("CompletionRequest", "prompt"): {
-        "description": "a string, token ids, or a list of one of those",
+        "description": "a string, token ids, or a list of either (a batch of at most "
+        "--max-prompts prompts, one choice each per n)",
         "anyOf": [
             {"type": "string", "minLength": 1},
             _TOKEN_IDS,
-            {"type": "array", "items": {"anyOf": [{"type": "string"}, _TOKEN_IDS]}, "maxItems": 1},
+            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 64},
+            {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 64},
         ],
     },
 }
@@ -418,7 +422,47 @@ def _v2_paths() -> dict[str, Any]:
         }
     paths.update(_model_paths("/v2/models/{model}", (_MODEL,), ""))
     paths.update(_model_paths("/v2/models/{model}/versions/{version}", (_MODEL, _VERSION), "_at"))
+    paths.update(_shared_memory_paths())
     return paths
+
+
+_REGION = _parameter("region", "path", "a shared memory region's name", {"type": "string"}, "in0")
+
+
+def _shared_memory_paths() -> dict[str, Any]:
+    """Triton's system shared memory extension (`protocol/shared_memory.py`)."""
+    op = partial(_operation, tag="v2")
+    regions = {"200": _json({"type": "array", "items": _ref("SharedMemoryRegion")})}
+    register = {"application/json": {"schema": _ref("RegisterRequest")}}
+    region = "/v2/systemsharedmemory/region/{region}"
+    return {
+        "/v2/systemsharedmemory/status": {
+            "get": op("shared_memory_status", "Every registered shared memory region", regions)
+        },
+        f"{region}/status": {
+            "get": op(
+                "shared_memory_region_status", "One region", regions, (404,), params=(_REGION,)
+            )
+        },
+        f"{region}/register": {
+            "post": op(
+                "shared_memory_register",
+                "Register a region of a POSIX shared memory object (clients on this host)",
+                _ok("Empty"),
+                (400, 413, 415),
+                params=(_REGION,),
+                body=register,
+            )
+        },
+        f"{region}/unregister": {
+            "post": op(
+                "shared_memory_unregister", "Unregister a region", _ok("Empty"), params=(_REGION,)
+            )
+        },
+        "/v2/systemsharedmemory/unregister": {
+            "post": op("shared_memory_unregister_all", "Unregister every region", _ok("Empty"))
+        },
+    }
 
 
 def _generation(operation_id: str, summary: str, request: str, answer: str) -> dict[str, Any]:

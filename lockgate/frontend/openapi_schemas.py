@@ -157,6 +157,15 @@ class Empty(msgspec.Struct):
     pass
 
 
+class SharedMemoryRegion(msgspec.Struct):
+    """A registered system shared memory region."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
 class GenerateResponse(msgspec.Struct):
     """The answer of Triton's /generate, and each event of /generate_stream (whose
     `text_output` is the text new since the last event)."""

@@ -4,21 +4,25 @@ the wire, calls the service once, and encodes what it returns."""
 from __future__ import annotations
 
 import functools
+import ipaddress
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from lockgate.core.manager import ServedVersion
+from lockgate.errors import Forbidden, NotFound
 from lockgate.frontend.http import (
     JSON,
     HttpRequest,
     Reply,
     cancel_on_disconnect,
+    check_method,
     respond,
     respond_json,
     respond_reply,
 )
 from lockgate.frontend.v2_service import SERVER_METADATA, Deadline, V2Service, timeout_header
 from lockgate.protocol import v2_codec, v2_metadata
+from lockgate.protocol.shared_memory import SharedMemory, decode_register
 
 if TYPE_CHECKING:
     from lockgate.frontend.otel import RequestTrace
@@ -68,6 +72,7 @@ async def infer_reply(
         body,
         None if header_length is None else header_length.decode("latin-1"),
         check=functools.partial(service.check_declared, served),  # before any data is decoded
+        shared_memory=service.shared_memory,
     )
     seconds = timeout_header(None if timeout is None else timeout.decode("latin-1"))
     deadline = Deadline(received, header_seconds=seconds)
@@ -85,6 +90,7 @@ async def infer_reply(
         batched=result.batched,
         datatypes=result.output_datatypes,
         parameters=result.parameters,
+        shared_memory=service.shared_memory,
     )
     if json_length is None:
         return Reply(200, payload, JSON, result.headers)
@@ -110,3 +116,40 @@ async def document(request: HttpRequest, doc: v2_metadata.Document) -> None:
 async def repository_index(request: HttpRequest, service: V2Service) -> None:
     index = [asdict(entry) for entry in service.repository_index()]
     await respond_json(request.send, 200, index)
+
+
+async def shared_memory(request: HttpRequest, regions: SharedMemory, rest: list[str]) -> None:
+    """Triton's system shared memory routes, under /v2/systemsharedmemory: `status`,
+    `unregister`, and `region/{name}/` + `status`, `register`, `unregister`."""
+    name: str | None = None
+    if len(rest) == 3 and rest[0] == "region":
+        name, rest = rest[1], rest[2:]
+    action = rest[0] if len(rest) == 1 else ""
+    if action == "status":
+        check_method(request.method, request.path, ("GET", "HEAD"))
+        await respond_json(request.send, 200, regions.status(name))
+        return
+    if action not in ("register", "unregister") or (action == "register" and name is None):
+        raise NotFound(f"no route for {request.method} {request.path[:200]}")
+    check_method(request.method, request.path, ("POST",))
+    _on_this_host(request)
+    if action == "unregister":
+        regions.unregister(name)
+    else:
+        assert name is not None
+        ask = decode_register(await request.body())
+        regions.register(name, ask.key, ask.offset, ask.byte_size)
+    await respond_json(request.send, 200, {})
+
+
+def _on_this_host(request: HttpRequest) -> None:
+    """Regions are registered by clients on this host only: a remote one cannot share its
+    memory, and must not map this host's."""
+    client = request.scope.get("client")
+    host = client[0] if client else ""
+    try:
+        local = not host or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = False
+    if not local:
+        raise Forbidden("system shared memory is for clients on this host")

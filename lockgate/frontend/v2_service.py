@@ -23,6 +23,7 @@ from lockgate.core.validate import validate_inputs, validate_outputs, validate_s
 from lockgate.datatypes import Arrays
 from lockgate.errors import BadRequest, Forbidden, NotFound
 from lockgate.protocol import v2_metadata
+from lockgate.protocol.shared_memory import SharedMemory
 from lockgate.protocol.v2_codec import DeclaredInput, V2InferRequest
 from lockgate.protocol.v2_metadata import BatchStats, Document, Duration, ModelStats, Runtime
 
@@ -33,6 +34,7 @@ EXTENSIONS = (
     "statistics",
     "model_repository",
     "schedule_policy",
+    "system_shared_memory",
 )
 SERVER_METADATA = v2_metadata.server_metadata(
     name="lockgate", version=__version__, extensions=EXTENSIONS
@@ -169,6 +171,7 @@ class V2Service:
     def __init__(self, models: ModelManager, executor: Executor) -> None:
         self.models = models
         self.executor = executor
+        self.shared_memory = SharedMemory()  # the regions tensors may be passed in
 
     # -- inference ---------------------------------------------------------------------
     def served(self, name: str, version_text: str | None) -> ServedVersion:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Annotated, Any, TypeGuard
@@ -37,6 +37,7 @@ from lockgate.datatypes import (
 )
 from lockgate.errors import BadRequest, ServingError
 from lockgate.protocol.json_arrays import count_scalars, kind_of, opening_depth, strings_at_least
+from lockgate.protocol.shared_memory import SharedMemory, SharedSlice, slice_of
 
 MAX_ELEMENTS = 1 << 27  # per input tensor
 MAX_RANK = 32
@@ -57,6 +58,7 @@ class RequestedOutput:
     name: str
     binary_data: bool | None = None
     class_count: int = 0  # classification extension: > 0 returns the top classes as BYTES
+    shared: SharedSlice | None = None  # written to this shared memory, not into the answer
 
 
 @dataclass(slots=True)
@@ -128,7 +130,8 @@ class _Planned:
     wire: _TensorIn
     declared: DeclaredInput
     count: int  # elements
-    binary: slice | None  # its bytes in the binary tail; None: its data is JSON
+    binary: slice | None  # its bytes in the binary tail; None: its data is JSON or shared
+    shared: SharedSlice | None = None  # its bytes in a shared memory region
 
 
 class _Named(msgspec.Struct):
@@ -153,6 +156,7 @@ def decode_infer_request(
     *,
     max_elements: int = MAX_ELEMENTS,
     check: InputCheck | None = None,
+    shared_memory: SharedMemory | None = None,
 ) -> V2InferRequest:
     """Decode a v2 inference request body.
 
@@ -160,21 +164,23 @@ def decode_infer_request(
     JSON). Each input's datatype, shape and binary size are checked first; then `check`
     sees every input as declared (the frontend holds them against the model's config); only
     then is any data decoded. Any malformed body raises BadRequest with a message that names
-    the input.
+    the input. `shared_memory`: the registered regions inputs and outputs may name (None:
+    shared memory is refused).
     """
     view = memoryview(body).cast("B")
     split = _header_split(len(view), header_length)
     parsed = _parse_header(view[:split])
     binary = view[split:]
-    planned = _plan_inputs(parsed.inputs, len(binary), max_elements)
+    planned = _plan_inputs(parsed.inputs, len(binary), max_elements, shared_memory)
     _check_request_parameters(parsed.parameters)
+    outputs = _requested_outputs(parsed.outputs, shared_memory)
     checked = None if check is None else check([p.declared for p in planned])
     return V2InferRequest(
         id=parsed.id,
-        inputs={p.declared.name: _decode(p, binary) for p in planned},
+        inputs={p.declared.name: _decode(p, binary, shared_memory) for p in planned},
         input_datatypes={p.declared.name: p.declared.datatype for p in planned},
         parameters=parsed.parameters,
-        outputs=_requested_outputs(parsed.outputs),
+        outputs=outputs,
         binary_default=parsed.parameters.get("binary_data_output") is True,
         checked=checked,
     )
@@ -226,7 +232,12 @@ def _located(message: str, header: memoryview) -> str:
     return f"{label}: {message}"
 
 
-def _plan_inputs(tensors: list[_TensorIn], binary_length: int, max_elements: int) -> list[_Planned]:
+def _plan_inputs(
+    tensors: list[_TensorIn],
+    binary_length: int,
+    max_elements: int,
+    shared_memory: SharedMemory | None,
+) -> list[_Planned]:
     """Every input checked as declared, and its share of the binary tail; no data decoded."""
     planned: list[_Planned] = []
     seen: set[str] = set()
@@ -235,7 +246,7 @@ def _plan_inputs(tensors: list[_TensorIn], binary_length: int, max_elements: int
         if tensor.name in seen:
             raise BadRequest(f"input '{tensor.name}' appears more than once")
         seen.add(tensor.name)
-        plan = _plan(tensor, offset, binary_length - offset, max_elements)
+        plan = _plan(tensor, offset, binary_length - offset, max_elements, shared_memory)
         offset = plan.binary.stop if plan.binary is not None else offset
         planned.append(plan)
     if offset != binary_length:
@@ -246,14 +257,24 @@ def _plan_inputs(tensors: list[_TensorIn], binary_length: int, max_elements: int
     return planned
 
 
-def _plan(tensor: _TensorIn, offset: int, left: int, max_elements: int) -> _Planned:
+def _plan(
+    tensor: _TensorIn,
+    offset: int,
+    left: int,
+    max_elements: int,
+    shared_memory: SharedMemory | None,
+) -> _Planned:
     name = tensor.name
     if not is_datatype(tensor.datatype):
         raise BadRequest(f"input '{name}': unknown datatype '{tensor.datatype}'")
     count = element_count(name, tensor.shape, max_elements)
-    if "shared_memory_region" in tensor.parameters:
-        raise BadRequest(f"input '{name}': shared memory is not supported")
     declared = DeclaredInput(name, tensor.datatype, tuple(tensor.shape))
+    where = shared_slice(f"input '{name}'", tensor.parameters, shared_memory)
+    if where is not None:
+        if tensor.data or "binary_data_size" in tensor.parameters:
+            raise BadRequest(f"input '{name}': has both data and shared memory")
+        data_size(declared, count, where.byte_size, where.byte_size, "shared_memory_byte_size")
+        return _Planned(tensor, declared, count, None, where)
     size = tensor.parameters.get("binary_data_size")
     if size is None:
         if not tensor.data:
@@ -261,19 +282,36 @@ def _plan(tensor: _TensorIn, offset: int, left: int, max_elements: int) -> _Plan
         return _Planned(tensor, declared, count, None)
     if tensor.data:
         raise BadRequest(f"input '{name}': has both 'data' and 'binary_data_size'")
-    size = _binary_size(declared, count, size, left)
+    size = data_size(declared, count, size, left)
     return _Planned(tensor, declared, count, slice(offset, offset + size))
 
 
-def _binary_size(declared: DeclaredInput, count: int, size: object, left: int) -> int:
-    """`binary_data_size`, checked against the bytes left and what the shape and datatype
-    need."""
+def shared_slice(
+    what: str, parameters: Mapping[str, Any], shared_memory: SharedMemory | None
+) -> SharedSlice | None:
+    """The shared memory a tensor's parameters name, inside a registered region (None: the
+    tensor names none); 400 when shared memory is off or the slice is not registered."""
+    if shared_memory is None:
+        if "shared_memory_region" in parameters:
+            raise BadRequest(f"{what}: shared memory is not supported here")
+        return None
+    where = slice_of(what, parameters)
+    if where is not None:
+        shared_memory.check(where)
+    return where
+
+
+def data_size(
+    declared: DeclaredInput, count: int, size: object, left: int, field: str = "binary_data_size"
+) -> int:
+    """An input's `binary_data_size` (or `field`), checked against the bytes left and what
+    the shape and datatype need."""
     name, datatype = declared.name, declared.datatype
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise BadRequest(f"input '{name}': binary_data_size must be a non-negative integer")
+        raise BadRequest(f"input '{name}': {field} must be a non-negative integer")
     if size > left:
         raise BadRequest(
-            f"input '{name}': binary_data_size {size} exceeds the {left} bytes of binary data left"
+            f"input '{name}': {field} {size} exceeds the {left} bytes of binary data left"
         )
     if datatype == "BYTES":  # every element takes at least its 4-byte length
         if count > size // 4:
@@ -282,7 +320,7 @@ def _binary_size(declared: DeclaredInput, count: int, size: object, left: int) -
     need = count * numpy_dtype(datatype).itemsize
     if size != need:
         raise BadRequest(
-            f"input '{name}': binary_data_size {size} does not match shape "
+            f"input '{name}': {field} {size} does not match shape "
             f"{dims_text(declared.shape)} of {datatype} ({need} bytes)"
         )
     return size
@@ -305,14 +343,16 @@ def element_count(name: str, shape: Sequence[int], max_elements: int) -> int:
     return count
 
 
-def _decode(plan: _Planned, binary: memoryview) -> np.ndarray:
+def _decode(plan: _Planned, binary: memoryview, shared_memory: SharedMemory | None) -> np.ndarray:
+    if plan.shared is not None and shared_memory is not None:
+        return _from_binary(plan, memoryview(shared_memory.read(plan.shared)))
     if plan.binary is None:
         return _from_json(plan)
     return _from_binary(plan, binary[plan.binary])
 
 
 def _from_binary(plan: _Planned, chunk: memoryview) -> np.ndarray:
-    # chunk: exactly the bytes the shape and datatype need (checked by _binary_size)
+    # chunk: exactly the bytes the shape and datatype need (checked by data_size)
     name, datatype, shape = plan.declared.name, plan.declared.datatype, plan.declared.shape
     if datatype == "BYTES":
         return deserialize_bytes_tensor(chunk, plan.count, name=name).reshape(shape)
@@ -456,28 +496,29 @@ def _json_element(datatype: str) -> tuple[type, str]:
     return str, "strings"
 
 
-def _requested_outputs(entries: list[_OutputIn]) -> list[RequestedOutput]:
+def _requested_outputs(
+    entries: list[_OutputIn], shared_memory: SharedMemory | None
+) -> list[RequestedOutput]:
     outputs: list[RequestedOutput] = []
     seen: set[str] = set()
     for entry in entries:
         if entry.name in seen:
             raise BadRequest(f"output '{entry.name}' is requested more than once")
         seen.add(entry.name)
-        outputs.append(_requested_output(entry))
+        outputs.append(_requested_output(entry, shared_memory))
     return outputs
 
 
-def _requested_output(entry: _OutputIn) -> RequestedOutput:
+def _requested_output(entry: _OutputIn, shared_memory: SharedMemory | None) -> RequestedOutput:
     params = entry.parameters
-    if "shared_memory_region" in params:
-        raise BadRequest(f"output '{entry.name}': shared memory is not supported")
+    where = shared_slice(f"output '{entry.name}'", params, shared_memory)
     binary = params.get("binary_data")
     if binary is not None and not isinstance(binary, bool):
         raise BadRequest(f"output '{entry.name}': binary_data must be true or false")
     classes = params.get("classification", 0)
     if not _is_count(classes):
         raise BadRequest(f"output '{entry.name}': classification must be a non-negative integer")
-    return RequestedOutput(entry.name, binary, classes)
+    return RequestedOutput(entry.name, binary, classes, where)
 
 
 def _check_request_parameters(params: dict[str, Any]) -> None:
@@ -510,13 +551,15 @@ def encode_infer_response(
     batched: bool,
     parameters: dict[str, Any] | None = None,
     datatypes: dict[str, str] | None = None,
+    shared_memory: SharedMemory | None = None,
 ) -> tuple[bytes, int | None]:
     """Encode an inference response: the body and its JSON header length (None: all JSON).
 
     `requested` empty or None returns every output, in binary when `binary_default`.
     `batched`: the model batches (max_batch_size > 0), so an output's first dim is the batch.
     `datatypes` names the datatype of an output when its array does not say it (BF16 bits,
-    or a cast to the configured type).
+    or a cast to the configured type). An output asked into shared memory is written there
+    (`shared_memory`), and its entry has no data.
     """
     entries: list[dict[str, Any]] = []
     chunks: list[bytes] = []
@@ -524,7 +567,9 @@ def encode_infer_response(
     for want in _selected(outputs, requested, binary_default):
         array, datatype = _output_array(want, outputs[want.name], datatypes, batched)
         entry: dict[str, Any] = {"name": want.name, "datatype": datatype, "shape": array.shape}
-        if want.binary_data:
+        if want.shared is not None and shared_memory is not None:
+            shared_write(shared_memory, want, array, datatype)  # no data, as Triton answers
+        elif want.binary_data:
             raw = tensor_bytes(array, datatype)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
@@ -554,8 +599,19 @@ def _selected(
         if want.name not in outputs:
             raise BadRequest(f"unexpected inference output '{want.name}'")
         flag = binary if want.binary_data is None else want.binary_data
-        chosen.append(RequestedOutput(want.name, flag, want.class_count))
+        chosen.append(RequestedOutput(want.name, flag, want.class_count, want.shared))
     return chosen
+
+
+def shared_write(
+    shared_memory: SharedMemory, want: RequestedOutput, array: np.ndarray, datatype: str
+) -> dict[str, Any]:
+    """An output's bytes written to the shared memory it asked for, and the parameters its
+    answer carries in place of its data."""
+    assert want.shared is not None
+    raw = tensor_bytes(array, datatype)
+    shared_memory.write(want.shared, raw, f"output '{want.name}'")
+    return {"shared_memory_region": want.shared.region, "shared_memory_byte_size": len(raw)}
 
 
 def _output_array(

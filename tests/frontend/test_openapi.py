@@ -21,6 +21,11 @@ ROUTES = {
     ("post", "/v2/repository/index"),
     ("post", "/v2/repository/models/{model}/load"),
     ("post", "/v2/repository/models/{model}/unload"),
+    ("get", "/v2/systemsharedmemory/status"),
+    ("get", "/v2/systemsharedmemory/region/{region}/status"),
+    ("post", "/v2/systemsharedmemory/region/{region}/register"),
+    ("post", "/v2/systemsharedmemory/region/{region}/unregister"),
+    ("post", "/v2/systemsharedmemory/unregister"),
     *(
         (method, prefix + action)
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}")

@@ -71,9 +71,9 @@ def composed(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     server.stop()
 
 
-def _perf_analyzer(server: RunningServer, model: str, protocol: str = "http") -> str:
+def _perf_analyzer(server: RunningServer, model: str, protocol: str = "http", *extra: str) -> str:
     address = server.grpc_address if protocol == "grpc" else server.address
-    command = [str(PERF_ANALYZER), "-m", model, "-u", address, "-i", protocol]
+    command = [str(PERF_ANALYZER), "-m", model, "-u", address, "-i", protocol, *extra]
     command += ["--concurrency-range", "2", "--measurement-interval", "500"]
     command += ["--max-trials", "3", "--stability-percentage", "100"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
@@ -119,3 +119,21 @@ def test_perf_analyzer_measures_a_cascade(composed: RunningServer, protocol: str
     assert served > 100
     assert after["execution_count"] - before["execution_count"] == served
     assert after["inference_stats"]["success"]["ns"] > 0
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzer_passes_tensors_in_system_shared_memory(
+    composed: RunningServer, protocol: str
+) -> None:
+    """perf_analyzer registers its regions, names them in every request, and unregisters."""
+    before = _answered(composed, "digits_onnx")
+    extra = ("--shared-memory", "system", "--output-shared-memory-size", "1024")
+    out = _perf_analyzer(composed, "digits_onnx", protocol, *extra)
+    assert "Throughput" in out
+    assert _answered(composed, "digits_onnx") > before
+    assert httpx.get(composed.url + "/v2/systemsharedmemory/status").json() == []
+
+
+def _answered(server: RunningServer, model: str) -> int:
+    stats = httpx.get(f"{server.url}/v2/models/{model}/stats").json()["model_stats"]
+    return sum(v["inference_stats"]["success"]["count"] for v in stats)

@@ -32,6 +32,7 @@ from lockgate.datatypes import (
 )
 from lockgate.errors import BadRequest, ServingError
 from lockgate.protocol.grpc import inference_pb2 as pb
+from lockgate.protocol.shared_memory import SharedMemory, SharedSlice
 from lockgate.protocol.v2_codec import (
     MAX_ELEMENTS,
     DeclaredInput,
@@ -39,8 +40,11 @@ from lockgate.protocol.v2_codec import (
     RequestedOutput,
     V2InferRequest,
     classify,
+    data_size,
     dims_text,
     element_count,
+    shared_slice,
+    shared_write,
     tensor_bytes,
 )
 
@@ -62,6 +66,7 @@ CONTENTS_FIELD = {
 _NARROW = frozenset({"INT8", "INT16", "UINT8", "UINT16"})  # carried in 32-bit fields
 
 InputTensor = pb.ModelInferRequest.InferInputTensor
+_SHM_SIZE = "shared_memory_byte_size"
 M = TypeVar("M", bound=Message)
 
 
@@ -73,33 +78,54 @@ def decode_infer_request(
     *,
     max_elements: int = MAX_ELEMENTS,
     check: InputCheck | None = None,
+    shared_memory: SharedMemory | None = None,
 ) -> V2InferRequest:
     """The typed form of a ModelInferRequest. Any malformed part raises BadRequest. `check`
-    sees every input as declared before any data is decoded (as in `v2_codec`)."""
+    sees every input as declared before any data is decoded (as in `v2_codec`). An input in
+    shared memory (`shared_memory`'s regions) has no raw_input_contents entry: the entries
+    are the other inputs', in order."""
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise BadRequest(
-            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs: "
-            "send the data of every input raw, or of none"
-        )
     declared: dict[str, DeclaredInput] = {}
+    shared: dict[str, SharedSlice] = {}
     for tensor in request.inputs:
-        if tensor.name in declared:
-            raise BadRequest(f"input '{tensor.name}' appears more than once")
-        declared[tensor.name] = _declared(tensor, max_elements)
+        name = tensor.name
+        if name in declared:
+            raise BadRequest(f"input '{name}' appears more than once")
+        declared[name] = _declared(tensor, max_elements)
+        where = shared_slice(f"input '{name}'", parameters_of(tensor.parameters), shared_memory)
+        if where is not None:
+            if tensor.HasField("contents"):
+                raise BadRequest(f"input '{name}': has both contents and shared memory")
+            count = element_count(name, tensor.shape, max_elements)
+            data_size(declared[name], count, where.byte_size, where.byte_size, _SHM_SIZE)
+            shared[name] = where
+    plain = [t.name for t in request.inputs if t.name not in shared]
+    if raw and len(raw) != len(plain):
+        raise BadRequest(
+            f"raw_input_contents has {len(raw)} entries for {len(plain)} inputs not in shared "
+            "memory: send the data of every such input raw, or of none"
+        )
     parameters = parameters_of(request.parameters)
     _check_request_parameters(parameters)
+    outputs = _requested_outputs(request.outputs, shared_memory)
     checked = None if check is None else check(list(declared.values()))
-    inputs = {
-        tensor.name: decode_tensor(tensor, raw[index] if raw else None, max_elements)
-        for index, tensor in enumerate(request.inputs)
-    }
+    raw_of = dict(zip(plain, raw, strict=True)) if raw else {}
+    inputs = {}
+    for tensor in request.inputs:
+        where = shared.get(tensor.name)
+        if where is not None and shared_memory is not None:
+            d = declared[tensor.name]
+            count = element_count(d.name, d.shape, max_elements)
+            data = shared_memory.read(where)
+            inputs[d.name] = _from_raw(d.name, d.datatype, d.shape, count, data)
+        else:
+            inputs[tensor.name] = decode_tensor(tensor, raw_of.get(tensor.name), max_elements)
     return V2InferRequest(
         id=request.id,
         inputs=inputs,
         input_datatypes={name: d.datatype for name, d in declared.items()},
         parameters=parameters,
-        outputs=_requested_outputs(request.outputs),
+        outputs=outputs,
         binary_default=True,
         checked=checked,
     )
@@ -110,8 +136,6 @@ def _declared(tensor: InputTensor, max_elements: int) -> DeclaredInput:
     name, datatype = tensor.name, tensor.datatype
     if not is_datatype(datatype):
         raise BadRequest(f"input '{name}': unknown datatype '{datatype}'")
-    if "shared_memory_region" in tensor.parameters:
-        raise BadRequest(f"input '{name}': shared memory is not supported")
     element_count(name, tensor.shape, max_elements)
     return DeclaredInput(name, datatype, tuple(tensor.shape))
 
@@ -192,7 +216,9 @@ def _check_request_parameters(parameters: dict[str, Any]) -> None:
             raise BadRequest(f"request parameter '{key}' must be a non-negative integer")
 
 
-def _requested_outputs(entries: Sequence[Any]) -> list[RequestedOutput]:
+def _requested_outputs(
+    entries: Sequence[Any], shared_memory: SharedMemory | None
+) -> list[RequestedOutput]:
     outputs: list[RequestedOutput] = []
     seen: set[str] = set()
     for entry in entries:
@@ -200,14 +226,13 @@ def _requested_outputs(entries: Sequence[Any]) -> list[RequestedOutput]:
             raise BadRequest(f"output '{entry.name}' is requested more than once")
         seen.add(entry.name)
         params = parameters_of(entry.parameters)
-        if "shared_memory_region" in params:
-            raise BadRequest(f"output '{entry.name}': shared memory is not supported")
+        where = shared_slice(f"output '{entry.name}'", params, shared_memory)
         classes = params.get("classification", 0)
         if not isinstance(classes, int) or isinstance(classes, bool) or classes < 0:
             raise BadRequest(
                 f"output '{entry.name}': classification must be a non-negative integer"
             )
-        outputs.append(RequestedOutput(entry.name, True, classes))
+        outputs.append(RequestedOutput(entry.name, True, classes, where))
     return outputs
 
 
@@ -224,6 +249,7 @@ def encode_infer_response(
     datatypes: dict[str, str],
     batched: bool,
     parameters: dict[str, str | bool] | None = None,
+    shared_memory: SharedMemory | None = None,
 ) -> pb.ModelInferResponse:
     """A ModelInferResponse with every output (or the requested ones) in raw_output_contents.
 
@@ -238,8 +264,15 @@ def encode_infer_response(
         if want.name not in outputs:
             raise BadRequest(f"unexpected inference output '{want.name}'")
         array, datatype = _output_array(want, outputs[want.name], datatypes, batched)
-        response.outputs.add(name=want.name, datatype=datatype, shape=array.shape)
-        response.raw_output_contents.append(tensor_bytes(array, datatype))
+        entry = response.outputs.add(name=want.name, datatype=datatype, shape=array.shape)
+        if want.shared is not None and shared_memory is not None:
+            written = shared_write(shared_memory, want, array, datatype)
+            entry.parameters["shared_memory_region"].string_param = want.shared.region
+            size = written["shared_memory_byte_size"]
+            entry.parameters["shared_memory_byte_size"].int64_param = size
+            response.raw_output_contents.append(b"")  # keeps the others' entries in place
+        else:
+            response.raw_output_contents.append(tensor_bytes(array, datatype))
     for key, value in (parameters or {}).items():
         if isinstance(value, bool):
             response.parameters[key].bool_param = value
