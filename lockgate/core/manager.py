@@ -79,6 +79,15 @@ class ServedModel:
     versions: dict[int, ServedVersion] = field(default_factory=dict)
     error: str = ""
 
+    @property
+    def failures(self) -> list[str]:
+        """Why each version that failed to load failed, as "version N: reason"."""
+        return [
+            f"version {v}: {served.error}"
+            for v, served in sorted(self.versions.items())
+            if served.error
+        ]
+
     def latest_ready(self) -> ServedVersion | None:
         if len(self.versions) == 1:  # the common case, on every request: no sort
             (served,) = self.versions.values()
@@ -227,8 +236,9 @@ class ModelManager:
         error: str | None = None,
     ) -> ServedModel:
         """Load a model, or reload one already served without a gap: the old versions keep
-        serving until the new ones are warm, then drain. A reload that yields no ready version
-        leaves the old model serving and returns the failed one, with its error."""
+        serving until the new ones are warm, then drain. A reload in which a version fails
+        leaves the old model serving and returns the failed one, with its errors (as Triton,
+        which keeps the loaded versions when any new one fails)."""
         old = self.models.get(name)
         model = ServedModel(name, path, config, error=error or "")
         if old is None:
@@ -244,7 +254,8 @@ class ModelManager:
         return model
 
     async def _replace(self, old: ServedModel, new: ServedModel) -> None:
-        if new.latest_ready() is None and old.latest_ready() is not None:
+        failed = new.latest_ready() is None or bool(new.failures)
+        if failed and old.latest_ready() is not None:
             log.error("model %s reload failed, the loaded versions serve on", old.name)
             for served in old.versions.values():
                 if served.state is ModelState.READY:

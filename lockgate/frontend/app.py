@@ -536,8 +536,8 @@ class App:
         model = await self.models.load_model(
             entry.name, entry.path, entry.config, entry.versions, entry.error
         )
-        if model.latest_ready() is None:
-            reason = model.error or self.models._why_not_ready(model)
+        if model.latest_ready() is None or model.failures:
+            reason = model.error or "; ".join(model.failures) or self.models._why_not_ready(model)
             raise BadRequest(f"model '{name}' failed to load: {reason}")
 
     async def unload(self, name: str, ask: UnloadRequest) -> None:
