@@ -31,6 +31,7 @@ from lockgate.backends.base import (
 from lockgate.config import ModelConfig
 from lockgate.core.admission import AdmissionSettings
 from lockgate.core.batcher import Arriving, Batcher, batch_bytes
+from lockgate.core.fingerprint import version_fingerprint
 from lockgate.core.metrics import Instrumented, Registry
 from lockgate.core.request import InferRequest
 from lockgate.core.runner import Instance, instance_thread
@@ -62,6 +63,7 @@ class ServedVersion:
     warmup_seconds: float = 0.0
     last_inference_ms: int = 0
     finite_inputs: bool = False  # the backend refuses NaN and Inf in float inputs
+    fingerprint: str = ""  # of its config and files (`core.fingerprint`); "": a language model
 
     @property
     def serving(self) -> bool:
@@ -296,6 +298,10 @@ class ModelManager:
     async def _start(self, served: ServedVersion) -> None:
         loop = asyncio.get_running_loop()
         config, labels = served.config, (served.config.name, str(served.version))
+        if config.backend != LLM_BACKEND:  # weights of gigabytes; their cache keys differ
+            served.fingerprint = await loop.run_in_executor(
+                None, version_fingerprint, config, served.path
+            )
         service_factory = get_service_factory(config.backend)
         if service_factory is not None:  # loads and warms up in one call
             start = time.monotonic()
