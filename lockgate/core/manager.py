@@ -34,6 +34,7 @@ from lockgate.core.batcher import Arriving, Batcher, batch_bytes
 from lockgate.core.fingerprint import version_fingerprint
 from lockgate.core.metrics import Instrumented, Registry
 from lockgate.core.request import InferRequest
+from lockgate.core.reshape import Reshaped
 from lockgate.core.runner import Instance, instance_thread
 from lockgate.core.serving_metrics import ServingMetrics
 from lockgate.core.slo import ServiceProfile
@@ -317,7 +318,8 @@ class ModelManager:
         start = time.monotonic()
 
         def build() -> Backend:
-            return factory(config, served.path)
+            backend = factory(config, served.path)
+            return Reshaped(backend, config) if config.reshapes else backend
 
         # each instance is loaded, warmed up and profiled on the thread that will run it
         names = [f"{config.name}-{served.version}-{i}" for i in range(config.instance_count)]
