@@ -40,6 +40,7 @@ class TensorSpec:
     dims: tuple[int, ...]
     optional: bool = False
     reshape: tuple[int, ...] | None = None
+    label_filename: str = ""  # an output's class names, a line each, in the model folder
 
 
 @dataclass(frozen=True, slots=True)

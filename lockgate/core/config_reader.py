@@ -87,7 +87,9 @@ _TOP_LEVEL = frozenset(
         "fallback",
     }
 )
-_TENSOR_KEYS = frozenset({"name", "datatype", "data_type", "dims", "optional", "reshape"})
+_TENSOR_KEYS = frozenset(
+    {"name", "datatype", "data_type", "dims", "optional", "reshape", "label_filename"}
+)
 _BATCHING_KEYS = frozenset(
     {
         "max_queue_delay_us",
@@ -278,7 +280,19 @@ class _Reader:
             dims=dims,
             optional=self.boolean(raw.get("optional", False), f"{field}.optional"),
             reshape=None if reshape is None else self.reshape(reshape, dims, f"{field}.reshape"),
+            label_filename=self.label_filename(
+                raw.get("label_filename"), f"{field}.label_filename"
+            ),
         )
+
+    def label_filename(self, value: Any, field: str) -> str:
+        """A file of the model folder itself: no separator, not `..`."""
+        if value is None:
+            return ""
+        name = self.string(value, field)
+        if "/" in name or "\\" in name or name in (".", ".."):
+            raise self.error(field, f"expected a file name in the model folder, got {name!r}")
+        return name
 
     def reshape(self, value: Any, dims: tuple[int, ...], field: str) -> tuple[int, ...]:
         """Triton's `reshape`: as many elements as `dims`; a -1 in one needs a single -1 in

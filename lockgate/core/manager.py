@@ -32,6 +32,7 @@ from lockgate.config import ModelConfig
 from lockgate.core.admission import AdmissionSettings
 from lockgate.core.batcher import Arriving, Batcher, batch_bytes
 from lockgate.core.fingerprint import version_fingerprint
+from lockgate.core.labels import read_labels
 from lockgate.core.metrics import Instrumented, Registry
 from lockgate.core.request import InferRequest
 from lockgate.core.reshape import Reshaped
@@ -65,6 +66,7 @@ class ServedVersion:
     last_inference_ms: int = 0
     finite_inputs: bool = False  # the backend refuses NaN and Inf in float inputs
     fingerprint: str = ""  # of its config and files (`core.fingerprint`); "": a language model
+    labels: dict[str, tuple[str, ...]] = field(default_factory=dict)  # output -> class names
 
     @property
     def serving(self) -> bool:
@@ -299,6 +301,7 @@ class ModelManager:
     async def _start(self, served: ServedVersion) -> None:
         loop = asyncio.get_running_loop()
         config, labels = served.config, (served.config.name, str(served.version))
+        served.labels = read_labels(config, served.path.parent)
         if config.backend != LLM_BACKEND:  # weights of gigabytes; their cache keys differ
             served.fingerprint = await loop.run_in_executor(
                 None, version_fingerprint, config, served.path

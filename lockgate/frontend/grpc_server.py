@@ -253,6 +253,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             datatypes=result.output_datatypes,
             batched=result.batched,
             parameters=result.parameters,
+            labels=result.output_labels,
         )
 
     def _trace(

@@ -85,6 +85,7 @@ async def infer_reply(
         batched=result.batched,
         datatypes=result.output_datatypes,
         parameters=result.parameters,
+        labels=result.output_labels,
     )
     if json_length is None:
         return Reply(200, payload, JSON, result.headers)

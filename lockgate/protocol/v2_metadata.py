@@ -128,7 +128,7 @@ def _config_output(spec: TensorSpec) -> dict[str, Any]:
         "data_type": config_datatype(spec.datatype),
         "dims": list(spec.dims),
         **_reshape(spec),
-        "label_filename": "",
+        "label_filename": spec.label_filename,
         "is_shape_tensor": False,
     }
 

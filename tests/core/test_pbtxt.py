@@ -19,7 +19,7 @@ from lockgate.core.config_triton import parse_pbtxt_config, read_pbtxt
 from lockgate.core.repository import scan_repository
 from lockgate.core.triton import model_config_pb2 as pb
 from lockgate.errors import ConfigError
-from tests.conftest import start_server
+from tests.conftest import free_port, start_server
 
 # -- configs in the shapes of Triton's own examples
 
@@ -156,10 +156,14 @@ def test_onnx_classifier_with_label_file(caplog: pytest.LogCaptureFixture) -> No
         config = parse_pbtxt_config(DENSENET_ONNX, path="c.pbtxt", folder="densenet_onnx")
     assert config.backend == "onnxruntime" and config.max_batch_size == 1
     assert config.inputs == (TensorSpec("data_0", "FP32", (3, 224, 224)),)
-    assert config.outputs == (TensorSpec("fc6_1", "FP32", (1000,), reshape=(1000, 1, 1)),)
+    assert config.outputs == (
+        TensorSpec(
+            "fc6_1", "FP32", (1000,), reshape=(1000, 1, 1), label_filename="densenet_labels.txt"
+        ),
+    )
     assert config.dynamic_batching is None and config.instance_count == 1
     ignored = warnings_of(caplog)
-    assert "output[0].label_filename" in ignored
+    assert "label_filename" not in ignored
     assert "reshape" not in ignored and "format" not in ignored
 
 
@@ -394,9 +398,10 @@ max_batch_size: 8
 input [ { name: "input" data_type: TYPE_FP32 dims: [ 8, 8 ] reshape: { shape: [ 64 ] } } ]
 output [
   { name: "label" data_type: TYPE_INT64 dims: [ 1 ] reshape: { shape: [ ] } },
-  { name: "probabilities" data_type: TYPE_FP32 dims: [ 10 ] }
+  { name: "probabilities" data_type: TYPE_FP32 dims: [ 10 ] label_filename: "names.txt" }
 ]
 """
+NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
 @pytest.mark.parametrize(
@@ -415,8 +420,10 @@ def test_a_reshape_must_hold_the_elements_of_its_dims(
         parse_pbtxt_config(text, path="c.pbtxt", folder="digits")
 
 
-def test_a_server_reshapes_as_triton(demo_repo: Path, tmp_path: Path) -> None:
-    """Clients send and get `dims`; the ONNX model takes [B, 64] and gives a label of [B]."""
+def test_a_server_reshapes_and_labels_as_triton(demo_repo: Path, tmp_path: Path) -> None:
+    """Clients send and get `dims`; the ONNX model takes [B, 64] and gives a label of [B].
+    A classification of an output with a label file names each class, over REST and gRPC."""
+    import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
     from sklearn.datasets import load_digits
 
@@ -424,7 +431,8 @@ def test_a_server_reshapes_as_triton(demo_repo: Path, tmp_path: Path) -> None:
     (folder / "1").mkdir(parents=True)
     shutil.copy(demo_repo / "digits_onnx" / "1" / "model.onnx", folder / "1" / "model.onnx")
     (folder / "config.pbtxt").write_text(RESHAPED_DIGITS)
-    server = start_server(tmp_path / "repo", tmp_path, "--no-llm")
+    (folder / "names.txt").write_text("\n".join(NAMES[:9]) + "\n")  # no name for 9
+    server = start_server(tmp_path / "repo", tmp_path, "--no-llm", grpc_port=free_port())
     try:
         client = httpclient.InferenceServerClient(server.address)
         x = (load_digits().data[:3] / 16.0).astype(np.float32).reshape(3, 8, 8)
@@ -438,5 +446,16 @@ def test_a_server_reshapes_as_triton(demo_repo: Path, tmp_path: Path) -> None:
         assert tensors["input"][0]["reshape"] == {"shape": [64]}
         assert tensors["output"][0]["reshape"] == {"shape": []}
         assert "reshape" not in tensors["output"][1]
+        assert tensors["output"][1]["label_filename"] == "names.txt"
+        grpc = grpcclient.InferenceServerClient(server.grpc_address)
+        rows = np.concatenate([x[:2], (load_digits().data[9:10] / 16.0).reshape(1, 8, 8)])
+        for module, client_of in ((httpclient, client), (grpcclient, grpc)):
+            top = module.InferInput("input", [3, 8, 8], "FP32")
+            top.set_data_from_numpy(rows.astype(np.float32))
+            wanted = [module.InferRequestedOutput("probabilities", class_count=1)]
+            classes = client_of.infer("digits", [top], outputs=wanted).as_numpy("probabilities")
+            assert classes is not None
+            parts = [c.decode().split(":") for c in classes.ravel()]
+            assert [p[1:] for p in parts] == [["0", "zero"], ["1", "one"], ["9"]]
     finally:
         server.stop()
