@@ -28,7 +28,7 @@ from lockgate.backends.base import (
     get_factory,
     get_service_factory,
 )
-from lockgate.config import ModelConfig
+from lockgate.config import EnsembleStep, ModelConfig
 from lockgate.core.admission import AdmissionSettings
 from lockgate.core.batcher import Arriving, Batcher, batch_bytes
 from lockgate.core.fingerprint import version_fingerprint
@@ -162,23 +162,35 @@ class ModelManager:
         return served_version
 
     def _check_steps(self, name: str, config: ModelConfig) -> None:
-        """A composition is ready when every model it runs is: 503 naming the first that is
-        not (an ensemble whose step was unloaded answered 404 for the step)."""
+        """A composition is ready when every model it runs is, and takes and gives the tensors
+        its ensemble steps map: 503 naming the first that does not (an ensemble whose step was
+        unloaded answered 404 for the step, and one that maps a tensor its step model lacks
+        answered every request with 500)."""
         if not config.ensemble and config.cascade is None:
             return  # not a composition: the request path's common case
         for step, version in config.runs:
-            model = self.models.get(step)
-            ready = model is not None and (
-                model.latest_ready() is not None
-                if version is None
-                else (v := model.versions.get(version)) is not None and v.serving
-            )
-            if not ready:
+            if self._step(step, version) is None:
+                which = f"'{step}'" if version is None else f"'{step}' version {version}"
                 raise Unavailable(
-                    f"model '{name}' is not ready: the model '{step}' it runs is not loaded "
+                    f"model '{name}' is not ready: the model {which} it runs is not loaded "
                     "or not ready",
                     retry_after=1,
                 )
+        for ensemble_step in config.ensemble:
+            served = self._step(ensemble_step.model, ensemble_step.version)
+            problem = "" if served is None else _unmapped(ensemble_step, served.config)
+            if problem:
+                raise Unavailable(f"model '{name}' is not ready: {problem}", retry_after=1)
+
+    def _step(self, name: str, version: int | None) -> ServedVersion | None:
+        """The version of `name` a composition runs, if it serves."""
+        model = self.models.get(name)
+        if model is None:
+            return None
+        if version is None:
+            return model.latest_ready()
+        served = model.versions.get(version)
+        return served if served is not None and served.serving else None
 
     @staticmethod
     def _why_not_ready(model: ServedModel) -> str:
@@ -483,6 +495,23 @@ class ModelManager:
         return all(
             m.latest_ready() is not None for m in self.models.values() if m.config is not None
         )
+
+
+def _unmapped(step: EnsembleStep, config: ModelConfig) -> str:
+    """What an ensemble step maps that its model does not take or give ("" if nothing; a
+    model that declares no tensors is not checked)."""
+    for kind, names, specs in (
+        ("input", step.input_map, config.inputs),
+        ("output", step.output_map, config.outputs),
+    ):
+        known = [spec.name for spec in specs]
+        for tensor in names:
+            if known and tensor not in known:
+                return (
+                    f"its step '{step.model}' maps the {kind} '{tensor}', which that model does "
+                    f"not have ({kind}s: {', '.join(known)})"
+                )
+    return ""
 
 
 def _check_finite(request: InferRequest) -> None:
