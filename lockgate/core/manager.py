@@ -274,10 +274,10 @@ class ModelManager:
         failed = new.latest_ready() is None or bool(new.failures)
         if failed and old.latest_ready() is not None:
             log.error("model %s reload failed, the loaded versions serve on", old.name)
-            for served in old.versions.values():
-                if served.state is ModelState.READY:
-                    self.metrics.model_ready.set((old.name, str(served.version)), 1)
-            await self._retire(new, keep=set())
+            serving = {v for v, s in old.versions.items() if s.state is ModelState.READY}
+            await self._retire(new, keep=serving)
+            for version in serving:  # the failed load set them to 0 as it began
+                self.metrics.model_ready.set((old.name, str(version)), 1)
             return
         self.models[new.name] = new
         ready = {v for v, s in new.versions.items() if s.state is ModelState.READY}

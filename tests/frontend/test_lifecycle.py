@@ -141,6 +141,7 @@ def test_failed_reload_keeps_the_loaded_version_serving(
     assert r.status_code == 400, r.text
     assert "failed to load" in r.json()["error"]
     assert httpx.get(server.url + "/v2/models/echo/ready").status_code == 200
+    assert server.metric("lockgate_model_ready", 'model="echo",version="1"') == 1
     r = httpx.post(server.url + "/v2/models/echo/infer", json=ECHO)
     assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [2, 4, 6, 8]
 
@@ -166,6 +167,7 @@ def test_reload_with_a_broken_new_version_keeps_the_loaded_ones(
     assert r.status_code == 400, r.text
     assert "version 3" in r.json()["error"] and "a broken version" in r.json()["error"]
     assert httpx.get(server.url + "/v2/models/echo").json()["versions"] == ["1"]
+    assert server.metric("lockgate_model_ready", 'model="echo",version="1"') == 1
     r = httpx.post(server.url + "/v2/models/echo/versions/1/infer", json=ECHO)
     assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [2, 4, 6, 8]
 
