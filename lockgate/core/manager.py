@@ -288,7 +288,10 @@ class ModelManager:
         served = ServedVersion(config, version, model.path / str(version))
         model.versions[version] = served
         labels = (model.name, str(version))
-        self.metrics.model_ready.set(labels, 0)
+        loaded = self.models.get(model.name)
+        replaced = None if loaded is None else loaded.versions.get(version)
+        if replaced is None or replaced is served or not replaced.serving:
+            self.metrics.model_ready.set(labels, 0)  # else it serves on until replaced
         self.loading += 1
         try:
             await self._start(served)

@@ -3,10 +3,12 @@ a load's config override, its errors, and unloading an ensemble with its steps."
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import RunningServer, free_port, start_server
-from tests.frontend.test_composition import COUNTING, XY, _model
+from tests.frontend.test_composition import COUNTING, SLEEPY, XY, _model
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,8 @@ def repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     cached = py + XY + "parameters: {factor: '2'}\nresponse_cache: {enable: true}\n"
     _model(repo, "cached", COUNTING, cached)
     _model(repo, "cached_steps", "", "backend: ensemble\n" + XY + CACHED_ENSEMBLE)
+    unbatched = XY.replace("max_batch_size: 8\n", "")  # one size to profile: 2 runs of 0.2 s
+    _model(repo, "sleepy", SLEEPY, py + unbatched + "parameters: {sleep: '0.2'}\n")
     (repo / "pipeline" / "1").mkdir(parents=True)
     (repo / "pipeline" / "config.yaml").write_text(
         "backend: ensemble\nmax_batch_size: 8\n"
@@ -209,3 +213,17 @@ def test_a_reloaded_model_never_answers_from_the_cache_of_the_one_it_replaced(
     _reload_with_factor(client, "double", "4")  # the ensemble's step is another model now
     assert _y(server, "cached_steps") == ([4000.0] * 4, False)
     client.load_model("double")
+
+
+def test_a_version_being_reloaded_stays_ready_on_metrics(server: RunningServer) -> None:
+    """The loaded version serves while its replacement warms up: its lockgate_model_ready
+    stays 1 (it read 0 for the whole reload)."""
+    url = f"{server.url}/v2/repository/models/sleepy/load"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reload = pool.submit(httpx.post, url, timeout=30)
+        seen = []
+        while not reload.done():
+            seen.append(server.metric("lockgate_model_ready", 'model="sleepy",version="1"'))
+            time.sleep(0.05)
+        assert reload.result().status_code == 200
+    assert len(seen) > 2 and set(seen) == {1.0}, seen
