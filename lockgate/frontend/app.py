@@ -549,9 +549,11 @@ class App:
             return
         runs = served.config.runs if ask.dependents and served.config is not None else ()
         await self.models.unload(name)
+        self.cache.forget(name)  # its in-process answers, and their gauges
         for step in dict.fromkeys(model for model, _ in runs):
             if step in self.models.models:
                 await self.models.unload(step)
+                self.cache.forget(step)
 
     def _model_folder(self, name: str) -> Path:
         root = self.settings.repository

@@ -227,3 +227,15 @@ def test_a_version_being_reloaded_stays_ready_on_metrics(server: RunningServer) 
             time.sleep(0.05)
         assert reload.result().status_code == 200
     assert len(seen) > 2 and set(seen) == {1.0}, seen
+
+
+def test_an_unloaded_model_leaves_no_cached_answers(server: RunningServer) -> None:
+    """Unloading frees the model's in-process answers: lockgate_cache_entries drops it."""
+    client = http_client(server)
+    entries = 'lockgate_cache_entries{model="cached"}'
+    _y(server, "cached")
+    assert entries in httpx.get(server.url + "/metrics").text
+    client.unload_model("cached")
+    assert entries not in httpx.get(server.url + "/metrics").text
+    client.load_model("cached")
+    assert _y(server, "cached")[1] is False
