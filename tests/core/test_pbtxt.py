@@ -422,7 +422,8 @@ def test_a_reshape_must_hold_the_elements_of_its_dims(
 
 def test_a_server_reshapes_and_labels_as_triton(demo_repo: Path, tmp_path: Path) -> None:
     """Clients send and get `dims`; the ONNX model takes [B, 64] and gives a label of [B].
-    A classification of an output with a label file names each class, over REST and gRPC."""
+    A classification of an output with a label file names each class, over REST and gRPC.
+    Version folders `0` and `01` are not versions, as in Triton."""
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
     from sklearn.datasets import load_digits
@@ -430,7 +431,9 @@ def test_a_server_reshapes_and_labels_as_triton(demo_repo: Path, tmp_path: Path)
     folder = tmp_path / "repo" / "digits"
     (folder / "1").mkdir(parents=True)
     shutil.copy(demo_repo / "digits_onnx" / "1" / "model.onnx", folder / "1" / "model.onnx")
-    (folder / "config.pbtxt").write_text(RESHAPED_DIGITS)
+    for ignored in ("0", "01"):
+        shutil.copytree(folder / "1", folder / ignored)
+    (folder / "config.pbtxt").write_text(RESHAPED_DIGITS + "version_policy: { all: {} }\n")
     (folder / "names.txt").write_text("\n".join(NAMES[:9]) + "\n")  # no name for 9
     server = start_server(tmp_path / "repo", tmp_path, "--no-llm", grpc_port=free_port())
     try:
@@ -442,6 +445,7 @@ def test_a_server_reshapes_and_labels_as_triton(demo_repo: Path, tmp_path: Path)
         label, probabilities = result.as_numpy("label"), result.as_numpy("probabilities")
         assert label is not None and probabilities is not None
         assert label.tolist() == [[0], [1], [2]] and probabilities.shape == (3, 10)
+        assert client.get_model_metadata("digits")["versions"] == ["1"]
         tensors = client.get_model_config("digits")
         assert tensors["input"][0]["reshape"] == {"shape": [64]}
         assert tensors["output"][0]["reshape"] == {"shape": []}
