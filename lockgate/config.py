@@ -31,12 +31,16 @@ DATATYPES = (
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """One input or output. `dims` excludes the batch dim when max_batch_size > 0; -1: any."""
+    """One input or output. `dims` excludes the batch dim when max_batch_size > 0; -1: any.
+    `reshape` (Triton's): the shape the model itself takes or gives, batch dim excluded, where
+    clients send or get `dims`; None: the same as `dims`."""
 
     name: str
     datatype: str
     dims: tuple[int, ...]
     optional: bool = False
+    reshape: tuple[int, ...] | None = None
+    label_filename: str = ""  # an output's class names, a line each, in the model folder
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +171,11 @@ class ModelConfig:
     @property
     def batching(self) -> bool:
         return self.max_batch_size > 0
+
+    @property
+    def reshapes(self) -> bool:
+        """Some input or output has a `reshape`: the model sees other shapes than clients."""
+        return any(spec.reshape is not None for spec in (*self.inputs, *self.outputs))
 
     @property
     def runs(self) -> tuple[tuple[str, int | None], ...]:

@@ -11,13 +11,20 @@ from lockgate.datatypes import Arrays
 DIGEST_BYTES = 16  # 128 bits: collisions are out of reach, and keys stay short
 
 
-def request_key(model: str, version: int, inputs: Arrays, outputs: tuple[str, ...] | None) -> str:
-    """The key of one request: model, version, every input's name, dtype, shape and bytes in
-    name order, and the outputs asked for. Equal requests give equal keys, whatever the order
-    of their inputs."""
+def request_key(
+    model: str,
+    version: int,
+    inputs: Arrays,
+    outputs: tuple[str, ...] | None,
+    generation: str = "",
+) -> str:
+    """The key of one request: model, version and its `generation` (what the loaded version
+    is: its fingerprint), every input's name, dtype, shape and bytes in name order, and the
+    outputs asked for. Equal requests give equal keys, whatever the order of their inputs."""
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
     _text(h, model)
     _text(h, str(version))
+    _text(h, generation)
     for name in sorted(inputs):
         array = inputs[name]
         _text(h, name)

@@ -22,8 +22,9 @@ class LRUTier:
     """Least recently used entries leave first once `max_bytes` is passed. An expired entry is
     kept until evicted, so a fallback may still answer from it (`stale=True`)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, generation: str = "") -> None:
         self.max_bytes = max_bytes
+        self.generation = generation  # the model version's fingerprint its entries came from
         self.bytes = 0
         self._entries: OrderedDict[str, Entry] = OrderedDict()
 

@@ -62,11 +62,15 @@ class ResponseCache:
         )
         self.redis = RedisTier(redis, self.errors.inc) if redis is not None else None
 
-    def tier(self, model: str, version: int, config: ResponseCacheConfig) -> LRUTier:
+    def tier(
+        self, model: str, version: int, config: ResponseCacheConfig, generation: str = ""
+    ) -> LRUTier:
+        """The in-process tier of a model version; a new one, empty, when the version was
+        reloaded as another model (`generation`, its fingerprint) or with another bound."""
         key = (model, version)
         tier = self._tiers.get(key)
-        if tier is None or tier.max_bytes != config.max_bytes:
-            tier = self._tiers[key] = LRUTier(config.max_bytes)
+        if tier is None or tier.max_bytes != config.max_bytes or tier.generation != generation:
+            tier = self._tiers[key] = LRUTier(config.max_bytes, generation)
         return tier
 
     def forget(self, model: str, version: int | None = None) -> None:
@@ -77,10 +81,16 @@ class ResponseCache:
         self.entries.remove((model,))
 
     async def get(
-        self, model: str, version: int, config: ResponseCacheConfig, digest: str
+        self,
+        model: str,
+        version: int,
+        config: ResponseCacheConfig,
+        digest: str,
+        generation: str = "",
     ) -> CacheHit | None:
+        """The answer kept under `digest` (a key made with the same `generation`)."""
         start = time.perf_counter()
-        tier = self.tier(model, version, config)
+        tier = self.tier(model, version, config, generation)
         outputs = tier.get(digest, time.monotonic())
         self.lookup.observe(("memory",), time.perf_counter() - start)
         if outputs is not None:
@@ -106,18 +116,32 @@ class ResponseCache:
         return CacheHit(outputs, "redis")
 
     def get_stale(
-        self, model: str, version: int, config: ResponseCacheConfig, digest: str
+        self,
+        model: str,
+        version: int,
+        config: ResponseCacheConfig,
+        digest: str,
+        generation: str = "",
     ) -> CacheHit | None:
         """An in-process entry even past its TTL, for a fallback answer."""
-        outputs = self.tier(model, version, config).get(digest, time.monotonic(), stale=True)
+        tier = self.tier(model, version, config, generation)
+        outputs = tier.get(digest, time.monotonic(), stale=True)
         return None if outputs is None else CacheHit(outputs, "memory", stale=True)
 
     def put(
-        self, model: str, version: int, config: ResponseCacheConfig, digest: str, outputs: Arrays
+        self,
+        model: str,
+        version: int,
+        config: ResponseCacheConfig,
+        digest: str,
+        outputs: Arrays,
+        generation: str = "",
     ) -> None:
-        tier = self.tier(model, version, config)
-        if self._keep(tier, model, digest, outputs, config):
-            self.stores.inc((model, "memory"))
+        held = self._tiers.get((model, version))
+        if held is None or held.generation == generation:  # else: a replaced model's answer
+            tier = self.tier(model, version, config, generation)
+            if self._keep(tier, model, digest, outputs, config):
+                self.stores.inc((model, "memory"))
         if self.redis is not None and config.redis:
             key = self.redis.key(model, version, digest)
             if self.redis.put(key, blob.encode(outputs), config.ttl_s):

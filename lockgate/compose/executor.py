@@ -70,12 +70,17 @@ class Executor:
     async def infer(self, request: InferRequest, served: ServedVersion, depth: int = 0) -> Answer:
         config = served.config
         cached = config.response_cache.enable
-        digest = ""
+        digest = generation = ""
         if cached:
             metrics, labels = self.models.metrics, (config.name, str(served.version))
             looked = time.monotonic()
-            digest = request_key(config.name, served.version, request.inputs, request.outputs)
-            hit = await self.cache.get(config.name, served.version, config.response_cache, digest)
+            generation = self.generation(served)
+            digest = request_key(
+                config.name, served.version, request.inputs, request.outputs, generation
+            )
+            hit = await self.cache.get(
+                config.name, served.version, config.response_cache, digest, generation
+            )
             done = time.monotonic()
             if hit is not None:
                 metrics.cache_hit_latency.observe(labels, done - looked)
@@ -93,8 +98,24 @@ class Executor:
                 raise
             return await self._fall_back(request, served, digest, refused, depth)
         if cached:
-            self.cache.put(config.name, served.version, config.response_cache, digest, outputs)
+            self.cache.put(
+                config.name, served.version, config.response_cache, digest, outputs, generation
+            )
         return Answer(outputs, served)
+
+    def generation(self, served: ServedVersion) -> str:
+        """What a cached answer of `served` depends on: its fingerprint, and for an ensemble
+        or a cascade those of the versions it runs now (a step reloaded as another model
+        changes it too)."""
+        parts = [served.fingerprint]
+        for model, version in served.config.runs:
+            try:
+                step = self.models.get(model, version)
+            except ServingError:
+                parts.append("-")  # not ready: the request is refused anyway
+                continue
+            parts.append(f"{step.version}.{step.fingerprint}")
+        return ":".join(parts)
 
     async def run(self, request: InferRequest, served: ServedVersion) -> Arrays:
         """The model's own answer (a batcher or a composition), with no cache and no fallback:
@@ -186,9 +207,14 @@ class Executor:
     ) -> tuple[Arrays | None, str]:
         config = served.config
         if fallback.kind is FallbackKind.CACHE:
+            generation = self.generation(served)
             if not digest:
-                digest = request_key(config.name, served.version, request.inputs, request.outputs)
-            hit = self.cache.get_stale(config.name, served.version, config.response_cache, digest)
+                digest = request_key(
+                    config.name, served.version, request.inputs, request.outputs, generation
+                )
+            hit = self.cache.get_stale(
+                config.name, served.version, config.response_cache, digest, generation
+            )
             return (None if hit is None else hit.outputs), "fallback:cache"
         if fallback.kind is FallbackKind.STATIC:
             return static_outputs(config, fallback, request), "fallback:static"

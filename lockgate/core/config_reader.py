@@ -87,7 +87,9 @@ _TOP_LEVEL = frozenset(
         "fallback",
     }
 )
-_TENSOR_KEYS = frozenset({"name", "datatype", "data_type", "dims", "optional"})
+_TENSOR_KEYS = frozenset(
+    {"name", "datatype", "data_type", "dims", "optional", "reshape", "label_filename"}
+)
 _BATCHING_KEYS = frozenset(
     {
         "max_queue_delay_us",
@@ -270,12 +272,40 @@ class _Reader:
         normalized = normalize_datatype(datatype)
         if normalized is None:
             raise self.error(f"{field}.{key}", f"unknown datatype '{datatype}'; one of {DATATYPES}")
+        dims = self.dims(raw.get("dims"), f"{field}.dims")
+        reshape = raw.get("reshape")
         return TensorSpec(
             name=name,
             datatype=normalized,
-            dims=self.dims(raw.get("dims"), f"{field}.dims"),
+            dims=dims,
             optional=self.boolean(raw.get("optional", False), f"{field}.optional"),
+            reshape=None if reshape is None else self.reshape(reshape, dims, f"{field}.reshape"),
+            label_filename=self.label_filename(
+                raw.get("label_filename"), f"{field}.label_filename"
+            ),
         )
+
+    def label_filename(self, value: Any, field: str) -> str:
+        """A file of the model folder itself: no separator, not `..`."""
+        if value is None:
+            return ""
+        name = self.string(value, field)
+        if "/" in name or "\\" in name or name in (".", ".."):
+            raise self.error(field, f"expected a file name in the model folder, got {name!r}")
+        return name
+
+    def reshape(self, value: Any, dims: tuple[int, ...], field: str) -> tuple[int, ...]:
+        """Triton's `reshape`: as many elements as `dims`; a -1 in one needs a single -1 in
+        each (it takes the elements the fixed dims leave)."""
+        shape = self.dims(value, field)
+        if -1 in dims or -1 in shape:
+            if dims.count(-1) != 1 or shape.count(-1) != 1:
+                problem = f"{list(shape)} for dims {list(dims)}: -1 once in each, or in neither"
+                raise self.error(field, problem)
+        elif math.prod(shape) != math.prod(dims):
+            problem = f"{list(shape)} holds {math.prod(shape)} elements, dims {list(dims)} hold "
+            raise self.error(field, problem + f"{math.prod(dims)}")
+        return shape
 
     def dims(self, value: Any, field: str) -> tuple[int, ...]:
         if not isinstance(value, list):

@@ -30,8 +30,8 @@ from lockgate.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _PLATFORMS = platforms()  # Triton's `platform` names for the runtimes lockgate has
-_TENSOR_FIELDS = frozenset({"name", "data_type", "dims", "optional"})
-_TENSOR_IGNORED_QUIETLY = frozenset({"reshape", "format", "is_shape_tensor", "allow_ragged_batch"})
+_TENSOR_FIELDS = frozenset({"name", "data_type", "dims", "optional", "reshape", "label_filename"})
+_TENSOR_IGNORED_QUIETLY = frozenset({"format", "is_shape_tensor", "allow_ragged_batch"})
 _BATCHING_FIELDS = frozenset(
     {
         "preferred_batch_size",
@@ -212,6 +212,10 @@ class _TritonTranslator:
         }
         if isinstance(tensor, pb.ModelInput) and tensor.optional:
             spec["optional"] = True
+        if tensor.HasField("reshape"):
+            spec["reshape"] = list(tensor.reshape.shape)
+        if isinstance(tensor, pb.ModelOutput) and tensor.label_filename:
+            spec["label_filename"] = tensor.label_filename
         return spec
 
     def datatype(self, number: int) -> str | None:

@@ -28,11 +28,14 @@ from lockgate.backends.base import (
     get_factory,
     get_service_factory,
 )
-from lockgate.config import ModelConfig
+from lockgate.config import EnsembleStep, ModelConfig
 from lockgate.core.admission import AdmissionSettings
 from lockgate.core.batcher import Arriving, Batcher, batch_bytes
+from lockgate.core.fingerprint import version_fingerprint
+from lockgate.core.labels import read_labels
 from lockgate.core.metrics import Instrumented, Registry
 from lockgate.core.request import InferRequest
+from lockgate.core.reshape import Reshaped
 from lockgate.core.runner import Instance, instance_thread
 from lockgate.core.serving_metrics import ServingMetrics
 from lockgate.core.slo import ServiceProfile
@@ -62,6 +65,8 @@ class ServedVersion:
     warmup_seconds: float = 0.0
     last_inference_ms: int = 0
     finite_inputs: bool = False  # the backend refuses NaN and Inf in float inputs
+    fingerprint: str = ""  # of its config and files (`core.fingerprint`); "": a language model
+    labels: dict[str, tuple[str, ...]] = field(default_factory=dict)  # output -> class names
 
     @property
     def serving(self) -> bool:
@@ -78,6 +83,15 @@ class ServedModel:
     config: ModelConfig | None
     versions: dict[int, ServedVersion] = field(default_factory=dict)
     error: str = ""
+
+    @property
+    def failures(self) -> list[str]:
+        """Why each version that failed to load failed, as "version N: reason"."""
+        return [
+            f"version {v}: {served.error}"
+            for v, served in sorted(self.versions.items())
+            if served.error
+        ]
 
     def latest_ready(self) -> ServedVersion | None:
         if len(self.versions) == 1:  # the common case, on every request: no sort
@@ -150,23 +164,35 @@ class ModelManager:
         return served_version
 
     def _check_steps(self, name: str, config: ModelConfig) -> None:
-        """A composition is ready when every model it runs is: 503 naming the first that is
-        not (an ensemble whose step was unloaded answered 404 for the step)."""
+        """A composition is ready when every model it runs is, and takes and gives the tensors
+        its ensemble steps map: 503 naming the first that does not (an ensemble whose step was
+        unloaded answered 404 for the step, and one that maps a tensor its step model lacks
+        answered every request with 500)."""
         if not config.ensemble and config.cascade is None:
             return  # not a composition: the request path's common case
         for step, version in config.runs:
-            model = self.models.get(step)
-            ready = model is not None and (
-                model.latest_ready() is not None
-                if version is None
-                else (v := model.versions.get(version)) is not None and v.serving
-            )
-            if not ready:
+            if self._step(step, version) is None:
+                which = f"'{step}'" if version is None else f"'{step}' version {version}"
                 raise Unavailable(
-                    f"model '{name}' is not ready: the model '{step}' it runs is not loaded "
+                    f"model '{name}' is not ready: the model {which} it runs is not loaded "
                     "or not ready",
                     retry_after=1,
                 )
+        for ensemble_step in config.ensemble:
+            served = self._step(ensemble_step.model, ensemble_step.version)
+            problem = "" if served is None else _unmapped(ensemble_step, served.config)
+            if problem:
+                raise Unavailable(f"model '{name}' is not ready: {problem}", retry_after=1)
+
+    def _step(self, name: str, version: int | None) -> ServedVersion | None:
+        """The version of `name` a composition runs, if it serves."""
+        model = self.models.get(name)
+        if model is None:
+            return None
+        if version is None:
+            return model.latest_ready()
+        served = model.versions.get(version)
+        return served if served is not None and served.serving else None
 
     @staticmethod
     def _why_not_ready(model: ServedModel) -> str:
@@ -229,8 +255,9 @@ class ModelManager:
         error: str | None = None,
     ) -> ServedModel:
         """Load a model, or reload one already served without a gap: the old versions keep
-        serving until the new ones are warm, then drain. A reload that yields no ready version
-        leaves the old model serving and returns the failed one, with its error."""
+        serving until the new ones are warm, then drain. A reload in which a version fails
+        leaves the old model serving and returns the failed one, with its errors (as Triton,
+        which keeps the loaded versions when any new one fails)."""
         old = self.models.get(name)
         model = ServedModel(name, path, config, error=error or "")
         if old is None:
@@ -246,12 +273,13 @@ class ModelManager:
         return model
 
     async def _replace(self, old: ServedModel, new: ServedModel) -> None:
-        if new.latest_ready() is None and old.latest_ready() is not None:
+        failed = new.latest_ready() is None or bool(new.failures)
+        if failed and old.latest_ready() is not None:
             log.error("model %s reload failed, the loaded versions serve on", old.name)
-            for served in old.versions.values():
-                if served.state is ModelState.READY:
-                    self.metrics.model_ready.set((old.name, str(served.version)), 1)
-            await self._retire(new, keep=set())
+            serving = {v for v, s in old.versions.items() if s.state is ModelState.READY}
+            await self._retire(new, keep=serving)
+            for version in serving:  # the failed load set them to 0 as it began
+                self.metrics.model_ready.set((old.name, str(version)), 1)
             return
         self.models[new.name] = new
         ready = {v for v, s in new.versions.items() if s.state is ModelState.READY}
@@ -262,7 +290,10 @@ class ModelManager:
         served = ServedVersion(config, version, model.path / str(version))
         model.versions[version] = served
         labels = (model.name, str(version))
-        self.metrics.model_ready.set(labels, 0)
+        loaded = self.models.get(model.name)
+        replaced = None if loaded is None else loaded.versions.get(version)
+        if replaced is None or replaced is served or not replaced.serving:
+            self.metrics.model_ready.set(labels, 0)  # else it serves on until replaced
         self.loading += 1
         try:
             await self._start(served)
@@ -287,6 +318,11 @@ class ModelManager:
     async def _start(self, served: ServedVersion) -> None:
         loop = asyncio.get_running_loop()
         config, labels = served.config, (served.config.name, str(served.version))
+        served.labels = read_labels(config, served.path.parent)
+        if config.backend != LLM_BACKEND:  # weights of gigabytes; their cache keys differ
+            served.fingerprint = await loop.run_in_executor(
+                None, version_fingerprint, config, served.path
+            )
         service_factory = get_service_factory(config.backend)
         if service_factory is not None:  # loads and warms up in one call
             start = time.monotonic()
@@ -302,7 +338,8 @@ class ModelManager:
         start = time.monotonic()
 
         def build() -> Backend:
-            return factory(config, served.path)
+            backend = factory(config, served.path)
+            return Reshaped(backend, config) if config.reshapes else backend
 
         # each instance is loaded, warmed up and profiled on the thread that will run it
         names = [f"{config.name}-{served.version}-{i}" for i in range(config.instance_count)]
@@ -463,6 +500,23 @@ class ModelManager:
         return all(
             m.latest_ready() is not None for m in self.models.values() if m.config is not None
         )
+
+
+def _unmapped(step: EnsembleStep, config: ModelConfig) -> str:
+    """What an ensemble step maps that its model does not take or give ("" if nothing; a
+    model that declares no tensors is not checked)."""
+    for kind, names, specs in (
+        ("input", step.input_map, config.inputs),
+        ("output", step.output_map, config.outputs),
+    ):
+        known = [spec.name for spec in specs]
+        for tensor in names:
+            if known and tensor not in known:
+                return (
+                    f"its step '{step.model}' maps the {kind} '{tensor}', which that model does "
+                    f"not have ({kind}s: {', '.join(known)})"
+                )
+    return ""
 
 
 def _check_finite(request: InferRequest) -> None:

@@ -25,6 +25,7 @@ from lockgate.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+_VERSION_NAME = re.compile(r"[1-9][0-9]{0,17}")  # ASCII digits only, as Triton reads them
 
 
 @dataclass(slots=True)
@@ -129,10 +130,11 @@ def _check_inside(resolved_root: Path, path: Path, what: str) -> Path:
 
 
 def _version_folders(resolved_root: Path, folder: Path) -> list[int]:
-    """Numeric subfolders (other names are ignored, as Triton does)."""
+    """Subfolders named by a positive number, without a leading zero (other names, `0` and
+    `01` among them, are ignored, as Triton does: `01` was a second folder of version 1)."""
     versions = []
     for child in folder.iterdir():
-        if child.name.isdigit() and child.name.isascii() and child.is_dir():
+        if _VERSION_NAME.fullmatch(child.name) and child.is_dir():
             _check_inside(resolved_root, child, f"version folder {child.name}")
             versions.append(int(child.name))
     return versions

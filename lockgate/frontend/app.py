@@ -568,8 +568,8 @@ class App:
         model = await self.models.load_model(
             entry.name, entry.path, entry.config, entry.versions, entry.error
         )
-        if model.latest_ready() is None:
-            reason = model.error or self.models._why_not_ready(model)
+        if model.latest_ready() is None or model.failures:
+            reason = model.error or "; ".join(model.failures) or self.models._why_not_ready(model)
             raise BadRequest(f"model '{name}' failed to load: {reason}")
 
     async def unload(self, name: str, ask: UnloadRequest) -> None:
@@ -581,9 +581,11 @@ class App:
             return
         runs = served.config.runs if ask.dependents and served.config is not None else ()
         await self.models.unload(name)
+        self.cache.forget(name)  # its in-process answers, and their gauges
         for step in dict.fromkeys(model for model, _ in runs):
             if step in self.models.models:
                 await self.models.unload(step)
+                self.cache.forget(step)
 
     def _model_folder(self, name: str) -> Path:
         root = self.settings.repository

@@ -291,6 +291,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             batched=result.batched,
             parameters=result.parameters,
             shared_memory=shared,
+            labels=result.output_labels,
         )
 
     def _trace(

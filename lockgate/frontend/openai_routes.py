@@ -372,8 +372,12 @@ class OpenAIRoutes:
         requests of at most `max_batch_size` texts, one after the other."""
         config, cache = served.config, self.app.cache
         name, version, settings = config.name, served.version, config.response_cache
-        keys = [text_key(name, str(version), t) for t in texts] if settings.enable else []
-        hits = await asyncio.gather(*(cache.get(name, version, settings, k) for k in keys))
+        generation = served.fingerprint  # a version reloaded as another model: other keys
+        tag = f"{version}.{generation}"
+        keys = [text_key(name, tag, t) for t in texts] if settings.enable else []
+        hits = await asyncio.gather(
+            *(cache.get(name, version, settings, k, generation) for k in keys)
+        )
         found: dict[int, Arrays] = {i: h.outputs for i, h in enumerate(hits) if h}
         missing = [i for i in range(len(texts)) if i not in found]
         step = config.max_batch_size or len(missing)
@@ -383,7 +387,7 @@ class OpenAIRoutes:
             for row, i in enumerate(chunk):
                 found[i] = {k: v[row : row + 1] for k, v in answer.items()}
                 if settings.enable:
-                    cache.put(name, version, settings, keys[i], found[i])
+                    cache.put(name, version, settings, keys[i], found[i], generation)
         rows = [found[i] for i in range(len(texts))]
         vectors = np.stack([np.asarray(r[config.outputs[0].name][0], np.float32) for r in rows])
         counted = [r[TOKEN_COUNT] for r in rows if TOKEN_COUNT in r]

@@ -91,6 +91,7 @@ async def infer_reply(
         datatypes=result.output_datatypes,
         parameters=result.parameters,
         shared_memory=service.shared_memory,
+        labels=result.output_labels,
     )
     if json_length is None:
         return Reply(200, payload, JSON, result.headers)

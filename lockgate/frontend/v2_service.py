@@ -105,6 +105,11 @@ class InferResult:
         return {s.name: s.datatype for s in self.served.config.outputs}
 
     @property
+    def output_labels(self) -> dict[str, tuple[str, ...]]:
+        """Class names of the outputs that have a label file, for classification."""
+        return self.served.labels
+
+    @property
     def batched(self) -> bool:
         """The model batches: the first dim of each output is the batch."""
         return self.served.config.batching

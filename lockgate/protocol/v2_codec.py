@@ -552,6 +552,7 @@ def encode_infer_response(
     parameters: dict[str, Any] | None = None,
     datatypes: dict[str, str] | None = None,
     shared_memory: SharedMemory | None = None,
+    labels: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[bytes, int | None]:
     """Encode an inference response: the body and its JSON header length (None: all JSON).
 
@@ -559,13 +560,15 @@ def encode_infer_response(
     `batched`: the model batches (max_batch_size > 0), so an output's first dim is the batch.
     `datatypes` names the datatype of an output when its array does not say it (BF16 bits,
     or a cast to the configured type). An output asked into shared memory is written there
-    (`shared_memory`), and its entry has no data.
+    (`shared_memory`), and its entry has no data. `labels`: an output's class names, for
+    classification.
     """
     entries: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     any_binary = False
     for want in _selected(outputs, requested, binary_default):
-        array, datatype = _output_array(want, outputs[want.name], datatypes, batched)
+        named = (labels or {}).get(want.name, ())
+        array, datatype = _output_array(want, outputs[want.name], datatypes, batched, named)
         entry: dict[str, Any] = {"name": want.name, "datatype": datatype, "shape": array.shape}
         if want.shared is not None and shared_memory is not None:
             shared_write(shared_memory, want, array, datatype)  # no data, as Triton answers
@@ -615,7 +618,11 @@ def shared_write(
 
 
 def _output_array(
-    want: RequestedOutput, array: np.ndarray, datatypes: dict[str, str] | None, batched: bool
+    want: RequestedOutput,
+    array: np.ndarray,
+    datatypes: dict[str, str] | None,
+    batched: bool,
+    labels: Sequence[str] = (),
 ) -> tuple[np.ndarray, str]:
     array = np.asarray(array)
     datatype = (datatypes or {}).get(want.name) or datatype_of(array)
@@ -626,7 +633,7 @@ def _output_array(
             raise BadRequest(
                 f"output '{want.name}': classification needs a numeric output, not {datatype}"
             )
-        return classify(array, want.class_count, batched), "BYTES"
+        return classify(array, want.class_count, batched, labels), "BYTES"
     return array, datatype
 
 
@@ -666,8 +673,11 @@ def _text(item: object) -> str:
     return item if isinstance(item, str) else str(item)
 
 
-def classify(array: np.ndarray, class_count: int, batched: bool) -> np.ndarray:
-    """Triton's classification extension: the top classes as b"value:index".
+def classify(
+    array: np.ndarray, class_count: int, batched: bool, labels: Sequence[str] = ()
+) -> np.ndarray:
+    """Triton's classification extension: the top classes as b"value:index", or
+    b"value:index:label" for an index that `labels` (the output's label file) names.
 
     For a batching model (`batched`) the first dim is the batch: each of its rows is
     classified alone, into BYTES of shape [batch, k]. Otherwise the whole tensor is one row,
@@ -681,7 +691,8 @@ def classify(array: np.ndarray, class_count: int, batched: bool) -> np.ndarray:
     out = np.empty(order.shape, dtype=np.object_)
     for r, indices in enumerate(order.tolist()):
         for c, index in enumerate(indices):
-            out[r, c] = f"{float(rows[r, index]):f}:{index}".encode()
+            label = f":{labels[index]}" if index < len(labels) else ""
+            out[r, c] = f"{float(rows[r, index]):f}:{index}{label}".encode()
     return out if batched and array.ndim else out.reshape(k)
 
 

@@ -115,6 +115,7 @@ def _config_input(spec: TensorSpec) -> dict[str, Any]:
         "data_type": config_datatype(spec.datatype),
         "format": "FORMAT_NONE",
         "dims": list(spec.dims),
+        **_reshape(spec),
         "is_shape_tensor": False,
         "allow_ragged_batch": False,
         "optional": spec.optional,
@@ -126,9 +127,15 @@ def _config_output(spec: TensorSpec) -> dict[str, Any]:
         "name": spec.name,
         "data_type": config_datatype(spec.datatype),
         "dims": list(spec.dims),
-        "label_filename": "",
+        **_reshape(spec),
+        "label_filename": spec.label_filename,
         "is_shape_tensor": False,
     }
+
+
+def _reshape(spec: TensorSpec) -> dict[str, Any]:
+    """Triton lists `reshape` only when the config gives one."""
+    return {} if spec.reshape is None else {"reshape": {"shape": list(spec.reshape)}}
 
 
 def _instance_group(config: ModelConfig) -> dict[str, Any]:

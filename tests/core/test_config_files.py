@@ -292,7 +292,9 @@ def test_triton_pbtxt(caplog: pytest.LogCaptureFixture) -> None:
         config = parse_pbtxt_config(TRITON_CONFIG, path="r/resnet/config.pbtxt", folder="resnet")
     assert config.backend == "onnxruntime"
     assert config.max_batch_size == 16
-    assert config.inputs == (TensorSpec("input__0", "FP32", (3, 224, 224)),)
+    assert config.inputs == (
+        TensorSpec("input__0", "FP32", (3, 224, 224), reshape=(1, 3, 224, 224)),
+    )
     assert config.outputs == (
         TensorSpec("probs", "FP32", (1000,)),
         TensorSpec("names", "BYTES", (-1,)),
@@ -317,7 +319,7 @@ def test_triton_pbtxt(caplog: pytest.LogCaptureFixture) -> None:
     assert "optimization" in ignored and "response_cache" not in ignored  # read now
     assert config.response_cache.enable
     assert "dynamic_batching.preserve_ordering" in ignored
-    assert "reshape" not in ignored  # ignored quietly
+    assert "reshape" not in ignored  # applied
 
 
 def test_triton_defaults_keep_queue_bounded() -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from google.protobuf import text_format
 from hypothesis import given
@@ -17,7 +19,7 @@ from lockgate.core.config_triton import parse_pbtxt_config, read_pbtxt
 from lockgate.core.repository import scan_repository
 from lockgate.core.triton import model_config_pb2 as pb
 from lockgate.errors import ConfigError
-from tests.conftest import start_server
+from tests.conftest import free_port, start_server
 
 # -- configs in the shapes of Triton's own examples
 
@@ -154,11 +156,15 @@ def test_onnx_classifier_with_label_file(caplog: pytest.LogCaptureFixture) -> No
         config = parse_pbtxt_config(DENSENET_ONNX, path="c.pbtxt", folder="densenet_onnx")
     assert config.backend == "onnxruntime" and config.max_batch_size == 1
     assert config.inputs == (TensorSpec("data_0", "FP32", (3, 224, 224)),)
-    assert config.outputs == (TensorSpec("fc6_1", "FP32", (1000,)),)
+    assert config.outputs == (
+        TensorSpec(
+            "fc6_1", "FP32", (1000,), reshape=(1000, 1, 1), label_filename="densenet_labels.txt"
+        ),
+    )
     assert config.dynamic_batching is None and config.instance_count == 1
     ignored = warnings_of(caplog)
-    assert "output[0].label_filename" in ignored
-    assert "reshape" not in ignored and "format" not in ignored  # ignored quietly
+    assert "label_filename" not in ignored
+    assert "reshape" not in ignored and "format" not in ignored
 
 
 def test_onnxruntime_with_tensorrt_accelerator_and_warmup(
@@ -384,3 +390,76 @@ def test_lockgates_own_fields_come_as_parameters() -> None:
     )
     with pytest.raises(ConfigError, match=r"latency_slo_ms.*expected a number"):
         parse_pbtxt_config(bad, path="c.pbtxt", folder="add_sub")
+
+
+RESHAPED_DIGITS = """
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "input" data_type: TYPE_FP32 dims: [ 8, 8 ] reshape: { shape: [ 64 ] } } ]
+output [
+  { name: "label" data_type: TYPE_INT64 dims: [ 1 ] reshape: { shape: [ ] } },
+  { name: "probabilities" data_type: TYPE_FP32 dims: [ 10 ] label_filename: "names.txt" }
+]
+"""
+NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+@pytest.mark.parametrize(
+    ("dims", "reshape", "problem"),
+    [
+        ("[ 8, 8 ]", "[ 65 ]", "holds 65 elements"),
+        ("[ -1 ]", "[ ]", "-1 once in each"),
+        ("[ -1, -1 ]", "[ -1 ]", "-1 once in each"),
+    ],
+)
+def test_a_reshape_must_hold_the_elements_of_its_dims(
+    dims: str, reshape: str, problem: str
+) -> None:
+    text = RESHAPED_DIGITS.replace("[ 8, 8 ]", dims).replace("[ 64 ]", reshape)
+    with pytest.raises(ConfigError, match=problem):
+        parse_pbtxt_config(text, path="c.pbtxt", folder="digits")
+
+
+def test_a_server_reshapes_and_labels_as_triton(demo_repo: Path, tmp_path: Path) -> None:
+    """Clients send and get `dims`; the ONNX model takes [B, 64] and gives a label of [B].
+    A classification of an output with a label file names each class, over REST and gRPC.
+    Version folders `0` and `01` are not versions, as in Triton."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from sklearn.datasets import load_digits
+
+    folder = tmp_path / "repo" / "digits"
+    (folder / "1").mkdir(parents=True)
+    shutil.copy(demo_repo / "digits_onnx" / "1" / "model.onnx", folder / "1" / "model.onnx")
+    for ignored in ("0", "01"):
+        shutil.copytree(folder / "1", folder / ignored)
+    (folder / "config.pbtxt").write_text(RESHAPED_DIGITS + "version_policy: { all: {} }\n")
+    (folder / "names.txt").write_text("\n".join(NAMES[:9]) + "\n")  # no name for 9
+    server = start_server(tmp_path / "repo", tmp_path, "--no-llm", grpc_port=free_port())
+    try:
+        client = httpclient.InferenceServerClient(server.address)
+        x = (load_digits().data[:3] / 16.0).astype(np.float32).reshape(3, 8, 8)
+        inputs = [httpclient.InferInput("input", [3, 8, 8], "FP32")]
+        inputs[0].set_data_from_numpy(x)
+        result = client.infer("digits", inputs)
+        label, probabilities = result.as_numpy("label"), result.as_numpy("probabilities")
+        assert label is not None and probabilities is not None
+        assert label.tolist() == [[0], [1], [2]] and probabilities.shape == (3, 10)
+        assert client.get_model_metadata("digits")["versions"] == ["1"]
+        tensors = client.get_model_config("digits")
+        assert tensors["input"][0]["reshape"] == {"shape": [64]}
+        assert tensors["output"][0]["reshape"] == {"shape": []}
+        assert "reshape" not in tensors["output"][1]
+        assert tensors["output"][1]["label_filename"] == "names.txt"
+        grpc = grpcclient.InferenceServerClient(server.grpc_address)
+        rows = np.concatenate([x[:2], (load_digits().data[9:10] / 16.0).reshape(1, 8, 8)])
+        for module, client_of in ((httpclient, client), (grpcclient, grpc)):
+            top = module.InferInput("input", [3, 8, 8], "FP32")
+            top.set_data_from_numpy(rows.astype(np.float32))
+            wanted = [module.InferRequestedOutput("probabilities", class_count=1)]
+            classes = client_of.infer("digits", [top], outputs=wanted).as_numpy("probabilities")
+            assert classes is not None
+            parts = [c.decode().split(":") for c in classes.ravel()]
+            assert [p[1:] for p in parts] == [["0", "zero"], ["1", "one"], ["9"]]
+    finally:
+        server.stop()

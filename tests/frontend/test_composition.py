@@ -167,6 +167,15 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "  - {model: add_one, input_map: {x: doubled}, output_map: {y: y}}\n"
         "  - {model: double, input_map: {x: x}, output_map: {y: doubled}}\n"
     )
+    for name, step in (
+        ("mismapped", "{model: double, input_map: {x: x}, output_map: {z: y}}"),
+        ("pinned", "{model: double, version: 7, input_map: {x: x}, output_map: {y: y}}"),
+    ):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.yaml").write_text(
+            "backend: ensemble\nmax_batch_size: 8\n"
+            "inputs: [{name: x, datatype: FP32, dims: [4]}]\n" + xy_out + f"ensemble: [{step}]\n"
+        )
     _model(
         repo,
         "composed",
@@ -342,6 +351,23 @@ def test_static_fallback_over_grpc(server: RunningServer) -> None:
         assert r.get_response().parameters["fallback"].string_param == "static"
         assert r.as_numpy("calls").tolist() == [[-1]]
         np.testing.assert_array_equal(r.as_numpy("y"), np.zeros((1, 4), np.float32))
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        ("mismapped", "its step 'double' maps the output 'z', which that model does not have"),
+        ("pinned", "the model 'double' version 7 it runs is not loaded"),
+    ],
+)
+def test_an_ensemble_whose_steps_do_not_fit_is_not_ready(
+    server: RunningServer, model: str, reason: str
+) -> None:
+    """Readiness and every request say which step does not fit (each request was a 500)."""
+    ready = httpx.get(f"{server.url}/v2/models/{model}/ready")
+    assert ready.status_code == 503 and reason in ready.json()["error"]
+    answer = infer(server, model, np.ones((1, 4), np.float32))
+    assert answer.status_code == 503 and reason in answer.json()["error"]
 
 
 def test_bad_ensemble_config_is_reported_not_served(

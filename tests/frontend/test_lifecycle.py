@@ -141,7 +141,34 @@ def test_failed_reload_keeps_the_loaded_version_serving(
     assert r.status_code == 400, r.text
     assert "failed to load" in r.json()["error"]
     assert httpx.get(server.url + "/v2/models/echo/ready").status_code == 200
+    assert server.metric("lockgate_model_ready", 'model="echo",version="1"') == 1
     r = httpx.post(server.url + "/v2/models/echo/infer", json=ECHO)
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [2, 4, 6, 8]
+
+
+def test_reload_with_a_broken_new_version_keeps_the_loaded_ones(
+    server: RunningServer, small_repo: Path
+) -> None:
+    """A new version that fails to load fails the reload (400 naming it, as Triton), and the
+    loaded versions serve on, its good siblings included."""
+    folder = small_repo / "echo"
+    config = folder / "config.yaml"
+    good = config.read_text()
+    config.write_text(good + "version_policy: {all: {}}\n")
+    shutil.copytree(folder / "1", folder / "2")
+    (folder / "3").mkdir()
+    (folder / "3" / "model.py").write_text("raise ImportError('a broken version')\n")
+    try:
+        r = httpx.post(server.url + "/v2/repository/models/echo/load", timeout=60)
+    finally:
+        config.write_text(good)
+        shutil.rmtree(folder / "2")
+        shutil.rmtree(folder / "3")
+    assert r.status_code == 400, r.text
+    assert "version 3" in r.json()["error"] and "a broken version" in r.json()["error"]
+    assert httpx.get(server.url + "/v2/models/echo").json()["versions"] == ["1"]
+    assert server.metric("lockgate_model_ready", 'model="echo",version="1"') == 1
+    r = httpx.post(server.url + "/v2/models/echo/versions/1/infer", json=ECHO)
     assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [2, 4, 6, 8]
 
 

@@ -3,13 +3,16 @@ a load's config override, its errors, and unloading an ensemble with its steps."
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -17,16 +20,21 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import RunningServer, free_port, start_server
-from tests.frontend.test_composition import COUNTING, XY, _model
+from tests.frontend.test_composition import COUNTING, SLEEPY, XY, _model
 
 
 @pytest.fixture(scope="module")
-def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("control-repo")
     shutil.copytree(demo_repo / "digits_onnx", repo / "digits_onnx")
     py = "backend: python\n"
     _model(repo, "double", COUNTING, py + XY + "parameters: {factor: '2'}\n")
     _model(repo, "add_one", COUNTING, py + XY + "parameters: {offset: '1'}\n")
+    cached = py + XY + "parameters: {factor: '2'}\nresponse_cache: {enable: true}\n"
+    _model(repo, "cached", COUNTING, cached)
+    _model(repo, "cached_steps", "", "backend: ensemble\n" + XY + CACHED_ENSEMBLE)
+    unbatched = XY.replace("max_batch_size: 8\n", "")  # one size to profile: 2 runs of 0.2 s
+    _model(repo, "sleepy", SLEEPY, py + unbatched + "parameters: {sleep: '0.2'}\n")
     (repo / "pipeline" / "1").mkdir(parents=True)
     (repo / "pipeline" / "config.yaml").write_text(
         "backend: ensemble\nmax_batch_size: 8\n"
@@ -35,6 +43,11 @@ def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "  - {model: add_one, input_map: {x: doubled}, output_map: {y: y}}\n"
         "  - {model: double, input_map: {x: x}, output_map: {y: doubled}}\n"
     )
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     logs = tmp_path_factory.mktemp("control-logs")
     # a load's warmup threads hold the GIL at times: the loop-lag refusals are off, so a
     # request right after a load is never refused as saturated on a busy machine
@@ -54,6 +67,13 @@ def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     )
     yield running
     running.stop()
+
+
+CACHED_ENSEMBLE = """\
+response_cache: {enable: true}
+ensemble:
+  - {model: double, input_map: {x: x}, output_map: {y: y, calls: calls}}
+"""
 
 
 def http_client(server: RunningServer) -> httpclient.InferenceServerClient:
@@ -157,3 +177,65 @@ def test_explicit_mode_loads_what_load_model_names_and_lists_the_rest(
     command = [sys.executable, "-m", "lockgate.cli", "serve", str(repo), "--load-model", "x"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--model-control-mode explicit" in done.stderr
+
+
+def _y(server: RunningServer, model: str) -> tuple[list[float], bool]:
+    """y of x = 1000s from `model`, and whether the response cache answered."""
+    x = {"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1000.0] * 4}
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", json={"inputs": [x]})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    return answer["outputs"][0]["data"], bool(answer.get("parameters", {}).get("cache_hit"))
+
+
+def _reload_with_factor(client: httpclient.InferenceServerClient, model: str, factor: str) -> None:
+    config = client.get_model_config(model)
+    config["parameters"] = {"factor": {"string_value": factor}}
+    client.load_model(model, config=json.dumps(config))
+
+
+def test_a_reloaded_model_never_answers_from_the_cache_of_the_one_it_replaced(
+    server: RunningServer, repo: Path
+) -> None:
+    """A version reloaded under the same number with another config or file, or an ensemble
+    whose step was, answers from the new model, not from the old one's cached answers."""
+    client = http_client(server)
+    assert _y(server, "cached") == ([2000.0] * 4, False)
+    assert _y(server, "cached") == ([2000.0] * 4, True)
+    _reload_with_factor(client, "cached", "3")  # another config, the same version
+    assert _y(server, "cached") == ([3000.0] * 4, False)
+    code = repo / "cached" / "1" / "model.py"
+    code.write_text(COUNTING.replace("x * self.factor", "x * self.factor * 10"))
+    client.load_model("cached")  # another file, the same version
+    assert _y(server, "cached") == ([20000.0] * 4, False)
+    assert _y(server, "cached_steps") == ([2000.0] * 4, False)
+    assert _y(server, "cached_steps") == ([2000.0] * 4, True)
+    _reload_with_factor(client, "double", "4")  # the ensemble's step is another model now
+    assert _y(server, "cached_steps") == ([4000.0] * 4, False)
+    client.load_model("double")
+
+
+def test_a_version_being_reloaded_stays_ready_on_metrics(server: RunningServer) -> None:
+    """The loaded version serves while its replacement warms up: its lockgate_model_ready
+    stays 1 (it read 0 for the whole reload)."""
+    url = f"{server.url}/v2/repository/models/sleepy/load"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reload = pool.submit(httpx.post, url, timeout=30)
+        seen = []
+        while not reload.done():
+            seen.append(server.metric("lockgate_model_ready", 'model="sleepy",version="1"'))
+            time.sleep(0.05)
+        assert reload.result().status_code == 200
+    assert len(seen) > 2 and set(seen) == {1.0}, seen
+
+
+def test_an_unloaded_model_leaves_no_cached_answers(server: RunningServer) -> None:
+    """Unloading frees the model's in-process answers: lockgate_cache_entries drops it."""
+    client = http_client(server)
+    entries = 'lockgate_cache_entries{model="cached"}'
+    _y(server, "cached")
+    assert entries in httpx.get(server.url + "/metrics").text
+    client.unload_model("cached")
+    assert entries not in httpx.get(server.url + "/metrics").text
+    client.load_model("cached")
+    assert _y(server, "cached")[1] is False

@@ -16,7 +16,7 @@ source.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -250,12 +250,14 @@ def encode_infer_response(
     batched: bool,
     parameters: dict[str, str | bool] | None = None,
     shared_memory: SharedMemory | None = None,
+    labels: Mapping[str, Sequence[str]] | None = None,
 ) -> pb.ModelInferResponse:
     """A ModelInferResponse with every output (or the requested ones) in raw_output_contents.
 
     `datatypes` names an output's datatype when its array does not say it (BF16 bits, or a
     cast to the configured type). `batched`: the model batches, so an output's first dim is
-    the batch (a classification has one row per batch row).
+    the batch (a classification has one row per batch row). `labels`: an output's class
+    names, for classification.
     """
     response = pb.ModelInferResponse(
         model_name=model_name, model_version=model_version, id=request_id
@@ -263,7 +265,8 @@ def encode_infer_response(
     for want in requested or [RequestedOutput(name) for name in outputs]:
         if want.name not in outputs:
             raise BadRequest(f"unexpected inference output '{want.name}'")
-        array, datatype = _output_array(want, outputs[want.name], datatypes, batched)
+        named = (labels or {}).get(want.name, ())
+        array, datatype = _output_array(want, outputs[want.name], datatypes, batched, named)
         entry = response.outputs.add(name=want.name, datatype=datatype, shape=array.shape)
         if want.shared is not None and shared_memory is not None:
             written = shared_write(shared_memory, want, array, datatype)
@@ -282,14 +285,18 @@ def encode_infer_response(
 
 
 def _output_array(
-    want: RequestedOutput, array: np.ndarray, datatypes: dict[str, str], batched: bool
+    want: RequestedOutput,
+    array: np.ndarray,
+    datatypes: dict[str, str],
+    batched: bool,
+    labels: Sequence[str] = (),
 ) -> tuple[np.ndarray, str]:
     array = np.asarray(array)
     datatype = datatypes.get(want.name) or datatype_of(array)
     if want.class_count > 0:
         if datatype == "BF16":
             array = float32_from_bf16_bits(array)
-        return classify(array, want.class_count, batched), "BYTES"
+        return classify(array, want.class_count, batched, labels), "BYTES"
     return array, datatype
 
 
