@@ -130,3 +130,20 @@ def test_model_statistics() -> None:
             "compute_output": {"count": 0, "ns": 0},
         }
     ]
+
+
+def test_a_reshape_reaches_the_grpc_model_config() -> None:
+    """Triton's ModelConfig over gRPC carries an input's and an output's reshape."""
+    from lockgate.protocol.grpc import codec
+    from lockgate.protocol.grpc import inference_pb2 as pb
+
+    document = {
+        "name": "m",
+        "input": [
+            {"name": "x", "data_type": "TYPE_FP32", "dims": [8, 8], "reshape": {"shape": [64]}}
+        ],
+        "output": [{"name": "y", "data_type": "TYPE_INT64", "dims": [1], "reshape": {"shape": []}}],
+    }
+    config = codec.from_document(document, pb.ModelConfig())
+    assert list(config.input[0].reshape.shape) == [64]
+    assert config.output[0].HasField("reshape") and list(config.output[0].reshape.shape) == []
