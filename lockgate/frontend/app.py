@@ -14,10 +14,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from lockgate import __version__
 from lockgate.cache.redis_tier import RedisSettings
 from lockgate.cache.response_cache import ResponseCache
 from lockgate.compose.executor import Executor
@@ -76,6 +77,7 @@ READ_ONLY_PATHS = frozenset(
     }
 )
 READ = ("GET", "HEAD")  # the methods of a route that only reads
+TOKEN_PATHS = frozenset({"/tokenize", "/detokenize"})  # vLLM's; errors in the OpenAI shape
 WRITE = ("POST",)
 # the methods of each route under /v2/models/{m}[/versions/{v}], by its last segment
 # ("": the model's metadata)
@@ -84,7 +86,19 @@ MODEL_ROUTES = {
     **dict.fromkeys(("infer", "generate", "generate_stream"), WRITE),
 }
 TRACED_KINDS = ("infer", "generate", "openai")  # route kinds whose requests may be traced
-OpenAIHandler = Callable[[HttpRequest, list[str]], Awaitable[None]]
+
+
+class OpenAIHandler(Protocol):
+    """The OpenAI API's routes (`frontend/openai_routes.py`): /v1/..., and vLLM's
+    /tokenize and /detokenize."""
+
+    async def __call__(self, request: HttpRequest, parts: list[str]) -> None: ...
+
+    async def tokenize(self, request: HttpRequest) -> None: ...
+
+    async def detokenize(self, request: HttpRequest) -> None: ...
+
+
 # Triton's generate extension: (request, model, version, streamed)
 GenerateHandler = Callable[[HttpRequest, str, str | None, bool], Awaitable[None]]
 
@@ -221,7 +235,7 @@ class App:
             self.settings.body_timeout_s,
             trace=traced,
         )
-        openai = request.path.startswith("/v1/")
+        openai = request.path.startswith("/v1/") or request.path in TOKEN_PATHS
         self.in_flight += 1
         try:
             self._authenticate(request)
@@ -453,6 +467,11 @@ class App:
             await self._model_route(request, parts[2:])
         elif parts and parts[0] == "v1" and self.openai is not None:
             await self.openai(request, parts[1:])
+        elif path in TOKEN_PATHS and self.openai is not None:
+            await (self.openai.tokenize if path == "/tokenize" else self.openai.detokenize)(request)
+        elif path == "/version":
+            check_method(method, path, READ)
+            await respond_json(request.send, 200, {"version": __version__})
         elif path in ("/v2/health/live", "/health"):
             await respond_json(request.send, 200, {"live": True})
         elif path == "/v2/health/ready":

@@ -160,19 +160,28 @@ class CompletionPipeline:
         """The token ids of a prompt: a string, or token ids (checked against the vocabulary)."""
         return await self._off_loop(self._prompt_ids, service, prompt)
 
+    async def tokenize_text(
+        self, service: LLMService, text: str, add_special_tokens: bool = True
+    ) -> list[int]:
+        """A text's token ids (/tokenize: special tokens added or not)."""
+        check_length(service, len(text), self.limits.max_prompt_chars)
+        return await self._off_loop(service.tokenizer.encode, text, add_special_tokens)
+
     async def tokenize_chat(
         self,
         service: LLMService,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
+        generation_prompt: bool = True,
     ) -> list[int]:
         """The token ids of chat messages ({"role", "content", ...}) through the model's chat
-        template, with the assistant's turn opened; `tools` for a template that takes them."""
+        template, with the assistant's turn opened (unless not `generation_prompt`); `tools`
+        for a template that takes them."""
         chars = sum(len(m["content"] or "") for m in messages)
         if tools is not None:
             chars += len(msgspec.json.encode(tools))
         check_length(service, chars, self.limits.max_prompt_chars)
-        return await self._off_loop(_chat_ids, service, messages, tools)
+        return await self._off_loop(_chat_ids, service, messages, tools, generation_prompt)
 
     async def _off_loop(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
         """Tokenize off the event loop, at most `tokenize_threads` at once; past
@@ -489,10 +498,15 @@ def deadline(request: HttpRequest) -> float | None:
 
 
 def _chat_ids(
-    service: LLMService, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    service: LLMService,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    generation_prompt: bool = True,
 ) -> list[int]:
     try:
-        return service.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
+        return service.tokenizer.encode_chat(
+            messages, add_generation_prompt=generation_prompt, tools=tools
+        )
     except ServingError:
         raise
     except Exception as exc:

@@ -35,7 +35,7 @@ from lockgate.frontend.completion_pipeline import (
     PreparedCompletion,
     send_event,
 )
-from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
+from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, check_method, respond_json
 from lockgate.llm.sequence import TokenLogprobs
 from lockgate.llm.service import LLMMetrics, LLMService
 from lockgate.protocol import openai as oa
@@ -87,6 +87,49 @@ class OpenAIRoutes:
             await self._chat(request)
         else:
             await self._embeddings(request)
+
+    # -- tokens (vLLM's /tokenize and /detokenize) ---------------------------------------
+    async def tokenize(self, request: HttpRequest) -> None:
+        """A prompt's token ids, or chat messages' through the model's template, as the
+        engine would see them; `count` and the context they must fit."""
+        check_method(request.method, request.path, ("POST",))
+        body = oa.decode(await request.body(), oa.TokenizeRequest)
+        service = self._service(body.model, _version(request))
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give either prompt or messages")
+        if body.prompt is not None:
+            prompt = body.prompt
+            ids = await self.pipeline.tokenize_text(service, prompt, body.add_special_tokens)
+        else:
+            assert body.messages is not None
+            messages = tool_calls.prompt_messages(body.messages, None, False)
+            ids = await self.pipeline.tokenize_chat(
+                service, messages, generation_prompt=body.add_generation_prompt
+            )
+        answer: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": service.engine_config.max_model_len,
+            "tokens": ids,
+        }
+        if body.return_token_strs:
+            answer["token_strs"] = [_token_text(service, t) for t in ids]
+        await respond_json(request.send, 200, answer)
+
+    async def detokenize(self, request: HttpRequest) -> None:
+        """Token ids back to text (special tokens kept), at most the model's context of them."""
+        check_method(request.method, request.path, ("POST",))
+        body = oa.decode(await request.body(), oa.DetokenizeRequest)
+        service = self._service(body.model, _version(request))
+        limit = service.engine_config.max_model_len
+        if len(body.tokens) > limit:
+            raise BadRequest(f"tokens has {len(body.tokens)} ids, more than the context of {limit}")
+        bad = [t for t in body.tokens if not 0 <= t < service.vocab_size]
+        if bad:
+            raise BadRequest(
+                f"token id {bad[0]} is outside the vocabulary (0..{service.vocab_size - 1})"
+            )
+        text = service.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        await respond_json(request.send, 200, {"prompt": text})
 
     # -- models ------------------------------------------------------------------------
     def _models(self) -> dict[str, Any]:

@@ -36,6 +36,8 @@ _SCHEMA_TYPES = (
     list[IndexEntry],
     v2_codec._RequestIn,
     RegisterRequest,
+    oa.TokenizeRequest,
+    oa.DetokenizeRequest,
     oa.CompletionRequest,
     oa.ChatRequest,
     oa.EmbeddingRequest,
@@ -519,6 +521,26 @@ def _openai_paths() -> dict[str, Any]:
             "chat_completions", "Chat completion", "ChatRequest", "ChatCompletion"
         ),
         "/v1/embeddings": {"post": embeddings},
+        "/tokenize": {
+            "post": _operation(
+                "tokenize",
+                "A prompt's or chat messages' token ids (vLLM)",
+                _ok("TokenizeResponse"),
+                (400, 404, 408, 413, 415, 503),
+                tag="openai",
+                body={"application/json": {"schema": _ref("TokenizeRequest")}},
+            )
+        },
+        "/detokenize": {
+            "post": _operation(
+                "detokenize",
+                "Token ids back to text (vLLM)",
+                _ok("DetokenizeResponse"),
+                (400, 404, 408, 413, 415, 503),
+                tag="openai",
+                body={"application/json": {"schema": _ref("DetokenizeRequest")}},
+            )
+        },
     }
 
 
@@ -544,6 +566,7 @@ def _server_paths() -> dict[str, Any]:
             )
         },
         "/": {"get": op("root", "Redirect to the dashboard", redirect, (503,), public=True)},
+        "/version": {"get": op("version", "lockgate's version", _ok("Version"), (503,))},
         "/openapi.json": {
             "get": op(
                 "openapi", "This document", {"200": _json({"type": "object"})}, (503,), public=True

@@ -157,6 +157,21 @@ class Empty(msgspec.Struct):
     pass
 
 
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class Version(msgspec.Struct):
+    version: str
+
+
 class SharedMemoryRegion(msgspec.Struct):
     """A registered system shared memory region."""
 

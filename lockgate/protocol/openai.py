@@ -514,6 +514,24 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # messages: open the assistant's turn
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /detokenize: token ids back to text."""
+
+    tokens: list[int]
+    model: str = ""
+
+
 _TEXT = msgspec.json.Decoder(str)
 _TEXTS = msgspec.json.Decoder(list[str])
 _NOT_TEXT = "input must be a string or a list of strings"
