@@ -521,24 +521,20 @@ def _openai_paths() -> dict[str, Any]:
             "chat_completions", "Chat completion", "ChatRequest", "ChatCompletion"
         ),
         "/v1/embeddings": {"post": embeddings},
-        "/tokenize": {
-            "post": _operation(
-                "tokenize",
-                "A prompt's or chat messages' token ids (vLLM)",
-                _ok("TokenizeResponse"),
-                (400, 404, 408, 413, 415, 503),
-                tag="openai",
-                body={"application/json": {"schema": _ref("TokenizeRequest")}},
-            )
-        },
-        "/detokenize": {
-            "post": _operation(
-                "detokenize",
-                "Token ids back to text (vLLM)",
-                _ok("DetokenizeResponse"),
-                (400, 404, 408, 413, 415, 503),
-                tag="openai",
-                body={"application/json": {"schema": _ref("DetokenizeRequest")}},
+        **{
+            f"/{name}": {
+                "post": _operation(
+                    name,
+                    summary,
+                    _ok(f"{name.capitalize()}Response"),
+                    (400, 404, 408, 413, 415, 503),
+                    tag="openai",
+                    body={"application/json": {"schema": _ref(f"{name.capitalize()}Request")}},
+                )
+            }
+            for name, summary in (
+                ("tokenize", "A prompt's or chat messages' token ids (vLLM)"),
+                ("detokenize", "Token ids back to text (vLLM)"),
             )
         },
     }
