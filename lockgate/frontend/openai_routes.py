@@ -188,6 +188,9 @@ class OpenAIRoutes:
         prompts = oa.prompts_of(body.prompt, most_ids, self.limits.max_prompts)
         ids = await asyncio.gather(*(self.pipeline.tokenize(service, p) for p in prompts))
         prompt_only = body.echo and body.max_tokens == 0  # one token computed, not answered
+        asked = [
+            n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None
+        ]
         batch = [
             self.pipeline.prepare(
                 request,
@@ -198,17 +201,24 @@ class OpenAIRoutes:
                 default_max=16,
                 logprobs=body.logprobs,
                 namespace=COMPLETION.id_prefix,
-                prompt_logprobs=body.logprobs if body.echo else None,
+                prompt_logprobs=max(asked) if asked else None,
             )
             for prompt_ids in ids
         ]
         echoes = None
         if body.echo:
             echoes = [
-                _Echo(p if isinstance(p, str) else service.tokenizer.decode(i), i, not prompt_only)
+                _Echo(
+                    p if isinstance(p, str) else service.tokenizer.decode(i),
+                    i,
+                    not prompt_only,
+                    body.logprobs,
+                )
                 for p, i in zip(prompts, ids, strict=True)
             ]
-        await self._generate(request, batch, body, COMPLETION, echoes=echoes)
+        await self._generate(
+            request, batch, body, COMPLETION, echoes=echoes, prompt_top=body.prompt_logprobs
+        )
 
     async def _chat(self, request: HttpRequest) -> None:
         body = oa.decode(await request.body(), oa.ChatRequest)
@@ -248,13 +258,15 @@ class OpenAIRoutes:
         kind: _Kind,
         tools: oa.ToolUse | None = None,
         echoes: list[_Echo] | None = None,
+        prompt_top: int | None = None,
     ) -> None:
         """Run prepared completions (one per prompt of a batch) and answer them, whole or
         streamed, as one response whose choices run over the prompts in order, `n` each; a
-        chat's output is split into content and calls when it was offered `tools`."""
+        chat's output is split into content and calls when it was offered `tools`; with
+        `prompt_top`, each choice carries its prompt's logprobs in vLLM's form."""
         rid = oa.new_id(kind.id_prefix)
         service = batch[0].service
-        alone = batch[0] if len(batch) == 1 and echoes is None else None  # may be cached
+        alone = batch[0] if len(batch) == 1 and echoes is None and prompt_top is None else None
         hit = await self.pipeline.cached(alone) if alone is not None else None
         if hit is not None:
             await self._replay(request, hit, rid, service, body, kind, tools)
@@ -264,8 +276,8 @@ class OpenAIRoutes:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             piece = kind.piece(service, tools)
-            if echoes is not None:
-                piece = _completion_piece(service, tools, echoes, per_prompt)
+            if echoes is not None or prompt_top is not None:
+                piece = _completion_piece(service, tools, echoes, per_prompt, prompt_top)
             text, last = await self._stream(
                 request, outputs, rid, service, kind.chunk_object, include_usage, piece, per_prompt
             )
@@ -280,7 +292,7 @@ class OpenAIRoutes:
                     picked = [_echoed(c, echoes[i]) for c in picked]
                 chosen += picked
             usage = _usage(dict(enumerate(c.last for c in candidates)), per_prompt)
-            answer = _answer(kind, service, rid, chosen, usage, tools, echoes, body.n)
+            answer = _answer(kind, service, rid, chosen, usage, tools, echoes, body.n, prompt_top)
             await respond_json(request.send, 200, answer)
             text, last = chosen[0].text, chosen[0].last
         if alone is not None:
@@ -542,16 +554,18 @@ def _answer(
     tools: oa.ToolUse | None = None,
     echoes: list[_Echo] | None = None,
     n: int = 1,
+    prompt_top: int | None = None,
 ) -> dict[str, Any]:
     """The response of a completion answered whole: one choice per collected, in order (`n`
-    per prompt); with `echoes`, each text and its logprobs begin with its prompt's."""
+    per prompt); with `echoes`, each text and its logprobs begin with its prompt's; with
+    `prompt_top`, each choice has its prompt's logprobs in vLLM's form."""
     payloads = []
     for index, collected in enumerate(chosen):
         logprobs = None
-        if echoes is not None and collected.echo_logprobs is not None:
-            echo = echoes[index // n]
+        echo = echoes[index // n] if echoes is not None else None
+        if echo is not None and echo.top is not None and collected.echo_logprobs is not None:
             logprobs = _joined(
-                _echo_logprobs(service, echo, collected.echo_logprobs),
+                _echo_logprobs(service, echo, collected.echo_logprobs, echo.top),
                 _legacy_logprobs(service, collected.logprobs, len(echo.text)),
             )
         elif collected.logprobs:
@@ -564,6 +578,9 @@ def _answer(
             payload = kind.response(rid, service.name, text, reason, logprobs, usage)
         else:
             payload = _chat_answer(rid, service.name, text, reason, logprobs, usage, tools)
+        if prompt_top is not None and collected.prompt_logprobs is not None:
+            prompt = _prompt_logprobs(service, collected.prompt_logprobs, prompt_top)
+            payload["choices"][0]["prompt_logprobs"] = prompt
         payloads.append(_as_choice(payload, index))
     return {**payloads[0], "choices": [p["choices"][0] for p in payloads]}
 
@@ -575,6 +592,7 @@ class _Echo:
     text: str  # as the request gave it (token ids: decoded)
     token_ids: list[int]
     keep_output: bool  # False: max_tokens 0, the prompt alone
+    top: int | None = None  # the most likely tokens its logprobs show (None: no logprobs)
 
 
 def _echoed(collected: Collected, echo: _Echo) -> Collected:
@@ -588,17 +606,42 @@ def _echoed(collected: Collected, echo: _Echo) -> Collected:
 
 
 def _echo_logprobs(
-    service: LLMService, echo: _Echo, entries: list[TokenLogprobs | None]
+    service: LLMService, echo: _Echo, entries: list[TokenLogprobs | None], top: int | None
 ) -> dict[str, Any]:
-    """The legacy logprobs of a prompt's tokens: the first has none (null), as in OpenAI's."""
+    """The legacy logprobs of a prompt's tokens, `top` alternatives each: the first has none
+    (null), as in OpenAI's."""
     tokens = [_token_text(service, t) for t in echo.token_ids]
     offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob if e is not None else None for e in entries],
-        "top_logprobs": [_top_texts(service, e) if e is not None else None for e in entries],
+        "top_logprobs": [_top_texts(service, e, top) if e is not None else None for e in entries],
         "text_offset": offsets,
     }
+
+
+def _prompt_logprobs(
+    service: LLMService, entries: list[TokenLogprobs | None], top: int
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), its own logprob, rank
+    and text, and those of the `top` most likely tokens at its position, by token id."""
+    found: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            found.append(None)
+            continue
+        one = {
+            str(entry.token_id): _vllm_logprob(service, entry.token_id, entry.logprob, entry.rank)
+        }
+        ranked = zip(entry.top_token_ids[:top], entry.top_logprobs[:top], strict=True)
+        for rank, (token, logprob) in enumerate(ranked, start=1):
+            one.setdefault(str(token), _vllm_logprob(service, token, logprob, rank))
+        found.append(one)
+    return found
+
+
+def _vllm_logprob(service: LLMService, token: int, logprob: float, rank: int) -> dict[str, Any]:
+    return {"logprob": logprob, "rank": rank, "decoded_token": _token_text(service, token)}
 
 
 def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
@@ -667,11 +710,11 @@ def _legacy_logprobs(service: LLMService, entries: list[Any], start: int = 0) ->
     }
 
 
-def _top_texts(service: LLMService, entry: TokenLogprobs) -> dict[str, float]:
-    return {
-        _token_text(service, t): lp
-        for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=True)
-    }
+def _top_texts(
+    service: LLMService, entry: TokenLogprobs, top: int | None = None
+) -> dict[str, float]:
+    ranked = zip(entry.top_token_ids[:top], entry.top_logprobs[:top], strict=True)
+    return {_token_text(service, t): lp for t, lp in ranked}
 
 
 def _chat_logprobs(service: LLMService, entries: list[Any]) -> dict[str, Any]:
@@ -702,10 +745,12 @@ def _completion_piece(
     tools: oa.ToolUse | None,
     echoes: list[_Echo] | None = None,
     per_prompt: int = 1,
+    prompt_top: int | None = None,
 ) -> Piece:
     """Each output's text; its logprobs' `text_offset` counts from the start of the choice's
     text, as in an answer sent whole. With `echoes`, a choice's first chunk begins with its
-    prompt (choice i is of prompt i // per_prompt), and its logprobs with the prompt's."""
+    prompt (choice i is of prompt i // per_prompt), and its logprobs with the prompt's; with
+    `prompt_top`, a choice's first chunk carries its prompt's logprobs in vLLM's form."""
     sent: dict[int, int] = {}  # choice index -> characters of text in its earlier chunks
 
     def piece(rid: str, model: str, out: RequestOutput, index: int, first: bool) -> dict[str, Any]:
@@ -719,13 +764,18 @@ def _completion_piece(
                 service, out.logprobs, start + len(echo.text if echo else "")
             )
         if echo is not None:
-            if out.prompt_logprobs is not None:
-                prompt = _echo_logprobs(service, echo, out.prompt_logprobs)
+            if out.prompt_logprobs is not None and echo.top is not None:
+                prompt = _echo_logprobs(service, echo, out.prompt_logprobs, echo.top)
                 logprobs = _joined(prompt, logprobs) if logprobs else prompt
             text = echo.text + text
         sent[index] = start + len(text)
         reason = _openai_reason(out.finish_reason.value if out.finish_reason else None)
-        return oa.completion_chunk(rid, model, text, reason, logprobs)
+        chunk = oa.completion_chunk(rid, model, text, reason, logprobs)
+        if prompt_top is not None and first and out.prompt_logprobs is not None:
+            chunk["choices"][0]["prompt_logprobs"] = _prompt_logprobs(
+                service, out.prompt_logprobs, prompt_top
+            )
+        return chunk
 
     return piece
 

@@ -152,7 +152,9 @@ class ModelRunner:
             targets = torch.tensor(prompt.targets[a : a + PROMPT_LOGITS_ROWS], dtype=torch.int64)
             logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
             logprobs = logprobs.clamp_(min=LOGPROB_FLOOR)  # [R, V]
-            chosen: list[float] = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            picked = logprobs.gather(1, targets.unsqueeze(1))  # [R, 1]
+            ranks: list[int] = ((logprobs > picked).sum(dim=-1) + 1).tolist()
+            chosen: list[float] = picked.squeeze(1).tolist()
             top = logprobs.topk(k, dim=-1) if k else None
             ids: list[list[int]] = top.indices.tolist() if top is not None else []
             values: list[list[float]] = top.values.tolist() if top is not None else []
@@ -160,7 +162,8 @@ class ModelRunner:
                 n = prompt.top[a + i]
                 top_ids = ids[i][:n] if top is not None else []
                 top_lps = values[i][:n] if top is not None else []
-                entries.append(TokenLogprobs(prompt.targets[a + i], logprob, top_ids, top_lps))
+                target = prompt.targets[a + i]
+                entries.append(TokenLogprobs(target, logprob, top_ids, top_lps, ranks[i]))
         per_sequence, at = [], 0
         for count in prompt.counts:
             per_sequence.append(entries[at : at + count])

@@ -40,6 +40,7 @@ class TokenLogprobs:
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    rank: int = 0  # of the token among all at its position, 1 the most likely (0: not known)
 
 
 @dataclass(slots=True, frozen=True)

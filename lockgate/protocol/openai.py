@@ -188,7 +188,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
         "use_beam_search",
         "bad_words",
         "allowed_token_ids",
-        "prompt_logprobs",
         "truncate_prompt_tokens",
         "guided_decoding_backend",
         "guided_whitespace_pattern",
@@ -321,6 +320,8 @@ class CompletionRequest(_Sampling, kw_only=True):
     best_of: int | None = None  # candidates generated; the n of highest cumulative logprob win
     logprobs: int | None = None
     echo: bool = False
+    # vLLM's: each prompt token's logprob, rank and this many most likely tokens at it
+    prompt_logprobs: int | None = None  # type: ignore[assignment]
     unsupported_fields: ClassVar[tuple[str, ...]] = (
         "tools",
         "tool_choice",
@@ -469,6 +470,7 @@ class ChatRequest(_Sampling, kw_only=True):
         "functions",
         "function_call",
         "suffix",
+        "prompt_logprobs",
     )
 
     def check_options(self) -> None:

@@ -3,6 +3,7 @@ evaluation harness scores a text), through a real server (SmolLM2) and the offic
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -118,3 +119,30 @@ def test_too_many_prompts_or_max_tokens_0_without_echo_is_400(llm_server: Runnin
     assert answer.status_code == 400 and "at most 64 prompts" in answer.json()["error"]["message"]
     answer = httpx.post(url, json={"model": MODEL, "prompt": "a", "max_tokens": 0})
     assert answer.status_code == 400 and "max_tokens" in answer.json()["error"]["message"]
+
+
+def test_vllm_prompt_logprobs_give_each_prompt_token_its_logprob_and_rank(
+    llm_server: RunningServer,
+) -> None:
+    url = llm_server.url + "/v1/completions"
+    ask = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0}
+    answer = httpx.post(url, json={**ask, "prompt_logprobs": 2, "echo": True, "logprobs": 1})
+    assert answer.status_code == 200, answer.text
+    choice, usage = answer.json()["choices"][0], answer.json()["usage"]
+    prompt = choice["prompt_logprobs"]
+    assert len(prompt) == usage["prompt_tokens"] and prompt[0] is None
+    echoed = choice["logprobs"]["token_logprobs"]  # the same numbers, in OpenAI's form
+    for position, entries in enumerate(prompt[1:], start=1):
+        ranks = sorted(e["rank"] for e in entries.values())
+        # the 2 most likely, and the prompt's token when it is not one of them
+        assert ranks[:2] == [1, 2] and (len(ranks) == 2 or (len(ranks) == 3 and ranks[2] > 2))
+        actual = [e for e in entries.values() if e["logprob"] == echoed[position]]
+        assert actual, (position, entries, echoed[position])
+        best = max(e["logprob"] for e in entries.values())
+        assert (actual[0]["rank"] == 1) == (actual[0]["logprob"] == best)
+    streamed = httpx.post(url, json={**ask, "prompt_logprobs": 0, "stream": True}).text
+    first = json.loads(streamed.split("\n\n")[0].removeprefix("data: "))
+    assert len(first["choices"][0]["prompt_logprobs"]) == usage["prompt_tokens"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}
+    refused = httpx.post(llm_server.url + "/v1/chat/completions", json=chat)
+    assert refused.status_code == 400 and "prompt_logprobs" in refused.text
