@@ -39,6 +39,7 @@ from lockgate.frontend.v2_service import SERVER_METADATA, Deadline
 from lockgate.protocol.grpc import codec
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
+from lockgate.protocol.grpc.status import cancelled_code
 from lockgate.protocol.repository_control import load_request, unload_request
 
 if TYPE_CHECKING:
@@ -332,7 +333,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             retry = exc.headers().get("retry-after", "")
             await _abort(context, code, exc.message, retry)
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+            code = cancelled_code(context)
             raise
         except Exception as exc:
             log.exception("unhandled error in gRPC %s", method)

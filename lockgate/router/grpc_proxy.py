@@ -41,6 +41,7 @@ from grpc.aio import ServicerContext as Context
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lockgate.protocol.grpc import inference_pb2 as pb
+from lockgate.protocol.grpc.status import cancelled_code
 from lockgate.router.app import RouterApp
 from lockgate.router.groups import MAIN
 from lockgate.router.grpc_model import model_of
@@ -329,7 +330,7 @@ class GrpcFront:
             code = status.code
             await _abort(context, status)
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+            code = cancelled_code(context)
             raise
         finally:
             self.latency.observe((_label(method), code.name), time.perf_counter() - start)
@@ -474,7 +475,7 @@ class GrpcFront:
             code = status.code
             await _abort(context, status)
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+            code = cancelled_code(context)
             raise
         finally:
             self.latency.observe((_label(method), code.name), time.perf_counter() - start)
