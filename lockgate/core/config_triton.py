@@ -41,7 +41,10 @@ _BATCHING_FIELDS = frozenset(
         "default_priority_level",
     }
 )
-_QUEUE_POLICY_FIELDS = frozenset({"max_queue_size", "default_timeout_microseconds"})
+# allow_timeout_override: lockgate always takes a request's own timeout, and writes true
+_QUEUE_POLICY_FIELDS = frozenset(
+    {"max_queue_size", "default_timeout_microseconds", "allow_timeout_override"}
+)
 _STEP_FIELDS = frozenset({"model_name", "model_version", "input_map", "output_map"})
 _LOCATION = re.compile(r"^\d+(?::\d+)? : ")  # ParseError's "line:column : " prefix
 _LOCKGATE_FIELDS = ("latency_slo_ms", "admission_slack")  # given as parameters in a config.pbtxt
@@ -187,6 +190,16 @@ class _TritonTranslator:
                     problem = f"expected a number, got {value!r}"
                     raise self.error(f"parameters.{key}", problem) from None
         raw["parameters"] = parameters
+
+    def _field_model_transaction_policy(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        """`decoupled: false` (what lockgate's own config answer says) is the only kind it
+        serves: one response per request."""
+        if config.model_transaction_policy.decoupled:
+            log.warning(
+                "%s: ignoring 'model_transaction_policy.decoupled' (lockgate answers each "
+                "request once)",
+                self.path,
+            )
 
     def _field_response_cache(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
         raw["response_cache"] = {"enable": config.response_cache.enable}

@@ -463,3 +463,30 @@ def test_a_server_reshapes_and_labels_as_triton(demo_repo: Path, tmp_path: Path)
             assert [p[1:] for p in parts] == [["0", "zero"], ["1", "one"], ["9"]]
     finally:
         server.stop()
+
+
+def test_the_config_lockgate_answers_reads_back_without_warnings(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`GET .../config` sent back in a load request (tritonclient's load_model(config=...)):
+    every field lockgate writes is one it reads."""
+    from lockgate.core.config_triton import parse_json_config
+    from lockgate.protocol import v2_metadata
+
+    text = """
+    name: "q" backend: "onnxruntime" max_batch_size: 8
+    input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] } ]
+    output [ { name: "y" data_type: TYPE_FP32 dims: [ 2 ] } ]
+    dynamic_batching {
+      priority_levels: 2 default_priority_level: 2
+      default_queue_policy { max_queue_size: 4 default_timeout_microseconds: 1000 }
+    }
+    """
+    config = parse_pbtxt_config(text, path="q/config.pbtxt", folder="q")
+    document = v2_metadata.model_config(config, v2_metadata.Runtime("onnxruntime"))
+    with caplog.at_level(logging.WARNING):
+        again = parse_json_config(
+            v2_metadata.encode(document).decode(), path="q (load)", folder="q"
+        )
+    assert "ignoring" not in warnings_of(caplog), warnings_of(caplog)
+    assert again.max_batch_size == 8 and again.batcher.priority_levels == 2
