@@ -275,7 +275,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         served = self.v2.served(name, request.model_version)
         check = functools.partial(self.v2.check_declared, served)  # before any data is decoded
         shared = self.v2.shared_memory
-        decoded = codec.decode_infer_request(request, check=check, shared_memory=shared)
+        try:
+            decoded = codec.decode_infer_request(request, check=check, shared_memory=shared)
+        except ServingError as error:
+            self.v2.refused(served, error)
+            raise
         deadline = Deadline(received, transport_seconds=context.time_remaining())
         granted = self.app.priority_granted(_bearer(context))
         trace_id = traced.trace_id if traced is not None else ""

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from lockgate.core.manager import ServedVersion
-from lockgate.errors import Forbidden, NotFound
+from lockgate.errors import Forbidden, NotFound, ServingError
 from lockgate.frontend.http import (
     JSON,
     HttpRequest,
@@ -68,12 +68,16 @@ async def infer_reply(
     """Decode, run and encode one v2 inference request whose body is in: the answer of both
     the ASGI route above and the protocol's lane (`frontend/lane.py`). `header_length` and
     `timeout` are the raw `Inference-Header-Content-Length` and `Request-Timeout` headers."""
-    decoded = v2_codec.decode_infer_request(
-        body,
-        None if header_length is None else header_length.decode("latin-1"),
-        check=functools.partial(service.check_declared, served),  # before any data is decoded
-        shared_memory=service.shared_memory,
-    )
+    try:
+        decoded = v2_codec.decode_infer_request(
+            body,
+            None if header_length is None else header_length.decode("latin-1"),
+            check=functools.partial(service.check_declared, served),  # before data is decoded
+            shared_memory=service.shared_memory,
+        )
+    except ServingError as error:
+        service.refused(served, error)
+        raise
     seconds = timeout_header(None if timeout is None else timeout.decode("latin-1"))
     deadline = Deadline(received, header_seconds=seconds)
     trace_id = traced.trace_id if traced else ""

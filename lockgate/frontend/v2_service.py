@@ -21,7 +21,7 @@ from lockgate.core.repository import model_names
 from lockgate.core.request import InferRequest
 from lockgate.core.validate import validate_inputs, validate_outputs, validate_shapes
 from lockgate.datatypes import Arrays
-from lockgate.errors import BadRequest, Forbidden, NotFound
+from lockgate.errors import BadRequest, Forbidden, NotFound, ServingError
 from lockgate.protocol import v2_metadata
 from lockgate.protocol.shared_memory import SharedMemory
 from lockgate.protocol.v2_codec import DeclaredInput, V2InferRequest
@@ -250,17 +250,28 @@ class V2Service:
             deadline.header_seconds,
             deadline.transport_seconds,
         )
-        request = self.core_request(
-            name,
-            served,
-            decoded,
-            timed.resolve(served),
-            deadline.received,
-            priority_granted,
-            trace_id,
-        )
+        try:
+            request = self.core_request(
+                name,
+                served,
+                decoded,
+                timed.resolve(served),
+                deadline.received,
+                priority_granted,
+                trace_id,
+            )
+        except ServingError as error:
+            self.refused(served, error)
+            raise
         answer = await self.executor.infer(request, served)
         return InferResult(answer.served, answer.outputs, answer.source, request)
+
+    def refused(self, served: ServedVersion, error: ServingError) -> None:
+        """Count a request refused before it reached the model (malformed, or not what its
+        config declares) among the model's failures, as Triton counts them: in
+        `lockgate_requests_total` by the error's kind, and in the statistics' `fail`."""
+        labels = (served.config.name, str(served.version), error.kind)
+        self.models.metrics.requests.inc(labels)
 
     # -- health and metadata -----------------------------------------------------------
     def model_ready(self, name: str, version_text: str | None) -> str | None:

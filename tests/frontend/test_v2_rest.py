@@ -315,3 +315,22 @@ def test_openapi_document(server: RunningServer) -> None:
     doc = httpx.get(server.url + "/openapi.json").json()
     assert doc["openapi"].startswith("3.")
     assert "/v2/models/{model}/infer" in doc["paths"]
+
+
+def test_a_request_refused_before_the_model_counts_as_its_failure(server: RunningServer) -> None:
+    """As Triton counts them: in the statistics' fail and in lockgate_requests_total."""
+
+    def failures() -> int:
+        stats = httpx.get(server.url + "/v2/models/digits_sklearn/stats").json()
+        return sum(v["inference_stats"]["fail"]["count"] for v in stats["model_stats"])
+
+    before = failures()
+    wrong_shape = infer_body("input", np.ones((1, 63), np.float32))
+    assert post(server, "/v2/models/digits_sklearn/infer", wrong_shape).status_code == 400
+    not_json = httpx.post(server.url + "/v2/models/digits_sklearn/infer", content=b"{nope")
+    assert not_json.status_code == 400
+    assert failures() == before + 2
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'model="digits_sklearn",outcome="invalid_request",version="1"} 2.0' in metrics or (
+        'model="digits_sklearn",version="1",outcome="invalid_request"} 2.0' in metrics
+    ), [line for line in metrics.splitlines() if "invalid_request" in line]
