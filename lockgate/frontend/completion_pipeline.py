@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 TEXT_COMPLETION = "cmpl"
 CHAT_COMPLETION = "chatcmpl"
 _encode = msgspec.json.Encoder().encode
+T = TypeVar("T")
 
 
 class Superseded(Unavailable):
@@ -160,6 +161,13 @@ class CompletionPipeline:
         """The token ids of a prompt: a string, or token ids (checked against the vocabulary)."""
         return await self._off_loop(self._prompt_ids, service, prompt)
 
+    async def tokenize_all(self, service: LLMService, prompts: list[oa.Prompt]) -> list[list[int]]:
+        """The token ids of a batch's prompts, tokenized one after the other in one turn of a
+        tokenizer thread (a batch takes one place among those waiting)."""
+        return await self._off_loop(
+            lambda: [self._prompt_ids(service, prompt) for prompt in prompts]
+        )
+
     async def tokenize_text(
         self, service: LLMService, text: str, add_special_tokens: bool = True
     ) -> list[int]:
@@ -183,7 +191,7 @@ class CompletionPipeline:
         check_length(service, chars, self.limits.max_prompt_chars)
         return await self._off_loop(_chat_ids, service, messages, tools, generation_prompt)
 
-    async def _off_loop(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Tokenize off the event loop, at most `tokenize_threads` at once; past
         `tokenize_waiting` requests waiting their turn, 503."""
         if self.tokenizing >= self.limits.tokenize_threads + self.limits.tokenize_waiting:

@@ -186,7 +186,7 @@ class OpenAIRoutes:
         _check_supported(body)
         most_ids = service.engine_config.max_model_len
         prompts = oa.prompts_of(body.prompt, most_ids, self.limits.max_prompts)
-        ids = await asyncio.gather(*(self.pipeline.tokenize(service, p) for p in prompts))
+        ids = await self.pipeline.tokenize_all(service, prompts)
         prompt_only = body.echo and body.max_tokens == 0  # one token computed, not answered
         asked = [
             n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None
