@@ -66,6 +66,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "accepts it (Accept-Encoding; event streams never); 0: never compressed",
     )
     p.add_argument(
+        "--shared-memory-regions",
+        type=int,
+        default=256,
+        help="system shared memory regions clients on this host may register at once "
+        "(Triton's extension); 0: the extension is off",
+    )
+    p.add_argument(
         "--keep-alive-timeout",
         type=int,
         default=75.0,
@@ -469,6 +476,9 @@ def _serve(args: argparse.Namespace) -> int:
     if not 0 < args.repository_poll_secs < 1e6:
         print("lockgate: --repository-poll-secs must be a positive number", file=sys.stderr)
         return 2
+    if args.shared_memory_regions < 0:
+        print("lockgate: --shared-memory-regions must be 0 (off) or more", file=sys.stderr)
+        return 2
     if args.compress_min_bytes < 0:
         print("lockgate: --compress-min-bytes must be 0 (off) or more", file=sys.stderr)
         return 2
@@ -476,6 +486,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         body_timeout_s=args.body_timeout,
         compress_min_bytes=args.compress_min_bytes,
+        shared_memory_regions=args.shared_memory_regions,
         api_keys=_env_keys("LOCKGATE_API_KEYS"),
         admin_keys=_env_keys("LOCKGATE_ADMIN_KEYS"),
         priority_keys=_env_keys("LOCKGATE_PRIORITY_KEYS"),

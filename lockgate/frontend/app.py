@@ -134,6 +134,8 @@ class ServerSettings:
     # answers of at least this many bytes go out gzip or deflate to a client that accepts it
     # (Accept-Encoding); 0: never compressed
     compress_min_bytes: int = 4096
+    # system shared memory regions that may be registered at once; 0: the extension is off
+    shared_memory_regions: int = 256
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
             {
@@ -160,7 +162,7 @@ class App:
         self.settings = settings or ServerSettings()
         self.cache = ResponseCache(models.registry, self.settings.redis)
         self.executor = Executor(models, self.cache, models.registry)
-        self.v2 = V2Service(models, self.executor)
+        self.v2 = V2Service(models, self.executor, self.settings.shared_memory_regions)
         self.access = AccessLog(self.settings.access_log)
         self.openai = openai
         self.generate: GenerateHandler | None = None  # set with the OpenAI routes

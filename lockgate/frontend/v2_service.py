@@ -173,10 +173,13 @@ class Checked:
 class V2Service:
     """KServe v2 inference, health, metadata and Triton's extensions over a model manager."""
 
-    def __init__(self, models: ModelManager, executor: Executor) -> None:
+    def __init__(
+        self, models: ModelManager, executor: Executor, shared_memory_regions: int = 256
+    ) -> None:
         self.models = models
         self.executor = executor
-        self.shared_memory = SharedMemory()  # the regions tensors may be passed in
+        # the regions tensors may be passed in (0 regions: the extension is off)
+        self.shared_memory = SharedMemory(shared_memory_regions)
 
     # -- inference ---------------------------------------------------------------------
     def served(self, name: str, version_text: str | None) -> ServedVersion:

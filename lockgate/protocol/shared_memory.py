@@ -80,9 +80,12 @@ class SharedMemory:
         with self.lock:
             if name in self.regions:
                 raise BadRequest(f"shared memory region '{name}' is already registered")
+            if not self.max_regions:
+                raise BadRequest("system shared memory is off (--shared-memory-regions 0)")
             if len(self.regions) >= self.max_regions:
                 raise BadRequest(
-                    f"at most {self.max_regions} shared memory regions may be registered"
+                    f"at most {self.max_regions} shared memory regions may be registered "
+                    "(--shared-memory-regions)"
                 )
             self.regions[name] = Region(
                 name, key, offset, byte_size, self._map(key, offset + byte_size)
