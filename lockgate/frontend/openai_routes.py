@@ -120,15 +120,13 @@ class OpenAIRoutes:
         check_method(request.method, request.path, ("POST",))
         body = oa.decode(await request.body(), oa.DetokenizeRequest)
         service = self._service(body.model, _version(request))
-        limit = service.engine_config.max_model_len
-        if len(body.tokens) > limit:
-            raise BadRequest(f"tokens has {len(body.tokens)} ids, more than the context of {limit}")
-        bad = [t for t in body.tokens if not 0 <= t < service.vocab_size]
+        tokens = oa.token_ids_of(body.tokens, service.engine_config.max_model_len)
+        bad = [t for t in tokens if not 0 <= t < service.vocab_size]
         if bad:
             raise BadRequest(
                 f"token id {bad[0]} is outside the vocabulary (0..{service.vocab_size - 1})"
             )
-        text = service.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        text = service.tokenizer.decode(tokens, skip_special_tokens=False)
         await respond_json(request.send, 200, {"prompt": text})
 
     # -- models ------------------------------------------------------------------------

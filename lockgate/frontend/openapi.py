@@ -101,6 +101,11 @@ _HAND_CHECKED: dict[tuple[str, str], dict[str, Any]] = {
         "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}],
         "description": "the size of the model's own embeddings: they are not shortened",
     },
+    ("DetokenizeRequest", "tokens"): {
+        "type": "array",
+        "items": _COUNT,
+        "description": "token ids, at most the model's max_model_len of them",
+    },
     ("CompletionRequest", "prompt"): {
         "description": "a string, token ids, or a list of either (a batch of at most "
         "--max-prompts prompts, one choice each per n)",

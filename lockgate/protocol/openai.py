@@ -530,7 +530,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     """vLLM's /detokenize: token ids back to text."""
 
-    tokens: list[int]
+    tokens: msgspec.Raw  # a list of token ids: see `token_ids_of`
     model: str = ""
 
 
@@ -621,6 +621,21 @@ def prompts_of(raw: msgspec.Raw, most_ids: int, most_prompts: int) -> list[Promp
     if not batch or not all(batch):
         raise BadRequest(f"{_NOT_PROMPT}: the list is empty")
     return batch
+
+
+def token_ids_of(raw: msgspec.Raw, most: int) -> list[int]:
+    """A flat list of token ids, counted from the raw bytes before the list is built: more
+    than `most` are refused (400)."""
+    data = bytes(raw)
+    if opening_depth(data) != 1 or b'"' in data or b"{" in data:
+        raise BadRequest("tokens must be a list of token ids")
+    counts = count_scalars(data)
+    if counts.lists > 1:
+        raise BadRequest("tokens must be a list of token ids")
+    if counts.leaves > most:
+        raise BadRequest(f"tokens has {counts.leaves} ids, more than the context of {most}")
+    ids: list[int] = _prompt_decoded(_IDS, data) if data.strip() != b"[]" else []
+    return ids
 
 
 def _too_many_prompts(most: int) -> str:

@@ -106,3 +106,13 @@ def test_generate_names_every_unknown_field_of_a_small_body() -> None:
         generate.decode(json.dumps(body).encode())
     with pytest.raises(BadRequest, match="unknown parameters: 'b', 'c'"):
         generate.decode(json.dumps({"text_input": "hi", "b": 1, "c": 2}).encode())
+
+
+def test_too_many_token_ids_to_detokenize_are_refused_before_a_list_is_built() -> None:
+    data = b"[" + b"1," * 1_000_000 + b"1]"
+    assert peak_bytes(lambda: oa.token_ids_of(msgspec.Raw(data), 2048)) < 3 * len(data)
+    assert oa.token_ids_of(msgspec.Raw(b"[1, 2, 3]"), 3) == [1, 2, 3]
+    assert oa.token_ids_of(msgspec.Raw(b"[]"), 3) == []
+    for bad in (b'["a"]', b"[[1]]", b"7", b'{"a": 1}'):
+        with pytest.raises(BadRequest, match="list of token ids"):
+            oa.token_ids_of(msgspec.Raw(bad), 3)
