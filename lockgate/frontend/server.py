@@ -550,6 +550,10 @@ class _Protocol(HttpToolsProtocol):
         else:
             self._write_error(400, "invalid HTTP request", close=True)
 
+    def _unsupported_upgrade_warning(self) -> None:
+        """An `Upgrade` request (WebSocket, h2c) is served as plain HTTP: lockgate has no
+        route to upgrade, and one log line a request would let any client fill the log."""
+
 
 class _CannedHead:
     """A 503's head up to its content type, rebuilt only when the server's default headers
@@ -845,6 +849,7 @@ async def serve(options: ServeOptions) -> int:
         port=options.port,
         loop="none",
         lifespan="off",
+        ws="none",  # no WebSocket route: an Upgrade request is answered as plain HTTP
         http=_protocol_class(options.max_head_bytes, gate, refusals, app),
         access_log=False,
         log_level="warning",

@@ -751,6 +751,18 @@ def test_garbage_requests(server: RunningServer, data: bytes) -> None:
     response.error()
 
 
+@pytest.mark.parametrize("upgrade", ["websocket", "h2c"])
+def test_upgrade_requests_are_served_as_plain_http(server: RunningServer, upgrade: str) -> None:
+    """lockgate upgrades nothing: a WebSocket or h2c handshake gets the route's answer, not a
+    500 from an upgrade no route completes, and writes no log line."""
+    key = "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13"
+    for path in ("/v2/health/live", "/v2/models/digits_onnx/ready"):
+        head = f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: {upgrade}"
+        response = exchange(server, f"{head}\r\n{key}\r\n\r\n".encode())
+        assert response.status == 200, response.body[:200]
+    assert "upgrade" not in server.log().lower()
+
+
 @pytest.mark.parametrize("method", ["DELETE", "PUT", "PATCH", "GET"])
 def test_wrong_method_on_infer(server: RunningServer, method: str) -> None:
     r = httpx.request(method, server.url + INFER, timeout=10)
