@@ -131,6 +131,7 @@ class _Protocol(HttpToolsProtocol):
         self.vetted = False  # the head being parsed was already let through on arrival
         self.disconnect = Disconnect()  # tells the handlers on this connection it closed
         self.lane = Lane()  # the inference request answered below ASGI (`frontend/lane.py`)
+        self.body_arriving = False  # an ASGI request let through, its body not yet all in
 
     # -- connections -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -149,6 +150,7 @@ class _Protocol(HttpToolsProtocol):
         if self.lane.task is not None:
             self.lane.task.cancel("client disconnected")
         self._lane_body_ended()
+        self._asgi_body_ended()
         if self.counted:
             self.counted = False
             self.gate.disconnect(self.address)
@@ -254,7 +256,7 @@ class _Protocol(HttpToolsProtocol):
         why = self.gate.admit(path, self._in_progress(), now, self.lockgate_app.models.loading > 0)
         error = None
         if why is None:
-            wait = self.gate.loop_cost.wait(self._in_progress())
+            wait = self.gate.loop_cost.wait(self._loop_work_ahead())
             error = self.lockgate_app.early_refusal(b"POST", path, headers, received, wait)
             if error is None:
                 target = lane_target(path) if self.lane_open else None
@@ -297,6 +299,16 @@ class _Protocol(HttpToolsProtocol):
         """Requests let through and not yet answered: ASGI and lane tasks, and lane requests
         whose body is still arriving."""
         return len(self.tasks) + self.lane_bodies.count
+
+    def _loop_work_ahead(self) -> int:
+        """Requests in progress whose handlers the event loop runs before one let through
+        now: not those still waiting for their body."""
+        return len(self.tasks) + self.lane_bodies.count - self.lane_bodies.waiting()
+
+    def _asgi_body_ended(self) -> None:
+        if self.body_arriving:
+            self.body_arriving = False
+            self.lane_bodies.asgi -= 1
 
     # -- the lane ------------------------------------------------------------------------
     def _take_lane(self, request: LaneRequest, length: int, after_head: bytes, now: float) -> None:
@@ -431,7 +443,7 @@ class _Protocol(HttpToolsProtocol):
                 self._refuse(_SATURATED, self.gate.retry_after(time.monotonic()), why, path)
                 return
             method = self.parser.get_method()
-            wait = self.gate.loop_cost.wait(self._in_progress())
+            wait = self.gate.loop_cost.wait(self._loop_work_ahead())
             error = self.lockgate_app.early_refusal(method, path, self.headers, self.received, wait)
             if error is not None:
                 self.refusals.inc(("model_admission",))
@@ -440,6 +452,9 @@ class _Protocol(HttpToolsProtocol):
                 return
             self.gate.let_through(time.monotonic())
         super().on_headers_complete()
+        if not self.body_arriving:  # until on_message_complete, or the connection is lost
+            self.body_arriving = True
+            self.lane_bodies.asgi += 1
 
     def _refuse(self, body: bytes, retry: int, reason: str, path: str) -> None:
         """Answer 503 now, before the body. A small declared body is then skipped as it
@@ -505,6 +520,7 @@ class _Protocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self.between = True
+        self._asgi_body_ended()
         # the body is all in: reading it needs no timer (`HttpRequest.body`)
         self.scope["lockgate.body_complete"] = True  # type: ignore[typeddict-unknown-key]
         if self.refusing:  # the refused request's body is all skipped: the next may come
