@@ -3,6 +3,7 @@ message, never a 500, a hang or unbounded memory, and the server keeps serving."
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import re
@@ -595,12 +596,30 @@ def test_malformed_request_json(server: RunningServer, body: bytes) -> None:
 
 def test_huge_number_of_inputs(server: RunningServer) -> None:
     inputs = [
-        {"name": f"in{i}", "shape": [1], "datatype": "FP32", "data": [1.0]} for i in range(20_000)
+        {"name": f"in{i}", "shape": [1], "datatype": "FP32", "data": [1.0]} for i in range(1024)
     ]
     started = time.monotonic()
     r = httpx.post(server.url + INFER, json={"inputs": inputs}, timeout=30)
     assert "unexpected inference input" in assert_client_error(r)
     assert time.monotonic() - started < 10
+
+
+def test_inputs_past_the_most_a_request_holds_are_counted_before_they_are_built(
+    server: RunningServer,
+) -> None:
+    """300,000 tiny inputs (20 MB) took the event loop seconds to decode and plan; they are
+    counted first and refused, and the loop stays free for a probe meanwhile."""
+    tensor = '{"name":"in","shape":[1],"datatype":"FP32","data":[1]}'
+    body = ('{"inputs":[' + ",".join([tensor] * 300_000) + "]}").encode()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, server.url + INFER, content=body, timeout=30)
+        time.sleep(0.05)
+        probe = time.monotonic()
+        assert httpx.get(server.url + "/v2/health/live", timeout=10).status_code == 200
+        probe_seconds = time.monotonic() - probe
+        r = answer.result()
+    assert "length <= 1024" in assert_client_error(r)
+    assert probe_seconds < 0.5
 
 
 def test_same_input_twice(server: RunningServer) -> None:
