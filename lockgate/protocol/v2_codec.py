@@ -41,6 +41,7 @@ from lockgate.protocol.json_arrays import count_scalars, kind_of, opening_depth,
 MAX_ELEMENTS = 1 << 27  # per input tensor
 MAX_RANK = 32
 MAX_TENSORS = 1024  # inputs, and requested outputs, of one request: no model takes more
+MAX_PARAMETERS = 1024  # request parameters, of one request
 # A header this small holds too few tensors to cost much to decode; a longer one has its
 # tensors counted first (`_Counted`).
 COUNT_TENSORS_ABOVE = 64 * 1024
@@ -122,7 +123,7 @@ class _RequestIn(msgspec.Struct):
     inputs: list[_TensorIn]
     id: str = ""
     outputs: list[_OutputIn] = []
-    parameters: Parameters = {}
+    parameters: Annotated[Parameters, msgspec.Meta(max_length=MAX_PARAMETERS)] = {}
 
 
 @dataclass(slots=True)
