@@ -172,8 +172,9 @@ class CompletionPipeline:
         chars = sum(len(m["content"] or "") for m in messages)
         if tools is not None:
             chars += len(msgspec.json.encode(tools))
-        check_length(service, chars, self.limits.max_prompt_chars)
-        return await self._off_loop(_chat_ids, service, messages, tools)
+        most = self.limits.max_prompt_chars
+        check_length(service, chars, most)
+        return await self._off_loop(_chat_ids, service, messages, tools, most)
 
     async def _off_loop(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
         """Tokenize off the event loop, at most `tokenize_threads` at once; past
@@ -455,6 +456,17 @@ async def send_event(send: Send, payload: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
+def check_message_count(service: LLMService, count: int) -> None:
+    """A chat template gives each message at least a token of its own (its role's header):
+    more messages than the context has tokens cannot fit, and are refused before any is
+    rendered (half a million empty messages rendered and tokenized for seconds)."""
+    context = service.engine_config.max_model_len
+    if count > context:
+        raise BadRequest(
+            f"messages has {count} entries, more than the model's context of {context} tokens"
+        )
+
+
 def check_length(service: LLMService, chars: int, most: int) -> None:
     """Refuse, before tokenizing, a prompt too long to fit the context whatever its tokens,
     or longer than `most` characters (0: no bound of its own)."""
@@ -484,10 +496,21 @@ def deadline(request: HttpRequest) -> float | None:
 
 
 def _chat_ids(
-    service: LLMService, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    service: LLMService,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    most: int,
 ) -> list[int]:
+    """The prompt's ids; its rendered text (the template's own text with the contents) is
+    held to `check_length` before it is encoded."""
+
+    def rendered(chars: int) -> None:
+        check_length(service, chars, most)
+
     try:
-        return service.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
+        return service.tokenizer.encode_chat(
+            messages, add_generation_prompt=True, tools=tools, check_chars=rendered
+        )
     except ServingError:
         raise
     except Exception as exc:

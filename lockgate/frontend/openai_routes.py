@@ -32,6 +32,7 @@ from lockgate.frontend.completion_pipeline import (
     CompletionPipeline,
     Generation,
     PreparedCompletion,
+    check_message_count,
     send_event,
 )
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
@@ -160,6 +161,7 @@ class OpenAIRoutes:
         _check_supported(body)
         if not body.messages:
             raise BadRequest("messages must not be empty")
+        check_message_count(service, len(body.messages))
         tools = body.tool_use(self.limits)
         takes_tools = service.tokenizer.takes_tools
         messages = tool_calls.prompt_messages(body.messages, tools, takes_tools)
