@@ -277,7 +277,11 @@ class CompletionPipeline:
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,
-            logit_bias=_logit_bias(body.logit_bias, service.vocab_size, self.limits.max_logit_bias),
+            logit_bias=_logit_bias(
+                self.limits.logit_bias(body.logit_bias),
+                service.vocab_size,
+                self.limits.max_logit_bias,
+            ),
             grammar=self.grammar(service, body, tools),
         )
 
@@ -518,7 +522,7 @@ def _chat_ids(
 
 
 def _logit_bias(
-    bias: dict[str, float] | None, vocab_size: int, most: int
+    bias: dict[str, float], vocab_size: int, most: int
 ) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias ({"token id": bias}) as checked (token id, bias) pairs."""
     if not bias:
