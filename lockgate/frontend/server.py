@@ -451,8 +451,9 @@ class _Protocol(HttpToolsProtocol):
                 self._refuse(encode_error(error.message), retry, "model_admission", path)
                 return
             self.gate.let_through(time.monotonic())
+        starts = self.cycle is None or self.cycle.response_complete  # its task, now
         super().on_headers_complete()
-        if not self.body_arriving:  # until on_message_complete, or the connection is lost
+        if starts and not self.body_arriving:  # until on_message_complete, or connection_lost
             self.body_arriving = True
             self.lane_bodies.asgi += 1
 
