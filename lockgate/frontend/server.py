@@ -560,6 +560,7 @@ class _Protocol(HttpToolsProtocol):
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
+        self.refusals.inc(("head_too_large" if self.head_too_large else "invalid_http",))
         if self.head_too_large:
             self._write_error(
                 431, f"request line and headers are over {self.max_head_bytes} bytes", True
@@ -570,6 +571,21 @@ class _Protocol(HttpToolsProtocol):
     def _unsupported_upgrade_warning(self) -> None:
         """An `Upgrade` request (WebSocket, h2c) is served as plain HTTP: lockgate has no
         route to upgrade, and one log line a request would let any client fill the log."""
+
+
+class _ParserErrorFilter(logging.Filter):
+    """uvicorn logs a warning for every request its parser refuses: a client sending garbage
+    in a loop would write a line each time. They are counted instead
+    (`lockgate_http_refused_total{reason="invalid_http"}`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Invalid HTTP request received."
+
+
+def _quiet_parser_errors() -> None:
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _ParserErrorFilter) for f in uvicorn_log.filters):
+        uvicorn_log.addFilter(_ParserErrorFilter())
 
 
 class _CannedHead:
@@ -835,7 +851,7 @@ async def serve(options: ServeOptions) -> int:
         "lockgate_http_refused_total",
         "HTTP connections closed or requests refused by the connection gate, before any "
         "body was read, by reason (loop_lag, queue_delay, requests, model_admission, "
-        "connections, client_connections, head_timeout).",
+        "connections, client_connections, head_timeout, invalid_http, head_too_large).",
         ("reason",),
     )
     try:
@@ -875,6 +891,7 @@ async def serve(options: ServeOptions) -> int:
         timeout_graceful_shutdown=int(options.drain_timeout),
         timeout_keep_alive=options.keep_alive_timeout,
     )
+    _quiet_parser_errors()  # after uvicorn.Config, which configures uvicorn's loggers
     try:
         grpc_server = await _start_grpc(app, options)
     except OSError as exc:

@@ -816,3 +816,15 @@ def test_server_is_still_up_and_logged_no_crash(server: RunningServer) -> None:
     assert "Traceback" not in log
     assert "unhandled error" not in log
     assert server.process.poll() is None
+
+
+def test_garbage_requests_are_counted_not_logged_one_line_each(server: RunningServer) -> None:
+    """A client sending garbage in a loop would write a log line per request: they are
+    counted in lockgate_http_refused_total instead."""
+    assert exchange(server, b"\x00\x01GARBAGE\r\n\r\n", half_close=True).status == 400
+    before = server.metric("lockgate_http_refused_total", 'reason="invalid_http"')
+    for _ in range(20):
+        assert exchange(server, b"\x00\x01GARBAGE\r\n\r\n", half_close=True).status == 400
+    after = server.metric("lockgate_http_refused_total", 'reason="invalid_http"')
+    assert after - before == 20
+    assert "Invalid HTTP request received" not in server.log()
