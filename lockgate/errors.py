@@ -80,7 +80,8 @@ class TooManyRequests(ServingError):
 
 
 class BackendError(ServingError):
-    """The model itself raised. Only the requests of that batch see it."""
+    """The model itself raised on this request (a batch that fails runs again request by
+    request, so only the requests the model raised on see it)."""
 
     status = 500
     kind = "backend_error"

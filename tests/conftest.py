@@ -152,7 +152,7 @@ import numpy as np
 
 class Model:
     """Doubles its input. Raises on every `fail_every`-th batch of values >= 1000 (warmup and
-    profiling send small values); sleeps when asked."""
+    profiling send small values), and on any batch that holds -13; sleeps when asked."""
 
     def load(self, config, version_dir):
         self.fail_every = int(config.parameters.get("fail_every", "0"))
@@ -160,6 +160,8 @@ class Model:
 
     def infer(self, inputs):
         x = inputs["x"]
+        if np.any(x == -13):
+            raise ValueError("cannot take -13")
         if float(x.flat[0]) >= 1000:
             self.batches += 1
         if self.fail_every and x.flat[0] >= 1000 and self.batches % self.fail_every == 0:

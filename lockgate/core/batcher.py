@@ -26,7 +26,13 @@ from lockgate.core.request import Arrays, InferRequest
 from lockgate.core.runner import Instance
 from lockgate.core.serving_metrics import ServingMetrics
 from lockgate.core.slo import RateMeter, ServiceProfile
-from lockgate.errors import BackendError, DeadlineExceeded, ServingError, Unavailable
+from lockgate.errors import (
+    BackendError,
+    BadRequest,
+    DeadlineExceeded,
+    ServingError,
+    Unavailable,
+)
 
 log = logging.getLogger("lockgate.batcher")
 
@@ -34,7 +40,10 @@ Signature = tuple[tuple[str, tuple[int, ...], str], ...]
 
 
 def signature(request: InferRequest, batching: bool) -> Signature:
-    """Requests with equal signatures can share a batch: same inputs, same non-batch shapes."""
+    """Requests with equal signatures can share a batch: same inputs, same non-batch shapes.
+    A request that must run alone has a signature of its own."""
+    if request.alone:
+        return ((f"#alone-{request.seq}", (), ""),)
     skip = 1 if batching else 0
     return tuple(
         sorted((name, tuple(a.shape[skip:]), a.dtype.str) for name, a in request.inputs.items())
@@ -701,7 +710,8 @@ class Batcher:
         """Release the instance, record the batch, split its outputs or fail its requests."""
         self._release(instance)
         if isinstance(result, BaseException):
-            self._fail(batch, self._as_serving_error(batch, result))
+            if not self._retry_alone(batch, result):
+                self._fail(batch, self._as_serving_error(batch, result))
             return
         split_start = time.monotonic()
         try:
@@ -733,9 +743,33 @@ class Batcher:
             return exc
         if isinstance(exc, asyncio.CancelledError):
             return Unavailable("batch cancelled: the model is shutting down", retry_after=1)
-        # the model raised: only this batch fails
+        # the model raised on a lone request (or one that may not be retried)
         log.warning("model %s failed on a batch of %d rows: %r", self, batch.rows, exc)
         return BackendError(f"model '{self.config.name}' failed: {exc}")
+
+    def _retry_alone(self, batch: Batch, exc: BaseException) -> bool:
+        """The model raised on a batch of several requests (a token id past the vocabulary,
+        text it refuses): put them back at the head of their queues, each to run in a batch of
+        its own, so only the request the model cannot take fails. False when the batch had
+        one request, or the failure was no model's (a hang, a shutdown): it fails as it is."""
+        model_raised = isinstance(exc, BackendError | BadRequest) or (
+            isinstance(exc, Exception) and not isinstance(exc, ServingError)
+        )
+        waiting = [r for r in batch.requests if r.future is not None and not r.future.done()]
+        if not model_raised or len(batch.requests) < 2 or not waiting:
+            return False
+        log.warning(
+            "model %s failed on a batch of %d requests (%r); running each alone",
+            self,
+            len(batch.requests),
+            exc,
+        )
+        for request in reversed(waiting):
+            request.alone = True
+            self.queues[self.level_of(request) - 1].appendleft(request)
+            self.queued_rows += request.rows
+        self._wake.set()
+        return True
 
     def _inline(self, instance: Instance, batch: Batch) -> bool:
         """Run on the event loop when the batch is cheaper than a thread handoff (~100 µs):

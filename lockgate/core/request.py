@@ -44,6 +44,9 @@ class InferRequest:
     computed: float = 0.0  # the model finished that batch
     compute_seconds: float = 0.0  # the model's time on it
     batch_rows: int = 0
+    # The model raised on a batch this request shared: it runs again in a batch of its own,
+    # so a request the model cannot take fails alone, not the requests batched with it.
+    alone: bool = False
 
     def expired(self, now: float | None = None) -> bool:
         return self.deadline is not None and (now or time.monotonic()) >= self.deadline

@@ -188,8 +188,9 @@ class CompletionPipeline:
         chars = sum(len(m["content"] or "") for m in messages)
         if tools is not None:
             chars += len(msgspec.json.encode(tools))
-        check_length(service, chars, self.limits.max_prompt_chars)
-        return await self._off_loop(_chat_ids, service, messages, tools, generation_prompt)
+        most = self.limits.max_prompt_chars
+        check_length(service, chars, most)
+        return await self._off_loop(_chat_ids, service, messages, tools, most, generation_prompt)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Tokenize off the event loop, at most `tokenize_threads` at once; past
@@ -288,7 +289,11 @@ class CompletionPipeline:
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,
-            logit_bias=_logit_bias(body.logit_bias, service.vocab_size, self.limits.max_logit_bias),
+            logit_bias=_logit_bias(
+                self.limits.logit_bias(body.logit_bias),
+                service.vocab_size,
+                self.limits.max_logit_bias,
+            ),
             grammar=self.grammar(service, body, tools),
         )
 
@@ -477,6 +482,17 @@ async def send_event(send: Send, payload: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
+def check_message_count(service: LLMService, count: int) -> None:
+    """A chat template gives each message at least a token of its own (its role's header):
+    more messages than the context has tokens cannot fit, and are refused before any is
+    rendered (half a million empty messages rendered and tokenized for seconds)."""
+    context = service.engine_config.max_model_len
+    if count > context:
+        raise BadRequest(
+            f"messages has {count} entries, more than the model's context of {context} tokens"
+        )
+
+
 def check_length(service: LLMService, chars: int, most: int) -> None:
     """Refuse, before tokenizing, a prompt too long to fit the context whatever its tokens,
     or longer than `most` characters (0: no bound of its own)."""
@@ -509,11 +525,21 @@ def _chat_ids(
     service: LLMService,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
+    most: int,
     generation_prompt: bool = True,
 ) -> list[int]:
+    """The prompt's ids; its rendered text (the template's own text with the contents) is
+    held to `check_length` before it is encoded."""
+
+    def rendered(chars: int) -> None:
+        check_length(service, chars, most)
+
     try:
         return service.tokenizer.encode_chat(
-            messages, add_generation_prompt=generation_prompt, tools=tools
+            messages,
+            add_generation_prompt=generation_prompt,
+            tools=tools,
+            check_chars=rendered,
         )
     except ServingError:
         raise
@@ -522,7 +548,7 @@ def _chat_ids(
 
 
 def _logit_bias(
-    bias: dict[str, float] | None, vocab_size: int, most: int
+    bias: dict[str, float], vocab_size: int, most: int
 ) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias ({"token id": bias}) as checked (token id, bias) pairs."""
     if not bias:

@@ -184,11 +184,12 @@ class LoopCost:
 
     Requests let through on arrival wait for the loop's work already taken on: their
     handlers run after those of the requests in progress. Admission on arrival multiplies
-    this cost by the requests in progress to predict that wait. The loop's CPU also pays for
-    refusals, so each refusal counts as `REFUSAL_SHARE` of an answer (what a refusal costs
-    against a served request, measured by the refusal_cost benchmark): counted as nothing,
-    a storm of refusals would make every answer look costly, refuse more, and feed on
-    itself."""
+    this cost by the requests in progress to predict that wait (not counting those still
+    waiting for their body: their handlers wait on their clients, not on the loop). The
+    loop's CPU also pays for refusals, so each refusal counts as `REFUSAL_SHARE` of an
+    answer (what a refusal costs against a served request, measured by the refusal_cost
+    benchmark): counted as nothing, a storm of refusals would make every answer look costly,
+    refuse more, and feed on itself."""
 
     window: float = 0.1
     least: int = 8

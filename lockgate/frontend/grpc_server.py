@@ -90,11 +90,24 @@ def status_code(error: ServingError) -> grpc.StatusCode:
     return STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
 
 
+# The status message travels in a trailer, percent-encoded, and a client drops a trailer over
+# its metadata limit (8 KiB by default): past that the client would see RESOURCE_EXHAUSTED
+# instead of the status, so a message that echoes a long name from the request is cut.
+MAX_STATUS_MESSAGE_CHARS = 1024
+
+
+def status_message(message: str) -> str:
+    if len(message) <= MAX_STATUS_MESSAGE_CHARS:
+        return message
+    cut = len(message) - MAX_STATUS_MESSAGE_CHARS
+    return f"{message[:MAX_STATUS_MESSAGE_CHARS]}... ({cut} more characters)"
+
+
 async def _abort(
     context: Context, code: grpc.StatusCode, message: str, retry: str = ""
 ) -> NoReturn:
     trailing = (("retry-after", retry),) if retry else ()
-    await context.abort(code, message, trailing)
+    await context.abort(code, status_message(message), trailing)
     raise AssertionError("grpc.aio's abort always raises")
 
 

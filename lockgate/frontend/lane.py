@@ -49,10 +49,19 @@ class LaneRequest:
 
 @dataclass(slots=True)
 class BodiesArriving:
-    """Lane requests of a whole server let through and still receiving their body: with the
-    running tasks, the requests in progress the connection gate caps."""
+    """Requests of a whole server let through and still receiving their body.
+
+    `count`, the lane's: with the running tasks, the requests in progress the connection gate
+    caps. `asgi`, those whose ASGI task has started (they are among the tasks already). Both
+    wait on their client, not on the event loop: a request let through now waits for the
+    loop's work of the others alone, so a client holding bodies half sent does not make every
+    arrival look late to admission."""
 
     count: int = 0
+    asgi: int = 0
+
+    def waiting(self) -> int:
+        return self.count + self.asgi
 
 
 @dataclass(slots=True)

@@ -33,6 +33,7 @@ from lockgate.frontend.completion_pipeline import (
     CompletionPipeline,
     Generation,
     PreparedCompletion,
+    check_message_count,
     send_event,
 )
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, check_method, respond_json
@@ -102,6 +103,7 @@ class OpenAIRoutes:
             ids = await self.pipeline.tokenize_text(service, prompt, body.add_special_tokens)
         else:
             assert body.messages is not None
+            check_message_count(service, len(body.messages))
             messages = tool_calls.prompt_messages(body.messages, None, False)
             ids = await self.pipeline.tokenize_chat(
                 service, messages, generation_prompt=body.add_generation_prompt
@@ -227,6 +229,7 @@ class OpenAIRoutes:
         _check_supported(body)
         if not body.messages:
             raise BadRequest("messages must not be empty")
+        check_message_count(service, len(body.messages))
         tools = body.tool_use(self.limits)
         takes_tools = service.tokenizer.takes_tools
         messages = tool_calls.prompt_messages(body.messages, tools, takes_tools)

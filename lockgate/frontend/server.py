@@ -131,6 +131,7 @@ class _Protocol(HttpToolsProtocol):
         self.vetted = False  # the head being parsed was already let through on arrival
         self.disconnect = Disconnect()  # tells the handlers on this connection it closed
         self.lane = Lane()  # the inference request answered below ASGI (`frontend/lane.py`)
+        self.body_arriving = False  # an ASGI request let through, its body not yet all in
 
     # -- connections -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -149,6 +150,7 @@ class _Protocol(HttpToolsProtocol):
         if self.lane.task is not None:
             self.lane.task.cancel("client disconnected")
         self._lane_body_ended()
+        self._asgi_body_ended()
         if self.counted:
             self.counted = False
             self.gate.disconnect(self.address)
@@ -254,7 +256,7 @@ class _Protocol(HttpToolsProtocol):
         why = self.gate.admit(path, self._in_progress(), now, self.lockgate_app.models.loading > 0)
         error = None
         if why is None:
-            wait = self.gate.loop_cost.wait(self._in_progress())
+            wait = self.gate.loop_cost.wait(self._loop_work_ahead())
             error = self.lockgate_app.early_refusal(b"POST", path, headers, received, wait)
             if error is None:
                 target = lane_target(path) if self.lane_open else None
@@ -297,6 +299,16 @@ class _Protocol(HttpToolsProtocol):
         """Requests let through and not yet answered: ASGI and lane tasks, and lane requests
         whose body is still arriving."""
         return len(self.tasks) + self.lane_bodies.count
+
+    def _loop_work_ahead(self) -> int:
+        """Requests in progress whose handlers the event loop runs before one let through
+        now: not those still waiting for their body."""
+        return len(self.tasks) + self.lane_bodies.count - self.lane_bodies.waiting()
+
+    def _asgi_body_ended(self) -> None:
+        if self.body_arriving:
+            self.body_arriving = False
+            self.lane_bodies.asgi -= 1
 
     # -- the lane ------------------------------------------------------------------------
     def _take_lane(self, request: LaneRequest, length: int, after_head: bytes, now: float) -> None:
@@ -435,7 +447,7 @@ class _Protocol(HttpToolsProtocol):
                 self._refuse(_SATURATED, self.gate.retry_after(time.monotonic()), why, path)
                 return
             method = self.parser.get_method()
-            wait = self.gate.loop_cost.wait(self._in_progress())
+            wait = self.gate.loop_cost.wait(self._loop_work_ahead())
             error = self.lockgate_app.early_refusal(method, path, self.headers, self.received, wait)
             if error is not None:
                 self.refusals.inc(("model_admission",))
@@ -443,7 +455,11 @@ class _Protocol(HttpToolsProtocol):
                 self._refuse(encode_error(error.message), retry, "model_admission", path)
                 return
             self.gate.let_through(time.monotonic())
+        starts = self.cycle is None or self.cycle.response_complete  # its task, now
         super().on_headers_complete()
+        if starts and not self.body_arriving:  # until on_message_complete, or connection_lost
+            self.body_arriving = True
+            self.lane_bodies.asgi += 1
 
     def _refuse(self, body: bytes, retry: int, reason: str, path: str) -> None:
         """Answer 503 now, before the body. A small declared body is then skipped as it
@@ -509,6 +525,7 @@ class _Protocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self.between = True
+        self._asgi_body_ended()
         # the body is all in: reading it needs no timer (`HttpRequest.body`)
         self.scope["lockgate.body_complete"] = True  # type: ignore[typeddict-unknown-key]
         if self.refusing:  # the refused request's body is all skipped: the next may come
@@ -547,12 +564,32 @@ class _Protocol(HttpToolsProtocol):
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
+        self.refusals.inc(("head_too_large" if self.head_too_large else "invalid_http",))
         if self.head_too_large:
             self._write_error(
                 431, f"request line and headers are over {self.max_head_bytes} bytes", True
             )
         else:
             self._write_error(400, "invalid HTTP request", close=True)
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """An `Upgrade` request (WebSocket, h2c) is served as plain HTTP: lockgate has no
+        route to upgrade, and one log line a request would let any client fill the log."""
+
+
+class _ParserErrorFilter(logging.Filter):
+    """uvicorn logs a warning for every request its parser refuses: a client sending garbage
+    in a loop would write a line each time. They are counted instead
+    (`lockgate_http_refused_total{reason="invalid_http"}`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Invalid HTTP request received."
+
+
+def _quiet_parser_errors() -> None:
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _ParserErrorFilter) for f in uvicorn_log.filters):
+        uvicorn_log.addFilter(_ParserErrorFilter())
 
 
 class _CannedHead:
@@ -829,7 +866,7 @@ async def serve(options: ServeOptions) -> int:
         "lockgate_http_refused_total",
         "HTTP connections closed or requests refused by the connection gate, before any "
         "body was read, by reason (loop_lag, queue_delay, requests, model_admission, "
-        "connections, client_connections, head_timeout).",
+        "connections, client_connections, head_timeout, invalid_http, head_too_large).",
         ("reason",),
     )
     try:
@@ -860,6 +897,7 @@ async def serve(options: ServeOptions) -> int:
         port=options.port,
         loop="none",
         lifespan="off",
+        ws="none",  # no WebSocket route: an Upgrade request is answered as plain HTTP
         http=_protocol_class(options.max_head_bytes, gate, refusals, app),
         access_log=False,
         log_level="warning",
@@ -868,6 +906,7 @@ async def serve(options: ServeOptions) -> int:
         timeout_graceful_shutdown=int(options.drain_timeout),
         timeout_keep_alive=options.keep_alive_timeout,
     )
+    _quiet_parser_errors()  # after uvicorn.Config, which configures uvicorn's loggers
     try:
         grpc_server = await _start_grpc(app, options)
     except OSError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -246,6 +247,7 @@ class ChatTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        check_chars: Callable[[int], None] | None = None,
     ) -> list[int]:
         """Token ids of a chat prompt in which message content is text, never control: the
         template is rendered with a marker in place of each content, its own text is encoded
@@ -271,6 +273,10 @@ class ChatTokenizer:
         ]
         extra = {} if tools is None else {"tools": tools}
         prompt = self.apply_chat_template(marked, add_generation_prompt, **extra)
+        if check_chars is not None:  # the whole prompt's length, before any of it is encoded
+            markers_chars = sum(len(markers[i]) for i, c in enumerate(contents) if c)
+            contents_chars = sum(len(c) for c in contents if c)
+            check_chars(len(prompt) - markers_chars + contents_chars)
         ids: list[int] = []
         for piece in _MARKED.split(prompt):
             if not piece:

@@ -63,6 +63,22 @@ class OpenAILimits:
             )
         return strings
 
+    def logit_bias(self, raw: msgspec.Raw) -> dict[str, float]:
+        """The request's logit_bias ({"token id": bias}), its entries counted from the raw
+        bytes first: each has a colon of its own, so more colons than `max_logit_bias`
+        cannot be a logit_bias it takes (a million entries were built before they were
+        counted)."""
+        data = bytes(raw)
+        if data.count(b":") > self.max_logit_bias:
+            raise BadRequest(f"logit_bias takes at most {self.max_logit_bias} entries")
+        if not data:
+            return {}
+        try:
+            return _BIAS.decode(data) or {}
+        except msgspec.ValidationError as exc:
+            where = str(exc).replace("`$", "`$.logit_bias")
+            raise BadRequest(f"invalid request: {where}") from None
+
     def check_stop_token_ids(self, ids: list[int] | None) -> None:
         if len(ids or ()) > self.max_stop_token_ids:
             raise BadRequest(f"stop_token_ids takes at most {self.max_stop_token_ids} token ids")
@@ -145,7 +161,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # token id (as a string) -> bias, kept raw until counted (`OpenAILimits.logit_bias`)
+    logit_bias: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
     response_format: ResponseFormat | None = None
     # vLLM's guided decoding: a JSON schema (an object or its JSON text), a regular
     # expression (Rust's regex syntax), a Lark grammar (llguidance's syntax)
@@ -535,6 +552,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 _TEXT = msgspec.json.Decoder(str)
+_BIAS = msgspec.json.Decoder(dict[str, float] | None)
 _TEXTS = msgspec.json.Decoder(list[str])
 _NOT_TEXT = "input must be a string or a list of strings"
 _SPACE = b" \t\r\n"

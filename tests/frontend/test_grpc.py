@@ -308,6 +308,42 @@ def test_request_id_and_parameters(client: grpcclient.InferenceServerClient) -> 
     assert result.get_response().id == "r-7"
 
 
+def test_an_error_that_echoes_a_long_name_keeps_its_status(
+    stub: pb_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """The status message names the model; a 100 KB name is cut in it, so the client gets
+    NOT_FOUND, not a trailer over its metadata limit (RESOURCE_EXHAUSTED)."""
+    name = "m" * 100_000
+    tensor = pb.ModelInferRequest.InferInputTensor(name="input", datatype="FP32", shape=[1, 64])
+    request = pb.ModelInferRequest(model_name=name, inputs=[tensor])
+    request.raw_input_contents.append(bytes(256))
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.ModelInfer(request, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND, caught.value.details()
+    assert "unknown model 'mmm" in caught.value.details()
+    assert "more characters" in caught.value.details()
+
+
+@pytest.mark.parametrize("field", ["inputs", "outputs", "parameters"])
+def test_repeated_fields_past_the_most_a_request_holds_are_refused(
+    stub: pb_grpc.GRPCInferenceServiceStub, field: str
+) -> None:
+    """Counted before any item is read (half a million inputs held the event loop for
+    seconds)."""
+    request = pb.ModelInferRequest(model_name="digits_onnx")
+    for index in range(100_000):
+        if field == "inputs":
+            request.inputs.add(name=f"in{index}", datatype="FP32", shape=[1])
+        elif field == "outputs":
+            request.outputs.add(name="label")
+        else:
+            request.parameters[f"p{index}"].int64_param = index
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.ModelInfer(request, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"100000 {field}, more than the 1024" in caught.value.details()
+
+
 def test_client_errors(client: grpcclient.InferenceServerClient) -> None:
     x = digits_rows(2)
     expect_error(

@@ -3,6 +3,7 @@ message, never a 500, a hang or unbounded memory, and the server keeps serving."
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import re
@@ -595,12 +596,30 @@ def test_malformed_request_json(server: RunningServer, body: bytes) -> None:
 
 def test_huge_number_of_inputs(server: RunningServer) -> None:
     inputs = [
-        {"name": f"in{i}", "shape": [1], "datatype": "FP32", "data": [1.0]} for i in range(20_000)
+        {"name": f"in{i}", "shape": [1], "datatype": "FP32", "data": [1.0]} for i in range(1024)
     ]
     started = time.monotonic()
     r = httpx.post(server.url + INFER, json={"inputs": inputs}, timeout=30)
     assert "unexpected inference input" in assert_client_error(r)
     assert time.monotonic() - started < 10
+
+
+def test_inputs_past_the_most_a_request_holds_are_counted_before_they_are_built(
+    server: RunningServer,
+) -> None:
+    """300,000 tiny inputs (20 MB) took the event loop seconds to decode and plan; they are
+    counted first and refused, and the loop stays free for a probe meanwhile."""
+    tensor = '{"name":"in","shape":[1],"datatype":"FP32","data":[1]}'
+    body = ('{"inputs":[' + ",".join([tensor] * 300_000) + "]}").encode()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, server.url + INFER, content=body, timeout=30)
+        time.sleep(0.05)
+        probe = time.monotonic()
+        assert httpx.get(server.url + "/v2/health/live", timeout=10).status_code == 200
+        probe_seconds = time.monotonic() - probe
+        r = answer.result()
+    assert "length <= 1024" in assert_client_error(r)
+    assert probe_seconds < 0.5
 
 
 def test_same_input_twice(server: RunningServer) -> None:
@@ -751,6 +770,18 @@ def test_garbage_requests(server: RunningServer, data: bytes) -> None:
     response.error()
 
 
+@pytest.mark.parametrize("upgrade", ["websocket", "h2c"])
+def test_upgrade_requests_are_served_as_plain_http(server: RunningServer, upgrade: str) -> None:
+    """lockgate upgrades nothing: a WebSocket or h2c handshake gets the route's answer, not a
+    500 from an upgrade no route completes, and writes no log line."""
+    key = "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13"
+    for path in ("/v2/health/live", "/v2/models/digits_onnx/ready"):
+        head = f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: {upgrade}"
+        response = exchange(server, f"{head}\r\n{key}\r\n\r\n".encode())
+        assert response.status == 200, response.body[:200]
+    assert "upgrade" not in server.log().lower()
+
+
 @pytest.mark.parametrize("method", ["DELETE", "PUT", "PATCH", "GET"])
 def test_wrong_method_on_infer(server: RunningServer, method: str) -> None:
     r = httpx.request(method, server.url + INFER, timeout=10)
@@ -785,3 +816,15 @@ def test_server_is_still_up_and_logged_no_crash(server: RunningServer) -> None:
     assert "Traceback" not in log
     assert "unhandled error" not in log
     assert server.process.poll() is None
+
+
+def test_garbage_requests_are_counted_not_logged_one_line_each(server: RunningServer) -> None:
+    """A client sending garbage in a loop would write a log line per request: they are
+    counted in lockgate_http_refused_total instead."""
+    assert exchange(server, b"\x00\x01GARBAGE\r\n\r\n", half_close=True).status == 400
+    before = server.metric("lockgate_http_refused_total", 'reason="invalid_http"')
+    for _ in range(20):
+        assert exchange(server, b"\x00\x01GARBAGE\r\n\r\n", half_close=True).status == 400
+    after = server.metric("lockgate_http_refused_total", 'reason="invalid_http"')
+    assert after - before == 20
+    assert "Invalid HTTP request received" not in server.log()

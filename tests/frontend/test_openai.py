@@ -104,6 +104,37 @@ def test_errors_use_openai_format(client: openai.OpenAI) -> None:
         client.completions.create(model="no-such-model", prompt="hi")
 
 
+def test_chat_prompts_too_long_for_the_context_are_refused_before_they_are_tokenized(
+    llm_server: RunningServer,
+) -> None:
+    """Half a million empty messages were rendered and tokenized for seconds: more messages
+    than the context has tokens are refused at once, and a rendered prompt (roles included)
+    longer than the context could hold is refused before it is encoded."""
+    cases = [
+        ([{"role": "user", "content": ""}] * 100_000, "messages has 100000 entries, more than"),
+        ([{"role": "r" * 2000, "content": ""}] * 400, "characters cannot fit the context"),
+    ]
+    for messages, expected in cases:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+        r = httpx.post(llm_server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and expected in r.json()["error"]["message"], r.text
+
+
+def test_logit_bias_is_counted_before_it_is_built(llm_server: RunningServer) -> None:
+    """A million entries were built (most of a second of the event loop) before the limit of
+    300 refused them; their colons are counted first. A valid one still applies."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    huge = {**body, "logit_bias": {str(i): 1 for i in range(200_000)}}
+    r = httpx.post(llm_server.url + "/v1/completions", json=huge, timeout=30)
+    assert r.status_code == 400 and "at most 300 entries" in r.text
+    wrong = {**body, "logit_bias": {"5": "high"}}
+    r = httpx.post(llm_server.url + "/v1/completions", json=wrong, timeout=30)
+    assert r.status_code == 400 and "$.logit_bias" in r.text
+    forced = {**body, "logit_bias": {"28": 100}, "temperature": 0}
+    r = httpx.post(llm_server.url + "/v1/completions", json=forced, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
 def test_embeddings(client: openai.OpenAI) -> None:
     result = client.embeddings.create(
         model="minilm", input=["a dog runs", "a puppy sprints", "tax law"]

@@ -438,7 +438,9 @@ def test_cpu_bound_model_beside_a_cpu_hog_keeps_its_slo(hogged_minilm: RunningSe
 
 
 def test_faulty_model_fails_only_its_batches(server: RunningServer) -> None:
-    """`faulty` raises on every 10th batch of values >= 1000: those 500, the rest 200."""
+    """`faulty` raises on every 10th batch of values >= 1000. A failed batch of several
+    requests runs again request by request: a request gets 500 only when the batch it ran
+    alone in failed too, every other one 200 with its own answer."""
 
     async def load() -> list[tuple[int, float, dict[str, object]]]:
         url = server.url + "/v2/models/faulty/infer"
@@ -457,14 +459,18 @@ def test_faulty_model_fails_only_its_batches(server: RunningServer) -> None:
     failed = [(v, body) for status, v, body in answers if status == 500]
     served = [(v, body) for status, v, body in answers if status == 200]
     assert len(failed) + len(served) == len(answers), {s for s, _, _ in answers}
-    assert failed and len(served) > len(failed)
+    assert len(served) > len(failed)
     for _, body in failed:
         assert "injected failure" in str(body["error"])
     for value, body in served:
         outputs = body["outputs"]
         assert isinstance(outputs, list) and outputs[0]["data"] == [2 * value] * 4
-    batches = httpx.get(server.url + "/metrics").text
-    assert 'lockgate_requests_total{model="faulty",outcome="backend_error",version="1"}' in batches
+    assert "injected failure" in server.log()  # batches failed
+    if failed:
+        batches = httpx.get(server.url + "/metrics").text
+        assert 'lockgate_requests_total{model="faulty",outcome="backend_error",version="1"}' in (
+            batches
+        )
     assert httpx.get(server.url + "/v2/health/live").status_code == 200
     ok = httpx.post(server.url + "/v2/models/echo/infer", content=infer_body(1.0, None))
     assert ok.status_code == 200

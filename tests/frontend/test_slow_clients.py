@@ -220,3 +220,32 @@ def test_light_load_is_never_refused(gated: RunningServer) -> None:
             if r.status_code != 200:
                 refusals.append((r.status_code, r.text))
     assert not refusals
+
+
+def test_bodies_held_half_sent_do_not_make_arrivals_look_late(gated: RunningServer) -> None:
+    """Requests let through and waiting for the rest of their body (lane and chunked alike)
+    put no work ahead of a new request on the event loop: admission does not count them, and
+    requests sent meanwhile are served, not refused as if they would miss the model's SLO."""
+    body = {"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [0.1] * 64}]}
+    holders = []
+    with httpx.Client(timeout=30) as client:
+        for _ in range(100):  # the loop's cost per request is measured
+            assert client.post(gated.url + "/v2/models/digits_onnx/infer", json=body).is_success
+        head = "POST /v2/models/digits_onnx/infer HTTP/1.1\r\nHost: t\r\n"
+        try:
+            for index in range(280):
+                sock = socket.create_connection(("127.0.0.1", gated.port), timeout=10)
+                if index % 4:  # the lane: head and a part of the body in one read
+                    sock.sendall(f'{head}Content-Length: 1000\r\n\r\n{{"inputs":'.encode())
+                else:  # ASGI: a chunked body, one chunk sent
+                    sock.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n2\r\n{{}}\r\n".encode())
+                holders.append(sock)
+            time.sleep(0.2)  # every one of them let through
+            statuses = [
+                client.post(gated.url + "/v2/models/digits_onnx/infer", json=body).status_code
+                for _ in range(50)
+            ]
+        finally:
+            for sock in holders:
+                sock.close()
+    assert statuses.count(200) == 50, statuses

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 
 import httpx
 import numpy as np
@@ -190,6 +191,34 @@ def test_failing_backend_fails_only_its_batch(server: RunningServer) -> None:
     assert httpx.get(server.url + "/v2/models/faulty/ready").status_code == 200
 
 
+def test_a_request_the_model_raises_on_fails_alone_not_its_batch(server: RunningServer) -> None:
+    """Requests queued behind a busy instance share a batch; the model raises on one of them
+    (-13): the others are answered, and only that one fails."""
+    held = {
+        "inputs": [
+            {"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+            {"name": "delay", "shape": [1, 1], "datatype": "FP32", "data": [0.3]},
+        ]
+    }
+    values = [1.0, 2.0, -13.0, 3.0, 4.0, 5.0]
+    with concurrent.futures.ThreadPoolExecutor(len(values) + 1) as pool:
+        first = pool.submit(post, server, "/v2/models/echo/infer", held)
+        time.sleep(0.1)  # the instance is busy: the rest queue and leave in one batch
+        answers = [
+            pool.submit(post, server, "/v2/models/echo/infer", infer_body("x", np.full((1, 4), v)))
+            for v in values
+        ]
+        assert first.result().status_code == 200
+        for value, answer in zip(values, answers, strict=True):
+            r = answer.result()
+            if value == -13.0:
+                assert r.status_code == 500 and "cannot take -13" in r.json()["error"]
+            else:
+                assert r.status_code == 200, r.text
+                assert r.json()["outputs"][0]["data"] == [2 * value] * 4
+    assert "running each alone" in server.log()
+
+
 def test_broken_model_reports_why_and_others_serve(server: RunningServer) -> None:
     r = httpx.get(server.url + "/v2/models/broken/ready")
     assert r.status_code == 503
@@ -216,8 +245,6 @@ def test_deadline_in_queue_gives_504(server: RunningServer) -> None:
     quick = {**infer_body("x", np.ones((1, 4), np.float32)), "parameters": {"timeout": 200_000}}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         first = pool.submit(post, server, "/v2/models/slow/infer", slow)
-        import time
-
         time.sleep(0.2)
         second = post(server, "/v2/models/slow/infer", quick)
         assert first.result().status_code == 200

@@ -35,6 +35,8 @@ from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.shared_memory import SharedMemory, SharedSlice
 from lockgate.protocol.v2_codec import (
     MAX_ELEMENTS,
+    MAX_PARAMETERS,
+    MAX_TENSORS,
     DeclaredInput,
     InputCheck,
     RequestedOutput,
@@ -84,6 +86,7 @@ def decode_infer_request(
     sees every input as declared before any data is decoded (as in `v2_codec`). An input in
     shared memory (`shared_memory`'s regions) has no raw_input_contents entry: the entries
     are the other inputs', in order."""
+    _check_counts(request)
     raw = request.raw_input_contents
     declared: dict[str, DeclaredInput] = {}
     shared: dict[str, SharedSlice] = {}
@@ -129,6 +132,18 @@ def decode_infer_request(
         binary_default=True,
         checked=checked,
     )
+
+
+def _check_counts(request: pb.ModelInferRequest) -> None:
+    """The message's repeated fields, counted before any item is read: half a million inputs
+    or parameters held the event loop for seconds."""
+    for what, count, most in (
+        ("inputs", len(request.inputs), MAX_TENSORS),
+        ("outputs", len(request.outputs), MAX_TENSORS),
+        ("parameters", len(request.parameters), MAX_PARAMETERS),
+    ):
+        if count > most:
+            raise BadRequest(f"the request has {count} {what}, more than the {most} it may hold")
 
 
 def _declared(tensor: InputTensor, max_elements: int) -> DeclaredInput:
