@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 
-DEMO_VERSION = "8"  # bump when a builder changes: the cache path changes with it
+DEMO_VERSION = "9"  # bump when a builder changes: the cache path changes with it
 
 DIGITS_FEATURES = 64
 DIGITS_CLASSES = 10

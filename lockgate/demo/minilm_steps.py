@@ -19,8 +19,10 @@ import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from lockgate.demo.minilm_model import _text, data_file, mean_pool
+from lockgate.errors import BadRequest
 
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+MAX_POSITIONS = 512  # the encoder's position embeddings (BERT's)
 
 
 class Tokenize:
@@ -53,12 +55,21 @@ class Tokenize:
 
 
 class Encode:
+    """Token ids that the encoder cannot take (outside its vocabulary, a sequence longer than
+    its positions or empty, masks and types other than 0 and 1) are refused with 400, before
+    the session runs: onnxruntime would raise, a 500."""
+
     def __init__(self) -> None:
         self.session: ort.InferenceSession | None = None
         self.feeds: list[str] = []
+        self.vocab_size = 0
 
     def load(self, config: Any, version_dir: Path) -> None:
         parameters: dict[str, str] = dict(config.parameters)
+        tokenizer = Tokenizer.from_file(
+            str(data_file(parameters, "tokenizer", "model/tokenizer.json"))
+        )
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         options = ort.SessionOptions()
         options.intra_op_num_threads = int(parameters.get("intra_op_threads", "1"))
         options.inter_op_num_threads = 1
@@ -69,5 +80,19 @@ class Encode:
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.session is None:
             raise RuntimeError("the model is not loaded")
+        self.check(inputs)
         (hidden,) = self.session.run(["last_hidden_state"], {n: inputs[n] for n in self.feeds})
         return {"embedding": mean_pool(hidden, inputs["attention_mask"])}
+
+    def check(self, inputs: dict[str, np.ndarray]) -> None:
+        ids = inputs["input_ids"]
+        if any(inputs[name].shape != ids.shape for name in TOKEN_INPUTS):
+            raise BadRequest("input_ids, attention_mask and token_type_ids must have one shape")
+        if not 0 < ids.shape[-1] <= MAX_POSITIONS:
+            raise BadRequest(f"a sequence holds 1 to {MAX_POSITIONS} tokens, not {ids.shape[-1]}")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise BadRequest(f"input_ids must be token ids in 0..{self.vocab_size - 1}")
+        for name in ("attention_mask", "token_type_ids"):
+            values = inputs[name]
+            if values.min() < 0 or values.max() > 1:
+                raise BadRequest(f"{name} must hold 0 and 1 only")

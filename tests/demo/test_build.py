@@ -218,6 +218,29 @@ def test_demo_compositions_through_a_server(
         url = server.url + "/v2/models/digits_cached/infer"
         httpx.post(url, json=body)
         assert httpx.post(url, json=body).headers.get("x-lockgate-cache") == "hit"
+
+        # token ids the encoder cannot take are a 400 naming the problem, not the model's 500
+        def tokens(ids: list[int], types: int = 0) -> dict[str, object]:
+            return {
+                "inputs": [
+                    {"name": name, "shape": [1, len(ids)], "datatype": "INT64", "data": data}
+                    for name, data in (
+                        ("input_ids", ids),
+                        ("attention_mask", [1] * len(ids)),
+                        ("token_type_ids", [types] * len(ids)),
+                    )
+                ]
+            }
+
+        encoder = server.url + "/v2/models/minilm_encoder/infer"
+        assert httpx.post(encoder, json=tokens([101, 2023, 102])).status_code == 200
+        for bad, says in (
+            (tokens([101, 10**9, 102]), "token ids in 0..30521"),
+            (tokens([101] * 513), "1 to 512 tokens"),
+            (tokens([101, 102], types=7), "token_type_ids must hold 0 and 1"),
+        ):
+            answer = httpx.post(encoder, json=bad)
+            assert answer.status_code == 400 and says in answer.json()["error"], answer.text
     finally:
         client.close()
         server.stop()
