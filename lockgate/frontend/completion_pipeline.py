@@ -277,7 +277,7 @@ class CompletionPipeline:
                 "the completion). Please reduce the length of the prompt or max_tokens."
             )
         stop = self.limits.stop_strings(body.stop)
-        self.limits.check_stop_token_ids(body.stop_token_ids)
+        self.limits.check_stop_token_ids(body.stop_token_ids, service.vocab_size)
         return SamplingParams(
             **service.generation.fill(body.temperature, body.top_p, body.top_k, body.min_p),
             seed=body.seed,

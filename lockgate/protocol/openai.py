@@ -79,9 +79,15 @@ class OpenAILimits:
             where = str(exc).replace("`$", "`$.logit_bias")
             raise BadRequest(f"invalid request: {where}") from None
 
-    def check_stop_token_ids(self, ids: list[int] | None) -> None:
+    def check_stop_token_ids(self, ids: list[int] | None, vocab_size: int) -> None:
+        """At most `max_stop_token_ids` ids, each a token of the model's vocabulary."""
         if len(ids or ()) > self.max_stop_token_ids:
             raise BadRequest(f"stop_token_ids takes at most {self.max_stop_token_ids} token ids")
+        bad = [t for t in ids or () if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(
+                f"stop_token_ids: {bad[0]} is not a token id of the model (0..{vocab_size - 1})"
+            )
 
     def check_constraint(self, constraint: OutputConstraint) -> None:
         """A JSON schema, regex or grammar no longer than `max_grammar_chars` (it is compiled

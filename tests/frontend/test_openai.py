@@ -253,6 +253,7 @@ def test_guided_choice_and_a_kept_stop_string(client: openai.OpenAI) -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options can only be given"),
         ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
+        ({"stop_token_ids": [2, 10**9]}, "1000000000 is not a token id of the model"),
     ],
 )
 def test_what_a_request_cannot_have_is_refused_by_name(

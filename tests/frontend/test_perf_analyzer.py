@@ -121,14 +121,13 @@ def test_perf_analyzer_measures_a_cascade(composed: RunningServer, protocol: str
     assert after["inference_stats"]["success"]["ns"] > 0
 
 
-@pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_perf_analyzer_passes_tensors_in_system_shared_memory(
-    composed: RunningServer, protocol: str
-) -> None:
-    """perf_analyzer registers its regions, names them in every request, and unregisters."""
+def test_perf_analyzer_passes_tensors_in_system_shared_memory(composed: RunningServer) -> None:
+    """perf_analyzer registers its regions, names them in every request, and unregisters
+    (over gRPC; tritonclient's own test covers both protocols, benchmarks/shared_memory.py
+    runs perf_analyzer over both)."""
     before = _answered(composed, "digits_onnx")
     extra = ("--shared-memory", "system", "--output-shared-memory-size", "1024")
-    out = _perf_analyzer(composed, "digits_onnx", protocol, *extra)
+    out = _perf_analyzer(composed, "digits_onnx", "grpc", *extra)
     assert "Throughput" in out
     assert _answered(composed, "digits_onnx") > before
     assert httpx.get(composed.url + "/v2/systemsharedmemory/status").json() == []

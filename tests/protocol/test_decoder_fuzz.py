@@ -241,7 +241,7 @@ def test_openai_stop_limits(body: dict[str, Any]) -> None:
     def decode() -> None:
         request = oa.decode(raw, oa.CompletionRequest)
         assert len(limits.stop_strings(request.stop)) <= 2
-        limits.check_stop_token_ids(request.stop_token_ids)
+        limits.check_stop_token_ids(request.stop_token_ids, 100)
         assert len(limits.logit_bias(request.logit_bias)) <= limits.max_logit_bias
 
     only_client_errors(decode)
