@@ -187,10 +187,7 @@ class OpenAIRoutes:
         most_ids = service.engine_config.max_model_len
         prompts = oa.prompts_of(body.prompt, most_ids, self.limits.max_prompts)
         ids = await self.pipeline.tokenize_all(service, prompts)
-        prompt_only = body.echo and body.max_tokens == 0  # one token computed, not answered
-        asked = [
-            n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None
-        ]
+        prompt_only = body.prompt_only
         batch = [
             self.pipeline.prepare(
                 request,
@@ -201,7 +198,7 @@ class OpenAIRoutes:
                 default_max=16,
                 logprobs=body.logprobs,
                 namespace=COMPLETION.id_prefix,
-                prompt_logprobs=max(asked) if asked else None,
+                prompt_logprobs=body.prompt_top,
             )
             for prompt_ids in ids
         ]

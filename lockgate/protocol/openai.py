@@ -345,6 +345,21 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: bool = False
     # vLLM's: each prompt token's logprob, rank and this many most likely tokens at it
     prompt_logprobs: int | None = None  # type: ignore[assignment]
+
+    @property
+    def prompt_only(self) -> bool:
+        """`echo` with max_tokens 0: the prompt answered alone (one token computed, dropped)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def prompt_top(self) -> int | None:
+        """The most likely tokens to compute at each prompt token: `echo`'s logprobs or
+        `prompt_logprobs`, the larger (None: no prompt logprobs)."""
+        asked = [
+            n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None
+        ]
+        return max(asked) if asked else None
+
     unsupported_fields: ClassVar[tuple[str, ...]] = (
         "tools",
         "tool_choice",
