@@ -110,6 +110,10 @@ _WARMUP_KINDS = ("zero", "random")
 _SAFE_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a warmup file: one plain name
 _DEFAULT_BATCHING = DynamicBatching()
 _INSTANCE_KINDS = ("KIND_AUTO", "KIND_CPU", "KIND_GPU", "KIND_MODEL")
+# bounds on what a config may ask for, a load request's override included: each instance is a
+# thread and a copy of the model, and warmup and profiling build batches of max_batch_size rows
+MAX_INSTANCES = 256
+MAX_BATCH_SIZE = 1 << 20
 
 
 def config_from_dict(raw: Mapping[str, Any], *, path: str, folder: str) -> ModelConfig:
@@ -153,11 +157,15 @@ class _Reader:
 
     # -- scalars
 
-    def integer(self, value: Any, field: str, minimum: int | None = None) -> int:
+    def integer(
+        self, value: Any, field: str, minimum: int | None = None, maximum: int | None = None
+    ) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.error(field, f"expected an integer, got {value!r}")
         if minimum is not None and value < minimum:
             raise self.error(field, f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise self.error(field, f"must be <= {maximum}, got {value}")
         return value
 
     def number(self, value: Any, field: str) -> float:
@@ -210,7 +218,9 @@ class _Reader:
     def config(self, raw: Mapping[str, Any], folder: str) -> ModelConfig:
         self.mapping(dict(raw), "", _TOP_LEVEL)
         name = self.model_name(raw.get("name"), folder)
-        max_batch_size = self.integer(raw.get("max_batch_size", 0), "max_batch_size", 0)
+        max_batch_size = self.integer(
+            raw.get("max_batch_size", 0), "max_batch_size", 0, MAX_BATCH_SIZE
+        )
         inputs = self.tensors(raw, "input", "inputs")
         outputs = self.tensors(raw, "output", "outputs")
         batching = raw.get("dynamic_batching")
@@ -373,9 +383,14 @@ class _Reader:
         if "instance_count" in raw and "instance_group" in raw:
             raise self.error("instance_count", "give instance_count or instance_group, not both")
         if "instance_group" not in raw:
-            return self.integer(raw.get("instance_count", 1), "instance_count", 1)
+            return self.integer(raw.get("instance_count", 1), "instance_count", 1, MAX_INSTANCES)
         groups = self.listed(raw, "instance_group", self.instance_group)
-        return sum(groups) if groups else 1
+        total = sum(groups) if groups else 1
+        if total > MAX_INSTANCES:
+            raise self.error(
+                "instance_group", f"{total} instances in all, more than {MAX_INSTANCES}"
+            )
+        return total
 
     def instance_group(self, value: Any, field: str) -> int:
         raw = self.mapping(value, field, frozenset({"count", "kind", "name"}))
@@ -386,7 +401,7 @@ class _Reader:
             log.warning(
                 "%s: %s.kind KIND_GPU: lockgate runs this group on the CPU", self.path, field
             )
-        return self.integer(raw.get("count", 1), f"{field}.count", 1)
+        return self.integer(raw.get("count", 1), f"{field}.count", 1, MAX_INSTANCES)
 
     def version_policy(self, value: Any) -> VersionPolicy:
         if value is None:

@@ -123,6 +123,13 @@ def test_instance_group_counts_are_summed() -> None:
         ("backend: python\nadmission_slack: 0", "admission_slack", "(0, 1]"),
         ("backend: python\nadmission_slack: 1.5", "admission_slack", "(0, 1]"),
         ("backend: python\ninstance_count: 0", "instance_count", ">= 1"),
+        ("backend: python\ninstance_count: 100000", "instance_count", "<= 256"),
+        (
+            "backend: python\ninstance_group: [{count: 200}, {count: 100}]",
+            "instance_group",
+            "300 instances in all, more than 256",
+        ),
+        ("backend: python\nmax_batch_size: 100000000", "max_batch_size", "<= 1048576"),
         ("backend: python\nbatch_size: 4", "batch_size", "unknown key"),
         (
             "backend: python\ninputs: [{name: x, datatype: FLOAT99, dims: [1]}]",

@@ -104,6 +104,7 @@ def test_a_load_applies_the_config_it_gives(server: RunningServer) -> None:
         ("{not json", None, "the load request's config"),
         (json.dumps({"max_batch_size": "many"}), None, "the load request's config"),
         (json.dumps({"name": "other"}), None, "does not match"),
+        (json.dumps({"instance_group": [{"count": 100000}]}), None, "must be <= 256"),
         (None, {"file:1/model.onnx": b"\x00"}, "lockgate loads model files from the repository"),
     ],
 )
