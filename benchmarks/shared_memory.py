@@ -115,25 +115,18 @@ def run(ctx: Context) -> SuiteResult:
         met=all(r >= TARGET for r in ratios.values()),
         environment=environment(),
     )
+    measures = (("throughput", rates, "infer/s"), ("average latency", latencies, "ms"))
     for protocol, name in (("http", "HTTP (binary tensors)"), ("grpc", "gRPC (raw contents)")):
-        wire = statistics.median(rates[protocol, False])
-        result.add(f"{name} on the wire: throughput", wire, "infer/s")
-        result.add(
-            f"{name} in shared memory: throughput",
-            statistics.median(rates[protocol, True]),
-            "infer/s",
-            baseline_label="on the wire",
-            baseline=wire,
-        )
-        wire_ms = statistics.median(latencies[protocol, False])
-        result.add(f"{name} on the wire: average latency", wire_ms, "ms")
-        result.add(
-            f"{name} in shared memory: average latency",
-            statistics.median(latencies[protocol, True]),
-            "ms",
-            baseline_label="on the wire",
-            baseline=wire_ms,
-        )
+        for measure, values, unit in measures:
+            wire = statistics.median(values[protocol, False])
+            result.add(f"{name} on the wire: {measure}", wire, unit)
+            result.add(
+                f"{name} in shared memory: {measure}",
+                statistics.median(values[protocol, True]),
+                unit,
+                baseline_label="on the wire",
+                baseline=wire,
+            )
     result.notes.append(
         f"Medians of {rounds} alternating rounds of {interval} ms windows; server pinned to its "
         "core, perf_analyzer on the other; the model answers its input, so the figures are "

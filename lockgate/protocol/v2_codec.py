@@ -286,7 +286,7 @@ def _plan(
         raise BadRequest(f"input '{name}': unknown datatype '{tensor.datatype}'")
     count = element_count(name, tensor.shape, max_elements)
     declared = DeclaredInput(name, tensor.datatype, tuple(tensor.shape))
-    where = shared_slice(f"input '{name}'", tensor.parameters, shared_memory)
+    where = shared_slice("input", name, tensor.parameters, shared_memory)
     if where is not None:
         if tensor.data or "binary_data_size" in tensor.parameters:
             raise BadRequest(f"input '{name}': has both data and shared memory")
@@ -304,14 +304,16 @@ def _plan(
 
 
 def shared_slice(
-    what: str, parameters: Mapping[str, Any], shared_memory: SharedMemory | None
+    kind: str, name: str, parameters: Mapping[str, Any], shared_memory: SharedMemory | None
 ) -> SharedSlice | None:
-    """The shared memory a tensor's parameters name, inside a registered region (None: the
-    tensor names none); 400 when shared memory is off or the slice is not registered."""
-    if shared_memory is None:
-        if "shared_memory_region" in parameters:
-            raise BadRequest(f"{what}: shared memory is not supported here")
+    """The shared memory the parameters of `kind` (input or output) `name` name, inside a
+    registered region (None: they name none, the common case, checked first); 400 when
+    shared memory is off or the slice is not registered."""
+    if "shared_memory_region" not in parameters:
         return None
+    what = f"{kind} '{name}'"
+    if shared_memory is None:
+        raise BadRequest(f"{what}: shared memory is not supported here")
     where = slice_of(what, parameters)
     if where is not None:
         shared_memory.check(where)
@@ -528,7 +530,7 @@ def _requested_outputs(
 
 def _requested_output(entry: _OutputIn, shared_memory: SharedMemory | None) -> RequestedOutput:
     params = entry.parameters
-    where = shared_slice(f"output '{entry.name}'", params, shared_memory)
+    where = shared_slice("output", entry.name, params, shared_memory)
     binary = params.get("binary_data")
     if binary is not None and not isinstance(binary, bool):
         raise BadRequest(f"output '{entry.name}': binary_data must be true or false")

@@ -95,7 +95,10 @@ def decode_infer_request(
         if name in declared:
             raise BadRequest(f"input '{name}' appears more than once")
         declared[name] = _declared(tensor, max_elements)
-        where = shared_slice(f"input '{name}'", parameters_of(tensor.parameters), shared_memory)
+        where = None
+        if "shared_memory_region" in tensor.parameters:  # converted only then: the hot path
+            params = parameters_of(tensor.parameters)
+            where = shared_slice("input", name, params, shared_memory)
         if where is not None:
             if tensor.HasField("contents"):
                 raise BadRequest(f"input '{name}': has both contents and shared memory")
@@ -241,7 +244,7 @@ def _requested_outputs(
             raise BadRequest(f"output '{entry.name}' is requested more than once")
         seen.add(entry.name)
         params = parameters_of(entry.parameters)
-        where = shared_slice(f"output '{entry.name}'", params, shared_memory)
+        where = shared_slice("output", entry.name, params, shared_memory)
         classes = params.get("classification", 0)
         if not isinstance(classes, int) or isinstance(classes, bool) or classes < 0:
             raise BadRequest(
