@@ -73,6 +73,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "(Triton's extension); 0: the extension is off",
     )
     p.add_argument(
+        "--slow-body-secs",
+        type=float,
+        default=1.0,
+        help="when every place (--limit-concurrency) is taken, a new request takes the place "
+        "of one whose body has been arriving for longer than this (503, connection closed)",
+    )
+    p.add_argument(
         "--keep-alive-timeout",
         type=int,
         default=75.0,
@@ -520,6 +527,7 @@ def _serve(args: argparse.Namespace) -> int:
             head_timeout=args.head_timeout,
             max_connections=args.max_connections,
             max_connections_per_client=args.max_connections_per_client,
+            slow_body=args.slow_body_secs,
         )
     except ValueError as exc:
         print(f"lockgate: {exc}", file=sys.stderr)

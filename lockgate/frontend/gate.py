@@ -33,6 +33,16 @@ These decisions are made per connection or request head, each before any body is
 - **Requests in progress.** At most `max_requests` requests with a complete head run at once
   (the rest: 503). Connections still sending a head do not count, so idle or slow
   connections cannot take the places that probes and complete requests need.
+- **Bodies that do not come.** A request let through holds its place while its body
+  arrives, up to the body timeout (30 s). A client that sends complete heads and then
+  trickles or stalls the bodies could so hold every place, and every other client would be
+  refused. When every place is taken and a new request head arrives, the place of a request
+  whose body has been arriving for more than `slow_body` seconds is taken back: from the
+  client address holding the most such requests, its oldest. That request is answered 503
+  with Retry-After and its connection closes (the rest of its body is not read), and the new
+  request goes on in its place. Requests whose bodies arrive within `slow_body` are never
+  touched, nor are any while places are free; a client sending large bodies over a slow link
+  loses its place only to complete requests, and only when the server is full.
 - **Connections.** At most `max_connections_per_client` open connections per client address
   and `max_connections` in all; past either, a new connection is closed at once. A request
   head must arrive in full within `head_timeout` of the connection opening or of the request's
@@ -97,6 +107,7 @@ class GateSettings:
     max_requests: int | None = 1024  # requests in progress (complete heads); None: no limit
     max_connections: int = 16384  # open connections in all
     max_connections_per_client: int = 1024  # open connections from one client address
+    slow_body: float = 1.0  # seconds of body arriving after which a full server takes the place
     head_timeout: float = 10.0  # seconds for a request head to arrive in full
     queue_target: float = 0.005  # seconds of front-end delay that, standing, refuses; 0: off
     queue_interval: float = 0.050  # seconds over which the least delay is taken
@@ -107,7 +118,14 @@ class GateSettings:
     def __post_init__(self) -> None:
         if not 0 < self.weight <= 1:
             raise ValueError(f"weight must be in (0, 1], not {self.weight!r}")
-        names = ("max_lag", "interval", "head_timeout", "queue_target", "queue_interval")
+        names = (
+            "max_lag",
+            "interval",
+            "head_timeout",
+            "queue_target",
+            "queue_interval",
+            "slow_body",
+        )
         for name in (*names, "penalty_ratio", "penalty_pause", "pause_share"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -244,6 +262,49 @@ class Rate:
 
 
 @dataclass(slots=True)
+class BodyWait:
+    """A request let through whose body is still arriving: since when, and how to take its
+    place back (answer it 503 and close its connection)."""
+
+    since: float
+    evict: Callable[[], None]
+
+
+@dataclass(slots=True)
+class BodyWaits:
+    """The requests of each client address whose body is still arriving, oldest first. Pure
+    bookkeeping: the caller gives the clock; a connection waits for one body at a time and is
+    its own key."""
+
+    by_client: dict[str, dict[object, BodyWait]] = field(default_factory=dict)
+
+    def start(self, address: str, key: object, since: float, evict: Callable[[], None]) -> None:
+        self.by_client.setdefault(address, {})[key] = BodyWait(since, evict)
+
+    def end(self, address: str, key: object) -> None:
+        waits = self.by_client.get(address)
+        if waits is not None and waits.pop(key, None) is not None and not waits:
+            del self.by_client[address]
+
+    def evict(self, now: float, slow: float) -> bool:
+        """Take back the place of the oldest request past `slow` seconds of the client holding
+        the most such requests; False when there is none."""
+        chosen: tuple[str, object] | None = None
+        most = 0
+        for address, waits in self.by_client.items():
+            held = sum(1 for wait in waits.values() if now - wait.since > slow)
+            if held > most:
+                key = next(k for k, wait in waits.items() if now - wait.since > slow)
+                chosen, most = (address, key), held
+        if chosen is None:
+            return False
+        wait = self.by_client[chosen[0]][chosen[1]]
+        self.end(*chosen)
+        wait.evict()
+        return True
+
+
+@dataclass(slots=True)
 class Gate:
     """Shared by every connection of one server: settings, the lag and the connection table."""
 
@@ -255,6 +316,7 @@ class Gate:
     refusing: Rate = field(default_factory=Rate)  # heads refused, per second
     connections: Counter[str] = field(default_factory=Counter)  # open connections per address
     open_connections: int = 0
+    bodies: BodyWaits = field(default_factory=BodyWaits)  # let through, body still arriving
     # resumes of paused connections, oldest first; each says whether it resumed one (not when
     # the connection was resumed already, by its timer, or closed)
     held: deque[Callable[[], bool]] = field(default_factory=lambda: deque(maxlen=HELD_MAX))
@@ -289,7 +351,8 @@ class Gate:
         if path in EXEMPT_PATHS:
             return None
         s = self.settings
-        if s.max_requests is not None and in_progress >= s.max_requests:
+        full = s.max_requests is not None and in_progress >= s.max_requests
+        if full and not self.bodies.evict(now, s.slow_body):  # else: in a slow body's place
             return "requests"
         if in_progress == 0 or loading:  # the lag is not the requests' doing
             return None

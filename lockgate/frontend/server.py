@@ -309,6 +309,36 @@ class _Protocol(HttpToolsProtocol):
         if self.body_arriving:
             self.body_arriving = False
             self.lane_bodies.asgi -= 1
+            self.gate.bodies.end(self.address, self)
+
+    def _body_evicted(self) -> None:
+        """Every place is taken, a new request needs one, and this connection's request has
+        been sending its body for longer than the gate's `slow_body`: its place is taken back
+        (`BodyWaits`). It is answered 503 with Retry-After, and the connection closes with the
+        rest of its body unread (an ASGI handler waiting on it sees the client gone)."""
+        self.refusals.inc(("slow_body",))
+        waiting = self.lane.waiting
+        if waiting is not None:
+            method, path, headers, received = (
+                b"POST",
+                waiting.path,
+                waiting.headers,
+                waiting.received,
+            )
+            self._lane_body_ended()
+            self.lane.waiting = None
+        else:
+            self._asgi_body_ended()
+            if self.cycle is None or self.cycle.response_started:  # answered without its body
+                self.transport.close()
+                return
+            method, path = self.parser.get_method(), self.url.partition(b"?")[0].decode("latin-1")
+            headers, received = self.headers, self.received
+        rid = request_id(headers)
+        self._write_refusal(_SATURATED, self.gate.retry_after(time.monotonic()), rid, close=True)
+        access = self.lockgate_app.access
+        if access.enabled:
+            access.refused(rid, method, path, received, self.address, "slow_body")
 
     # -- the lane ------------------------------------------------------------------------
     def _take_lane(self, request: LaneRequest, length: int, after_head: bytes, now: float) -> None:
@@ -327,6 +357,7 @@ class _Protocol(HttpToolsProtocol):
             return
         self.lane.wait_for_body(request, length, after_head)
         self.lane_bodies.count += 1
+        self.gate.bodies.start(self.address, self, now, self._body_evicted)
         timeout = self.lockgate_app.settings.body_timeout_s
         self.lane.body_timer = self.loop.call_later(timeout, self._lane_body_timed_out)
 
@@ -347,11 +378,13 @@ class _Protocol(HttpToolsProtocol):
             self.lane.body_timer.cancel()
             self.lane.body_timer = None
             self.lane_bodies.count -= 1
+            self.gate.bodies.end(self.address, self)
 
     def _lane_body_timed_out(self) -> None:
         self.lane.body_timer = None
         self.lane.waiting = None
         self.lane_bodies.count -= 1
+        self.gate.bodies.end(self.address, self)
         if not self.transport.is_closing():
             timeout = self.lockgate_app.settings.body_timeout_s
             self._write_error(408, f"request body not received within {timeout:g} s", True)
@@ -460,6 +493,7 @@ class _Protocol(HttpToolsProtocol):
         if starts and not self.body_arriving:  # until on_message_complete, or connection_lost
             self.body_arriving = True
             self.lane_bodies.asgi += 1
+            self.gate.bodies.start(self.address, self, time.monotonic(), self._body_evicted)
 
     def _refuse(self, body: bytes, retry: int, reason: str, path: str) -> None:
         """Answer 503 now, before the body. A small declared body is then skipped as it
@@ -866,7 +900,8 @@ async def serve(options: ServeOptions) -> int:
         "lockgate_http_refused_total",
         "HTTP connections closed or requests refused by the connection gate, before any "
         "body was read, by reason (loop_lag, queue_delay, requests, model_admission, "
-        "connections, client_connections, head_timeout, invalid_http, head_too_large).",
+        "connections, client_connections, head_timeout, invalid_http, head_too_large, "
+        "slow_body: a place taken back from a request whose body did not come).",
         ("reason",),
     )
     try:

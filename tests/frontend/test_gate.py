@@ -69,6 +69,20 @@ def test_connection_caps_per_client_and_in_all() -> None:
     assert gate.open_connections == 0 and not gate.connections
 
 
+def test_a_full_gate_takes_back_the_oldest_slow_body_of_the_client_holding_most() -> None:
+    gate = Gate(GateSettings(max_requests=4, slow_body=1.0))
+    evicted: list[str] = []
+    for key, address, since in (("a1", "a", 0.1), ("b1", "b", 0.2), ("b2", "b", 0.3)):
+        gate.bodies.start(address, key, since, lambda key=key: evicted.append(key))
+    assert gate.admit("/v2/models/m/infer", 4, 1.05) == "requests"  # none past 1 s yet
+    assert gate.admit("/v2/models/m/infer", 4, 1.15) is None  # a1, the one past 1 s
+    assert gate.admit("/v2/models/m/infer", 4, 1.35) is None  # b holds the most past it: b1
+    assert evicted == ["a1", "b1"]
+    gate.bodies.end("b", "b2")  # its body came
+    assert gate.admit("/v2/models/m/infer", 4, 5.0) == "requests" and not gate.bodies.by_client
+    assert gate.admit("/v2/models/m/infer", 3, 5.0) is None  # a free place: nothing taken
+
+
 @pytest.mark.parametrize(
     "bad",
     [

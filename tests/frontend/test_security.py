@@ -326,6 +326,51 @@ def test_requests_over_the_limit_get_503_at_once_and_probes_still_answer(
     assert httpx.get(secured.url + "/v2/health/live").status_code == 200
 
 
+def test_a_full_server_takes_places_back_from_bodies_that_do_not_come(
+    secured: RunningServer,
+) -> None:
+    """One client (127.0.0.2) sends LIMIT complete heads and stalls their bodies, on the
+    parser's path (chunked) and on the lane's (Content-Length), so it holds every place. Once
+    they have waited past --slow-body-secs (1 s), each request from another client takes the
+    place of the stalled client's oldest request, which gets 503 with Retry-After and a
+    closed connection; the requests stalled after them, younger, are not taken back."""
+    auth = f"Authorization: Bearer {API_KEYS[0]}"
+    chunked = (
+        request_bytes("POST", "/v2/models/echo/infer", b"", "Transfer-Encoding: chunked", auth)
+        + b"a\r\n{"
+    )
+    lane = request_bytes("POST", "/v2/models/echo/infer", b"{", "Content-Length: 100", auth)
+
+    def stall(data: bytes) -> socket.socket:
+        sock = socket.create_connection(
+            ("127.0.0.1", secured.port), timeout=10, source_address=("127.0.0.2", 0)
+        )
+        sock.sendall(data)
+        time.sleep(0.05)  # in this order
+        return sock
+
+    complete = request_bytes("POST", "/v2/models/echo/infer", b"{}", "Content-Length: 2", auth)
+    holders = [stall(chunked if i % 2 == 0 else lane) for i in range(LIMIT)]
+    try:
+        time.sleep(1.2)
+        for oldest in holders[:2]:  # the parser's, then the lane's
+            answered = exchange(secured, complete)
+            assert answered.status == 400  # in a place taken back: answered by the model route
+            refused = read_response(oldest)
+            assert refused.status == 503 and int(refused.headers["retry-after"]) >= 1
+            assert oldest.recv(1) == b""  # closed, the rest of its body unread
+            holders.append(stall(lane))  # the freed place, taken again by a young request
+        for young in holders[LIMIT:]:  # taken after the others, so never the oldest: open
+            young.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                young.recv(1)
+    finally:
+        for sock in holders:
+            sock.close()
+    metrics = httpx.get(secured.url + "/metrics", headers=bearer(API_KEYS[0])).text
+    assert 'lockgate_http_refused_total{reason="slow_body"} 2.0' in metrics
+
+
 # -- the log -------------------------------------------------------------------------------
 
 
