@@ -278,6 +278,9 @@ _OPENAI_LIMITS = {
     "max_tools": "function tools of one chat request (more: 400)",
     "max_tool_chars": "characters of one chat request's tools, as JSON (more: 400; 0: tools "
     "refused)",
+    "max_payload_bytes": "bytes of one request body on the language-model routes (/v1/..., "
+    "/tokenize, /detokenize, generate; more: 413, within --max-body-mb): the body is decoded "
+    "whole on the event loop, 4 to 8 ms per MiB",
 }
 
 

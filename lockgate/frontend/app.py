@@ -238,6 +238,10 @@ class App:
             trace=traced,
         )
         openai = request.path.startswith("/v1/") or request.path in TOKEN_PATHS
+        if openai or _route_kind(request.path) == "generate":  # decoded whole on the loop
+            payload = self.settings.openai.max_payload_bytes
+            if payload < request.max_body:
+                request.max_body, request.body_flag = payload, "--max-payload-bytes"
         self.in_flight += 1
         try:
             self._authenticate(request)

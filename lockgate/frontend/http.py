@@ -73,6 +73,7 @@ class HttpRequest:
     path: str
     max_body: int
     body_timeout: float = 30.0  # seconds to receive the whole body, from the first read
+    body_flag: str = "--max-body-mb"  # the flag that sets `max_body`, named in a 413
     bytes_read: int = 0  # body bytes received so far
     trace: RequestTrace | None = None  # when tracing is on and the route is traced
 
@@ -122,7 +123,9 @@ class HttpRequest:
             except ValueError:
                 raise BadRequest("Content-Length is not an integer") from None
             if size > self.max_body:
-                raise PayloadTooLarge(f"body of {size} bytes is over the limit of {self.max_body}")
+                raise PayloadTooLarge(
+                    f"body of {size} bytes is over the limit of {self.max_body} ({self.body_flag})"
+                )
         if self.scope.get("lockgate.body_complete"):  # all in already: no timer to wait on
             chunks = await self._read_chunks()
         else:
@@ -149,7 +152,9 @@ class HttpRequest:
                 total += len(chunk)
                 self.bytes_read = total
                 if total > self.max_body:
-                    raise PayloadTooLarge(f"body is over the limit of {self.max_body} bytes")
+                    raise PayloadTooLarge(
+                        f"body is over the limit of {self.max_body} bytes ({self.body_flag})"
+                    )
                 chunks.append(chunk)
             if not message.get("more_body", False):
                 return chunks

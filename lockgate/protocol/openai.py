@@ -44,6 +44,7 @@ class OpenAILimits:
     max_grammar_mask_ms: int = 20  # CPU ms of one token mask of a grammar; past it, it ends
     max_tools: int = 128  # function tools of one chat request, as the OpenAI API allows
     max_tool_chars: int = 16384  # of a request's tools, as JSON; 0: tools refused
+    max_payload_bytes: int = 8 * 2**20  # of one request's body (language-model routes)
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -141,6 +142,7 @@ _AT_LEAST_ONE = frozenset(
         "max_n",
         "max_prompts",
         "max_tools",
+        "max_payload_bytes",
     }
 )
 

@@ -4,6 +4,7 @@ with a message, refused before the work it would cost, while liveness keeps answ
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,12 @@ import pytest
 from lockgate.errors import BadRequest
 from lockgate.protocol import v2_codec as v2
 from tests.conftest import RunningServer, digits_rows, start_server
-from tests.frontend.test_hostile_input import INFER, assert_client_error
+from tests.frontend.test_hostile_input import (
+    INFER,
+    assert_client_error,
+    read_response,
+    request_bytes,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 # each case: the peak RSS of its server grows less than RSS_GROWTH_BOUND_MIB
@@ -84,10 +90,10 @@ def bad_request(call: object, *args: object, **kwargs: object) -> str:
     return str(caught.value)
 
 
-def test_an_18_mb_prompt_is_refused_at_once_and_liveness_answers(
+def test_a_6_mb_prompt_is_refused_at_once_and_liveness_answers(
     llm_server: RunningServer,
 ) -> None:
-    prompt = "lorem ipsum " * 1_500_000  # 18 MB
+    prompt = "lorem ipsum " * 500_000  # 6 MB, within --max-payload-bytes
     probes: list[float] = []
     stop = threading.Event()
 
@@ -113,8 +119,33 @@ def test_an_18_mb_prompt_is_refused_at_once_and_liveness_answers(
         prober.join()
     assert r.status_code == 400, r.text[:300]
     assert "characters cannot fit the context" in r.json()["error"]["message"]
-    assert elapsed < 10, elapsed  # no tokenizing of 18 MB first
+    assert elapsed < 10, elapsed  # no tokenizing of 6 MB first
     assert probes and max(probes) < 1.0, max(probes)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+def test_a_language_model_body_over_the_payload_limit_is_a_413_before_it_is_read(
+    llm_server: RunningServer, path: str
+) -> None:
+    """Such a body would be decoded whole on the event loop (a 60 MB one stalled it for over
+    200 ms): past --max-payload-bytes (8 MiB) it is refused on its declared length, unsent."""
+    head = request_bytes("POST", path, b"", "Content-Length: 18000000")
+    with socket.create_connection(("127.0.0.1", llm_server.port), timeout=10) as sock:
+        sock.sendall(head)  # and none of the body
+        answer = read_response(sock)
+    assert answer.status == 413, answer
+    error = json.loads(answer.body)["error"]
+    assert (
+        "over the limit of 8388608" in error["message"]
+        and "--max-payload-bytes" in error["message"]
+    ), error
+    chunked = httpx.post(  # streamed without a length: refused once past the limit
+        llm_server.url + path,
+        content=iter([b"{" + b" " * 2**20] * 9),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert chunked.status_code == 413 and "--max-payload-bytes" in chunked.text, chunked.text
 
 
 def test_more_than_four_stop_strings_are_a_400(client: openai.OpenAI) -> None:
