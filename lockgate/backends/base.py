@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from lockgate.config import ModelConfig
 from lockgate.datatypes import Arrays
-from lockgate.errors import ConfigError
+from lockgate.errors import BackendError, ConfigError
 from lockgate.extras import import_for
 
 
@@ -175,3 +177,19 @@ def model_file(config: ModelConfig, version_dir: Path) -> Path:
             return resolved
     wanted = " or ".join(names) or "a model file"
     raise ConfigError(config.source, "default_model_filename", f"{version_dir} holds no {wanted}")
+
+
+def checked_outputs(outputs: Any, model: str, expected: list[str]) -> Arrays:
+    """What a user's infer() returned, as named arrays; BackendError when it is not that."""
+    if not isinstance(outputs, dict):
+        kind = type(outputs).__name__
+        raise BackendError(f"model '{model}': infer() returned {kind}, not a dict")
+    checked: Arrays = {}
+    for name, value in outputs.items():
+        if not isinstance(name, str):
+            raise BackendError(f"model '{model}': output name {name!r} is not a string")
+        checked[name] = value if isinstance(value, np.ndarray) else np.asarray(value)
+    for name in expected:
+        if name not in checked:
+            raise BackendError(f"model '{model}': infer() returned no output '{name}'")
+    return checked

@@ -22,9 +22,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
-from lockgate.backends.base import Arrays, InferContext, model_file
+from lockgate.backends import pb_utils, triton_python
+from lockgate.backends.base import Arrays, InferContext, checked_outputs, model_file
 from lockgate.config import ModelConfig
 from lockgate.errors import BackendError, ConfigError, ServingError
 
@@ -53,22 +52,6 @@ class PythonBackend:
 
     def close(self) -> None:
         _close(self._instance, self._module_name)
-
-
-def checked_outputs(outputs: Any, model: str, expected: list[str]) -> Arrays:
-    """What a user's infer() returned, as named arrays; BackendError when it is not that."""
-    if not isinstance(outputs, dict):
-        kind = type(outputs).__name__
-        raise BackendError(f"model '{model}': infer() returned {kind}, not a dict")
-    checked: Arrays = {}
-    for name, value in outputs.items():
-        if not isinstance(name, str):
-            raise BackendError(f"model '{model}': output name {name!r} is not a string")
-        checked[name] = value if isinstance(value, np.ndarray) else np.asarray(value)
-    for name in expected:
-        if name not in checked:
-            raise BackendError(f"model '{model}': infer() returned no output '{name}'")
-    return checked
 
 
 class PythonComposition:
@@ -113,13 +96,22 @@ def load_composition(config: ModelConfig, version_dir: Path) -> PythonCompositio
     return PythonComposition(_build(cls, config, version_dir, module_name), config, module_name)
 
 
-def load(config: ModelConfig, version_dir: Path) -> PythonBackend:
-    """Import `model.py` from the version folder and build (and `load`) its model class."""
+def load(
+    config: ModelConfig, version_dir: Path
+) -> PythonBackend | triton_python.TritonPythonBackend:
+    """Import `model.py` from the version folder and build (and `load`) its model class: a
+    lockgate `Model`, or Triton's `TritonPythonModel` (`backends/triton_python.py`)."""
     path = model_file(config, version_dir)
     module_name = _module_name(config.name, version_dir.name)
     module = import_file(path, module_name)
     class_name = config.parameters.get("class_name", "Model")
     cls = getattr(module, class_name, None)
+    if (
+        cls is None
+        and "class_name" not in config.parameters
+        and triton_python.is_triton_model(module)
+    ):
+        return _triton_model(module, config, version_dir, module_name)
     if not isinstance(cls, type):
         sys.modules.pop(module_name, None)
         raise ConfigError(
@@ -131,6 +123,23 @@ def load(config: ModelConfig, version_dir: Path) -> PythonBackend:
             str(path), "parameters.class_name", f"class '{class_name}' has no infer()"
         )
     return PythonBackend(_build(cls, config, version_dir, module_name), config, module_name)
+
+
+def _triton_model(
+    module: ModuleType, config: ModelConfig, version_dir: Path, module_name: str
+) -> triton_python.TritonPythonBackend:
+    try:
+        backend = triton_python.load(module.TritonPythonModel, config, version_dir)
+    except ServingError:
+        sys.modules.pop(module_name, None)
+        raise
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise BackendError(
+            f"model '{config.name}': initialize failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    backend.module_name = module_name
+    return backend
 
 
 def _build(cls: type, config: ModelConfig, version_dir: Path, module_name: str) -> Any:
@@ -167,6 +176,8 @@ def import_file(path: Path, module_name: str) -> ModuleType:
         raise ConfigError(str(path), "model", "cannot import this file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses and pickling look classes up here
+    # a Triton Python model imports Triton's utilities under this name (`backends/pb_utils.py`)
+    sys.modules.setdefault("triton_python_backend_utils", pb_utils)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:

@@ -1,0 +1,322 @@
+"""`triton_python_backend_utils`: what Triton's Python backend gives a model's code, on the CPU.
+
+A Triton Python model (`class TritonPythonModel` in `<version>/model.py`) imports this module
+as `import triton_python_backend_utils as pb_utils`; lockgate serves it under that name
+(`backends/triton_python.py`). It holds the request, response, tensor and error types the
+model's `initialize`, `execute` and `finalize` use, the helpers that read its config, and
+Triton's logger, each with Triton's names and signatures.
+
+What lockgate does not give a Python model, each refused by a clear error when used rather
+than faked: calling other models from `execute` (business logic scripting: use an ensemble,
+or a lockgate Python model whose `async infer` calls models through its context), decoupled
+responses (`get_response_sender`), and tensors on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lockgate.config import DATATYPES
+from lockgate.datatypes import is_datatype, numpy_dtype, serialize_bytes_tensor
+
+log = logging.getLogger("lockgate.models.python")
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+
+_BLS = (
+    "lockgate runs no inference requests from a Python model's execute(); call other models "
+    "from an ensemble, or from a lockgate Python model whose `async def infer(self, inputs, "
+    "ctx)` awaits ctx.infer(model, inputs)"
+)
+
+
+class TritonError(Exception):
+    """An error a model puts in a response (`InferenceResponse(error=...)`) or raises."""
+
+    UNKNOWN = 0
+    INTERNAL = 1
+    NOT_FOUND = 2
+    INVALID_ARG = 3
+    UNAVAILABLE = 4
+    UNSUPPORTED = 5
+    ALREADY_EXISTS = 6
+    CANCELLED = 7
+
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
+        super().__init__(message)
+        self._message = message
+        self._code = code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+
+class TritonModelException(Exception):
+    """Raised by the utilities on misuse, as in Triton."""
+
+
+class Tensor:
+    """A named array. BYTES tensors are object arrays of `bytes`, as in Triton."""
+
+    def __init__(self, name: str, data: Any) -> None:
+        if not isinstance(name, str):
+            raise TritonModelException(f"a tensor's name must be a string, not {name!r}")
+        array = data if isinstance(data, np.ndarray) else np.asarray(data)
+        if array.dtype.kind in "US":  # text given as str: Triton's TYPE_STRING holds bytes
+            array = np.vectorize(_as_bytes, otypes=[object])(array)
+        self._name = name
+        self._array = array
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def triton_dtype(self) -> int:
+        return numpy_to_triton_type(self._array.dtype.type)
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def to_dlpack(self) -> Any:
+        if self._array.dtype == object:
+            raise TritonModelException(f"tensor '{self._name}': BYTES tensors have no DLPack form")
+        return self._array.__dlpack__()
+
+    @staticmethod
+    def from_dlpack(name: str, dlpack: Any) -> Tensor:
+        """A tensor from an object with `__dlpack__` (a torch tensor, a numpy array), or from
+        a DLPack capsule (`torch.utils.dlpack.to_dlpack`; read through torch)."""
+        if hasattr(dlpack, "__dlpack__"):
+            return Tensor(name, np.from_dlpack(dlpack))
+        try:
+            import torch
+        except ImportError:
+            raise TritonModelException(
+                "Tensor.from_dlpack takes an object with __dlpack__; a bare capsule needs torch"
+            ) from None
+        return Tensor(name, torch.from_dlpack(dlpack).cpu().numpy())
+
+
+class InferenceRequest:
+    """A request as `execute` receives it: its input tensors and what it asked for."""
+
+    def __init__(
+        self,
+        model_name: str = "",
+        requested_output_names: Sequence[str] = (),
+        inputs: Sequence[Tensor] = (),
+        request_id: str = "",
+        correlation_id: int | str = 0,
+        model_version: int = -1,
+        flags: int = 0,
+        timeout: int = 0,
+        preferred_memory: Any = None,
+        trace: Any = None,
+        parameters: dict[str, Any] | str | None = None,
+    ) -> None:
+        self._model_name = model_name
+        self._requested = list(requested_output_names)
+        self._inputs = list(inputs)
+        self._request_id = request_id
+        self._correlation_id = correlation_id
+        self._model_version = model_version
+        self._flags = flags
+        self._timeout = timeout
+        if isinstance(parameters, str):
+            self._parameters = parameters
+        else:
+            self._parameters = json.dumps(parameters or {})
+
+    def inputs(self) -> list[Tensor]:
+        return list(self._inputs)
+
+    def requested_output_names(self) -> list[str]:
+        return list(self._requested)
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def model_name(self) -> str:
+        return self._model_name
+
+    def model_version(self) -> int:
+        return self._model_version
+
+    def flags(self) -> int:
+        return self._flags
+
+    def timeout(self) -> int:
+        return self._timeout
+
+    def parameters(self) -> str:
+        """The request's parameters, as a JSON object in a string (Triton's form)."""
+        return self._parameters
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def get_response_sender(self) -> Any:
+        raise TritonModelException(
+            "decoupled responses (get_response_sender) are not supported by lockgate: return "
+            "one InferenceResponse per request from execute()"
+        )
+
+    def exec(self, decoupled: bool = False) -> InferenceResponse:
+        raise TritonModelException(_BLS)
+
+    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
+        raise TritonModelException(_BLS)
+
+
+class InferenceResponse:
+    """What `execute` returns for each request: output tensors, or an error."""
+
+    def __init__(
+        self,
+        output_tensors: Sequence[Tensor] | None = None,
+        error: TritonError | None = None,
+        parameters: dict[str, Any] | str | None = None,
+    ) -> None:
+        self._outputs = list(output_tensors or ())
+        self._error = error
+        self._parameters = parameters
+
+    def output_tensors(self) -> list[Tensor]:
+        return list(self._outputs)
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+
+class Logger:
+    """Triton's model logger, on lockgate's log (`lockgate.models.python`)."""
+
+    INFO = 0
+    WARNING = 1
+    ERROR = 2
+    VERBOSE = 3
+    _LEVELS = {INFO: logging.INFO, WARNING: logging.WARNING, ERROR: logging.ERROR}
+
+    @staticmethod
+    def log(message: str, level: int = INFO) -> None:
+        log.log(Logger._LEVELS.get(level, logging.DEBUG), "%s", message)
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        log.info("%s", message)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        log.warning("%s", message)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        log.error("%s", message)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        log.debug("%s", message)
+
+
+def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
+    return next((t for t in request.inputs() if t.name() == name), None)
+
+
+def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
+    return next((t for t in response.output_tensors() if t.name() == name), None)
+
+
+def get_input_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((c for c in model_config.get("input", ()) if c.get("name") == name), None)
+
+
+def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((c for c in model_config.get("output", ()) if c.get("name") == name), None)
+
+
+def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+# Triton's TRITONSERVER_DataType numbers, in its order: BYTES before BF16
+_TRITON_TYPES = ("INVALID", *(d for d in DATATYPES if d not in ("BF16", "BYTES")), "BYTES", "BF16")
+
+
+def triton_string_to_numpy(triton_type_string: str) -> type:
+    """A config's `data_type` ("TYPE_FP32", "TYPE_STRING") as a numpy scalar type."""
+    datatype = triton_type_string.removeprefix("TYPE_")
+    datatype = "BYTES" if datatype == "STRING" else datatype
+    if not is_datatype(datatype) or datatype == "BF16":
+        raise TritonModelException(f"no numpy type for {triton_type_string!r}")
+    found: type = numpy_dtype(datatype).type
+    return found
+
+
+def triton_to_numpy_type(data_type: int) -> type | None:
+    """A TRITONSERVER_DataType number as a numpy scalar type; None when numpy has none."""
+    if not 0 < data_type < len(_TRITON_TYPES) - 1:
+        return None
+    return triton_string_to_numpy(_TRITON_TYPES[data_type])
+
+
+def numpy_to_triton_type(data_type: Any) -> int:
+    """A numpy type as a TRITONSERVER_DataType number (object and bytes: BYTES)."""
+    kind = np.dtype(data_type)
+    if kind.kind in "OSU":
+        return _TRITON_TYPES.index("BYTES")
+    for number, name in enumerate(_TRITON_TYPES[1:-2], start=1):
+        if numpy_dtype(name) == kind:
+            return number
+    raise TritonModelException(f"no Triton type for numpy type {kind}")
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray:
+    """BYTES elements in Triton's wire form: each a 4-byte little-endian length and its
+    bytes, flattened in row-major order, as a uint8 array."""
+    return np.frombuffer(serialize_bytes_tensor(np.asarray(input_tensor)), dtype=np.uint8)
+
+
+def deserialize_bytes_tensor(encoded_tensor: bytes | np.ndarray) -> np.ndarray:
+    """The inverse of `serialize_byte_tensor`: a flat object array of bytes."""
+    data = bytes(encoded_tensor)
+    items, at = [], 0
+    while at < len(data):
+        if at + 4 > len(data):
+            raise TritonModelException("truncated BYTES tensor: a length runs past the end")
+        size = int.from_bytes(data[at : at + 4], "little")
+        if at + 4 + size > len(data):
+            raise TritonModelException("truncated BYTES tensor: an element runs past the end")
+        items.append(data[at + 4 : at + 4 + size])
+        at += 4 + size
+    return np.array(items, dtype=object)
+
+
+def _as_bytes(item: Any) -> bytes:
+    if isinstance(item, bytes):
+        return item
+    if isinstance(item, str):
+        return item.encode("utf-8")
+    return str(item).encode("utf-8")

@@ -1,0 +1,170 @@
+"""A Triton Python model behind lockgate's dynamic batcher, its `model.py` unchanged.
+
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def initialize(self, args): ...                   # optional
+        def execute(self, requests): ...                  # one InferenceResponse per request
+        def finalize(self): ...                           # optional
+
+A `model.py` under `backend: "python"` that defines `TritonPythonModel` (and no lockgate
+`Model` class) is served this way; `triton_python_backend_utils` is lockgate's
+`backends/pb_utils.py`.
+
+- `initialize(args)` gets Triton's arguments: `model_config` (the config as Triton's JSON),
+  `model_instance_kind` ("CPU"), `model_instance_name`, `model_instance_device_id`,
+  `model_repository`, `model_version` and `model_name`.
+- `execute(requests)` gets one request per batch. The dynamic batcher has already merged the
+  requests it batched, so their rows arrive as one request whose tensors hold them all (with
+  `max_batch_size: 0`, one request as sent), and the one response's outputs are split back
+  to them by rows. A model that treats each request's rows on their own, as a batching model
+  must, answers the same as under Triton; request ids and parameters are the batch's, not
+  each client's.
+- An error response, or a `TritonError` raised, is the request's error: INVALID_ARG,
+  UNSUPPORTED and NOT_FOUND are 400, UNAVAILABLE 503, the rest 500, each with the model's
+  message. In a batch of several requests, each is then run alone, so only the one the
+  model refuses fails.
+- `finalize()` runs when the model is unloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from lockgate.backends import pb_utils
+from lockgate.backends.base import checked_outputs
+from lockgate.config import ModelConfig, TensorSpec
+from lockgate.datatypes import Arrays
+from lockgate.errors import BackendError, BadRequest, ServingError, Unavailable
+
+CLASS_NAME = "TritonPythonModel"
+_CLIENT_ERRORS = (
+    pb_utils.TritonError.INVALID_ARG,
+    pb_utils.TritonError.UNSUPPORTED,
+    pb_utils.TritonError.NOT_FOUND,
+)
+
+
+class TritonPythonBackend:
+    """An instance of the model's `TritonPythonModel`: each batch one `execute` call."""
+
+    __slots__ = ("_expected", "_instance", "_model", "_outputs", "_version", "module_name")
+
+    def __init__(self, instance: Any, config: ModelConfig, version: int) -> None:
+        self._instance = instance
+        self._model = config.name
+        self._version = version
+        self._outputs = [spec.name for spec in config.outputs]
+        self._expected = [spec.name for spec in config.outputs if not spec.optional]
+        self.module_name = ""  # the user's module, dropped from sys.modules on close
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        request = pb_utils.InferenceRequest(
+            model_name=self._model,
+            requested_output_names=self._outputs,
+            inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
+            model_version=self._version,
+        )
+        try:
+            responses = self._instance.execute([request])
+        except ServingError:
+            raise
+        except pb_utils.TritonError as exc:
+            raise self._error(exc) from exc
+        except Exception as exc:
+            raise BackendError(f"model '{self._model}': {type(exc).__name__}: {exc}") from exc
+        return self._outputs_of(responses)
+
+    def _outputs_of(self, responses: Any) -> Arrays:
+        if not isinstance(responses, list | tuple) or len(responses) != 1:
+            count = len(responses) if isinstance(responses, list | tuple) else type(responses)
+            raise BackendError(
+                f"model '{self._model}': execute() answered 1 request with {count} responses"
+            )
+        response = responses[0]
+        if not isinstance(response, pb_utils.InferenceResponse):
+            kind = type(response).__name__
+            raise BackendError(f"model '{self._model}': execute() returned a {kind}")
+        error = response.error()
+        if error is not None:
+            raise self._error(error)
+        outputs = {}
+        for tensor in response.output_tensors():
+            if not isinstance(tensor, pb_utils.Tensor):
+                kind = type(tensor).__name__
+                raise BackendError(f"model '{self._model}': an output is a {kind}, not a Tensor")
+            outputs[tensor.name()] = tensor.as_numpy()
+        return checked_outputs(outputs, self._model, self._expected)
+
+    def _error(self, error: pb_utils.TritonError) -> ServingError:
+        message = f"model '{self._model}': {error.message()}"
+        if error.code() in _CLIENT_ERRORS:
+            return BadRequest(message)
+        if error.code() == pb_utils.TritonError.UNAVAILABLE:
+            return Unavailable(message, retry_after=1)
+        return BackendError(message)
+
+    def close(self) -> None:
+        finalize = getattr(self._instance, "finalize", None)
+        try:
+            if callable(finalize):
+                finalize()
+        finally:
+            sys.modules.pop(self.module_name, None)
+
+
+def is_triton_model(module: Any) -> bool:
+    return isinstance(getattr(module, CLASS_NAME, None), type)
+
+
+def load(cls: type, config: ModelConfig, version_dir: Path) -> TritonPythonBackend:
+    """Build the model's class and run its `initialize` with Triton's arguments."""
+    version = int(version_dir.name) if version_dir.name.isdigit() else 1
+    model = cls()
+    initialize = getattr(model, "initialize", None)
+    if callable(initialize):
+        initialize(
+            {
+                "model_config": json.dumps(triton_config(config)),
+                "model_instance_kind": "CPU",
+                "model_instance_name": f"{config.name}_0_0",
+                "model_instance_device_id": "0",
+                "model_repository": str(version_dir.parent),
+                "model_version": str(version),
+                "model_name": config.name,
+            }
+        )
+    if not callable(getattr(model, "execute", None)):
+        raise BackendError(f"model '{config.name}': {CLASS_NAME} has no execute()")
+    return TritonPythonBackend(model, config, version)
+
+
+def triton_config(config: ModelConfig) -> dict[str, Any]:
+    """The parts of Triton's JSON model config a Python model reads: its name, batching,
+    tensors (`data_type` in Triton's spelling), parameters and instances."""
+    doc: dict[str, Any] = {
+        "name": config.name,
+        "backend": "python",
+        "max_batch_size": config.max_batch_size,
+        "input": [_tensor(spec) for spec in config.inputs],
+        "output": [_tensor(spec) for spec in config.outputs],
+        "parameters": {key: {"string_value": value} for key, value in config.parameters.items()},
+        "instance_group": [{"count": config.instance_count, "kind": "KIND_CPU"}],
+        "model_transaction_policy": {"decoupled": False},
+    }
+    if config.dynamic_batching is not None:
+        doc["dynamic_batching"] = {
+            "max_queue_delay_microseconds": config.dynamic_batching.max_queue_delay_us
+        }
+    return doc
+
+
+def _tensor(spec: TensorSpec) -> dict[str, Any]:
+    datatype = "TYPE_STRING" if spec.datatype == "BYTES" else f"TYPE_{spec.datatype}"
+    doc: dict[str, Any] = {"name": spec.name, "data_type": datatype, "dims": list(spec.dims)}
+    if spec.optional:
+        doc["optional"] = True
+    return doc

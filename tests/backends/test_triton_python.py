@@ -1,0 +1,263 @@
+"""Triton Python models served as they are: `model.py` with `TritonPythonModel` importing
+`triton_python_backend_utils`, and Triton's `config.pbtxt`, called with tritonclient over HTTP
+and gRPC."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from lockgate.backends import pb_utils
+from tests.conftest import RunningServer, free_port, start_server
+
+# Triton's own example (python_backend/examples/add_sub), unchanged but for the marker files
+ADD_SUB_CONFIG = """
+name: "add_sub"
+backend: "python"
+
+input [
+  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+parameters: { key: "offset" value: { string_value: "0.5" } }
+instance_group [{ kind: KIND_CPU }]
+"""
+
+ADD_SUB_MODEL = """
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = model_config = json.loads(args["model_config"])
+        output0_config = pb_utils.get_output_config_by_name(model_config, "OUTPUT0")
+        output1_config = pb_utils.get_output_config_by_name(model_config, "OUTPUT1")
+        self.output0_dtype = pb_utils.triton_string_to_numpy(output0_config["data_type"])
+        self.output1_dtype = pb_utils.triton_string_to_numpy(output1_config["data_type"])
+        self.offset = float(model_config["parameters"]["offset"]["string_value"])
+        self.marks = Path(args["model_repository"]) / "marks"
+        self.marks.mkdir(exist_ok=True)
+        (self.marks / "initialize").write_text(json.dumps(
+            {k: v for k, v in args.items() if k != "model_config"}))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            in_0 = pb_utils.get_input_tensor_by_name(request, "INPUT0")
+            in_1 = pb_utils.get_input_tensor_by_name(request, "INPUT1")
+            if (in_0.as_numpy() < -1000).any():
+                error = pb_utils.TritonError(
+                    "INPUT0 is far too small", pb_utils.TritonError.INVALID_ARG
+                )
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+                continue
+            if (in_0.as_numpy() == 999).any():
+                pb_utils.InferenceRequest(
+                    model_name="other", requested_output_names=["Y"], inputs=[in_0]
+                ).exec()
+            out_0 = in_0.as_numpy() + in_1.as_numpy() + self.offset
+            out_1 = in_0.as_numpy() - in_1.as_numpy()
+            out_tensor_0 = pb_utils.Tensor("OUTPUT0", out_0.astype(self.output0_dtype))
+            out_tensor_1 = pb_utils.Tensor("OUTPUT1", out_1.astype(self.output1_dtype))
+            responses.append(
+                pb_utils.InferenceResponse(output_tensors=[out_tensor_0, out_tensor_1])
+            )
+        return responses
+
+    def finalize(self):
+        (self.marks / "finalize").write_text("cleaned up")
+"""
+
+# a batching model on text, its batch counted in a second output
+UPPER_CONFIG = """
+name: "upper"
+backend: "python"
+max_batch_size: 16
+input [{ name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] }]
+output [
+  { name: "UPPER" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "ROWS" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+dynamic_batching { max_queue_delay_microseconds: 20000 }
+"""
+
+UPPER_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy()
+            if any(item == b"refuse" for item in text.flat):
+                raise pb_utils.TritonError(
+                    "this text is refused", pb_utils.TritonError.INVALID_ARG
+                )
+            upper = np.array([[item.upper()] for item in text[:, 0]], dtype=object)
+            rows = np.full((len(text), 1), len(text), dtype=np.int32)
+            responses.append(pb_utils.InferenceResponse(
+                [pb_utils.Tensor("UPPER", upper), pb_utils.Tensor("ROWS", rows)]))
+        return responses
+"""
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("triton-python-repo")
+    for name, config, model in (
+        ("add_sub", ADD_SUB_CONFIG, ADD_SUB_MODEL),
+        ("upper", UPPER_CONFIG, UPPER_MODEL),
+    ):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
+        (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(
+        repo,
+        tmp_path_factory.mktemp("triton-python-logs"),
+        "--no-llm",
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "*",
+        grpc_port=free_port(),
+    )
+    yield running
+    running.stop()
+
+
+def add_sub_inputs(module: object, a: np.ndarray, b: np.ndarray) -> list[object]:
+    inputs = [module.InferInput("INPUT0", [4], "FP32"), module.InferInput("INPUT1", [4], "FP32")]  # type: ignore[attr-defined]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    return inputs
+
+
+def test_tritons_add_sub_example_answers_over_http_and_grpc(
+    server: RunningServer, repo: Path
+) -> None:
+    a = np.array([1, 2, 3, 4], dtype=np.float32)
+    b = np.array([10, 20, 30, 40], dtype=np.float32)
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    for client, module in ((http, httpclient), (grpc, grpcclient)):
+        result = client.infer("add_sub", add_sub_inputs(module, a, b))
+        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b + 0.5)  # the parameter
+        np.testing.assert_allclose(result.as_numpy("OUTPUT1"), a - b)
+    args = json.loads((repo / "add_sub" / "marks" / "initialize").read_text())
+    assert args["model_name"] == "add_sub" and args["model_version"] == "1"
+    assert args["model_instance_kind"] == "CPU"
+    assert Path(args["model_repository"]) == repo / "add_sub"
+
+
+def test_an_error_response_is_the_clients_error_with_the_models_message(
+    server: RunningServer,
+) -> None:
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    a = np.array([-5000, 0, 0, 0], dtype=np.float32)
+    with pytest.raises(InferenceServerException) as caught:
+        http.infer("add_sub", add_sub_inputs(httpclient, a, a))
+    assert caught.value.status() == "400"
+    assert "INPUT0 is far too small" in caught.value.message()
+    a[0] = 999  # the model calls another model: lockgate says what to use instead
+    with pytest.raises(InferenceServerException) as caught:
+        http.infer("add_sub", add_sub_inputs(httpclient, a, a))
+    assert caught.value.status() == "500"
+    assert "ensemble" in caught.value.message(), caught.value.message()
+
+
+def upper_at_once(
+    server: RunningServer, words: list[bytes]
+) -> dict[bytes, tuple[bytes, int] | str]:
+    """Each word from a client of its own, all sent at once: (UPPER, ROWS) or the error."""
+    answers: dict[bytes, tuple[bytes, int] | str] = {}
+    start = threading.Barrier(len(words))
+
+    def call(word: bytes) -> None:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+        text = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+        text.set_data_from_numpy(np.array([[word]], dtype=object))
+        start.wait()
+        try:
+            result = client.infer("upper", [text])
+        except InferenceServerException as exc:
+            answers[word] = f"{exc.status()} {exc.message()}"
+            return
+        answers[word] = (result.as_numpy("UPPER")[0, 0], int(result.as_numpy("ROWS")[0, 0]))
+
+    threads = [threading.Thread(target=call, args=(word,)) for word in words]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return answers
+
+
+def test_requests_batched_together_are_split_back_and_a_refused_one_fails_alone(
+    server: RunningServer,
+) -> None:
+    """Clients at once: the batcher merges their rows into one execute() call (ROWS counts the
+    rows it saw), and each gets its own rows back. When the model refuses a batch, each of
+    its requests runs alone: the one it refuses gets 400, the others their answers."""
+    words = [f"word{i}".encode() for i in range(12)]
+    answers = upper_at_once(server, words)
+    assert {word: answer[0] for word, answer in answers.items()} == {w: w.upper() for w in words}
+    assert max(answer[1] for answer in answers.values()) > 1  # merged into batches
+    answers = upper_at_once(server, [*words, b"refuse"])
+    refused = answers.pop(b"refuse")
+    assert isinstance(refused, str) and refused.startswith("400"), refused
+    assert "this text is refused" in refused
+    assert {word: answer[0] for word, answer in answers.items()} == {w: w.upper() for w in words}
+
+
+def test_finalize_runs_at_unload(server: RunningServer, repo: Path) -> None:
+    marks = repo / "add_sub" / "marks"
+    assert not (marks / "finalize").exists()
+    unload = httpx.post(server.url + "/v2/repository/models/add_sub/unload", timeout=30)
+    assert unload.status_code == 200, unload.text
+    assert (marks / "finalize").read_text() == "cleaned up"
+    load = httpx.post(server.url + "/v2/repository/models/add_sub/load", timeout=60)
+    assert load.status_code == 200, load.text
+
+
+def test_the_utilities_convert_types_and_bytes_as_triton_does() -> None:
+    assert pb_utils.triton_string_to_numpy("TYPE_FP32") is np.float32
+    assert pb_utils.triton_string_to_numpy("TYPE_STRING") is np.object_
+    assert pb_utils.numpy_to_triton_type(np.float32) == 11  # TRITONSERVER_TYPE_FP32
+    assert pb_utils.numpy_to_triton_type(np.object_) == 13  # BYTES
+    assert pb_utils.triton_to_numpy_type(8) is np.int32
+    items = np.array([b"a", b"", "\u00e9"], dtype=object)
+    wire = pb_utils.serialize_byte_tensor(items)
+    assert wire.dtype == np.uint8 and bytes(wire[:5]) == b"\x01\x00\x00\x00a"
+    assert list(pb_utils.deserialize_bytes_tensor(wire)) == [b"a", b"", "\u00e9".encode()]
+    with pytest.raises(pb_utils.TritonModelException):
+        pb_utils.deserialize_bytes_tensor(b"\x05\x00\x00\x00ab")
+    tensor = pb_utils.Tensor("T", np.arange(6, dtype=np.float32).reshape(2, 3))
+    again = pb_utils.Tensor.from_dlpack("U", tensor.to_dlpack())
+    assert again.name() == "U" and again.shape() == [2, 3]
+    np.testing.assert_array_equal(again.as_numpy(), tensor.as_numpy())
+    assert pb_utils.Tensor("S", np.array(["x"])).as_numpy()[0] == b"x"
