@@ -6,23 +6,31 @@ as `import triton_python_backend_utils as pb_utils`; lockgate serves it under th
 model's `initialize`, `execute` and `finalize` use, the helpers that read its config, and
 Triton's logger, each with Triton's names and signatures.
 
-What lockgate does not give a Python model, each refused by a clear error when used rather
-than faked: calling other models from `execute` (business logic scripting: use an ensemble,
-or a lockgate Python model whose `async infer` calls models through its context), decoupled
-responses (`get_response_sender`), and tensors on a GPU.
+Calling other models from `execute` (Triton's business logic scripting:
+`InferenceRequest(...).exec()`, or `await ...async_exec()` from an `async def execute`) works
+in a model that lockgate runs as a composition (`backends/triton_python.py`): each call goes
+through the called model's own batcher, within the calling request's deadline and at its
+priority. What lockgate does not give a Python model is refused by a clear error when used,
+rather than faked: decoupled responses (`get_response_sender`, `exec(decoupled=True)`) and
+tensors on a GPU.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from lockgate.backends.base import InferContext
 from lockgate.config import DATATYPES
-from lockgate.datatypes import is_datatype, numpy_dtype, serialize_bytes_tensor
+from lockgate.datatypes import Arrays, is_datatype, numpy_dtype, serialize_bytes_tensor
+from lockgate.errors import ServingError
 
 log = logging.getLogger("lockgate.models.python")
 
@@ -33,10 +41,21 @@ TRITONSERVER_REQUEST_RELEASE_ALL = 1
 TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
 
 _BLS = (
-    "lockgate runs no inference requests from a Python model's execute(); call other models "
-    "from an ensemble, or from a lockgate Python model whose `async def infer(self, inputs, "
-    "ctx)` awaits ctx.infer(model, inputs)"
+    "this model calls other models, which lockgate allows only in a model it runs as a "
+    "composition: one whose model.py builds pb_utils.InferenceRequest(...) itself"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Where the request being executed came from: the event loop its models run on, and
+    its context (deadline, priority) that calls to other models inherit."""
+
+    loop: asyncio.AbstractEventLoop
+    ctx: InferContext
+
+
+CALLER: ContextVar[Caller | None] = ContextVar("triton_python_caller", default=None)
 
 
 class TritonError(Exception):
@@ -182,10 +201,47 @@ class InferenceRequest:
         )
 
     def exec(self, decoupled: bool = False) -> InferenceResponse:
-        raise TritonModelException(_BLS)
+        """Run this request on its model, from a thread executing a request: the answer, or
+        a response holding the error (as in Triton, nothing is raised for a model's error)."""
+        caller = self._caller(decoupled)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is caller.loop:
+            raise TritonModelException(
+                "exec() would block the event loop that runs the models: from an async "
+                "execute, await request.async_exec()"
+            )
+        future = asyncio.run_coroutine_threadsafe(self._infer(caller.ctx), caller.loop)
+        return future.result()
 
     async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
-        raise TritonModelException(_BLS)
+        caller = self._caller(decoupled)
+        if asyncio.get_running_loop() is not caller.loop:
+            future = asyncio.run_coroutine_threadsafe(self._infer(caller.ctx), caller.loop)
+            return await asyncio.wrap_future(future)
+        return await self._infer(caller.ctx)
+
+    def _caller(self, decoupled: bool) -> Caller:
+        if decoupled:
+            raise TritonModelException("decoupled calls to other models are not supported")
+        caller = CALLER.get()
+        if caller is None:
+            raise TritonModelException(_BLS)
+        if not self._model_name:
+            raise TritonModelException("InferenceRequest needs a model_name to be executed")
+        return caller
+
+    async def _infer(self, ctx: InferContext) -> InferenceResponse:
+        inputs: Arrays = {tensor.name(): tensor.as_numpy() for tensor in self._inputs}
+        version = self._model_version if self._model_version > 0 else None
+        try:
+            outputs = await ctx.infer(self._model_name, inputs, version)
+        except ServingError as exc:
+            return InferenceResponse(error=TritonError(exc.message, _code_of(exc)))
+        wanted = set(self._requested) or set(outputs)
+        return InferenceResponse([Tensor(n, a) for n, a in outputs.items() if n in wanted])
 
 
 class InferenceResponse:
@@ -320,3 +376,14 @@ def _as_bytes(item: Any) -> bytes:
     if isinstance(item, str):
         return item.encode("utf-8")
     return str(item).encode("utf-8")
+
+
+def _code_of(exc: ServingError) -> int:
+    """A lockgate error's status as the nearest TritonError code."""
+    if exc.status == 404:
+        return TritonError.NOT_FOUND
+    if exc.status in (400, 413, 415):
+        return TritonError.INVALID_ARG
+    if exc.status in (429, 503, 504):
+        return TritonError.UNAVAILABLE
+    return TritonError.INTERNAL

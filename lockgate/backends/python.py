@@ -83,17 +83,34 @@ class PythonComposition:
         _close(self._instance, self._module_name)
 
 
-def load_composition(config: ModelConfig, version_dir: Path) -> PythonComposition | None:
-    """The model as a composition when its `infer` is a coroutine function; else None (it is
-    then loaded by `load`, behind the batcher)."""
+def load_composition(
+    config: ModelConfig, version_dir: Path
+) -> PythonComposition | triton_python.TritonPythonComposition | None:
+    """The model as a composition when its `infer` is a coroutine function, or when it is a
+    Triton Python model that calls other models; else None (it is then loaded by `load`,
+    behind the batcher)."""
     path = model_file(config, version_dir)
     module_name = _module_name(config.name, version_dir.name)
     module = import_file(path, module_name)
     cls = getattr(module, config.parameters.get("class_name", "Model"), None)
+    if _is_triton(module, cls, config):
+        triton = module.TritonPythonModel
+        if triton_python.calls_models(triton, path.read_text(errors="replace")):
+            backend = _triton_model(module, config, version_dir, module_name)
+            return triton_python.TritonPythonComposition(backend, config.instance_count)
     if not isinstance(cls, type) or not inspect.iscoroutinefunction(getattr(cls, "infer", None)):
         sys.modules.pop(module_name, None)
         return None
     return PythonComposition(_build(cls, config, version_dir, module_name), config, module_name)
+
+
+def _is_triton(module: ModuleType, cls: Any, config: ModelConfig) -> bool:
+    """A Triton Python model: `TritonPythonModel`, and no lockgate class asked for or found."""
+    return (
+        cls is None
+        and "class_name" not in config.parameters
+        and triton_python.is_triton_model(module)
+    )
 
 
 def load(
@@ -106,11 +123,7 @@ def load(
     module = import_file(path, module_name)
     class_name = config.parameters.get("class_name", "Model")
     cls = getattr(module, class_name, None)
-    if (
-        cls is None
-        and "class_name" not in config.parameters
-        and triton_python.is_triton_model(module)
-    ):
+    if _is_triton(module, cls, config):
         return _triton_model(module, config, version_dir, module_name)
     if not isinstance(cls, type):
         sys.modules.pop(module_name, None)

@@ -1,4 +1,4 @@
-"""A Triton Python model behind lockgate's dynamic batcher, its `model.py` unchanged.
+"""A Triton Python model served with its `model.py` unchanged.
 
     import triton_python_backend_utils as pb_utils
 
@@ -24,18 +24,27 @@ A `model.py` under `backend: "python"` that defines `TritonPythonModel` (and no 
   UNSUPPORTED and NOT_FOUND are 400, UNAVAILABLE 503, the rest 500, each with the model's
   message. In a batch of several requests, each is then run alone, so only the one the
   model refuses fails.
+- A model that calls other models (its file builds `pb_utils.InferenceRequest(...)`, or its
+  `execute` is `async def`) runs as a composition instead (`TritonPythonComposition`): one
+  `execute` per request, outside the batcher, its calls through the called models' batchers.
 - `finalize()` runs when the model is unloaded.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
+import inspect
 import json
+import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from lockgate.backends import pb_utils
-from lockgate.backends.base import checked_outputs
+from lockgate.backends.base import InferContext, checked_outputs
 from lockgate.config import ModelConfig, TensorSpec
 from lockgate.datatypes import Arrays
 from lockgate.errors import BackendError, BadRequest, ServingError, Unavailable
@@ -61,24 +70,41 @@ class TritonPythonBackend:
         self._expected = [spec.name for spec in config.outputs if not spec.optional]
         self.module_name = ""  # the user's module, dropped from sys.modules on close
 
+    @property
+    def instance(self) -> Any:
+        return self._instance
+
     def infer(self, inputs: Arrays) -> Arrays:
-        request = pb_utils.InferenceRequest(
+        return self.outputs_of(self.execute([self.request(inputs)]))
+
+    def request(self, inputs: Arrays) -> pb_utils.InferenceRequest:
+        return pb_utils.InferenceRequest(
             model_name=self._model,
             requested_output_names=self._outputs,
             inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
             model_version=self._version,
         )
-        try:
-            responses = self._instance.execute([request])
-        except ServingError:
-            raise
-        except pb_utils.TritonError as exc:
-            raise self._error(exc) from exc
-        except Exception as exc:
-            raise BackendError(f"model '{self._model}': {type(exc).__name__}: {exc}") from exc
-        return self._outputs_of(responses)
 
-    def _outputs_of(self, responses: Any) -> Arrays:
+    def execute(self, requests: list[pb_utils.InferenceRequest]) -> Any:
+        try:
+            return self._instance.execute(requests)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+
+    async def execute_async(self, requests: list[pb_utils.InferenceRequest]) -> Any:
+        try:
+            return await self._instance.execute(requests)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+
+    def _failure(self, exc: Exception) -> ServingError:
+        if isinstance(exc, ServingError):
+            return exc
+        if isinstance(exc, pb_utils.TritonError):
+            return self._error(exc)
+        return BackendError(f"model '{self._model}': {type(exc).__name__}: {exc}")
+
+    def outputs_of(self, responses: Any) -> Arrays:
         if not isinstance(responses, list | tuple) or len(responses) != 1:
             count = len(responses) if isinstance(responses, list | tuple) else type(responses)
             raise BackendError(
@@ -114,6 +140,52 @@ class TritonPythonBackend:
                 finalize()
         finally:
             sys.modules.pop(self.module_name, None)
+
+
+class TritonPythonComposition:
+    """A Triton Python model that calls other models (`InferenceRequest(...).exec()`, Triton's
+    business logic scripting), run as a composition: outside the batcher, each request its own
+    `execute` call, whose calls go through the called models' batchers within its deadline and
+    at its priority. A synchronous `execute` runs on a thread of the model's own, at most
+    `instance_count` at once (Triton runs one per instance); an `async def execute` runs on
+    the event loop, awaiting `async_exec()`."""
+
+    __slots__ = ("_async", "_backend", "_pool")
+
+    def __init__(self, backend: TritonPythonBackend, threads: int) -> None:
+        self._backend = backend
+        self._async = inspect.iscoroutinefunction(backend.instance.execute)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-python")
+
+    async def run(self, inputs: Arrays, ctx: InferContext) -> Arrays:
+        requests = [self._backend.request(inputs)]
+        loop = asyncio.get_running_loop()
+        token = pb_utils.CALLER.set(pb_utils.Caller(loop, ctx))
+        try:
+            if self._async:
+                responses = await self._backend.execute_async(requests)
+            else:
+                context = contextvars.copy_context()  # the thread sees the caller
+                call = functools.partial(context.run, self._backend.execute, requests)
+                responses = await loop.run_in_executor(self._pool, call)
+        finally:
+            pb_utils.CALLER.reset(token)
+        return self._backend.outputs_of(responses)
+
+    async def drain(self, timeout: float) -> bool:
+        return True  # its requests wait in the models it calls, which drain them
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._backend.close()
+
+
+def calls_models(cls: type, source: str) -> bool:
+    """Whether a Triton Python model calls other models: its `execute` is a coroutine
+    function, or its file builds an `InferenceRequest` (the only reason a model would)."""
+    return inspect.iscoroutinefunction(getattr(cls, "execute", None)) or bool(
+        re.search(r"\bInferenceRequest\s*\(", source)
+    )
 
 
 def is_triton_model(module: Any) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from lockgate.backends.python import PythonComposition
+from lockgate.backends.triton_python import TritonPythonComposition
 from lockgate.cache.key import request_key
 from lockgate.cache.response_cache import ResponseCache
 from lockgate.cache.single_flight import SingleFlight
@@ -169,7 +170,7 @@ class Executor:
             for stage, rows in enumerate(result.rows_per_stage):
                 self.cascade_rows.inc((*labels, str(stage)), rows)
             outputs = result.outputs
-        elif isinstance(service, PythonComposition):
+        elif isinstance(service, PythonComposition | TritonPythonComposition):
             outputs = await service.run(request.inputs, ctx)
         else:
             raise BadRequest(

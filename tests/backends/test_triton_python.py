@@ -69,10 +69,6 @@ class TritonPythonModel:
                 )
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
                 continue
-            if (in_0.as_numpy() == 999).any():
-                pb_utils.InferenceRequest(
-                    model_name="other", requested_output_names=["Y"], inputs=[in_0]
-                ).exec()
             out_0 = in_0.as_numpy() + in_1.as_numpy() + self.offset
             out_1 = in_0.as_numpy() - in_1.as_numpy()
             out_tensor_0 = pb_utils.Tensor("OUTPUT0", out_0.astype(self.output0_dtype))
@@ -120,6 +116,75 @@ class TritonPythonModel:
         return responses
 """
 
+# Triton's business logic scripting: a model that calls two others for each request, from
+# a synchronous execute (exec) and from an async one (async_exec, both calls at once)
+PIPELINE_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 16
+input [{{ name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] }}]
+output [
+  {{ name: "UPPER" data_type: TYPE_STRING dims: [ 1 ] }},
+  {{ name: "SUM" data_type: TYPE_FP32 dims: [ 4 ] }}
+]
+"""
+
+PIPELINE_MODEL = """
+import asyncio
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def calls(request):
+    text = pb_utils.get_input_tensor_by_name(request, "TEXT")
+    model = "upper" if text.as_numpy()[0, 0] != b"missing" else "no_such_model"
+    rows = len(text.as_numpy())
+    ones = pb_utils.Tensor("INPUT0", np.ones(4, dtype=np.float32) * rows)
+    return (
+        pb_utils.InferenceRequest(
+            model_name=model, requested_output_names=["UPPER"], inputs=[text]
+        ),
+        pb_utils.InferenceRequest(
+            model_name="add_sub", requested_output_names=["OUTPUT0"],
+            inputs=[ones, pb_utils.Tensor("INPUT1", ones.as_numpy())],
+        ),
+    )
+
+
+def answer(upper, added):
+    for response in (upper, added):
+        if response.has_error():
+            return pb_utils.InferenceResponse(error=response.error())
+    sum_ = pb_utils.get_output_tensor_by_name(added, "OUTPUT0").as_numpy()
+    rows = len(pb_utils.get_output_tensor_by_name(upper, "UPPER").as_numpy())
+    return pb_utils.InferenceResponse([
+        pb_utils.Tensor("UPPER", pb_utils.get_output_tensor_by_name(upper, "UPPER").as_numpy()),
+        pb_utils.Tensor("SUM", np.tile(sum_, (rows, 1))),
+    ])
+
+
+class TritonPythonModel:
+    {execute}
+"""
+
+SYNC_EXECUTE = """def execute(self, requests):
+        responses = []
+        for request in requests:
+            upper, added = calls(request)
+            responses.append(answer(upper.exec(), added.exec()))
+        return responses
+"""
+
+ASYNC_EXECUTE = """async def execute(self, requests):
+        responses = []
+        for request in requests:
+            upper, added = calls(request)
+            done = await asyncio.gather(upper.async_exec(), added.async_exec())
+            responses.append(answer(*done))
+        return responses
+"""
+
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -127,7 +192,10 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, config, model in (
         ("add_sub", ADD_SUB_CONFIG, ADD_SUB_MODEL),
         ("upper", UPPER_CONFIG, UPPER_MODEL),
+        ("pipeline", PIPELINE_CONFIG, PIPELINE_MODEL.replace("{execute}", SYNC_EXECUTE)),
+        ("pipeline_async", PIPELINE_CONFIG, PIPELINE_MODEL.replace("{execute}", ASYNC_EXECUTE)),
     ):
+        config = config.replace("{name}", name).replace("{{", "{").replace("}}", "}")
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
         (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
@@ -183,11 +251,27 @@ def test_an_error_response_is_the_clients_error_with_the_models_message(
         http.infer("add_sub", add_sub_inputs(httpclient, a, a))
     assert caught.value.status() == "400"
     assert "INPUT0 is far too small" in caught.value.message()
-    a[0] = 999  # the model calls another model: lockgate says what to use instead
+
+
+@pytest.mark.parametrize("model", ["pipeline", "pipeline_async"])
+def test_a_model_that_calls_other_models_gets_their_answers_and_their_errors(
+    server: RunningServer, model: str
+) -> None:
+    """Business logic scripting, synchronous (exec) and async (async_exec): each call goes
+    through the called model; a called model's error comes back in its response, and the
+    model passes it on to its client."""
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    text = httpclient.InferInput("TEXT", [2, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"ab"], [b"cd"]], dtype=object))
+    result = http.infer(model, [text])
+    assert result.as_numpy("UPPER").tolist() == [[b"AB"], [b"CD"]]
+    np.testing.assert_allclose(result.as_numpy("SUM"), np.full((2, 4), 2 + 2 + 0.5))
+    text = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"missing"]], dtype=object))
     with pytest.raises(InferenceServerException) as caught:
-        http.infer("add_sub", add_sub_inputs(httpclient, a, a))
-    assert caught.value.status() == "500"
-    assert "ensemble" in caught.value.message(), caught.value.message()
+        http.infer(model, [text])
+    assert caught.value.status() == "400", caught.value
+    assert "no_such_model" in caught.value.message(), caught.value.message()
 
 
 def upper_at_once(
