@@ -64,7 +64,7 @@ class BackendSpec:
     platform: str = ""  # Triton's `platform` name, e.g. onnxruntime_onnx
     file_names: tuple[str, ...] = ()  # the model file when the config names none, by preference
     load: str = ""  # -> BackendFactory: instances behind the batcher
-    autocomplete: str = ""  # fills inputs and outputs from the model file when omitted
+    autocomplete: str = ""  # completes the config from the model file (inputs and outputs)
     service: str = ""  # -> ModelServiceFactory: a model with its own scheduler, no batcher
     extra: str = ""  # the pip extra that installs the runtime's libraries ("" when core)
 
@@ -93,6 +93,7 @@ SPECS: tuple[BackendSpec, ...] = (
         "",
         ("model.py",),
         "lockgate.backends.python:load",
+        "lockgate.backends.triton_python:autocomplete",
         service="lockgate.backends.python:load_composition",
     ),
     BackendSpec(
@@ -151,10 +152,11 @@ def get_service_factory(name: str) -> ModelServiceFactory | None:
 
 
 def autocomplete(config: ModelConfig, version_dir: Path) -> ModelConfig:
-    """The config with inputs and outputs read from the model file, where the backend can
-    and the config omits them."""
+    """The config with what the backend reads from the model file: inputs and outputs the
+    config omits (an ONNX graph's signature), or what a Triton Python model's
+    `auto_complete_config` sets."""
     spec = _BY_NAME.get(config.backend)
-    if spec is None or not spec.autocomplete or (config.inputs and config.outputs):
+    if spec is None or not spec.autocomplete:
         return config
     complete: Callable[[ModelConfig, Path], ModelConfig] = _resolve(spec, spec.autocomplete)
     return complete(config, version_dir)

@@ -124,6 +124,8 @@ def autocomplete(config: ModelConfig, version_dir: Path) -> ModelConfig:
     With max_batch_size > 0 the first dimension is the batch: it must be dynamic, and it
     is removed from `dims`. Symbolic dimensions become -1.
     """
+    if config.inputs and config.outputs:
+        return config
     path = model_file(config, version_dir)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

@@ -3,8 +3,9 @@
 A Triton Python model (`class TritonPythonModel` in `<version>/model.py`) imports this module
 as `import triton_python_backend_utils as pb_utils`; lockgate serves it under that name
 (`backends/triton_python.py`). It holds the request, response, tensor and error types the
-model's `initialize`, `execute` and `finalize` use, the helpers that read its config, and
-Triton's logger, each with Triton's names and signatures.
+model's `initialize`, `execute` and `finalize` use, the helpers that read its config,
+Triton's logger, and the `ModelConfig` that `auto_complete_config` fills, each with Triton's
+names and signatures.
 
 Calling other models from `execute` (Triton's business logic scripting:
 `InferenceRequest(...).exec()`, or `await ...async_exec()` from an `async def execute`) works
@@ -265,6 +266,85 @@ class InferenceResponse:
 
     def error(self) -> TritonError | None:
         return self._error
+
+
+class ModelConfig:
+    """The config `auto_complete_config(auto_complete_model_config)` receives and returns:
+    Triton's JSON form, in which it may set the batch size, dynamic batching, inputs and
+    outputs, each checked against what the config already says (ValueError, as in Triton)."""
+
+    _TENSOR_KEYS = frozenset({"name", "data_type", "dims"})
+
+    def __init__(self, model_config: str | dict[str, Any]) -> None:
+        doc = json.loads(model_config) if isinstance(model_config, str) else model_config
+        doc.setdefault("input", [])
+        doc.setdefault("output", [])
+        doc.setdefault("max_batch_size", 0)
+        self._config: dict[str, Any] = doc
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._config
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        configured = self._config["max_batch_size"]
+        if configured > max_batch_size:
+            raise ValueError(
+                f"configuration specified max_batch_size {configured}, but "
+                f"auto_complete_config of model '{self._config['name']}' set {max_batch_size}"
+            )
+        self._config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self) -> None:
+        for scheduler in ("sequence_batching", "ensemble_scheduling"):
+            if scheduler in self._config:
+                raise ValueError(
+                    f"configuration specified '{scheduler}', but auto_complete_config of model "
+                    f"'{self._config['name']}' set dynamic_batching"
+                )
+        self._config.setdefault("dynamic_batching", {})
+
+    def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
+        if transaction_policy_dict.get("decoupled"):
+            raise ValueError("decoupled models are not supported by lockgate")
+        self._config["model_transaction_policy"] = dict(transaction_policy_dict)
+
+    def add_input(self, input: dict[str, Any]) -> None:
+        self._add("input", input)
+
+    def add_output(self, output: dict[str, Any]) -> None:
+        self._add("output", output)
+
+    def _add(self, kind: str, tensor: dict[str, Any]) -> None:
+        model = self._config.get("name", "")
+        name = tensor.get("name")
+        extra = set(tensor) - self._TENSOR_KEYS
+        if extra:
+            raise ValueError(
+                f"{kind} '{name}' of model '{model}' has properties other than name, "
+                f"data_type and dims: {sorted(extra)}"
+            )
+        missing = [key for key in ("name", "data_type", "dims") if key not in tensor]
+        if missing:
+            raise ValueError(f"{kind} '{name}' of model '{model}' lacks {', '.join(missing)}")
+        for current in self._config[kind]:
+            if current["name"] != name:
+                continue
+            datatype = current.get("data_type", "TYPE_INVALID")
+            if datatype != "TYPE_INVALID" and datatype != tensor["data_type"]:
+                raise ValueError(
+                    f"model '{model}': the configuration gives {kind} '{name}' datatype "
+                    f"{datatype}, the model {tensor['data_type']}"
+                )
+            if current.get("dims") and list(current["dims"]) != list(tensor["dims"]):
+                raise ValueError(
+                    f"model '{model}': the configuration gives {kind} '{name}' dims "
+                    f"{current['dims']}, the model {tensor['dims']}"
+                )
+            current["data_type"], current["dims"] = tensor["data_type"], list(tensor["dims"])
+            return
+        self._config[kind].append(
+            {"name": name, "data_type": tensor["data_type"], "dims": list(tensor["dims"])}
+        )
 
 
 class Logger:

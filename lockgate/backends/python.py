@@ -13,7 +13,6 @@ Like a pickle, `model.py` is code: serve only repositories you trust.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import itertools
 import re
@@ -22,8 +21,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from lockgate.backends import pb_utils, triton_python
+from lockgate.backends import triton_python
 from lockgate.backends.base import Arrays, InferContext, checked_outputs, model_file
+from lockgate.backends.user_module import import_file
 from lockgate.config import ModelConfig
 from lockgate.errors import BackendError, ConfigError, ServingError
 
@@ -180,20 +180,3 @@ def _close(instance: Any, module_name: str) -> None:
 def _module_name(model: str, version: str) -> str:
     safe = re.sub(r"\W", "_", f"{model}_{version}")
     return f"lockgate_user_model_{safe}_{next(_module_ids)}"
-
-
-def import_file(path: Path, module_name: str) -> ModuleType:
-    """Import a Python file of the model folder under `module_name`."""
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ConfigError(str(path), "model", "cannot import this file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look classes up here
-    # a Triton Python model imports Triton's utilities under this name (`backends/pb_utils.py`)
-    sys.modules.setdefault("triton_python_backend_utils", pb_utils)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(module_name, None)
-        raise BackendError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
-    return module

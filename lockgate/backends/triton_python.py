@@ -36,20 +36,24 @@ import asyncio
 import contextvars
 import functools
 import inspect
+import itertools
 import json
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from lockgate.backends import pb_utils
-from lockgate.backends.base import InferContext, checked_outputs
-from lockgate.config import ModelConfig, TensorSpec
-from lockgate.datatypes import Arrays
-from lockgate.errors import BackendError, BadRequest, ServingError, Unavailable
+from lockgate.backends.base import InferContext, checked_outputs, model_file
+from lockgate.backends.user_module import import_file
+from lockgate.config import DynamicBatching, ModelConfig, TensorSpec
+from lockgate.datatypes import Arrays, is_datatype
+from lockgate.errors import BackendError, BadRequest, ConfigError, ServingError, Unavailable
 
 CLASS_NAME = "TritonPythonModel"
+_autocompletes = itertools.count(1)
 _CLIENT_ERRORS = (
     pb_utils.TritonError.INVALID_ARG,
     pb_utils.TritonError.UNSUPPORTED,
@@ -212,6 +216,60 @@ def load(cls: type, config: ModelConfig, version_dir: Path) -> TritonPythonBacke
     if not callable(getattr(model, "execute", None)):
         raise BackendError(f"model '{config.name}': {CLASS_NAME} has no execute()")
     return TritonPythonBackend(model, config, version)
+
+
+def autocomplete(config: ModelConfig, version_dir: Path) -> ModelConfig:
+    """What the model's `auto_complete_config(auto_complete_model_config)` adds to its config,
+    as in Triton: the batch size, dynamic batching, and the inputs and outputs the config does
+    not list. A model without it, or a lockgate model, keeps its config."""
+    path = model_file(config, version_dir)
+    if "auto_complete_config" not in path.read_text(errors="replace"):
+        return config  # (no import of a file that cannot have it)
+    module_name = f"lockgate_autocomplete_{next(_autocompletes)}"
+    module = import_file(path, module_name)
+    try:
+        cls = getattr(module, CLASS_NAME, None)
+        complete = getattr(cls, "auto_complete_config", None)
+        if not is_triton_model(module) or not callable(complete):
+            return config
+        try:
+            completed = complete(pb_utils.ModelConfig(triton_config(config)))
+        except Exception as exc:
+            raise ConfigError(
+                str(path), "auto_complete_config", f"{type(exc).__name__}: {exc}"
+            ) from exc
+    finally:
+        sys.modules.pop(module_name, None)
+    if not isinstance(completed, pb_utils.ModelConfig):
+        kind = type(completed).__name__
+        raise ConfigError(str(path), "auto_complete_config", f"returned a {kind}, not the config")
+    return _completed(config, completed.as_dict(), str(path))
+
+
+def _completed(config: ModelConfig, doc: dict[str, Any], source: str) -> ModelConfig:
+    def specs(kind: str) -> tuple[TensorSpec, ...]:
+        optional = {spec.name for spec in (*config.inputs, *config.outputs) if spec.optional}
+        found = []
+        for tensor in doc[kind]:
+            datatype = str(tensor["data_type"]).removeprefix("TYPE_")
+            datatype = "BYTES" if datatype == "STRING" else datatype
+            if not is_datatype(datatype):
+                problem = f"{kind} '{tensor['name']}' has data_type {tensor['data_type']!r}"
+                raise ConfigError(source, "auto_complete_config", problem)
+            dims = tuple(int(d) for d in tensor["dims"])
+            found.append(TensorSpec(tensor["name"], datatype, dims, tensor["name"] in optional))
+        return tuple(found)
+
+    batching = config.dynamic_batching
+    if batching is None and "dynamic_batching" in doc:
+        batching = DynamicBatching()
+    return replace(
+        config,
+        max_batch_size=int(doc["max_batch_size"]),
+        inputs=specs("input"),
+        outputs=specs("output"),
+        dynamic_batching=batching,
+    )
 
 
 def triton_config(config: ModelConfig) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from lockgate.backends.base import InferContext
-from lockgate.backends.python import import_file
+from lockgate.backends.user_module import import_file
 from lockgate.config import CascadeConfig, ModelConfig
 from lockgate.datatypes import Arrays
 from lockgate.errors import BackendError, ConfigError

@@ -185,6 +185,35 @@ ASYNC_EXECUTE = """async def execute(self, requests):
         return responses
 """
 
+# Triton's auto-complete example: the config names the model alone
+AUTO_CONFIG = """
+name: "auto"
+backend: "python"
+"""
+
+AUTO_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        auto_complete_model_config.set_max_batch_size(8)
+        auto_complete_model_config.set_dynamic_batching()
+        auto_complete_model_config.add_input({"name": "X", "data_type": "TYPE_INT32", "dims": [2]})
+        auto_complete_model_config.add_output({"name": "Y", "data_type": "TYPE_INT64", "dims": [2]})
+        return auto_complete_model_config
+
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor(
+                "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy().astype(np.int64) * 2
+            )])
+            for r in requests
+        ]
+"""
+
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -194,6 +223,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("upper", UPPER_CONFIG, UPPER_MODEL),
         ("pipeline", PIPELINE_CONFIG, PIPELINE_MODEL.replace("{execute}", SYNC_EXECUTE)),
         ("pipeline_async", PIPELINE_CONFIG, PIPELINE_MODEL.replace("{execute}", ASYNC_EXECUTE)),
+        ("auto", AUTO_CONFIG, AUTO_MODEL),
     ):
         config = config.replace("{name}", name).replace("{{", "{").replace("}}", "}")
         (root / name / "1").mkdir(parents=True)
@@ -318,6 +348,20 @@ def test_requests_batched_together_are_split_back_and_a_refused_one_fails_alone(
     assert {word: answer[0] for word, answer in answers.items()} == {w: w.upper() for w in words}
 
 
+def test_auto_complete_config_fills_the_config(server: RunningServer) -> None:
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    config = http.get_model_config("auto")
+    assert config["max_batch_size"] == 8 and "dynamic_batching" in config
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [
+        ("X", "TYPE_INT32", [2])
+    ]
+    assert [(t["name"], t["data_type"]) for t in config["output"]] == [("Y", "TYPE_INT64")]
+    x = httpclient.InferInput("X", [3, 2], "INT32")
+    x.set_data_from_numpy(np.arange(6, dtype=np.int32).reshape(3, 2))
+    result = http.infer("auto", [x])
+    assert result.as_numpy("Y").tolist() == [[0, 2], [4, 6], [8, 10]]
+
+
 def test_finalize_runs_at_unload(server: RunningServer, repo: Path) -> None:
     marks = repo / "add_sub" / "marks"
     assert not (marks / "finalize").exists()
@@ -345,3 +389,29 @@ def test_the_utilities_convert_types_and_bytes_as_triton_does() -> None:
     assert again.name() == "U" and again.shape() == [2, 3]
     np.testing.assert_array_equal(again.as_numpy(), tensor.as_numpy())
     assert pb_utils.Tensor("S", np.array(["x"])).as_numpy()[0] == b"x"
+
+
+def test_auto_complete_checks_what_the_model_sets_against_the_config() -> None:
+    config = pb_utils.ModelConfig(
+        json.dumps(
+            {
+                "name": "m",
+                "max_batch_size": 16,
+                "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [4]}],
+                "sequence_batching": {},
+            }
+        )
+    )
+    with pytest.raises(ValueError, match="max_batch_size 16"):
+        config.set_max_batch_size(8)
+    with pytest.raises(ValueError, match="datatype TYPE_FP32"):
+        config.add_input({"name": "X", "data_type": "TYPE_INT32", "dims": [4]})
+    with pytest.raises(ValueError, match="dims"):
+        config.add_input({"name": "X", "data_type": "TYPE_FP32", "dims": [3]})
+    with pytest.raises(ValueError, match="lacks dims"):
+        config.add_output({"name": "Y", "data_type": "TYPE_FP32"})
+    with pytest.raises(ValueError, match="sequence_batching"):
+        config.set_dynamic_batching()
+    config.add_input({"name": "X", "data_type": "TYPE_FP32", "dims": [4]})  # the same: kept
+    config.add_output({"name": "Y", "data_type": "TYPE_FP32", "dims": [1]})
+    assert len(config.as_dict()["input"]) == 1 and config.as_dict()["output"][0]["name"] == "Y"
