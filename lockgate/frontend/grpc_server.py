@@ -205,6 +205,30 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
         return await self._run("SystemSharedMemoryUnregister", context, unregister)
 
+    # -- Triton's logging and trace extensions -------------------------------------------
+    async def LogSettings(
+        self, request: pb.LogSettingsRequest, context: Context
+    ) -> pb.LogSettingsResponse:
+        async def settings() -> pb.LogSettingsResponse:
+            if request.settings:  # a change: the admin keys, as POST /v2/logging
+                self.app.authenticate("POST", "/v2/logging", lambda: _bearer(context))
+            change = codec.log_change(request)
+            return codec.encode_log_settings(self.v2.log_settings(change))
+
+        return await self._run("LogSettings", context, settings)
+
+    async def TraceSetting(
+        self, request: pb.TraceSettingRequest, context: Context
+    ) -> pb.TraceSettingResponse:
+        async def settings() -> pb.TraceSettingResponse:
+            if request.settings:  # a change: the admin keys, as POST /v2/trace/setting
+                self.app.authenticate("POST", "/v2/trace/setting", lambda: _bearer(context))
+            change = codec.trace_change(request)
+            document = self.v2.trace_settings(request.model_name, change)
+            return codec.encode_trace_settings(document)
+
+        return await self._run("TraceSetting", context, settings)
+
     async def _load(self, request: pb.RepositoryModelLoadRequest) -> pb.RepositoryModelLoadResponse:
         self.app.check_model_control(request.model_name)
         await self.app.load(request.model_name, load_request(_parameters(request.parameters)))

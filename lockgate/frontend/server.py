@@ -861,6 +861,7 @@ def _start_polling(app: App, repository: Path, interval: float) -> None:
 
 async def serve(options: ServeOptions) -> int:
     app = build_app(options)
+    app.v2.log.install()  # the process's log handlers, changed through /v2/logging
     gate = Gate(options.gate)
     refusals = app.models.registry.counter(
         "lockgate_http_refused_total",
