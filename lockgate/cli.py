@@ -498,7 +498,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         trace = TraceValues(args.trace_level == "TIMESTAMPS", args.trace_rate, args.trace_count)
     except ValueError as exc:
-        print(f"lockgate: {exc}", file=sys.stderr)
+        print(f"lockgate: {exc} (--trace-rate, --trace-count)", file=sys.stderr)
         return 2
     if not 0 < args.repository_poll_secs < 1e6:
         print("lockgate: --repository-poll-secs must be a positive number", file=sys.stderr)
