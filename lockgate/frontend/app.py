@@ -287,8 +287,9 @@ class App:
     @property
     def lane_open(self) -> bool:
         """Whether v2 inference requests may be answered from the protocol's lane
-        (`frontend/lane.py`): not while each request must leave an access-log line or a
-        trace, which the ASGI path writes."""
+        (`frontend/lane.py`), asked per request: not while each request must leave an
+        access-log line, nor while a trace setting may trace it (the ASGI path writes both;
+        the trace settings change at run time)."""
         return not self.access.enabled and not self.v2.trace.tracing
 
     async def infer_lane(self, request: LaneRequest) -> Reply:

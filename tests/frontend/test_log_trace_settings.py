@@ -37,6 +37,7 @@ DEFAULT_LOG = {
     "log_verbose_level": 0,
     "log_format": "default",
 }
+ON = {"trace_level": ["TIMESTAMPS"]}
 DEBUG_BATCH = re.compile(r" DEBUG lockgate\.batcher: model (\w+):1 ran a batch of")
 CLEARED = {"trace_level": None, "trace_rate": None, "trace_count": None}
 
@@ -61,6 +62,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, receiver: Receiver) -> Iter
         tmp_path_factory.mktemp("settings"),
         "--otel-endpoint",
         receiver.url,
+        "--trace-level",
+        "OFF",  # until a test turns it on
         env={"OTEL_BSP_SCHEDULE_DELAY": "20"},  # ms between exports
         grpc_port=free_port(),
     )
@@ -223,7 +226,7 @@ def test_trace_settings_read_as_tritons(
     http: httpclient.InferenceServerClient, grpc_client: grpcclient.InferenceServerClient
 ) -> None:
     expected = {
-        "trace_level": ["TIMESTAMPS"],
+        "trace_level": ["OFF"],  # --trace-level
         "trace_rate": "1",
         "trace_count": "-1",
         "trace_mode": "opentelemetry",
@@ -234,10 +237,27 @@ def test_trace_settings_read_as_tritons(
     assert answer == {k: {"value": v if isinstance(v, list) else [v]} for k, v in expected.items()}
 
 
+def test_tracing_turned_on_at_run_time_closes_the_lane(
+    server: RunningServer, http: httpclient.InferenceServerClient, receiver: Receiver
+) -> None:
+    lane = "lockgate_http_lane_requests_total"
+    before = server.metric(lane)
+    quiet = ids("lane", 3)
+    for request_id in quiet:
+        infer(http, "echo", request_id)  # no trace to write: answered below ASGI
+    assert server.metric(lane) == before + 3
+    http.update_trace_settings(settings=ON)
+    traced = ids("traced", 3)
+    for request_id in traced:
+        infer(http, "echo", request_id)
+    assert server.metric(lane) == before + 3  # the ASGI path, which writes the trace
+    assert traced_of(receiver, quiet + traced, 3) == set(traced)
+
+
 def test_trace_rate_samples_one_request_in_n(
     http: httpclient.InferenceServerClient, receiver: Receiver
 ) -> None:
-    assert http.update_trace_settings(settings={"trace_rate": "3"})["trace_rate"] == "3"
+    assert http.update_trace_settings(settings={**ON, "trace_rate": "3"})["trace_rate"] == "3"
     sent = ids("rate", 9)
     for request_id in sent:
         infer(http, "echo", request_id)
@@ -249,7 +269,7 @@ def test_trace_count_stops_after_n(
     grpc_client: grpcclient.InferenceServerClient,
     receiver: Receiver,
 ) -> None:
-    answer = grpc_client.update_trace_settings(settings={"trace_count": "2"}, as_json=True)
+    answer = grpc_client.update_trace_settings(settings={**ON, "trace_count": "2"}, as_json=True)
     assert answer["settings"]["trace_count"] == {"value": ["2"]}
     sent = ids("count", 5)
     for request_id in sent:
@@ -288,7 +308,7 @@ def test_a_model_setting_overrides_the_global_one_until_cleared(
 def test_a_callers_trace_is_followed_past_the_rate(
     http: httpclient.InferenceServerClient, receiver: Receiver
 ) -> None:
-    http.update_trace_settings(settings={"trace_rate": "1000"})
+    http.update_trace_settings(settings={**ON, "trace_rate": "1000"})
     trace_id = uuid.uuid4().hex
     tensor = httpclient.InferInput("x", [1, 4], "FP32")
     tensor.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
