@@ -203,6 +203,27 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "no tracing); needs lockgate[otel]",
     )
     p.add_argument(
+        "--trace-level",
+        choices=("OFF", "TIMESTAMPS"),
+        default="TIMESTAMPS",
+        help="with --otel-endpoint: OFF traces no request until Triton's trace extension "
+        "(/v2/trace/setting) turns it on; TIMESTAMPS traces them (default)",
+    )
+    p.add_argument(
+        "--trace-rate",
+        type=int,
+        default=1,
+        help="with --otel-endpoint: trace one request in every N (1 to 2^32 - 1; default 1: "
+        "all); changed at run time through /v2/trace/setting",
+    )
+    p.add_argument(
+        "--trace-count",
+        type=int,
+        default=-1,
+        help="with --otel-endpoint: trace N requests, then none (-1: no limit, the default); "
+        "changed at run time through /v2/trace/setting",
+    )
+    p.add_argument(
         "--redis-url",
         default=os.environ.get("LOCKGATE_REDIS_URL", ""),
         help="Redis for the response cache's shared tier, e.g. redis://127.0.0.1:6379/0 "
@@ -477,11 +498,17 @@ def _serve(args: argparse.Namespace) -> int:
     from lockgate.frontend.gate import GateSettings
     from lockgate.frontend.server import ServeOptions, run
     from lockgate.protocol.openai import OpenAILimits
+    from lockgate.protocol.trace_settings import TraceValues
 
     try:
         limits = OpenAILimits(**{f.name: getattr(args, f.name) for f in fields(OpenAILimits)})
     except ValueError as exc:
         print(f"lockgate: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trace = TraceValues(args.trace_level == "TIMESTAMPS", args.trace_rate, args.trace_count)
+    except ValueError as exc:
+        print(f"lockgate: {exc} (--trace-rate, --trace-count)", file=sys.stderr)
         return 2
     if not 0 < args.repository_poll_secs < 1e6:
         print("lockgate: --repository-poll-secs must be a positive number", file=sys.stderr)
@@ -506,6 +533,7 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         redis=_redis(args),
         otel_endpoint=args.otel_endpoint,
+        trace=trace,
         openai=limits,
     )
     if args.load_model and args.model_control_mode != "explicit":

@@ -732,6 +732,13 @@ class Batcher:
         self.metrics.compute_latency.observe(self.labels, compute)
         self.metrics.batch_size.observe(self.labels, batch.rows)
         self.metrics.batches.inc(self.labels)
+        log.debug(
+            "model %s ran a batch of %d requests (%d rows) in %.3f ms",
+            self,
+            len(batch.requests),
+            batch.rows,
+            compute * 1000,
+        )
         for request, part in zip(batch.requests, parts, strict=True):
             request.computed, request.compute_seconds = instance.last_finished, compute
             request.batch_rows = batch.rows

@@ -63,6 +63,7 @@ from lockgate.protocol.repository_control import (
     parameters_of,
     unload_request,
 )
+from lockgate.protocol.trace_settings import TraceSettings, TraceValues
 
 if TYPE_CHECKING:
     from lockgate.frontend.otel import Tracing
@@ -120,7 +121,8 @@ class ServerSettings:
     max_body_bytes: int = 64 * 1024 * 1024
     body_timeout_s: float = 30.0  # a body not received in full by then gets 408
     api_keys: frozenset[str] = frozenset()  # empty: no authentication
-    admin_keys: frozenset[str] = frozenset()  # guard model load and unload; empty: api keys
+    # guard model load and unload and changes of the log and trace settings; empty: api keys
+    admin_keys: frozenset[str] = frozenset()
     strict_readiness: bool = False  # True: ready only when every model is ready
     model_control: str = "none"  # "explicit": POST .../load and .../unload are served
     metrics_public: bool = False  # True: /metrics needs no key even when keys are set
@@ -130,6 +132,8 @@ class ServerSettings:
     access_log: bool = False  # one JSON line per request on the `lockgate.access` logger
     redis: RedisSettings | None = None  # the response cache's shared tier; None: in-process only
     otel_endpoint: str = ""  # OTLP/HTTP base URL: trace inference requests; "": no tracing
+    # the trace settings at start-up (Triton's trace extension changes them at run time)
+    trace: TraceValues = field(default_factory=TraceValues)
     openai: OpenAILimits = field(default_factory=OpenAILimits)  # what one OpenAI request may ask
     # answers of at least this many bytes go out gzip or deflate to a client that accepts it
     # (Accept-Encoding); 0: never compressed
@@ -162,7 +166,9 @@ class App:
         self.settings = settings or ServerSettings()
         self.cache = ResponseCache(models.registry, self.settings.redis)
         self.executor = Executor(models, self.cache, models.registry)
-        self.v2 = V2Service(models, self.executor, self.settings.shared_memory_regions)
+        exporting = bool(self.settings.otel_endpoint)
+        trace = TraceSettings(self.settings.trace, exporting)
+        self.v2 = V2Service(models, self.executor, self.settings.shared_memory_regions, trace)
         self.access = AccessLog(self.settings.access_log)
         self.openai = openai
         self.generate: GenerateHandler | None = None  # set with the OpenAI routes
@@ -174,7 +180,7 @@ class App:
         self.front_delay: Callable[[float, float], None] | None = None
         self.answered: Callable[[], None] | None = None  # told of each request answered
         self.in_flight = 0  # HTTP requests received and not yet answered
-        self.tracing = _tracing(self.settings.otel_endpoint, self.closers)
+        self.tracing = _tracing(self.settings.otel_endpoint, trace, self.closers)
         self.closers.append(self._close_shared_memory)
         models.registry.gauge(
             "lockgate_http_requests_in_progress", "HTTP requests received and not yet answered."
@@ -285,9 +291,10 @@ class App:
     @property
     def lane_open(self) -> bool:
         """Whether v2 inference requests may be answered from the protocol's lane
-        (`frontend/lane.py`): not while each request must leave an access-log line or a
-        trace, which the ASGI path writes."""
-        return not self.access.enabled and self.tracing is None
+        (`frontend/lane.py`), asked per request: not while each request must leave an
+        access-log line, nor while a trace setting may trace it (the ASGI path writes both;
+        the trace settings change at run time)."""
+        return not self.access.enabled and not self.v2.trace.tracing
 
     async def infer_lane(self, request: LaneRequest) -> Reply:
         """Answer a v2 inference request from the protocol's lane, as `__call__` would:
@@ -441,7 +448,7 @@ class App:
         if not (self.settings.api_keys or self.settings.admin_keys):
             return  # no keys: every route is open
         parts = [p for p in path.split("/") if p]  # as `_route` splits it
-        admin = _is_model_control(method, parts)
+        admin = _admin_use(method, parts)
         keys = (
             self.settings.admin_keys
             if admin and self.settings.admin_keys
@@ -458,7 +465,7 @@ class App:
         if presented is None:
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
         if not any(hmac.compare_digest(presented, k.encode()) for k in keys):
-            raise Forbidden("API key not accepted" + (" for model management" if admin else ""))
+            raise Forbidden("API key not accepted" + (f" for {admin}" if admin else ""))
 
     # -- routing -----------------------------------------------------------------------
     async def _route(self, request: HttpRequest) -> None:
@@ -497,6 +504,10 @@ class App:
             await respond_json(request.send, 200, openapi_document())
         elif parts[:2] == ["v2", "repository"]:
             await self._repository(request, parts[2:])
+        elif path == "/v2/logging":
+            await v2_routes.log_settings(request, self.v2)
+        elif path == "/v2/trace/setting":
+            await v2_routes.trace_settings(request, self.v2)
         elif parts[:2] == ["v2", "systemsharedmemory"]:
             await v2_routes.shared_memory(request, self.v2.shared_memory, parts[2:])
         elif parts[:2] == ["v2", "cudasharedmemory"]:
@@ -509,6 +520,9 @@ class App:
         version: str | None = None
         if len(rest) >= 2 and rest[0] == "versions":
             version, rest = rest[1], rest[2:]
+        if rest == ["trace", "setting"] and version is None:  # Triton's: per model, not version
+            await v2_routes.trace_settings(request, self.v2, name)
+            return
         action = rest[0] if rest else ""
         allowed = MODEL_ROUTES.get(action) if len(rest) <= 1 else None
         if allowed is None:
@@ -638,14 +652,19 @@ class _LaneCount:
         )
 
 
-def _is_model_control(method: str, parts: list[str]) -> bool:
-    """POST /v2/repository/models/{m}/load|unload: guarded by the admin keys when set."""
-    return (
-        method == "POST"
-        and len(parts) == 5
-        and parts[:3] == ["v2", "repository", "models"]
-        and parts[4] in ("load", "unload")
-    )
+def _admin_use(method: str, parts: list[str]) -> str:
+    """What a request guarded by the admin keys (when set) does: POST
+    /v2/repository/models/{m}/load|unload, and a change of the log or trace settings (POST
+    /v2/logging, /v2[/models/{m}]/trace/setting); "" for any other request."""
+    if method != "POST":
+        return ""
+    if len(parts) == 5 and parts[:3] == ["v2", "repository", "models"]:
+        return "model management" if parts[4] in ("load", "unload") else ""
+    if parts in (["v2", "logging"], ["v2", "trace", "setting"]) or (
+        len(parts) == 5 and parts[:2] == ["v2", "models"] and parts[3:] == ["trace", "setting"]
+    ):
+        return "changing log and trace settings"
+    return ""
 
 
 def _route_kind(path: str) -> str:
@@ -663,12 +682,15 @@ def _route_kind(path: str) -> str:
     return "other"
 
 
-def _tracing(endpoint: str, closers: list[Callable[[], Awaitable[None]]]) -> Tracing | None:
-    """The server's tracer when an endpoint is set; its buffered spans are sent at shutdown."""
+def _tracing(
+    endpoint: str, settings: TraceSettings, closers: list[Callable[[], Awaitable[None]]]
+) -> Tracing | None:
+    """The server's tracer when an endpoint is set, sampling by `settings`; its buffered spans
+    are sent at shutdown."""
     if not endpoint:
         return None
     otel = import_for("lockgate.frontend.otel", "otel", "tracing (--otel-endpoint)")
-    tracing: Tracing = otel.Tracing(endpoint)
+    tracing: Tracing = otel.Tracing(endpoint, settings)
 
     async def close() -> None:
         await asyncio.to_thread(tracing.shutdown)

@@ -244,8 +244,8 @@ class CompletionPipeline:
             params = replace(params, prompt_logprobs=prompt_logprobs)
         priority = self.priority(request, service, body.priority)
         key = self.cache_key(service, namespace, prompt_ids, params) if sequences == 1 else None
-        if request.trace is not None and not request.trace.model:  # /v2 routes know it
-            request.trace.model = service.name
+        if request.trace is not None and not request.trace.bound:  # /v2 routes know it
+            request.trace.bind(service.name, service.config.name)
         return PreparedCompletion(
             service, prompt_ids, params, priority, key, n=body.n, best_of=sequences
         )

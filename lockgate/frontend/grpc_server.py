@@ -62,6 +62,7 @@ STATUS_CODES = {
 }
 PUBLIC_METHODS = frozenset({"ServerLive", "ServerReady"})  # as the REST health routes
 MODEL_CONTROL_METHODS = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
+SETTINGS_METHODS = frozenset({"LogSettings", "TraceSetting"})  # keys by what they ask
 _CONTROL_PATH = "/v2/repository/models/-/load"  # a model control route, for its keys
 # the codes that mark a traced request's span as an error (as 5xx on HTTP)
 ERROR_CODES = frozenset(
@@ -204,6 +205,28 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             return pb.SystemSharedMemoryUnregisterResponse()
 
         return await self._run("SystemSharedMemoryUnregister", context, unregister)
+
+    # -- Triton's logging and trace extensions -------------------------------------------
+    async def LogSettings(
+        self, request: pb.LogSettingsRequest, context: Context
+    ) -> pb.LogSettingsResponse:
+        async def settings() -> pb.LogSettingsResponse:
+            self._authenticate_settings("/v2/logging", bool(request.settings), context)
+            change = codec.log_change(request)
+            return codec.encode_log_settings(self.v2.log_settings(change))
+
+        return await self._run("LogSettings", context, settings)
+
+    async def TraceSetting(
+        self, request: pb.TraceSettingRequest, context: Context
+    ) -> pb.TraceSettingResponse:
+        async def settings() -> pb.TraceSettingResponse:
+            self._authenticate_settings("/v2/trace/setting", bool(request.settings), context)
+            change = codec.trace_change(request)
+            document = self.v2.trace_settings(request.model_name, change)
+            return codec.encode_trace_settings(document)
+
+        return await self._run("TraceSetting", context, settings)
 
     async def _load(self, request: pb.RepositoryModelLoadRequest) -> pb.RepositoryModelLoadResponse:
         self.app.check_model_control(request.model_name)
@@ -361,6 +384,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             self.latency.observe((method, code.name), elapsed, self._end_trace(traced, code))
 
     def _authenticate(self, method: str, context: Context) -> None:
+        if method in SETTINGS_METHODS:  # by what the request asks: `_authenticate_settings`
+            return
         if method in MODEL_CONTROL_METHODS:  # the admin keys, as for the REST routes
             self.app.authenticate("POST", _CONTROL_PATH, lambda: _bearer(context))
             return
@@ -372,6 +397,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             raise Unauthorized("missing API key: send metadata 'authorization: Bearer <key>'")
         if not any(hmac.compare_digest(presented, k.encode()) for k in keys):
             raise Forbidden("API key not accepted")
+
+    def _authenticate_settings(self, path: str, change: bool, context: Context) -> None:
+        """A read of the log or trace settings takes an API key, a change (a request that
+        names settings) an admin key, as GET and POST on the REST `path`."""
+        self.app.authenticate("POST" if change else "GET", path, lambda: _bearer(context))
 
 
 class _Stream:

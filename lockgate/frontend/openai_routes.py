@@ -401,7 +401,7 @@ class OpenAIRoutes:
         served = self.app.models.get(name, _version(request))
         _check_dimensions(served.config, body.dimensions)
         if request.trace is not None:
-            request.trace.model = name
+            request.trace.bind(name)
         async with cancel_on_disconnect(request):
             embedded = await self._embed(served, [t.encode() for t in texts], request.trace)
         data = [

@@ -430,6 +430,50 @@ def _v2_paths() -> dict[str, Any]:
     paths.update(_model_paths("/v2/models/{model}", (_MODEL,), ""))
     paths.update(_model_paths("/v2/models/{model}/versions/{version}", (_MODEL, _VERSION), "_at"))
     paths.update(_shared_memory_paths())
+    paths.update(_settings_paths())
+    return paths
+
+
+def _settings_paths() -> dict[str, Any]:
+    """Triton's logging and trace extensions: GET reads the settings, POST changes them (with
+    the admin keys when they are set)."""
+    op = partial(_operation, tag="v2")
+    log = {"application/json": {"schema": _ref("LogSettingsRequest")}}
+    trace = {"application/json": {"schema": _ref("TraceSettingsRequest")}}
+    paths: dict[str, Any] = {
+        "/v2/logging": {
+            "get": op("log_settings", "The log settings (Triton)", _ok("LogSettings")),
+            "post": op(
+                "update_log_settings",
+                "Change the log settings (Triton)",
+                _ok("LogSettings"),
+                (400, 413),
+                body=log,
+            ),
+        }
+    }
+    for path, at, params, missing in (
+        ("/v2/trace/setting", "", (), ()),
+        ("/v2/models/{model}/trace/setting", "_of_model", (_MODEL,), (404,)),
+    ):
+        whose = "of a model" if params else "global"
+        paths[path] = {
+            "get": op(
+                f"trace_settings{at}",
+                f"The trace settings, {whose} (Triton)",
+                _ok("TraceSettings"),
+                missing,
+                params=params,
+            ),
+            "post": op(
+                f"update_trace_settings{at}",
+                f"Change the trace settings, {whose} (Triton)",
+                _ok("TraceSettings"),
+                (400, 413, *missing),
+                params=params,
+                body=trace,
+            ),
+        }
     return paths
 
 

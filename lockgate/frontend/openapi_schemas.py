@@ -8,7 +8,7 @@ The encoders build these answers as plain data (`protocol/v2_metadata.py`,
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -179,6 +179,55 @@ class SharedMemoryRegion(msgspec.Struct):
     key: str
     offset: int
     byte_size: int
+
+
+_VERBOSE = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+_LOG_FORMAT = Literal["default", "ISO8601"]
+
+
+class LogSettings(msgspec.Struct):
+    """Triton's log settings (`protocol/log_settings.py`)."""
+
+    log_file: Annotated[str, msgspec.Meta(description='"": standard error')]
+    log_info: bool
+    log_warning: bool
+    log_error: bool
+    log_verbose_level: Annotated[_VERBOSE, msgspec.Meta(description="above 0: DEBUG records")]
+    log_format: _LOG_FORMAT
+
+
+class LogSettingsRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The log settings to change; null or absent: left as they are. log_file is refused."""
+
+    log_info: bool | None = None
+    log_warning: bool | None = None
+    log_error: bool | None = None
+    log_verbose_level: _VERBOSE | None = None
+    log_format: _LOG_FORMAT | None = None
+    log_file: Annotated[None, msgspec.Meta(description="refused (400) when given a value")] = None
+
+
+class TraceSettings(msgspec.Struct):
+    """Triton's trace settings (`protocol/trace_settings.py`), of the server or of a model."""
+
+    trace_level: list[Literal["OFF", "TIMESTAMPS"]]
+    trace_rate: Annotated[str, msgspec.Meta(description="one request traced in every N")]
+    trace_count: Annotated[str, msgspec.Meta(description="traces left; -1: no limit")]
+    trace_mode: Literal["opentelemetry"]
+
+
+class TraceSettingsRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The trace settings to change; null: clear it (a model's then follows the global one,
+    a global one returns to its start-up value). TENSORS, trace_file and a log_frequency
+    are refused (400); so is TIMESTAMPS on a server with no --otel-endpoint."""
+
+    trace_level: list[Literal["OFF", "TIMESTAMPS", "TENSORS"]] | None = None
+    trace_rate: Annotated[str, msgspec.Meta(description="an integer, 1 to 2^32 - 1")] | None = None
+    trace_count: Annotated[str, msgspec.Meta(description="an integer, -1 to 2^31 - 1")] | None = (
+        None
+    )
+    log_frequency: None = None
+    trace_file: None = None
 
 
 class GenerateResponse(msgspec.Struct):

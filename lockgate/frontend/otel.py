@@ -3,6 +3,12 @@
 ModelStreamInfer), the OpenAI routes that compute (/v1/completions, /v1/chat/completions,
 /v1/embeddings) and Triton's generate extension.
 
+Which requests are traced is Triton's trace extension's to say (`protocol/trace_settings.py`,
+`/v2[/models/{m}]/trace/setting`): the setting of the request's model (its level, one in
+`trace_rate` requests, `trace_count` more), decided when the model is known (a v2 path or
+gRPC message at once, a /v1 body once it is read). A request that carries a caller's
+traceparent is traced whenever the level is TIMESTAMPS, as the caller's sampling says.
+
 A traced request gets a server span, started when it arrived (its first byte on HTTP) and
 parented on an incoming W3C `traceparent` (an HTTP header, or gRPC metadata), with the
 request id as an attribute. When the answer has been sent, child spans are made from the
@@ -38,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -45,6 +52,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from lockgate.core.request import InferRequest
+from lockgate.protocol.trace_settings import TraceSettings
 
 if TYPE_CHECKING:
     from lockgate.llm.metrics import RequestTimings
@@ -67,16 +75,32 @@ class Phase:
 
 @dataclass(slots=True)
 class RequestTrace:
-    """One traced request: its server span, and what its child spans are made of."""
+    """One request a route may trace: whether it is traced is decided once its model is
+    known (`bind`), by that model's trace settings; then its server span starts, dated from
+    the request's arrival, and child spans are made at its end from the times it collected."""
 
-    span: trace.Span
-    trace_id: str  # 32 hex digits when the span is sampled, else "": the metrics' exemplar
+    tracing: Tracing
+    name: str  # the server span's
+    parent: Context  # the caller's trace, from its traceparent (empty without one)
+    attributes: dict[str, str]
     received: float  # time.monotonic() of the request's arrival (its first byte on HTTP)
-    model: str = ""  # set by the route once known (a /v1 body names it)
+    model: str = ""  # the model named (a /v1 body names it), once bound
+    bound: bool = False
+    span: trace.Span | None = None  # once bound, when the request is traced
+    trace_id: str = ""  # 32 hex digits when the span is sampled, else "": the metrics' exemplar
     # the requests made to a classic model, in order, set by the route as they are made
     requests: list[InferRequest] = field(default_factory=list)
     # a completion's record, kept by the engine (set by the completion pipeline)
     timings: RequestTimings | None = None
+
+    def bind(self, model: str, repository_name: str = "") -> None:
+        """Name the request's model; the first time, the trace settings of the model (by its
+        `repository_name` when the request names it otherwise, as a language model's served
+        name) decide whether the request is traced."""
+        self.model = model
+        if not self.bound:
+            self.bound = True
+            self.tracing.sample(self, repository_name or model)
 
     def phases(self, at: float) -> list[Phase]:
         """The steps of the request, answered at `at`, that it reached."""
@@ -88,22 +112,25 @@ class RequestTrace:
 
 
 class Tracing:
-    """The tracer of one server, with a provider of its own (never the global one)."""
+    """The tracer of one server, with a provider of its own (never the global one), sampling
+    requests by the trace settings (`protocol/trace_settings.py`)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, settings: TraceSettings) -> None:
         name = os.environ.get("OTEL_SERVICE_NAME") or "lockgate"
         self.provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
         exporter = OTLPSpanExporter(endpoint=traces_url(endpoint))
         self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("lockgate")
         self.propagator = TraceContextTextMapPropagator()
+        self.settings = settings
 
     def start_http(
         self, headers: list[tuple[bytes, bytes]], request_id: str, method: str, path: str, at: float
     ) -> RequestTrace | None:
-        """The trace of an HTTP request that arrived at `at`; None for a route not traced."""
+        """The trace of an HTTP request that arrived at `at`; None for a route not traced.
+        A v2 path names its model, which decides now; a /v1 route binds it from the body."""
         route = http_route(path)
-        if route is None:
+        if route is None or not self.settings.tracing:
             return None
         carrier = {k.decode(): v.decode("latin-1") for k, v in headers if k in TRACE_HEADERS}
         attributes = {
@@ -112,9 +139,10 @@ class Tracing:
             "url.path": path[:512],
             "lockgate.request_id": request_id,
         }
-        traced = self._start(f"{method} {route}", carrier, attributes, at)
+        parent = self.propagator.extract(carrier)
+        traced = RequestTrace(self, f"{method} {route}", parent, attributes, at)
         if route.startswith("/v2/"):
-            traced.model = path.split("/")[3]  # "", "v2", "models", name, ...
+            traced.bind(path.split("/")[3])  # "", "v2", "models", name, ...
         return traced
 
     def start_rpc(
@@ -124,9 +152,11 @@ class Tracing:
         model: str,
         request_id: str,
         at: float,
-    ) -> RequestTrace:
+    ) -> RequestTrace | None:
         """The trace of one gRPC inference request (`method` ModelInfer or ModelStreamInfer)
         that arrived at `at`; `metadata` is the call's, which may carry a traceparent."""
+        if not self.settings.tracing:
+            return None
         carrier = {k: v for k, v in metadata if k in TRACE_KEYS and isinstance(v, str)}
         attributes = {
             "rpc.system": "grpc",
@@ -134,42 +164,53 @@ class Tracing:
             "rpc.method": method,
             "lockgate.request_id": request_id[:128],
         }
-        traced = self._start(f"{RPC_SERVICE}/{method}", carrier, attributes, at)
-        traced.model = model
+        parent = self.propagator.extract(carrier)
+        traced = RequestTrace(self, f"{RPC_SERVICE}/{method}", parent, attributes, at)
+        traced.bind(model)
         return traced
 
-    def _start(
-        self, name: str, carrier: dict[str, str], attributes: dict[str, str], at: float
-    ) -> RequestTrace:
+    def sample(self, traced: RequestTrace, model: str) -> None:
+        """Start the request's span when its model's trace settings sample it (a caller's
+        sampled traceparent is followed whenever tracing is on)."""
+        parented = trace.get_current_span(traced.parent).get_span_context().is_valid
+        if not self.settings.of(model).sample(parented):
+            return
         span = self.tracer.start_span(
-            name,
-            context=self.propagator.extract(carrier),
+            traced.name,
+            context=traced.parent,
             kind=trace.SpanKind.SERVER,
-            start_time=_epoch_ns(at, _offset_ns()),
-            attributes=attributes,
+            start_time=_epoch_ns(traced.received, _offset_ns()),
+            attributes=traced.attributes,
         )
         context = span.get_span_context()
-        trace_id = trace.format_trace_id(context.trace_id) if context.trace_flags.sampled else ""
-        return RequestTrace(span, trace_id, at)
+        traced.span = span
+        traced.trace_id = (
+            trace.format_trace_id(context.trace_id) if context.trace_flags.sampled else ""
+        )
 
     def finish_http(self, traced: RequestTrace, status: int, at: float) -> None:
         """End an HTTP request's span at `at`, when its answer (`status`, 0 for none) was
         sent, after the spans of its phases."""
+        traced.bind(traced.model)  # a request refused before its body named a model
+        if traced.span is None:
+            return
         if status:  # else the client left before an answer
             traced.span.set_attribute("http.response.status_code", status)
-        self._finish(traced, status >= 500, at)
+        self._finish(traced, traced.span, status >= 500, at)
 
     def finish_rpc(self, traced: RequestTrace, code: int, error: bool, at: float) -> None:
         """End a gRPC request's span at `at`, answered with status `code` (0: OK)."""
+        if traced.span is None:
+            return
         traced.span.set_attribute("rpc.grpc.status_code", code)
-        self._finish(traced, error, at)
+        self._finish(traced, traced.span, error, at)
 
-    def _finish(self, traced: RequestTrace, error: bool, at: float) -> None:
-        span, offset = traced.span, _offset_ns()
+    def _finish(self, traced: RequestTrace, span: trace.Span, error: bool, at: float) -> None:
+        offset = _offset_ns()
         if error:
             span.set_status(trace.StatusCode.ERROR)
         if span.is_recording():
-            _describe(traced, offset)
+            _describe(traced, span, offset)
             parent = trace.set_span_in_context(span)
             for phase in traced.phases(at):
                 child = self.tracer.start_span(
@@ -197,9 +238,8 @@ def http_route(path: str) -> str | None:
     return None
 
 
-def _describe(traced: RequestTrace, offset: int) -> None:
+def _describe(traced: RequestTrace, span: trace.Span, offset: int) -> None:
     """The attributes a request learned on its way: model, version, batch, tokens, TTFT."""
-    span = traced.span
     if traced.model:
         span.set_attribute("lockgate.model", traced.model)
     if traced.requests:

@@ -108,7 +108,6 @@ class _Protocol(HttpToolsProtocol):
     gate: Gate
     refusals: Counter
     lockgate_app: App
-    lane_open = False  # v2 inference may be answered below ASGI (`frontend/lane.py`)
     lane_bodies = BodiesArriving()  # the server's lane requests whose body is still to come
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -259,7 +258,7 @@ class _Protocol(HttpToolsProtocol):
             wait = self.gate.loop_cost.wait(self._loop_work_ahead())
             error = self.lockgate_app.early_refusal(b"POST", path, headers, received, wait)
             if error is None:
-                target = lane_target(path) if self.lane_open else None
+                target = lane_target(path) if self.lockgate_app.lane_open else None
                 if target is not None and length <= self.lockgate_app.settings.max_body_bytes:
                     request = LaneRequest(*target, path, headers, b"", received, not close)
                     self._take_lane(request, length, data[end + 4 :], now)
@@ -726,7 +725,6 @@ def _protocol_class(
         "gate": gate,
         "refusals": refusals,
         "lockgate_app": app,
-        "lane_open": app.lane_open,
         "lane_bodies": BodiesArriving(),
     }
     return type("LockgateHttpProtocol", (_Protocol,), attributes)
@@ -895,6 +893,7 @@ def _start_polling(app: App, repository: Path, interval: float) -> None:
 
 async def serve(options: ServeOptions) -> int:
     app = build_app(options)
+    app.v2.log.install()  # the process's log handlers, changed through /v2/logging
     gate = Gate(options.gate)
     refusals = app.models.registry.counter(
         "lockgate_http_refused_total",

@@ -22,7 +22,9 @@ from lockgate.frontend.http import (
 )
 from lockgate.frontend.v2_service import SERVER_METADATA, Deadline, V2Service, timeout_header
 from lockgate.protocol import v2_codec, v2_metadata
+from lockgate.protocol.log_settings import decode_settings
 from lockgate.protocol.shared_memory import SharedMemory, decode_register
+from lockgate.protocol.trace_settings import json_change, json_document
 
 if TYPE_CHECKING:
     from lockgate.frontend.otel import RequestTrace
@@ -158,3 +160,24 @@ def _on_this_host(request: HttpRequest) -> None:
         local = False
     if not local:
         raise Forbidden("system shared memory is for clients on this host")
+
+
+SETTINGS_METHODS = ("GET", "HEAD", "POST")  # GET reads the settings, POST changes them
+
+
+async def log_settings(request: HttpRequest, service: V2Service) -> None:
+    """Triton's logging extension: GET or POST /v2/logging."""
+    check_method(request.method, request.path, SETTINGS_METHODS)
+    change = decode_settings(await request.body()) if request.method == "POST" else {}
+    await respond_json(request.send, 200, service.log_settings(change).document())
+
+
+async def trace_settings(request: HttpRequest, service: V2Service, model: str = "") -> None:
+    """Triton's trace extension: GET or POST /v2/trace/setting and
+    /v2/models/{model}/trace/setting."""
+    check_method(request.method, request.path, SETTINGS_METHODS)
+    change: dict[str, list[str] | None] = {}
+    if request.method == "POST":
+        change = json_change(decode_settings(await request.body()))
+    document = service.trace_settings(model, change)
+    await respond_json(request.send, 200, json_document(document))

@@ -2,14 +2,18 @@
 
 REST (`frontend/v2_routes.py`) and gRPC (`frontend/grpc_server.py`) are thin adapters over
 it: they decode the wire, call one method here, and encode what it returns. Versions,
-deadlines, priorities, input and output checks, readiness, metadata, statistics and the
-repository index are decided here once, so the two protocols cannot drift apart.
+deadlines, priorities, input and output checks, readiness, metadata, statistics, the
+repository index and the log and trace settings are decided here once, so the two protocols
+cannot drift apart.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from lockgate import __version__
 from lockgate.backends.base import spec_of
@@ -22,8 +26,11 @@ from lockgate.core.request import InferRequest
 from lockgate.core.validate import validate_inputs, validate_outputs, validate_shapes
 from lockgate.datatypes import Arrays
 from lockgate.errors import BadRequest, Forbidden, NotFound, ServingError
+from lockgate.frontend.server_log import ServerLog
 from lockgate.protocol import v2_metadata
+from lockgate.protocol.log_settings import LogSettings
 from lockgate.protocol.shared_memory import SharedMemory
+from lockgate.protocol.trace_settings import TraceSettings, TraceValues, change_of
 from lockgate.protocol.v2_codec import DeclaredInput, V2InferRequest
 from lockgate.protocol.v2_metadata import BatchStats, Document, Duration, ModelStats, Runtime
 
@@ -35,10 +42,13 @@ EXTENSIONS = (
     "model_repository",
     "schedule_policy",
     "system_shared_memory",
+    "logging",
+    "trace",
 )
 SERVER_METADATA = v2_metadata.server_metadata(
     name="lockgate", version=__version__, extensions=EXTENSIONS
 )
+log = logging.getLogger("lockgate.frontend")
 MAX_TIMEOUT_US = 10**13  # about 116 days: any longer is a client mistake
 MAX_TIMEOUT_S = 1e7  # the Request-Timeout header, in seconds
 
@@ -174,10 +184,17 @@ class V2Service:
     """KServe v2 inference, health, metadata and Triton's extensions over a model manager."""
 
     def __init__(
-        self, models: ModelManager, executor: Executor, shared_memory_regions: int = 256
+        self,
+        models: ModelManager,
+        executor: Executor,
+        shared_memory_regions: int = 256,
+        trace: TraceSettings | None = None,
     ) -> None:
         self.models = models
         self.executor = executor
+        # Triton's logging and trace extensions: the process's log, the requests traced
+        self.log = ServerLog()
+        self.trace = trace or TraceSettings(TraceValues(), exporting=False)
         # the regions tensors may be passed in (0 regions: the extension is off)
         self.shared_memory = SharedMemory(shared_memory_regions)
 
@@ -342,6 +359,28 @@ class V2Service:
                     if name not in self.models.models
                 ]
         return index
+
+    # -- Triton's logging and trace extensions -----------------------------------------
+    def log_settings(self, change: Mapping[str, Any]) -> LogSettings:
+        """The log settings, after `change` (name -> value; empty: none) is applied whole."""
+        if change:
+            settings = self.log.settings.changed(change)
+            self.log.apply(settings)
+            log.info("log settings changed: %s", settings.document())
+        return self.log.settings
+
+    def trace_settings(
+        self, model: str, change: Mapping[str, list[str] | None]
+    ) -> dict[str, list[str]]:
+        """The trace settings of `model` ("": the global ones), after `change` (name -> values;
+        None or []: clear) is applied whole; 404 for a model the server does not have."""
+        if model and model not in self.models.models:
+            raise NotFound(f"unknown model '{model[:200]}'")
+        if change:
+            self.trace.update(model, change_of(change))
+            document = self.trace.document(model)
+            log.info("trace settings of %s changed: %s", model or "the server", document)
+        return self.trace.document(model)
 
     def _stats_of(self, served: ServedVersion) -> ModelStats:
         m = self.models.metrics

@@ -1,5 +1,5 @@
 """The router's ASGI app: its own health and metrics, and every other request passed to a
-replica.
+replica (but each replica's log and trace settings, refused: `replica_settings.py`).
 
 For each request, in order:
 1. Rate limits (`rate_limits.py`), when set: the client's request bucket before the body is
@@ -55,6 +55,7 @@ from lockgate.core.metrics import Registry
 from lockgate.errors import ServingError
 from lockgate.protocol.content_coding import coding_of, inflate
 from lockgate.protocol.openai import MODEL_VERSION_HEADER
+from lockgate.router import replica_settings
 from lockgate.router.balancer import Balancer
 from lockgate.router.budget import Budget
 from lockgate.router.canary import Canary, CanaryRule
@@ -274,6 +275,8 @@ class RouterApp:
 
     # -- proxying --------------------------------------------------------------------------
     async def _serve(self, scope: Scope, receive: Receive, send: Send, arrived: float) -> int:
+        if replica_settings.per_replica(scope["path"]):
+            return await _error(send, 501, replica_settings.MESSAGE)
         headers: list[tuple[bytes, bytes]] = scope["headers"]  # names in lower case (ASGI)
         client = self.limits.client(headers, arrived) if self.limits is not None else None
         refusal = client.admit_request(arrived) if client is not None else None

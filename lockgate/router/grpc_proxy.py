@@ -22,6 +22,7 @@ code, message and trailing metadata, come back unchanged. One channel per replic
   At most `max_stream_inflight` messages are passed to the replica and not yet answered back
   to the client; past that the router stops reading the client's side, so a client that
   writes and never reads holds bounded memory (HTTP/2 flow control then holds its writes).
+- LogSettings and TraceSetting: UNIMPLEMENTED, each replica's own (`replica_settings.py`).
 - `grpc.health.v1.Health`: service "" is the router (SERVING while a replica is usable and the
   router is not draining); any other name (a model) is asked of a replica.
 """
@@ -42,6 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc.status import cancelled_code
+from lockgate.router import replica_settings
 from lockgate.router.app import RouterApp
 from lockgate.router.groups import MAIN
 from lockgate.router.grpc_model import model_of
@@ -338,6 +340,8 @@ class GrpcFront:
     async def _unary(self, method: str, request: bytes, context: Context) -> bytes:
         if method == SERVER_LIVE:
             return LIVE
+        if method in replica_settings.METHODS:
+            raise _Status(grpc.StatusCode.UNIMPLEMENTED, replica_settings.MESSAGE)
         if method == SERVER_READY and (self.router.draining or not self.router.pool.ready()):
             return NOT_READY  # as REST's readiness says 503: not an error to the client
         arrived = time.monotonic()

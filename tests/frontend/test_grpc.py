@@ -558,7 +558,7 @@ def echo_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _start_echo(repo: Path, tmp: Path, *extra: str) -> RunningServer:
-    env = {"LOCKGATE_API_KEYS": "k1,k2"}
+    env = {"LOCKGATE_API_KEYS": "k1,k2", "LOCKGATE_ADMIN_KEYS": "admin"}
     return start_server(repo, tmp, "--no-llm", *extra, env=env, grpc_port=free_port())
 
 
@@ -590,6 +590,18 @@ def test_api_keys_and_limits(echo_repo: Path, tmp_path: Path) -> None:
             key = {"authorization": "Bearer k2"}
             result = client.infer("echo", _echo_inputs(), headers=key)
             np.testing.assert_array_equal(result.as_numpy("y"), [[0, 2, 4, 6]])
+            # the log and trace settings: read with an API key, changed with the admin key
+            assert client.get_log_settings(headers=key).settings["log_info"].bool_param
+            denied = grpc.StatusCode.PERMISSION_DENIED
+            change = {"trace_rate": "2"}
+            log_change = {"log_info": True}
+            expect_error(denied, "log and trace", client.update_log_settings, log_change, key)
+            expect_error(
+                denied, "log and trace", client.update_trace_settings, "", change, headers=key
+            )
+            admin = {"authorization": "Bearer admin"}
+            changed = client.update_trace_settings("", change, headers=admin)
+            assert list(changed.settings["trace_rate"].value) == ["2"]
             big = [grpc_input("x", np.zeros((1, 300_000), np.float32), "FP32")]
             expect_error(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "", client.infer, "echo", big, headers=key

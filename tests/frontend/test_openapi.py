@@ -26,6 +26,9 @@ ROUTES = {
     ("post", "/v2/systemsharedmemory/region/{region}/register"),
     ("post", "/v2/systemsharedmemory/region/{region}/unregister"),
     ("post", "/v2/systemsharedmemory/unregister"),
+    *((m, "/v2/logging") for m in ("get", "post")),
+    *((m, "/v2/trace/setting") for m in ("get", "post")),
+    *((m, "/v2/models/{model}/trace/setting") for m in ("get", "post")),
     *(
         (method, prefix + action)
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}")

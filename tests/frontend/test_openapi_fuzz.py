@@ -21,7 +21,7 @@ from lockgate.demo.smollm2 import SERVED_NAME
 from lockgate.frontend.openapi import openapi_document
 from tests.conftest import RunningServer, smollm2_repository, start_server
 
-EXAMPLES = 15  # per operation (24 operations)
+EXAMPLES = 15  # per operation (38 operations)
 LLM_EXAMPLES = 8  # per generating operation (6): each generates a few tokens
 MAX_TOKENS = 3  # what a fuzzed completion may generate at most
 MODELS = ("echo", "digits_onnx", "minilm", "smollm2")  # half the cases aim at one of these

@@ -1,10 +1,9 @@
 """OpenTelemetry tracing: a real server (a classic model, an embedding model and SmolLM2, over
-REST and gRPC) sends its spans over OTLP/HTTP to a tiny receiver here, which decodes them;
-the request-latency histograms point at the trace."""
+REST and gRPC) sends its spans over OTLP/HTTP to a tiny receiver (`otlp_receiver.py`), which
+decodes them; the request-latency histograms point at the trace."""
 
 from __future__ import annotations
 
-import gzip
 import queue
 import shutil
 import subprocess
@@ -12,7 +11,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -22,11 +20,9 @@ import pytest
 from tests.conftest import RunningServer, free_port, smollm2_repository, start_server
 
 pytest.importorskip("opentelemetry.sdk", reason="needs lockgate[otel]")
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from tests.frontend.otlp_receiver import Receiver
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
@@ -34,57 +30,6 @@ PHASES = ["receive", "queue", "batch", "compute", "respond"]
 LLM_PHASES = ["receive", "queue", "generate", "respond"]
 RPC = "inference.GRPCInferenceService/"
 BODY = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
-
-
-class Receiver(ThreadingHTTPServer):
-    """Accepts OTLP/HTTP protobuf exports and keeps the spans and their service names."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.spans: list[tuple[str, Span]] = []  # (service.name, span)
-        self.lock = threading.Lock()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def of_trace(self, trace_id: str, count: int, timeout: float = 10.0) -> list[tuple[str, Span]]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                found = [(s, span) for s, span in self.spans if span.trace_id.hex() == trace_id]
-            if len(found) >= count:
-                return found
-            time.sleep(0.05)
-        raise AssertionError(f"{len(found)} spans of trace {trace_id} within {timeout} s")
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: Receiver
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        if self.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
-        export = ExportTraceServiceRequest.FromString(body)
-        with self.server.lock:
-            for resource_spans in export.resource_spans:
-                attributes = {
-                    a.key: a.value.string_value for a in resource_spans.resource.attributes
-                }
-                for scope_spans in resource_spans.scope_spans:
-                    self.server.spans += [
-                        (attributes["service.name"], s) for s in scope_spans.spans
-                    ]
-        answer = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -199,6 +199,27 @@ def test_model_control_needs_the_admin_key(secured: RunningServer, path: str) ->
     )
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v2/logging",
+        "/v2/trace/setting",
+        "/v2/models/echo/trace/setting",
+        "//v2/models/echo//trace/setting/",
+    ],
+)
+def test_changing_log_and_trace_settings_needs_the_admin_key(
+    secured: RunningServer, path: str
+) -> None:
+    url = secured.url + path
+    assert error_of(httpx.post(url, json={}), 401)
+    for key in (*API_KEYS, WRONG_KEY):
+        answer = httpx.post(url, json={}, headers=bearer(key))
+        assert "log and trace settings" in error_of(answer, 403)
+    assert httpx.get(url, headers=bearer(API_KEYS[0])).status_code == 200  # reading: any key
+    assert httpx.post(url, json={}, headers=bearer(ADMIN_KEY)).status_code == 200
+
+
 def test_admin_key_unloads_and_loads(secured: RunningServer) -> None:
     admin = bearer(ADMIN_KEY)
     infer = secured.url + "/v2/models/echo/infer"

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -129,6 +130,23 @@ def test_metadata_health_and_repository_pass_through(front: GrpcRouter) -> None:
         with pytest.raises(grpc.RpcError) as caught:
             health.Check(health_pb2.HealthCheckRequest(service="nope"))
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_log_and_trace_settings_are_refused_as_each_replicas_own(front: GrpcRouter) -> None:
+    http = httpclient.InferenceServerClient(front.router.address)
+    with pytest.raises(InferenceServerException, match="belong to each replica"):
+        http.update_log_settings({"log_verbose_level": 1})
+    with pytest.raises(InferenceServerException, match="belong to each replica"):
+        http.get_trace_settings("who")
+    for path in ("/v2/logging", "/v2/trace/setting", "/v2/models/who/trace/setting"):
+        answer = httpx.post(front.router.url + path, json={})
+        assert answer.status_code == 501 and "each replica" in answer.json()["error"]
+    client = front.client()
+    for call in (client.get_log_settings, client.get_trace_settings):
+        with pytest.raises(InferenceServerException, match="belong to each replica") as caught:
+            call()
+        assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert client.get_model_metadata("who")  # the replicas' other methods still pass
 
 
 def test_the_replicas_errors_pass_through(front: GrpcRouter) -> None:

@@ -32,6 +32,7 @@ from lockgate.datatypes import (
 )
 from lockgate.errors import BadRequest, ServingError
 from lockgate.protocol.grpc import inference_pb2 as pb
+from lockgate.protocol.log_settings import LogSettings
 from lockgate.protocol.shared_memory import SharedMemory, SharedSlice
 from lockgate.protocol.v2_codec import (
     MAX_ELEMENTS,
@@ -331,3 +332,41 @@ def from_document(document: dict[str, Any], message: M) -> M:
     except json_format.ParseError as error:
         raise ServingError(f"cannot encode {type(message).__name__}: {error}") from None
     return message
+
+
+# -- Triton's trace and logging extensions ---------------------------------------------------
+
+
+def log_change(request: pb.LogSettingsRequest) -> dict[str, bool | int | str | None]:
+    """The settings a LogSettings request changes, as plain values (a value with no choice
+    set: None, which leaves the setting as it is)."""
+    found: dict[str, bool | int | str | None] = {}
+    for name, value in request.settings.items():
+        choice = value.WhichOneof("parameter_choice")
+        found[name] = getattr(value, choice) if choice is not None else None
+    return found
+
+
+def encode_log_settings(settings: LogSettings) -> pb.LogSettingsResponse:
+    response = pb.LogSettingsResponse()
+    for name, value in settings.document().items():
+        entry = response.settings[name]
+        if isinstance(value, bool):
+            entry.bool_param = value
+        elif isinstance(value, int):
+            entry.uint32_param = value
+        else:
+            entry.string_param = value
+    return response
+
+
+def trace_change(request: pb.TraceSettingRequest) -> dict[str, list[str] | None]:
+    """The settings a TraceSetting request changes, each a list of strings (empty: clear)."""
+    return {name: list(value.value) for name, value in request.settings.items()}
+
+
+def encode_trace_settings(document: dict[str, list[str]]) -> pb.TraceSettingResponse:
+    response = pb.TraceSettingResponse()
+    for name, values in document.items():
+        response.settings[name].value.extend(values)
+    return response

@@ -109,6 +109,16 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=inference__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
                 response_deserializer=inference__pb2.SystemSharedMemoryUnregisterResponse.FromString,
                 _registered_method=True)
+        self.TraceSetting = channel.unary_unary(
+                '/inference.GRPCInferenceService/TraceSetting',
+                request_serializer=inference__pb2.TraceSettingRequest.SerializeToString,
+                response_deserializer=inference__pb2.TraceSettingResponse.FromString,
+                _registered_method=True)
+        self.LogSettings = channel.unary_unary(
+                '/inference.GRPCInferenceService/LogSettings',
+                request_serializer=inference__pb2.LogSettingsRequest.SerializeToString,
+                response_deserializer=inference__pb2.LogSettingsResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer(object):
@@ -208,6 +218,19 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TraceSetting(self, request, context):
+        """Triton's trace and logging extensions: the server's trace and log settings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LogSettings(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -285,6 +308,16 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.SystemSharedMemoryUnregister,
                     request_deserializer=inference__pb2.SystemSharedMemoryUnregisterRequest.FromString,
                     response_serializer=inference__pb2.SystemSharedMemoryUnregisterResponse.SerializeToString,
+            ),
+            'TraceSetting': grpc.unary_unary_rpc_method_handler(
+                    servicer.TraceSetting,
+                    request_deserializer=inference__pb2.TraceSettingRequest.FromString,
+                    response_serializer=inference__pb2.TraceSettingResponse.SerializeToString,
+            ),
+            'LogSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.LogSettings,
+                    request_deserializer=inference__pb2.LogSettingsRequest.FromString,
+                    response_serializer=inference__pb2.LogSettingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -692,6 +725,60 @@ class GRPCInferenceService(object):
             '/inference.GRPCInferenceService/SystemSharedMemoryUnregister',
             inference__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
             inference__pb2.SystemSharedMemoryUnregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TraceSetting(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/TraceSetting',
+            inference__pb2.TraceSettingRequest.SerializeToString,
+            inference__pb2.TraceSettingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LogSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/LogSettings',
+            inference__pb2.LogSettingsRequest.SerializeToString,
+            inference__pb2.LogSettingsResponse.FromString,
             options,
             channel_credentials,
             insecure,
