@@ -53,6 +53,7 @@ from lockgate.frontend.http import (
 )
 from lockgate.frontend.lane import LaneRequest
 from lockgate.frontend.openapi import openapi_document
+from lockgate.frontend.predict_routes import is_predict, predict_route, predict_target
 from lockgate.frontend.v2_service import V2Service
 from lockgate.protocol.content_coding import accepted_coding
 from lockgate.protocol.openai import OpenAILimits, error_body
@@ -244,6 +245,7 @@ class App:
             trace=traced,
         )
         openai = request.path.startswith("/v1/") or request.path in TOKEN_PATHS
+        openai = openai and not is_predict(request.path)  # KServe v1's: its own error form
         if openai or _route_kind(request.path) == "generate":  # decoded whole on the loop
             payload = self.settings.openai.max_payload_bytes
             if payload < request.max_body:
@@ -478,6 +480,9 @@ class App:
             await v2_routes.document(request, self.v2.statistics(None, None))
         elif parts[:2] == ["v2", "models"] and len(parts) >= 3:
             await self._model_route(request, parts[2:])
+        elif (target := predict_target(parts)) is not None:  # before the OpenAI API's /v1
+            granted = not self.settings.priority_keys or self.priority_granted(request.bearer())
+            await predict_route(request, self.v2, *target, granted)
         elif parts and parts[0] == "v1" and self.openai is not None:
             await self.openai(request, parts[1:])
         elif path in TOKEN_PATHS and self.openai is not None:
@@ -674,7 +679,7 @@ def _route_kind(path: str) -> str:
     if path.startswith("/v2/models/") and path.endswith(("/generate", "/generate_stream")):
         return "generate"
     if path.startswith("/v1/"):
-        return "openai"
+        return "predict" if path.endswith(":predict") else "openai"
     if path.startswith("/v2/health") or path == "/health":
         return "health"
     if path.startswith("/v2"):

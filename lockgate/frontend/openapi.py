@@ -22,6 +22,7 @@ from lockgate.frontend import openapi_schemas as out
 from lockgate.frontend.v2_service import IndexEntry
 from lockgate.protocol import generate, v2_codec
 from lockgate.protocol import openai as oa
+from lockgate.protocol.predict import PredictIn
 from lockgate.protocol.shared_memory import RegisterRequest
 
 # --- schemas ------------------------------------------------------------------------------
@@ -41,9 +42,15 @@ _SCHEMA_TYPES = (
     oa.CompletionRequest,
     oa.ChatRequest,
     oa.EmbeddingRequest,
+    PredictIn,
 )
 # the v2 decoder's Structs are private to its module: their names in the document
-_RENAMED = {"_RequestIn": "InferRequest", "_TensorIn": "InferInput", "_OutputIn": "InferOutputIn"}
+_RENAMED = {
+    "_RequestIn": "InferRequest",
+    "_TensorIn": "InferInput",
+    "_OutputIn": "InferOutputIn",
+    "PredictIn": "PredictRequest",
+}
 _COUNT = {"type": "integer", "minimum": 0}
 _TOKEN_IDS = {"type": "array", "items": _COUNT, "minItems": 1}
 _SCALAR = {"type": ["string", "number", "boolean", "null"]}  # a v2 parameter: nothing nested
@@ -91,6 +98,15 @@ _HAND_CHECKED: dict[tuple[str, str], dict[str, Any]] = {
     ("FunctionDefinition", "parameters"): {
         "anyOf": [{"type": "object"}, {"type": "null"}],
         "description": "the JSON schema of the arguments, an object; absent: no arguments",
+    },
+    ("PredictRequest", "instances"): {
+        "type": "array",
+        "minItems": 1,
+        "description": "one item per row: the input's value, or an object of input values by "
+        "name; BYTES values are strings or {'b64': ...}",
+    },
+    ("PredictRequest", "inputs"): {
+        "description": "the batch of the one input, or an object of batches by input name",
     },
     ("EmbeddingRequest", "input"): {
         "description": "a string or a list of strings (token ids are not supported), each of "
@@ -589,6 +605,25 @@ def _openai_paths() -> dict[str, Any]:
     }
 
 
+def _predict_paths() -> dict[str, Any]:
+    def predict(at: str) -> dict[str, Any]:
+        params = (_MODEL, _VERSION) if at else (_MODEL,)
+        summary = "Predict (KServe v1, TensorFlow Serving)" + (" at a version" if at else "")
+        body = {"application/json": {"schema": _ref("PredictRequest")}}
+        errors = (400, 404, 408, 413, 415, 429, 500, 503, 504)
+        ok = _ok("PredictAnswer")
+        return {
+            "post": _operation(
+                f"predict{at}", summary, ok, errors, tag="v1", params=(*params, _TIMEOUT), body=body
+            )
+        }
+
+    return {
+        "/v1/models/{model}:predict": predict(""),
+        "/v1/models/{model}/versions/{version}:predict": predict("_at"),
+    }
+
+
 def _server_paths() -> dict[str, Any]:
     op = partial(_operation, tag="server")
     text = {"schema": {"type": "string"}}
@@ -633,10 +668,11 @@ def openapi_document() -> dict[str, Any]:
         },
         "tags": [
             {"name": "v2", "description": "KServe v2 (Open Inference Protocol) and Triton's"},
+            {"name": "v1", "description": "KServe v1 and TensorFlow Serving's predict"},
             {"name": "openai", "description": "The OpenAI API"},
             {"name": "server", "description": "Health, metrics, dashboard"},
         ],
-        "paths": {**_v2_paths(), **_openai_paths(), **_server_paths()},
+        "paths": {**_v2_paths(), **_predict_paths(), **_openai_paths(), **_server_paths()},
         "components": {
             "schemas": schema_components(),
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},

@@ -377,3 +377,14 @@ class EmbeddingList(msgspec.Struct):
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
+
+
+# --- KServe v1 / TensorFlow Serving predict --------------------------------------------------
+
+
+class PredictAnswer(msgspec.Struct, omit_defaults=True):
+    """A predict answer: `predictions` (one item per row) for `instances`, `outputs` (the
+    columns) for `inputs`."""
+
+    predictions: list[Any] | None = None
+    outputs: Any = None

@@ -46,6 +46,8 @@ ROUTES = {
     ("post", "/v1/completions"),
     ("post", "/v1/chat/completions"),
     ("post", "/v1/embeddings"),
+    ("post", "/v1/models/{model}:predict"),
+    ("post", "/v1/models/{model}/versions/{version}:predict"),
     ("post", "/tokenize"),
     ("post", "/detokenize"),
     ("get", "/version"),
