@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -71,6 +72,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=256,
         help="system shared memory regions clients on this host may register at once "
         "(Triton's extension); 0: the extension is off",
+    )
+    p.add_argument(
+        "--shared-memory-registry",
+        default="",
+        metavar="DIR",
+        help="a directory where the replicas of one server share their system shared memory "
+        "registrations, so a region registered through one is found by the others (set by "
+        "--replicas for its replicas)",
     )
     p.add_argument(
         "--slow-body-secs",
@@ -385,11 +394,14 @@ def _balance(args: argparse.Namespace) -> str:
     return str(args.balance or ("kernel" if reuse_port_balances() else "router"))
 
 
-def _replica_serve_argv(args: argparse.Namespace, repository: Path) -> list[str]:
-    """This command's arguments for its replicas: the demo is built once, not in each."""
+def _replica_serve_argv(args: argparse.Namespace, repository: Path, registry: str) -> list[str]:
+    """This command's arguments for its replicas: the demo is built once, not in each, and
+    the replicas share their shared memory registrations in `registry`."""
     argv = list(args.argv)
     if args.repository is None:
         argv.insert(argv.index("serve") + 1, str(repository))
+    if not args.shared_memory_registry:
+        argv += ["--shared-memory-registry", registry]
     return argv
 
 
@@ -415,18 +427,24 @@ def _serve_shared_port(args: argparse.Namespace, repository: Path, count: int) -
             file=sys.stderr,
         )
         return 2
-    argv = _replica_serve_argv(args, repository)
     logging.getLogger("lockgate").info(
         "serving with %d replicas sharing port %d (kernel balancing)", count, args.port
     )
-    return Supervisor.of(
-        [shared_port_argv(argv, port) for port in private], args.drain_timeout
-    ).run()
+    with tempfile.TemporaryDirectory(prefix="lockgate-shm-") as registry:
+        argv = _replica_serve_argv(args, repository, registry)
+        return Supervisor.of(
+            [shared_port_argv(argv, port) for port in private], args.drain_timeout
+        ).run()
 
 
 def _serve_replicas(args: argparse.Namespace, repository: Path, count: int) -> int:
     """The router on --port (and its gRPC front on --grpc-port), and `count` server
     processes behind it."""
+    with tempfile.TemporaryDirectory(prefix="lockgate-shm-") as registry:
+        return _serve_behind_router(args, _replica_serve_argv(args, repository, registry), count)
+
+
+def _serve_behind_router(args: argparse.Namespace, argv: list[str], count: int) -> int:
     from lockgate.router.app import RouterSettings
     from lockgate.router.grpc_proxy import GrpcFrontSettings, ReplicaGrpcPort
     from lockgate.router.pool import Discovery
@@ -434,7 +452,6 @@ def _serve_replicas(args: argparse.Namespace, repository: Path, count: int) -> i
     from lockgate.router.replicas import Replicas
     from lockgate.router.server import build, run
 
-    argv = _replica_serve_argv(args, repository)
     base = args.replica_base_port or args.port + 1
     ports = [base + i for i in range(count)]
     grpc = None
@@ -524,6 +541,7 @@ def _serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         compress_min_bytes=args.compress_min_bytes,
         shared_memory_regions=args.shared_memory_regions,
+        shared_memory_registry=args.shared_memory_registry,
         api_keys=_env_keys("LOCKGATE_API_KEYS"),
         admin_keys=_env_keys("LOCKGATE_ADMIN_KEYS"),
         priority_keys=_env_keys("LOCKGATE_PRIORITY_KEYS"),

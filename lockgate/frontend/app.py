@@ -141,6 +141,8 @@ class ServerSettings:
     compress_min_bytes: int = 4096
     # system shared memory regions that may be registered at once; 0: the extension is off
     shared_memory_regions: int = 256
+    # a directory the replicas of one `serve --replicas` share registrations in; "": none
+    shared_memory_registry: str = ""
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
             {
@@ -169,7 +171,13 @@ class App:
         self.executor = Executor(models, self.cache, models.registry)
         exporting = bool(self.settings.otel_endpoint)
         trace = TraceSettings(self.settings.trace, exporting)
-        self.v2 = V2Service(models, self.executor, self.settings.shared_memory_regions, trace)
+        self.v2 = V2Service(
+            models,
+            self.executor,
+            self.settings.shared_memory_regions,
+            trace,
+            self.settings.shared_memory_registry,
+        )
         self.access = AccessLog(self.settings.access_log)
         self.openai = openai
         self.generate: GenerateHandler | None = None  # set with the OpenAI routes

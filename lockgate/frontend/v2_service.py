@@ -189,6 +189,7 @@ class V2Service:
         executor: Executor,
         shared_memory_regions: int = 256,
         trace: TraceSettings | None = None,
+        shared_memory_registry: str = "",
     ) -> None:
         self.models = models
         self.executor = executor
@@ -196,7 +197,7 @@ class V2Service:
         self.log = ServerLog()
         self.trace = trace or TraceSettings(TraceValues(), exporting=False)
         # the regions tensors may be passed in (0 regions: the extension is off)
-        self.shared_memory = SharedMemory(shared_memory_regions)
+        self.shared_memory = SharedMemory(shared_memory_regions, registry=shared_memory_registry)
 
     # -- inference ---------------------------------------------------------------------
     def served(self, name: str, version_text: str | None) -> ServedVersion:

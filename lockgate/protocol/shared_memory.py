@@ -13,10 +13,21 @@ The region is mapped once, at registration; reading an input copies its bytes ou
 mapping (the client may rewrite the region once it has the answer). Only clients on this host
 may register regions (a remote one cannot share memory), a key names a shared memory object
 by a plain name (no path), and `max_regions` bounds the mappings one server holds.
+
+The replicas of one `lockgate serve --replicas N` are one server to a client, which may
+register a region through one replica and name it in a request another one answers. They
+share their registrations through a `registry` directory their parent makes: a registration
+is a file there, created exclusively (a name is registered once across the replicas), which
+the others read and map when a request first names the region; an unregistration removes it,
+and a replica finds the file gone (or replaced by another registration of the name) the next
+time a request names the region. Status lists the files. A replica started again after a
+crash thus finds every region still registered, as the client left them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import mmap
 import os
 import re
@@ -50,6 +61,7 @@ class Region:
     offset: int  # of the region in the shared memory object
     byte_size: int
     mapping: mmap.mmap  # the object from 0 to offset + byte_size
+    stamp: tuple[int, int] = (0, 0)  # its registry file's inode and change time; 0s: none
 
     def status(self) -> dict[str, Any]:
         return {
@@ -63,9 +75,12 @@ class Region:
 class SharedMemory:
     """The system shared memory regions registered with this server, by name."""
 
-    def __init__(self, max_regions: int = MAX_REGIONS, directory: str = SHM_DIR) -> None:
+    def __init__(
+        self, max_regions: int = MAX_REGIONS, directory: str = SHM_DIR, registry: str = ""
+    ) -> None:
         self.max_regions = max_regions
         self.directory = directory
+        self.registry = registry  # shared with sibling replicas; "": this server's alone
         self.regions: dict[str, Region] = {}
         self.lock = threading.Lock()  # the gRPC server and the event loop both register
 
@@ -78,18 +93,26 @@ class SharedMemory:
         if not (_count(offset) and _count(byte_size)) or byte_size == 0:
             raise BadRequest("offset must be >= 0 and byte_size > 0, both integers")
         with self.lock:
-            if name in self.regions:
-                raise BadRequest(f"shared memory region '{name}' is already registered")
             if not self.max_regions:
                 raise BadRequest("system shared memory is off (--shared-memory-regions 0)")
-            if len(self.regions) >= self.max_regions:
+            if self.registry:
+                self._forget_stale(name)
+            if name in self.regions or (self.registry and self._entry(name) is not None):
+                raise BadRequest(f"shared memory region '{name}' is already registered")
+            held = len(self._entries()) if self.registry else len(self.regions)
+            if held >= self.max_regions:
                 raise BadRequest(
                     f"at most {self.max_regions} shared memory regions may be registered "
                     "(--shared-memory-regions)"
                 )
-            self.regions[name] = Region(
-                name, key, offset, byte_size, self._map(key, offset + byte_size)
-            )
+            region = Region(name, key, offset, byte_size, self._map(key, offset + byte_size))
+            if self.registry:
+                try:
+                    region.stamp = self._publish(region)
+                except BaseException:
+                    region.mapping.close()
+                    raise
+            self.regions[name] = region
 
     def _map(self, key: str, length: int) -> mmap.mmap:
         path = os.path.join(self.directory, key.lstrip("/"))
@@ -111,6 +134,11 @@ class SharedMemory:
     def unregister(self, name: str | None = None) -> None:
         """Unregister `name` (None: every region); an unknown name is no error, as in Triton."""
         with self.lock:
+            if self.registry:
+                entries = self._entries() if name is None else [name]
+                for entry in entries:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._file(entry))
             names = list(self.regions) if name is None else [name]
             gone = [self.regions.pop(n) for n in names if n in self.regions]
         for region in gone:
@@ -118,12 +146,15 @@ class SharedMemory:
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         with self.lock:
-            if name is None:
-                return [r.status() for r in self.regions.values()]
-            region = self.regions.get(name)
-            if region is None:
+            if self.registry:
+                found = [self._entry(n) for n in (self._entries() if name is None else [name])]
+                listed = [entry for entry in found if entry is not None]
+            else:
+                names = list(self.regions) if name is None else [name]
+                listed = [self.regions[n].status() for n in names if n in self.regions]
+            if name is not None and not listed:
                 raise NotFound(f"no shared memory region '{name}' is registered")
-            return [region.status()]
+            return listed
 
     def read(self, where: SharedSlice) -> bytes:
         """A copy of the bytes `where` names."""
@@ -149,7 +180,7 @@ class SharedMemory:
             self._within(where, where.byte_size)
 
     def _within(self, where: SharedSlice, size: int) -> Region:
-        region = self.regions.get(where.region)
+        region = self._sibling(where.region) if self.registry else self.regions.get(where.region)
         if region is None:
             raise BadRequest(f"no shared memory region '{where.region}' is registered")
         if where.offset + size > region.byte_size:
@@ -160,7 +191,91 @@ class SharedMemory:
         return region
 
     def close(self) -> None:
-        self.unregister()
+        """Unmap every region; with a registry, its registrations stay for the siblings."""
+        with self.lock:
+            gone, self.regions = list(self.regions.values()), {}
+        for region in gone:
+            region.mapping.close()
+
+    # -- the registry shared by sibling replicas (lock held) ------------------------------
+    def _file(self, name: str) -> str:
+        return os.path.join(self.registry, hashlib.sha256(name.encode()).hexdigest())
+
+    def _entries(self) -> list[str]:
+        """The names registered across the siblings."""
+        names = []
+        for file in os.listdir(self.registry):
+            if file.endswith(".new"):  # a registration being written
+                continue
+            entry = self._read(os.path.join(self.registry, file))
+            if entry is not None:
+                names.append(entry["name"])
+        return names
+
+    def _entry(self, name: str) -> dict[str, Any] | None:
+        return self._read(self._file(name))
+
+    @staticmethod
+    def _read(path: str) -> dict[str, Any] | None:
+        try:
+            with open(path, "rb") as file:
+                entry: dict[str, Any] = msgspec.json.decode(file.read())
+        except (FileNotFoundError, msgspec.DecodeError):  # gone, or being written
+            return None
+        return entry
+
+    def _publish(self, region: Region) -> tuple[int, int]:
+        """Write the registration's file, exclusively; its stamp."""
+        path = self._file(region.name)
+        try:
+            fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise BadRequest(f"shared memory region '{region.name}' is being registered") from None
+        try:
+            os.write(fd, msgspec.json.encode(region.status()))
+        finally:
+            os.close(fd)
+        try:
+            os.link(path + ".new", path)  # fails if a sibling registered the name meanwhile
+        except FileExistsError:
+            raise BadRequest(
+                f"shared memory region '{region.name}' is already registered"
+            ) from None
+        finally:
+            os.unlink(path + ".new")
+        return _stamp(os.stat(path))
+
+    def _forget_stale(self, name: str) -> None:
+        """Drop the local mapping of `name` when its registration is gone or replaced."""
+        region = self.regions.get(name)
+        if region is None:
+            return
+        try:
+            current = _stamp(os.stat(self._file(name)))
+        except FileNotFoundError:
+            current = (0, 0)
+        if current != region.stamp:
+            del self.regions[name]
+            region.mapping.close()
+
+    def _sibling(self, name: str) -> Region | None:
+        """The region `name` as the registry has it now, mapped here on first use."""
+        self._forget_stale(name)
+        region = self.regions.get(name)
+        if region is not None:
+            return region
+        path = self._file(name)
+        try:
+            stamp = _stamp(os.stat(path))
+        except FileNotFoundError:
+            return None
+        entry = self._read(path)
+        if entry is None or entry.get("name") != name:
+            return None
+        key, offset, byte_size = entry["key"], entry["offset"], entry["byte_size"]
+        mapping = self._map(key, offset + byte_size)
+        region = self.regions[name] = Region(name, key, offset, byte_size, mapping, stamp)
+        return region
 
 
 def slice_of(what: str, parameters: Mapping[str, Any]) -> SharedSlice | None:
@@ -194,6 +309,10 @@ def decode_register(body: bytes) -> RegisterRequest:
         return msgspec.json.decode(body, type=RegisterRequest)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise BadRequest(f"shared memory registration: {exc}") from None
+
+
+def _stamp(found: os.stat_result) -> tuple[int, int]:
+    return found.st_ino, found.st_mtime_ns
 
 
 def _count(value: object) -> bool:

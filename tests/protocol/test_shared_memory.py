@@ -42,3 +42,36 @@ def test_off_and_misuse(tmp_path: Path) -> None:
     assert slice_of("input 'x'", {}) is None
     with pytest.raises(BadRequest, match="shared_memory_byte_size"):
         slice_of("input 'x'", {"shared_memory_region": "r", "shared_memory_byte_size": -1})
+
+
+def test_sibling_replicas_share_their_registrations(tmp_path: Path) -> None:
+    """Two replicas of one server, sharing a registry folder: a region registered through
+    one is read through the other; unregistered or registered again through one, the other
+    follows at its next request; a name is registered once across them."""
+    shm, registry = tmp_path / "shm", tmp_path / "registry"
+    shm.mkdir()
+    registry.mkdir()
+    (shm / "a").write_bytes(bytes(range(32)))
+    (shm / "b").write_bytes(bytes(range(100, 132)))
+    one, two = (SharedMemory(2, str(shm), str(registry)) for _ in range(2))
+    one.register("r", "a", offset=8, byte_size=8)
+    assert two.read(SharedSlice("r", 0, 2)) == bytes([8, 9])  # mapped there on first use
+    assert (
+        two.status("r")
+        == one.status("r")
+        == [{"name": "r", "key": "a", "offset": 8, "byte_size": 8}]
+    )
+    with pytest.raises(BadRequest, match="already registered"):
+        two.register("r", "b", 0, 8)
+    two.register("s", "b", 0, 4)
+    with pytest.raises(BadRequest, match="at most 2"):  # counted across the replicas
+        one.register("t", "a", 0, 4)
+    two.unregister("r")
+    with pytest.raises(BadRequest, match="no shared memory region 'r'"):
+        one.read(SharedSlice("r", 0, 2))  # its own mapping dropped: the registration is gone
+    one.register("r", "b", offset=0, byte_size=8)
+    assert two.read(SharedSlice("r", 0, 2)) == bytes([100, 101])  # the new registration
+    one.close()  # a replica stopping leaves the registrations to the others
+    assert {r["name"] for r in two.status()} == {"r", "s"}
+    two.unregister()
+    assert one.status() == two.status() == [] and not list(registry.iterdir())

@@ -359,6 +359,7 @@ def test_serve_with_replicas_runs_a_router_over_them(tmp_path: Path) -> None:
             f"http://127.0.0.1:{base + 1}",
         ]
         assert all(r["usable"] and r["answered"] > 0 for r in listed), listed
+        shared_memory_reaches_every_replica(server, listed)
     finally:
         assert server.stop() == 0, server.log()[-2000:]
     # hedges that lost were cancelled by closing their connection: quietly, on the replica
@@ -366,6 +367,33 @@ def test_serve_with_replicas_runs_a_router_over_them(tmp_path: Path) -> None:
     for port in (base, base + 1):  # the replicas drained and exited with the router
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=1)
+
+
+def shared_memory_reaches_every_replica(
+    server: RunningServer, before: list[dict[str, int]]
+) -> None:
+    """A region registered through the router (with one replica) is found by requests that the
+    other answers: the replicas share their registrations."""
+    key = f"lg_router_{os.getpid()}"
+    Path("/dev/shm", key).write_bytes(np.array([1000, 1], dtype=np.float32).tobytes())
+    try:
+        register = {"key": key, "offset": 0, "byte_size": 8}
+        url = server.url + "/v2/systemsharedmemory/region/in/register"
+        assert httpx.post(url, json=register).status_code == 200
+        x = {"name": "x", "shape": [1, 2], "datatype": "FP32"}
+        x["parameters"] = {"shared_memory_region": "in", "shared_memory_byte_size": 8}
+        with httpx.Client() as client:
+            for _ in range(40):
+                r = client.post(server.url + "/v2/models/who/infer", json={"inputs": [x]})
+                assert r.status_code == 200, r.text
+                assert r.json()["outputs"][0]["data"] == [1000.0, 1.0]
+        after = httpx.get(server.url + "/router/replicas").json()["replicas"]
+        assert all(a["answered"] > b["answered"] for a, b in zip(after, before, strict=True))
+        status = httpx.get(server.url + "/v2/systemsharedmemory/status").json()
+        assert [region["name"] for region in status] == ["in"]
+        assert httpx.post(server.url + "/v2/systemsharedmemory/unregister").status_code == 200
+    finally:
+        Path("/dev/shm", key).unlink()
 
 
 def test_the_drain_delay_serves_while_readiness_says_503(
