@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 _OPENING = re.compile(rb"[\s\[]*")
 _WHITESPACE = b" \t\r\n"
+_EMPTY = re.compile(rb"\[[ \t\r\n]*\]")  # an empty list
 _KINDS = {b"[": "an array", b"{": "an object", b'"': "a string", b"n": "null"}
 _KINDS |= {b"t": "a boolean", b"f": "a boolean"}
 
@@ -41,11 +42,12 @@ def kind_of(data: bytes) -> str:
 
 def count_scalars(data: bytes) -> ScalarArray:
     """Counts of an array that holds no string and no object. A list of k > 0 items has
-    k - 1 commas, so with no empty list the leaves are the commas plus one."""
-    compact = data.translate(None, _WHITESPACE)
-    if compact == b"[]":
+    k - 1 commas, so with no empty list the leaves are the commas plus one. (Whitespace
+    counts for nothing, and is not removed first: that copy took a third of the time.)"""
+    if _EMPTY.fullmatch(data.strip(_WHITESPACE)):
         return ScalarArray(0, 1, False)
-    return ScalarArray(compact.count(b",") + 1, compact.count(b"["), b"[]" in compact)
+    empty_inside = _EMPTY.search(data) is not None
+    return ScalarArray(data.count(b",") + 1, data.count(b"["), empty_inside)
 
 
 def strings_at_least(data: bytes) -> int:
