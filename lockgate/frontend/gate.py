@@ -37,8 +37,9 @@ These decisions are made per connection or request head, each before any body is
   arrives, up to the body timeout (30 s). A client that sends complete heads and then
   trickles or stalls the bodies could so hold every place, and every other client would be
   refused. When every place is taken and a new request head arrives, the place of a request
-  whose body has been arriving for more than `slow_body` seconds is taken back: from the
-  client address holding the most such requests, its oldest. That request is answered 503
+  whose body has been arriving for more than `slow_body` seconds is taken back: the oldest of
+  the client address holding the most requests still receiving their body (among those whose
+  oldest is past `slow_body`). That request is answered 503
   with Retry-After and its connection closes (the rest of its body is not read), and the new
   request goes on in its place. Requests whose bodies arrive within `slow_body` are never
   touched, nor are any while places are free; a client sending large bodies over a slow link
@@ -287,19 +288,19 @@ class BodyWaits:
             del self.by_client[address]
 
     def evict(self, now: float, slow: float) -> bool:
-        """Take back the place of the oldest request past `slow` seconds of the client holding
-        the most such requests; False when there is none."""
-        chosen: tuple[str, object] | None = None
+        """Take back the place of the oldest request of the client holding the most requests
+        whose body is arriving, among those whose oldest has been at it for over `slow`
+        seconds; False when there is none. (A client's requests are in the order they
+        started: its oldest is its first.)"""
+        chosen: str | None = None
         most = 0
         for address, waits in self.by_client.items():
-            held = sum(1 for wait in waits.values() if now - wait.since > slow)
-            if held > most:
-                key = next(k for k, wait in waits.items() if now - wait.since > slow)
-                chosen, most = (address, key), held
+            if len(waits) > most and now - next(iter(waits.values())).since > slow:
+                chosen, most = address, len(waits)
         if chosen is None:
             return False
-        wait = self.by_client[chosen[0]][chosen[1]]
-        self.end(*chosen)
+        key, wait = next(iter(self.by_client[chosen].items()))
+        self.end(chosen, key)
         wait.evict()
         return True
 
