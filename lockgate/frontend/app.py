@@ -52,6 +52,8 @@ from lockgate.frontend.http import (
     respond_reply,
 )
 from lockgate.frontend.lane import LaneRequest
+from lockgate.frontend.model_files import ModelFiles
+from lockgate.frontend.model_files import remove as remove_files
 from lockgate.frontend.openapi import openapi_document
 from lockgate.frontend.predict_routes import is_predict, predict_route, predict_target
 from lockgate.frontend.v2_service import V2Service
@@ -191,6 +193,8 @@ class App:
         self.in_flight = 0  # HTTP requests received and not yet answered
         self.tracing = _tracing(self.settings.otel_endpoint, trace, self.closers)
         self.closers.append(self._close_shared_memory)
+        self.model_files = ModelFiles()  # models loaded from files sent in a load request
+        self.closers.append(self._remove_model_files)
         models.registry.gauge(
             "lockgate_http_requests_in_progress", "HTTP requests received and not yet answered."
         ).set_function((), lambda: float(self.in_flight))
@@ -610,19 +614,30 @@ class App:
 
     async def load(self, name: str, ask: LoadRequest) -> None:
         """Load (or reload without a gap) the repository's model `name`, with the config the
-        request gives in place of the repository's when it gives one."""
+        request gives in place of the repository's when it gives one, or from the files it
+        sends (`frontend/model_files.py`)."""
         from lockgate.core.repository import scan_model
 
-        folder = self._model_folder(name)
-        entry = scan_model(folder.parent.resolve(), folder, ask.config)
-        if ask.config is not None and entry.error:
-            raise BadRequest(f"model '{name}': {entry.error}")
-        model = await self.models.load_model(
-            entry.name, entry.path, entry.config, entry.versions, entry.error
-        )
-        if model.latest_ready() is None or model.failures:
-            reason = model.error or "; ".join(model.failures) or self.models._why_not_ready(model)
-            raise BadRequest(f"model '{name}' failed to load: {reason}")
+        if ask.files:
+            folder = await asyncio.to_thread(ModelFiles.write, name, ask.files)
+        else:
+            folder = self._model_folder(name)
+        try:
+            entry = scan_model(folder.parent.resolve(), folder, ask.config)
+            if ask.config is not None and entry.error:
+                raise BadRequest(f"model '{name}': {entry.error}")
+            model = await self.models.load_model(
+                entry.name, entry.path, entry.config, entry.versions, entry.error
+            )
+            if model.latest_ready() is None or model.failures:
+                why = model.error or "; ".join(model.failures) or self.models._why_not_ready(model)
+                raise BadRequest(f"model '{name}' failed to load: {why}")
+        except BaseException:
+            if ask.files:
+                await asyncio.to_thread(remove_files, folder.parent)
+            raise
+        before = self.model_files.loaded(name, folder if ask.files else None)
+        await asyncio.to_thread(remove_files, before)
 
     async def unload(self, name: str, ask: UnloadRequest) -> None:
         """Unload `name` (a model of the repository that is not loaded: nothing to do, as in
@@ -634,10 +649,15 @@ class App:
         runs = served.config.runs if ask.dependents and served.config is not None else ()
         await self.models.unload(name)
         self.cache.forget(name)  # its in-process answers, and their gauges
+        await asyncio.to_thread(remove_files, self.model_files.unloaded(name))
         for step in dict.fromkeys(model for model, _ in runs):
             if step in self.models.models:
                 await self.models.unload(step)
                 self.cache.forget(step)
+
+    async def _remove_model_files(self) -> None:
+        for root in self.model_files.close():
+            await asyncio.to_thread(remove_files, root)
 
     def _model_folder(self, name: str) -> Path:
         root = self.settings.repository

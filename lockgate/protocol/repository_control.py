@@ -2,8 +2,11 @@
 
 `POST /v2/repository/models/{m}/load` takes `{"parameters": {"config": "<JSON>"}}`: a model
 config in Triton's JSON form that replaces the repository's for this load, as in Triton.
-Triton's `file:<version>/<name>` parameters (model files sent in the request) are refused by
-name: lockgate loads model files from the repository only. `.../unload` takes
+With it, `file:<version>/<path>` parameters send the model's files themselves (base64 over
+REST, bytes over gRPC, as tritonclient's `load_model(..., files=...)` sends them): the model
+is then loaded from those files alone, in place of its repository folder, which it need not
+have. A path is relative to the model's folder, starts with a version number, and never
+leads out of the folder; at most `MAX_FILES` files. `.../unload` takes
 `{"parameters": {"unload_dependents": true}}`: the models an ensemble or a cascade runs are
 unloaded with it. Any other parameter is refused (400) rather than ignored, so a request that
 counts on one is not answered as if it had been applied.
@@ -11,19 +14,26 @@ counts on one is not answered as if it had been applied.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 from lockgate.errors import BadRequest
 
 MAX_CONFIG_CHARS = 1 << 20  # a config override longer than this is refused
+MAX_FILES = 1024  # model files one load request may send
+FILE_PREFIX = "file:"
 
 
 @dataclass(frozen=True, slots=True)
 class LoadRequest:
     config: str | None = None  # a config in Triton's JSON form replacing the repository's
+    # the model's files, sent in the request: path in the model's folder -> contents
+    files: Mapping[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +43,7 @@ class UnloadRequest:
 
 def load_request(parameters: Mapping[str, Any]) -> LoadRequest:
     config = None
+    files: dict[str, bytes] = {}
     for key, value in parameters.items():
         if key == "config":
             if not isinstance(value, str):
@@ -40,14 +51,48 @@ def load_request(parameters: Mapping[str, Any]) -> LoadRequest:
             if len(value) > MAX_CONFIG_CHARS:
                 raise BadRequest(f"parameters.config is longer than {MAX_CONFIG_CHARS} characters")
             config = value
-        elif key.startswith("file:"):
-            raise BadRequest(
-                f"parameter '{key[:200]}' is not supported: lockgate loads model files from the "
-                "repository only"
-            )
+        elif key.startswith(FILE_PREFIX):
+            if len(files) >= MAX_FILES:
+                raise BadRequest(f"a load request sends at most {MAX_FILES} files")
+            files[file_path(key)] = _contents(key, value)
         else:
-            raise BadRequest(f"unknown load parameter '{key[:200]}' (lockgate takes 'config')")
-    return LoadRequest(config)
+            raise BadRequest(
+                f"unknown load parameter '{key[:200]}' (lockgate takes 'config' and "
+                "'file:<version>/<path>')"
+            )
+    if files and config is None:
+        raise BadRequest("a load that sends model files needs parameters.config, as in Triton")
+    return LoadRequest(config, files)
+
+
+def file_path(key: str) -> str:
+    """The path in the model's folder of a `file:<version>/<path>` parameter, checked."""
+    text = key.removeprefix(FILE_PREFIX)
+    path = PurePosixPath(text)
+    parts = path.parts
+    if (
+        len(parts) < 2
+        or path.is_absolute()
+        or not parts[0].isdigit()
+        or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts)
+        or str(path) != text
+    ):
+        raise BadRequest(
+            f"parameter '{key[:200]}': a model file is 'file:<version>/<path>', inside its "
+            "version folder"
+        )
+    return text
+
+
+def _contents(key: str, value: Any) -> bytes:
+    if isinstance(value, bytes):  # gRPC's bytes_param
+        return value
+    if isinstance(value, str):  # REST: base64
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error:
+            raise BadRequest(f"parameter '{key[:200]}' is not base64") from None
+    raise BadRequest(f"parameter '{key[:200]}' must be the file's contents (base64 over REST)")
 
 
 def unload_request(parameters: Mapping[str, Any]) -> UnloadRequest:

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,7 +106,10 @@ def test_a_load_applies_the_config_it_gives(server: RunningServer) -> None:
         (json.dumps({"max_batch_size": "many"}), None, "the load request's config"),
         (json.dumps({"name": "other"}), None, "does not match"),
         (json.dumps({"instance_group": [{"count": 100000}]}), None, "must be <= 256"),
-        (None, {"file:1/model.onnx": b"\x00"}, "lockgate loads model files from the repository"),
+        (None, {"file:1/model.onnx": b"\x00"}, "field 'backend': missing"),
+        (None, {"file:../1/model.onnx": b"\x00"}, "inside its version folder"),
+        (None, {"file:model.onnx": b"\x00"}, "inside its version folder"),
+        (None, {"file:1/../../x": b"\x00"}, "inside its version folder"),
     ],
 )
 def test_a_load_that_cannot_be_applied_is_refused(
@@ -119,6 +123,42 @@ def test_a_load_that_cannot_be_applied_is_refused(
             client.load_model("digits_onnx", config=config)
     assert fragment in str(refused.value)
     assert client.get_model_config("digits_onnx")["max_batch_size"] == 64  # still as it was
+
+
+def files_folders(name: str) -> list[Path]:
+    return list(Path(tempfile.gettempdir()).glob(f"lockgate-{name}-*"))
+
+
+def test_a_load_with_files_serves_them_in_place_of_the_repository(
+    server: RunningServer, repo: Path
+) -> None:
+    """tritonclient's load_model(config=..., files=...), over HTTP (base64) and gRPC (bytes):
+    a model the repository does not have is loaded from the files sent, answers as the
+    repository's copy of it does, and its folder goes when it is loaded again or unloaded."""
+    http = http_client(server)
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    config = http.get_model_config("digits_onnx")
+    config["name"] = "sent_digits"
+    files = {"file:1/model.onnx": (repo / "digits_onnx" / "1" / "model.onnx").read_bytes()}
+    rows = np.random.default_rng(1).random((3, 64), dtype=np.float32)
+    x = httpclient.InferInput("input", [3, 64], "FP32")
+    x.set_data_from_numpy(rows)
+    expected = http.infer("digits_onnx", [x]).as_numpy("probabilities")
+    for client in (http, grpc):
+        client.load_model("sent_digits", config=json.dumps(config), files=files)
+        assert http.is_model_ready("sent_digits")
+        answer = http.infer("sent_digits", [x]).as_numpy("probabilities")
+        np.testing.assert_allclose(answer, expected, rtol=1e-6)
+        assert len(files_folders("sent_digits")) == 1  # the one it serves from
+    with pytest.raises(InferenceServerException, match=r"needs parameters\.config"):
+        http.load_model("sent_digits", files=files)
+    with pytest.raises(InferenceServerException, match="failed to load"):  # not ONNX
+        http.load_model("sent_digits", config=json.dumps(config), files={"file:1/model.onnx": b"x"})
+    assert len(files_folders("sent_digits")) == 1  # its own removed; the loaded one serves on
+    assert http.infer("sent_digits", [x]).as_numpy("probabilities").shape == (3, 10)
+    http.unload_model("sent_digits")
+    assert not files_folders("sent_digits")
+    assert not (repo / "sent_digits").exists()  # nothing was written into the repository
 
 
 def test_grpc_unloads_an_ensemble_with_its_steps_and_loads_it_again(
