@@ -517,7 +517,7 @@ def test_kserve_runtime_serves_v2_on_kserve_ports() -> None:
     objects = render("kserve")
     runtime = one(objects, "ClusterServingRuntime", "lockgate")
     spec = runtime["spec"]
-    assert set(spec["protocolVersions"]) >= {"v2", "grpc-v2"}
+    assert set(spec["protocolVersions"]) >= {"v1", "v2", "grpc-v2"}
     formats = {f["name"] for f in spec["supportedModelFormats"]}
     assert formats >= {"onnx", "sklearn", "pytorch", "triton"}
     # never auto-selected: KServe's lowest priority is Triton's already (see the manifest)
