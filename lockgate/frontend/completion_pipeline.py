@@ -181,16 +181,22 @@ class CompletionPipeline:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         generation_prompt: bool = True,
+        continue_final: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The token ids of chat messages ({"role", "content", ...}) through the model's chat
-        template, with the assistant's turn opened (unless not `generation_prompt`); `tools`
-        for a template that takes them."""
+        template, with the assistant's turn opened (unless not `generation_prompt`), or the
+        final message left open (`continue_final`); `tools` for a template that takes them,
+        `template_kwargs` as more variables of the template (vLLM's chat_template_kwargs)."""
         chars = sum(len(m["content"] or "") for m in messages)
         if tools is not None:
             chars += len(msgspec.json.encode(tools))
+        if template_kwargs:
+            chars += len(msgspec.json.encode(template_kwargs))
         most = self.limits.max_prompt_chars
         check_length(service, chars, most)
-        return await self._off_loop(_chat_ids, service, messages, tools, most, generation_prompt)
+        render = _ChatRender(generation_prompt, continue_final, template_kwargs)
+        return await self._off_loop(_chat_ids, service, messages, tools, most, render)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Tokenize off the event loop, at most `tokenize_threads` at once; past
@@ -521,12 +527,21 @@ def deadline(request: HttpRequest) -> float | None:
     return request.received + seconds
 
 
+@dataclass(frozen=True, slots=True)
+class _ChatRender:
+    """How chat messages are rendered through the template."""
+
+    generation_prompt: bool  # the assistant's turn opened after the messages
+    continue_final: bool  # the prompt ends inside the final message
+    template_kwargs: dict[str, Any] | None  # more variables of the template
+
+
 def _chat_ids(
     service: LLMService,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     most: int,
-    generation_prompt: bool = True,
+    render: _ChatRender,
 ) -> list[int]:
     """The prompt's ids; its rendered text (the template's own text with the contents) is
     held to `check_length` before it is encoded."""
@@ -537,9 +552,11 @@ def _chat_ids(
     try:
         return service.tokenizer.encode_chat(
             messages,
-            add_generation_prompt=generation_prompt,
+            add_generation_prompt=render.generation_prompt,
             tools=tools,
             check_chars=rendered,
+            continue_final_message=render.continue_final,
+            template_kwargs=render.template_kwargs,
         )
     except ServingError:
         raise

@@ -106,7 +106,11 @@ class OpenAIRoutes:
             check_message_count(service, len(body.messages))
             messages = tool_calls.prompt_messages(body.messages, None, False)
             ids = await self.pipeline.tokenize_chat(
-                service, messages, generation_prompt=body.add_generation_prompt
+                service,
+                messages,
+                generation_prompt=body.generation_prompt,
+                continue_final=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
             )
         answer: dict[str, Any] = {
             "count": len(ids),
@@ -231,7 +235,14 @@ class OpenAIRoutes:
         takes_tools = service.tokenizer.takes_tools
         messages = tool_calls.prompt_messages(body.messages, tools, takes_tools)
         definitions = tools.definitions() if tools is not None and takes_tools else None
-        prompt_ids = await self.pipeline.tokenize_chat(service, messages, definitions)
+        prompt_ids = await self.pipeline.tokenize_chat(
+            service,
+            messages,
+            definitions,
+            generation_prompt=body.generation_prompt,
+            continue_final=body.continue_final_message,
+            template_kwargs=body.chat_template_kwargs,
+        )
         limit = body.max_completion_tokens
         if limit is not None and limit < 1:
             raise BadRequest("max_completion_tokens must be at least 1")
@@ -246,7 +257,7 @@ class OpenAIRoutes:
             namespace=CHAT.id_prefix,
             tools=tools,
         )
-        await self._generate(request, [prepared], body, CHAT, tools)
+        await self._generate(request, [prepared], body, CHAT, tools, chat_echo=body.echoed)
 
     async def _generate(
         self,
@@ -257,14 +268,17 @@ class OpenAIRoutes:
         tools: oa.ToolUse | None = None,
         echoes: list[_Echo] | None = None,
         prompt_top: int | None = None,
+        chat_echo: str = "",
     ) -> None:
         """Run prepared completions (one per prompt of a batch) and answer them, whole or
         streamed, as one response whose choices run over the prompts in order, `n` each; a
         chat's output is split into content and calls when it was offered `tools`; with
-        `prompt_top`, each choice carries its prompt's logprobs in vLLM's form."""
+        `prompt_top`, each choice carries its prompt's logprobs in vLLM's form; a chat's
+        `chat_echo` begins each choice's content."""
         rid = oa.new_id(kind.id_prefix)
         service = batch[0].service
-        alone = batch[0] if len(batch) == 1 and echoes is None and prompt_top is None else None
+        plain = echoes is None and prompt_top is None and not chat_echo
+        alone = batch[0] if len(batch) == 1 and plain else None
         hit = await self.pipeline.cached(alone) if alone is not None else None
         if hit is not None:
             await self._replay(request, hit, rid, service, body, kind, tools)
@@ -276,6 +290,8 @@ class OpenAIRoutes:
             piece = kind.piece(service, tools)
             if echoes is not None or prompt_top is not None:
                 piece = _completion_piece(service, tools, echoes, per_prompt, prompt_top)
+            elif chat_echo:
+                piece = _chat_piece(service, tools, chat_echo)
             text, last = await self._stream(
                 request, outputs, rid, service, kind.chunk_object, include_usage, piece, per_prompt
             )
@@ -288,6 +304,8 @@ class OpenAIRoutes:
                 picked = self.pipeline.choose(prepared, group)
                 if echoes is not None:
                     picked = [_echoed(c, echoes[i]) for c in picked]
+                if chat_echo:
+                    picked = [replace(c, text=chat_echo + c.text) for c in picked]
                 chosen += picked
             usage = _usage(dict(enumerate(c.last for c in candidates)), per_prompt)
             answer = _answer(kind, service, rid, chosen, usage, tools, echoes, body.n, prompt_top)
@@ -778,23 +796,25 @@ def _completion_piece(
     return piece
 
 
-def _chat_piece(service: LLMService, tools: oa.ToolUse | None) -> Piece:
-    """Each output's text as the delta's content; offered tools, split by one parser per
-    choice into content and calls, each call sent whole when it closes."""
+def _chat_piece(service: LLMService, tools: oa.ToolUse | None, echo: str = "") -> Piece:
+    """Each output's text as the delta's content, a choice's first beginning with `echo`;
+    offered tools, split by one parser per choice into content and calls, each call sent
+    whole when it closes."""
     parsers: dict[int, tool_calls.ToolCallParser] = {}
 
     def piece(
         rid: str, model: str, out: RequestOutput, index: int, first: bool
     ) -> dict[str, Any] | None:
         reason = _openai_reason(out.finish_reason.value if out.finish_reason else None)
+        text = echo + out.text if first else out.text
         if tools is None:
-            delta: dict[str, Any] = {"content": out.text}
+            delta: dict[str, Any] = {"content": text}
         else:
             parser = parsers.get(index)
             if parser is None:
                 parser = parsers[index] = tool_calls.ToolCallParser(tools)
             made = parser.made
-            parsed = parser.feed(out.text)
+            parsed = parser.feed(text)
             if out.finish_reason is not None:
                 parsed.extend(parser.finish())
             delta = _delta(parsed, made)

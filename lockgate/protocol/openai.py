@@ -503,13 +503,33 @@ class ChatRequest(_Sampling, kw_only=True):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: true
+    # vLLM's: how the messages are rendered. None: the assistant's turn is opened, unless
+    # the final message is continued (the prompt ends inside it, for the model to go on)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    echo: bool = False  # vLLM's: a final assistant message's content begins the answer's
+    chat_template: Any = None  # a client's own template: refused
     unsupported_fields: ClassVar[tuple[str, ...]] = (
         "best_of",
         "functions",
         "function_call",
         "suffix",
         "prompt_logprobs",
+        "chat_template",
     )
+
+    @property
+    def generation_prompt(self) -> bool:
+        return generation_prompt(self.add_generation_prompt, self.continue_final_message)
+
+    @property
+    def echoed(self) -> str:
+        """With `echo`, the content of a final assistant message, which the answer's content
+        begins with (vLLM's); else nothing."""
+        if not self.echo or not self.messages or self.messages[-1].role != "assistant":
+            return ""
+        return message_text(self.messages[-1])
 
     def check_options(self) -> None:
         super().check_options()
@@ -561,8 +581,23 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True  # messages: open the assistant's turn
+    add_generation_prompt: bool | None = None  # messages: as ChatRequest's
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+    @property
+    def generation_prompt(self) -> bool:
+        return generation_prompt(self.add_generation_prompt, self.continue_final_message)
+
+
+def generation_prompt(asked: bool | None, continue_final: bool) -> bool:
+    """Whether chat messages are rendered with the assistant's turn opened after them (vLLM's
+    add_generation_prompt): by default, unless the final message is continued; both asked is
+    a 400 (the prompt either ends inside the final message or opens a new turn)."""
+    if continue_final and asked:
+        raise BadRequest("continue_final_message and add_generation_prompt cannot both be true")
+    return not continue_final if asked is None else asked
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
