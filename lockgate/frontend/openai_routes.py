@@ -286,14 +286,14 @@ class OpenAIRoutes:
         outputs = self.pipeline.submit(request, batch, rid)
         per_prompt = batch[0].best_of
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options or oa.StreamOptions()
             piece = kind.piece(service, tools)
             if echoes is not None or prompt_top is not None:
                 piece = _completion_piece(service, tools, echoes, per_prompt, prompt_top)
             elif chat_echo:
                 piece = _chat_piece(service, tools, chat_echo)
             text, last = await self._stream(
-                request, outputs, rid, service, kind.chunk_object, include_usage, piece, per_prompt
+                request, outputs, rid, service, kind.chunk_object, options, piece, per_prompt
             )
         else:
             sequences = per_prompt * len(batch)
@@ -346,6 +346,8 @@ class OpenAIRoutes:
                 delta = {"role": "assistant", **_delta(parsed, 0)}
                 reason = _tool_reason(reason, len(parsed.calls))
             chunk = oa.chat_chunk(rid, service.name, delta, reason)
+        if body.stream_options and body.stream_options.continuous:
+            chunk["usage"] = usage
         await send_event(send, chunk)
         if body.stream_options and body.stream_options.include_usage:
             await send_event(send, oa.usage_chunk(rid, service.name, kind.chunk_object, usage))
@@ -358,12 +360,12 @@ class OpenAIRoutes:
         rid: str,
         service: LLMService,
         obj: str,
-        include_usage: bool,
+        options: oa.StreamOptions,
         piece: Piece,
         per_prompt: int = 1,
     ) -> tuple[str, RequestOutput | None]:
-        """Send the completion as server-sent events, each chunk of one choice; the text and
-        last output of choice 0."""
+        """Send the completion as server-sent events, each chunk of one choice (with
+        `continuous_usage_stats`, its usage so far); the text and last output of choice 0."""
         send = request.send
         lasts: dict[int, RequestOutput] = {}  # by choice
         texts: list[str] = []  # of choice 0
@@ -375,6 +377,8 @@ class OpenAIRoutes:
                         await send({"type": "http.response.start", "status": 200, "headers": SSE})
                     chunk = piece(rid, service.name, out, index, index not in lasts)
                     if chunk is not None:
+                        if options.continuous:
+                            chunk["usage"] = _usage({index: out})
                         await send_event(send, _as_choice(chunk, index))
                     if index == 0:
                         texts.append(out.text)
@@ -384,7 +388,7 @@ class OpenAIRoutes:
                     raise
                 await send_event(send, oa.error_body(exc.message, exc.kind, exc.status))
                 lasts = {}  # cut short: nothing to keep
-            if include_usage and lasts:
+            if options.include_usage and lasts:
                 usage = _usage(lasts, per_prompt)
                 await send_event(send, oa.usage_chunk(rid, service.name, obj, usage))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})

@@ -146,7 +146,13 @@ _AT_LEAST_ONE = frozenset(
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with no choices and the request's usage
+    # vLLM's: with include_usage, each chunk also carries its choice's usage so far
+    continuous_usage_stats: bool = False
+
+    @property
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class _Sampling(msgspec.Struct, kw_only=True):

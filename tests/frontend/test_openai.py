@@ -283,3 +283,30 @@ def test_one_model_and_a_wrong_method(client: openai.OpenAI, llm_server: Running
     wrong = httpx.get(llm_server.url + "/v1/chat/completions", timeout=10)
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["param"] is None
+
+
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(
+    client: openai.OpenAI,
+) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage of its
+    choice so far, and the last the request's."""
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="1, 2, 3,",
+            max_tokens=3,
+            n=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+            extra_body={"ignore_eos": True},
+        )
+    )
+    counts: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        assert chunk.usage is not None and len(chunk.choices) == 1, chunk
+        counts[chunk.choices[0].index].append(chunk.usage.completion_tokens)
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+    assert counts == {0: [1, 2, 3], 1: [1, 2, 3]}
+    last = chunks[-1]
+    assert not last.choices and last.usage is not None and last.usage.completion_tokens == 6
