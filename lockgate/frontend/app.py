@@ -78,6 +78,13 @@ READ_ONLY_PATHS = frozenset(
 )
 READ = ("GET", "HEAD")  # the methods of a route that only reads
 TOKEN_PATHS = frozenset({"/tokenize", "/detokenize"})  # vLLM's; errors in the OpenAI shape
+
+
+def openai_path(path: str) -> bool:
+    """Whether a path's errors are in the OpenAI API's shape ({"error": {"message", ...}})."""
+    return path.startswith("/v1/") or path in TOKEN_PATHS
+
+
 WRITE = ("POST",)
 # the methods of each route under /v2/models/{m}[/versions/{v}], by its last segment
 # ("": the model's metadata)
@@ -237,7 +244,7 @@ class App:
             self.settings.body_timeout_s,
             trace=traced,
         )
-        openai = request.path.startswith("/v1/") or request.path in TOKEN_PATHS
+        openai = openai_path(request.path)
         self.in_flight += 1
         try:
             self._authenticate(request)
