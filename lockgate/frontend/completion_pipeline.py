@@ -286,7 +286,7 @@ class CompletionPipeline:
         self.limits.check_stop_token_ids(body.stop_token_ids, service.vocab_size)
         return SamplingParams(
             **service.generation.fill(body.temperature, body.top_p, body.top_k, body.min_p),
-            seed=body.seed,
+            seed=_seed(body.seed),
             max_tokens=max_tokens,
             stop=tuple(stop),
             stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -562,6 +562,16 @@ def _chat_ids(
         raise
     except Exception as exc:
         raise BadRequest(f"chat template failed: {exc}") from None
+
+
+def _seed(seed: int | None) -> int | None:
+    """A request's seed, any 64-bit integer as OpenAI's and vLLM's take (negative ones too),
+    as the engine's (in [0, 2**63))."""
+    if seed is None:
+        return None
+    if not -(2**63) <= seed < 2**63:
+        raise BadRequest(f"seed must be a 64-bit integer, got {seed}")
+    return seed % 2**63
 
 
 def _logit_bias(

@@ -82,13 +82,21 @@ def test_stop_string_and_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
-    def run() -> str:
+    def run(seed: int, max_tokens: int = 12) -> str:
         r = client.completions.create(
-            model=MODEL, prompt="The ocean is", max_tokens=12, temperature=1.0, top_p=0.9, seed=7
+            model=MODEL,
+            prompt="The ocean is",
+            max_tokens=max_tokens,
+            temperature=1.0,
+            top_p=0.9,
+            seed=seed,
         )
         return r.choices[0].text
 
-    assert run() == run()
+    assert run(7) == run(7)
+    assert run(-7, 4) == run(-7, 4)  # any 64-bit seed, as OpenAI's and vLLM's
+    with pytest.raises(openai.BadRequestError, match="seed must be a 64-bit integer"):
+        run(2**63)
 
 
 def test_errors_use_openai_format(client: openai.OpenAI) -> None:
