@@ -292,6 +292,7 @@ _NO_EFFECT: dict[str, Any] = {
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "return_tokens_as_token_ids": False,
+    "modalities": ["text"],
 }
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 
@@ -516,6 +517,9 @@ class ChatRequest(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
     echo: bool = False  # vLLM's: a final assistant message's content begins the answer's
     chat_template: Any = None  # a client's own template: refused
+    # OpenAI's audio output: a text model answers text only (modalities ["text"] passes)
+    audio: Any = None
+    modalities: Any = None
     unsupported_fields: ClassVar[tuple[str, ...]] = (
         "best_of",
         "functions",
@@ -523,6 +527,8 @@ class ChatRequest(_Sampling, kw_only=True):
         "suffix",
         "prompt_logprobs",
         "chat_template",
+        "audio",
+        "modalities",
     )
 
     @property

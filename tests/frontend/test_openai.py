@@ -262,6 +262,8 @@ def test_guided_choice_and_a_kept_stop_string(client: openai.OpenAI) -> None:
         ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
         ({"stop_token_ids": [2, 10**9]}, "1000000000 is not a token id of the model"),
+        ({"modalities": ["text", "audio"]}, "'modalities' is not supported"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "'audio' is not supported"),
     ],
 )
 def test_what_a_request_cannot_have_is_refused_by_name(
@@ -278,7 +280,7 @@ def test_values_that_change_nothing_pass(client: openai.OpenAI) -> None:
         model=MODEL,
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=2,
-        extra_body={"repetition_penalty": 1.0, "min_tokens": 0},
+        extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "modalities": ["text"]},
     )
     assert result.choices[0].finish_reason in ("stop", "length")
 
