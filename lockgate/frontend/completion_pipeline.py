@@ -288,6 +288,7 @@ class CompletionPipeline:
             **service.generation.fill(body.temperature, body.top_p, body.top_k, body.min_p),
             seed=_seed(body.seed),
             max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
             stop=tuple(stop),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,

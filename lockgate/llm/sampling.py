@@ -70,8 +70,18 @@ class LogitBias:
     values: torch.Tensor  # [E] float32
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams]) -> LogitBias | None:
+    def build(
+        cls, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
+    ) -> LogitBias | None:
+        """The requests' logit_bias, and -inf on the tokens a row short of its min_tokens
+        may not take (it has generated `num_output_tokens[row]`)."""
         entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+        entries += [
+            (row, t, -math.inf)
+            for row, (p, n) in enumerate(zip(params, num_output_tokens, strict=True))
+            if n < p.min_tokens
+            for t in p.min_tokens_blocked
+        ]
         if not entries:
             return None
         rows, tokens, values = zip(*entries, strict=True)
@@ -169,7 +179,7 @@ class SamplingBatch:
             frequency_penalty=_row_param([p.frequency_penalty for p in params], any(
                 p.has_penalties for p in params), torch.float32),
             output_token_ids=_padded_outputs(params, output_token_ids, vocab_size),
-            bias=LogitBias.build(params),
+            bias=LogitBias.build(params, num_output_tokens),
             mask=TokenMask.build(matchers),
             seeds={i: _row_seed(p.seed, n) for i, (p, n) in enumerate(
                 zip(params, num_output_tokens, strict=True)) if p.seed is not None

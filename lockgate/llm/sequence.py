@@ -53,6 +53,11 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
+    # no stop (EOS, stop token or stop string) before this many output tokens: the tokens
+    # that would stop it are masked (`min_tokens_blocked`, EOS and stop tokens, which the
+    # engine fills in as it takes the request)
+    min_tokens: int = 0
+    min_tokens_blocked: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -70,6 +75,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
+        object.__setattr__(self, "min_tokens_blocked", tuple(self.min_tokens_blocked))
         problems = self._problems()
         if problems:
             raise InvalidSamplingParams("invalid sampling parameters: " + "; ".join(problems))
@@ -81,6 +87,7 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),

@@ -168,6 +168,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0  # vLLM's: no stop before this many output tokens
     priority: int = 0  # 1 is the highest; 0: the model's default (as lockgate's v2 priority)
     n: int = 1
     stream: bool = False
@@ -195,7 +196,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     # vLLM's sampling and prompt extensions lockgate does not implement: refused by name, so
     # a request that counts on one is not answered as if it had been applied
     repetition_penalty: Any = None
-    min_tokens: Any = None
     length_penalty: Any = None
     use_beam_search: Any = None
     bad_words: Any = None
@@ -212,7 +212,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     unsupported_fields: ClassVar[tuple[str, ...]] = ()
     unsupported_everywhere: ClassVar[tuple[str, ...]] = (
         "repetition_penalty",
-        "min_tokens",
         "length_penalty",
         "use_beam_search",
         "bad_words",
@@ -229,7 +228,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
     def unsupported(self) -> str | None:
         """The first field given that lockgate does not implement on this route, if any.
-        (`repetition_penalty: 1`, `min_tokens: 0` and their like, the values that change
+        (`repetition_penalty: 1`, `use_beam_search: false` and their like, the values that change
         nothing, are let through.)"""
         for name in (*self.unsupported_fields, *self.unsupported_everywhere):
             value = getattr(self, name)
@@ -285,7 +284,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
 # values of the refused vLLM fields that change nothing, and so are let through
 _NO_EFFECT: dict[str, Any] = {
     "repetition_penalty": 1,
-    "min_tokens": 0,
     "length_penalty": 1,
     "use_beam_search": False,
     "bad_words": [],

@@ -257,7 +257,7 @@ def test_guided_choice_and_a_kept_stop_string(client: openai.OpenAI) -> None:
     [
         ({"max_completion_tokens": 0}, "max_completion_tokens must be at least 1"),
         ({"repetition_penalty": 1.3}, "'repetition_penalty' is not supported"),
-        ({"min_tokens": 4}, "'min_tokens' is not supported"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be in [0, max_tokens]"),
         ({"stream_options": {"include_usage": True}}, "stream_options can only be given"),
         ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
@@ -320,3 +320,37 @@ def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(
     assert counts == {0: [1, 2, 3], 1: [1, 2, 3]}
     last = chunks[-1]
     assert not last.choices and last.usage is not None and last.usage.completion_tokens == 6
+
+
+def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings(client: openai.OpenAI) -> None:
+    """vLLM's min_tokens: the output runs to at least that many tokens before EOS (and a
+    stop token, masked alike) or a stop string may end it."""
+    closed = [
+        {"role": "user", "content": "Count to ten."},
+        {"role": "assistant", "content": "1, 2, 3, 4,"},
+    ]
+
+    def chat(**extra: object) -> openai.types.chat.ChatCompletion:
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=closed,  # type: ignore[arg-type]
+            max_tokens=3,
+            temperature=0,
+            extra_body={"add_generation_prompt": False, **extra},
+        )
+
+    ended = chat()  # the turn is over: EOS at once
+    assert ended.usage is not None and ended.usage.completion_tokens == 1
+    held = chat(min_tokens=3)
+    assert held.usage is not None and held.usage.completion_tokens == 3
+    counted = client.completions.create(
+        model=MODEL,
+        prompt="1, 2, 3, 4,",
+        max_tokens=6,
+        temperature=0,
+        stop=[","],
+        extra_body={"min_tokens": 4},
+    )
+    choice = counted.choices[0]
+    assert counted.usage is not None and counted.usage.completion_tokens >= 4
+    assert choice.text.startswith(" 5, 6") and choice.finish_reason == "stop", choice
