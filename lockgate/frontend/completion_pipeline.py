@@ -295,6 +295,9 @@ class CompletionPipeline:
             include_stop_str_in_output=body.include_stop_str_in_output,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if body.repetition_penalty is None else body.repetition_penalty
+            ),
             logprobs=logprobs,
             logit_bias=_logit_bias(
                 self.limits.logit_bias(body.logit_bias),

@@ -64,6 +64,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # a stop string ends the text, and is kept
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's (as in CTRL): the logits of tokens in the prompt or the output are divided by it
+    # when positive, multiplied when negative; 1: off
+    repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top alternatives to report per token
     # the same for each prompt token after the first (its logprob given the tokens before it;
     # the completions API's `echo` with `logprobs`); None: none computed
@@ -90,6 +93,7 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              "prompt_logprobs must be in [0, 20]"),
@@ -108,6 +112,10 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def has_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
 
 
 @dataclass(slots=True, eq=False)

@@ -169,6 +169,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0  # vLLM's: no stop before this many output tokens
+    repetition_penalty: float | None = None  # vLLM's: over the prompt's and output's tokens
     priority: int = 0  # 1 is the highest; 0: the model's default (as lockgate's v2 priority)
     n: int = 1
     stream: bool = False
@@ -195,7 +196,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     parallel_tool_calls: Any = None
     # vLLM's sampling and prompt extensions lockgate does not implement: refused by name, so
     # a request that counts on one is not answered as if it had been applied
-    repetition_penalty: Any = None
     length_penalty: Any = None
     use_beam_search: Any = None
     bad_words: Any = None
@@ -211,7 +211,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: Any = None
     unsupported_fields: ClassVar[tuple[str, ...]] = ()
     unsupported_everywhere: ClassVar[tuple[str, ...]] = (
-        "repetition_penalty",
         "length_penalty",
         "use_beam_search",
         "bad_words",
@@ -228,7 +227,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
     def unsupported(self) -> str | None:
         """The first field given that lockgate does not implement on this route, if any.
-        (`repetition_penalty: 1`, `use_beam_search: false` and their like, the values that change
+        (`length_penalty: 1`, `use_beam_search: false` and their like, the values that change
         nothing, are let through.)"""
         for name in (*self.unsupported_fields, *self.unsupported_everywhere):
             value = getattr(self, name)
@@ -283,7 +282,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 # values of the refused vLLM fields that change nothing, and so are let through
 _NO_EFFECT: dict[str, Any] = {
-    "repetition_penalty": 1,
     "length_penalty": 1,
     "use_beam_search": False,
     "bad_words": [],

@@ -256,7 +256,7 @@ def test_guided_choice_and_a_kept_stop_string(client: openai.OpenAI) -> None:
     ("extra", "fragment"),
     [
         ({"max_completion_tokens": 0}, "max_completion_tokens must be at least 1"),
-        ({"repetition_penalty": 1.3}, "'repetition_penalty' is not supported"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 10]"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be in [0, max_tokens]"),
         ({"stream_options": {"include_usage": True}}, "stream_options can only be given"),
         ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
@@ -354,3 +354,18 @@ def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings(client: openai.Op
     choice = counted.choices[0]
     assert counted.usage is not None and counted.usage.completion_tokens >= 4
     assert choice.text.startswith(" 5, 6") and choice.finish_reason == "stop", choice
+
+
+def test_repetition_penalty_steers_away_from_the_prompts_tokens(client: openai.OpenAI) -> None:
+    """vLLM's repetition_penalty: greedy counting goes on with the prompt's tokens (digits,
+    commas, spaces) unless they are penalized."""
+
+    def count(**extra: object) -> str:
+        answer = client.completions.create(
+            model=MODEL, prompt="1, 2, 3, 4,", max_tokens=4, temperature=0, extra_body=extra
+        )
+        return answer.choices[0].text
+
+    plain = count()
+    assert plain == count(repetition_penalty=1.0) == " 5, "
+    assert count(repetition_penalty=2.0) != plain
