@@ -511,7 +511,7 @@ class ChatRequest(_Sampling, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
-    echo: bool = False  # vLLM's: a final assistant message's content begins the answer's
+    echo: bool = False  # vLLM's: the final message's content begins the answer's (`echoed`)
     chat_template: Any = None  # a client's own template: refused
     # OpenAI's audio output: a text model answers text only (modalities ["text"] passes)
     audio: Any = None
@@ -533,11 +533,15 @@ class ChatRequest(_Sampling, kw_only=True):
 
     @property
     def echoed(self) -> str:
-        """With `echo`, the content of a final assistant message, which the answer's content
-        begins with (vLLM's); else nothing."""
-        if not self.echo or not self.messages or self.messages[-1].role != "assistant":
+        """With `echo`, the content of the final message, which the answer's content begins
+        with (vLLM's): of an assistant message, or of any when no new turn is opened after
+        it; else nothing."""
+        if not self.echo or not self.messages:
             return ""
-        return message_text(self.messages[-1])
+        last = self.messages[-1]
+        if last.role != "assistant" and self.generation_prompt:
+            return ""
+        return message_text(last)
 
     def check_options(self) -> None:
         super().check_options()

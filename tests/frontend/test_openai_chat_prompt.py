@@ -70,6 +70,24 @@ def test_continue_final_message_ends_the_prompt_inside_it_and_echo_answers_it_wh
     assert opened.usage is not None and opened.usage.prompt_tokens > tokenized["count"]
 
 
+def test_echo_answers_with_a_final_message_of_another_role_only_when_no_turn_is_opened(
+    client: openai.OpenAI,
+) -> None:
+    asked = [{"role": "user", "content": "Tell me a story about a"}]
+
+    def echoed(**extra: object) -> str:
+        answer = client.chat.completions.create(
+            model=MODEL,
+            messages=asked,  # type: ignore[arg-type]
+            max_tokens=1,
+            extra_body={"echo": True, **extra},
+        )
+        return answer.choices[0].message.content or ""
+
+    assert echoed(add_generation_prompt=False).startswith("Tell me a story about a")
+    assert not echoed().startswith("Tell me")  # the assistant's turn: nothing of it to echo
+
+
 def test_chat_prompt_fields_that_cannot_be_honoured_are_400(llm_server: RunningServer) -> None:
     cases = [
         ({"continue_final_message": True, "add_generation_prompt": True}, "cannot both be true"),
