@@ -285,7 +285,9 @@ class CompletionPipeline:
         stop = self.limits.stop_strings(body.stop)
         self.limits.check_stop_token_ids(body.stop_token_ids, service.vocab_size)
         return SamplingParams(
-            **service.generation.fill(body.temperature, body.top_p, body.top_k, body.min_p),
+            **service.generation.fill(
+                body.temperature, body.top_p, body.top_k, body.min_p, body.repetition_penalty
+            ),
             seed=_seed(body.seed),
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
@@ -295,9 +297,6 @@ class CompletionPipeline:
             include_stop_str_in_output=body.include_stop_str_in_output,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=(
-                1.0 if body.repetition_penalty is None else body.repetition_penalty
-            ),
             logprobs=logprobs,
             logit_bias=_logit_bias(
                 self.limits.logit_bias(body.logit_bias),
