@@ -39,7 +39,8 @@ class TextDecoder(Protocol):
     def flush(self) -> str: ...  # text held back until the end of the stream
 
 
-DecoderFactory = Callable[[list[int]], TextDecoder]  # prompt token ids -> decoder
+# (prompt token ids, whether special tokens' text is left out) -> decoder
+DecoderFactory = Callable[[list[int], bool], TextDecoder]
 
 
 @dataclass(slots=True)
@@ -126,7 +127,8 @@ class LLMEngine:
         with self._lock:
             self.scheduler.add(seq, now)
             if self.decoder_factory is not None:
-                self._decoders[request_id] = self.decoder_factory(list(prompt_token_ids))
+                skip = params.skip_special_tokens
+                self._decoders[request_id] = self.decoder_factory(list(prompt_token_ids), skip)
         return request_id
 
     def abort(self, request_id: str) -> bool:

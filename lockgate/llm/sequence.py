@@ -62,6 +62,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # a stop string ends the text, and is kept
+    skip_special_tokens: bool = True  # special tokens' text left out of the output text
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # vLLM's (as in CTRL): the logits of tokens in the prompt or the output are divided by it

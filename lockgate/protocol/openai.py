@@ -185,6 +185,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None  # the output is exactly one of these strings
     include_stop_str_in_output: bool = False  # vLLM's: a stop string ends the text, kept
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text
     # known to the OpenAI API, not implemented by lockgate (or not on this route): refused
     # by name when given (`unsupported_fields`)
     best_of: Any = None
@@ -206,7 +207,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
     logits_processors: Any = None
-    skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     return_tokens_as_token_ids: Any = None
     unsupported_fields: ClassVar[tuple[str, ...]] = ()
@@ -220,7 +220,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
         "guided_whitespace_pattern",
         "structured_outputs",
         "logits_processors",
-        "skip_special_tokens",
         "spaces_between_special_tokens",
         "return_tokens_as_token_ids",
     )
@@ -285,7 +284,6 @@ _NO_EFFECT: dict[str, Any] = {
     "length_penalty": 1,
     "use_beam_search": False,
     "bad_words": [],
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "return_tokens_as_token_ids": False,
     "modalities": ["text"],

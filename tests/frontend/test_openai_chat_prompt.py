@@ -99,3 +99,21 @@ def test_chat_prompt_fields_that_cannot_be_honoured_are_400(llm_server: RunningS
         body = {"model": MODEL, "messages": STARTED, "max_tokens": 1, **extra}
         r = httpx.post(llm_server.url + "/v1/chat/completions", json=body)
         assert r.status_code == 400 and expected in r.json()["error"]["message"], r.text
+
+
+def test_skip_special_tokens_false_keeps_the_special_tokens_text(client: openai.OpenAI) -> None:
+    """vLLM's skip_special_tokens: the turn is over, so the model writes its end-of-turn and
+    the next turn's start (EOS ignored): their text is left out unless asked for."""
+
+    def closed(**extra: object) -> str:
+        answer = client.chat.completions.create(
+            model=MODEL,
+            messages=STARTED,  # type: ignore[arg-type]
+            max_tokens=3,
+            temperature=0,
+            extra_body={"add_generation_prompt": False, "ignore_eos": True, **extra},
+        )
+        return answer.choices[0].message.content or ""
+
+    assert "<|im_" not in closed()
+    assert "<|im_" in closed(skip_special_tokens=False)
