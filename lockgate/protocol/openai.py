@@ -206,6 +206,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
+    structural_tag: Any = None
     logits_processors: Any = None
     spaces_between_special_tokens: Any = None
     return_tokens_as_token_ids: Any = None
@@ -219,6 +220,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
         "guided_decoding_backend",
         "guided_whitespace_pattern",
         "structured_outputs",
+        "structural_tag",
         "logits_processors",
         "spaces_between_special_tokens",
         "return_tokens_as_token_ids",

@@ -263,6 +263,7 @@ def test_guided_choice_and_a_kept_stop_string(client: openai.OpenAI) -> None:
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
         ({"stop_token_ids": [2, 10**9]}, "1000000000 is not a token id of the model"),
         ({"modalities": ["text", "audio"]}, "'modalities' is not supported"),
+        ({"structural_tag": '{"type": "structural_tag"}'}, "'structural_tag' is not supported"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "'audio' is not supported"),
     ],
 )
