@@ -55,7 +55,7 @@ from lockgate.frontend.lane import LaneRequest
 from lockgate.frontend.openapi import openapi_document
 from lockgate.frontend.v2_service import V2Service
 from lockgate.protocol.content_coding import accepted_coding
-from lockgate.protocol.openai import OpenAILimits, error_body
+from lockgate.protocol.openai import TOKEN_PATHS, OpenAILimits, error_body, openai_path
 from lockgate.protocol.repository_control import (
     LoadRequest,
     UnloadRequest,
@@ -77,13 +77,6 @@ READ_ONLY_PATHS = frozenset(
     }
 )
 READ = ("GET", "HEAD")  # the methods of a route that only reads
-TOKEN_PATHS = frozenset({"/tokenize", "/detokenize"})  # vLLM's; errors in the OpenAI shape
-
-
-def openai_path(path: str) -> bool:
-    """Whether a path's errors are in the OpenAI API's shape ({"error": {"message", ...}})."""
-    return path.startswith("/v1/") or path in TOKEN_PATHS
-
 
 WRITE = ("POST",)
 # the methods of each route under /v2/models/{m}[/versions/{v}], by its last segment

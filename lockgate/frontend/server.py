@@ -54,12 +54,12 @@ from lockgate.core.manager import ModelManager, ServingSettings
 from lockgate.core.metrics import Counter, Registry
 from lockgate.errors import Unavailable
 from lockgate.frontend.access_log import request_id
-from lockgate.frontend.app import App, ServerSettings, openai_path
+from lockgate.frontend.app import App, ServerSettings
 from lockgate.frontend.gate import Gate, GateSettings
 from lockgate.frontend.health_port import HealthPort, HealthState
 from lockgate.frontend.http import Disconnect, compressed
 from lockgate.frontend.lane import BodiesArriving, Lane, LaneRequest, lane_target, reply_bytes
-from lockgate.protocol.openai import error_body
+from lockgate.protocol.openai import error_body, openai_path
 from lockgate.protocol.v2_codec import encode_error
 
 log = logging.getLogger("lockgate.server")

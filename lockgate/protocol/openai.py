@@ -21,6 +21,13 @@ from lockgate.protocol.json_arrays import count_scalars, opening_depth, strings_
 # /v1/embeddings is served at (a positive whole number; without it, the newest ready version).
 # The router sets it for a version canary; a client may set it to pin a version.
 MODEL_VERSION_HEADER = b"x-lockgate-model-version"
+TOKEN_PATHS = frozenset({"/tokenize", "/detokenize"})  # vLLM's, beside /v1
+
+
+def openai_path(path: str) -> bool:
+    """Whether a path is the OpenAI API's (or vLLM's beside it), whose errors have its shape:
+    {"error": {"message", "type", "param", "code"}}."""
+    return path.startswith("/v1/") or path in TOKEN_PATHS
 
 
 @dataclass(frozen=True, slots=True)
