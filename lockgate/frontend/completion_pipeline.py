@@ -492,6 +492,22 @@ async def send_event(send: Send, payload: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
+def truncated(service: LLMService, prompt_ids: list[int], keep: int | None) -> list[int]:
+    """A prompt's last `keep` token ids (vLLM's truncate_prompt_tokens; -1: the model's context
+    of them; None: the prompt whole)."""
+    if keep is None:
+        return prompt_ids
+    context = service.engine_config.max_model_len
+    if keep == -1:
+        keep = context
+    if not 1 <= keep <= context:
+        raise BadRequest(
+            f"truncate_prompt_tokens must be -1 or between 1 and the model's context of "
+            f"{context} tokens, got {keep}"
+        )
+    return prompt_ids[-keep:]
+
+
 def check_message_count(service: LLMService, count: int) -> None:
     """A chat template gives each message at least a token of its own (its role's header):
     more messages than the context has tokens cannot fit, and are refused before any is

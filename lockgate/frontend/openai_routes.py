@@ -35,6 +35,7 @@ from lockgate.frontend.completion_pipeline import (
     PreparedCompletion,
     check_message_count,
     send_event,
+    truncated,
 )
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, check_method, respond_json
 from lockgate.llm.sequence import TokenLogprobs
@@ -191,6 +192,8 @@ class OpenAIRoutes:
         most_ids = service.engine_config.max_model_len
         prompts = oa.prompts_of(body.prompt, most_ids, self.limits.max_prompts)
         ids = await self.pipeline.tokenize_all(service, prompts)
+        keep = body.truncate_prompt_tokens
+        ids = [truncated(service, prompt_ids, keep) for prompt_ids in ids]
         prompt_only = body.prompt_only
         batch = [
             self.pipeline.prepare(
@@ -210,7 +213,7 @@ class OpenAIRoutes:
         if body.echo:
             echoes = [
                 _Echo(
-                    p if isinstance(p, str) else service.tokenizer.decode(i),
+                    p if isinstance(p, str) and keep is None else service.tokenizer.decode(i),
                     i,
                     not prompt_only,
                     body.logprobs,
@@ -243,6 +246,7 @@ class OpenAIRoutes:
             continue_final=body.continue_final_message,
             template_kwargs=body.chat_template_kwargs,
         )
+        prompt_ids = truncated(service, prompt_ids, body.truncate_prompt_tokens)
         limit = body.max_completion_tokens
         if limit is not None and limit < 1:
             raise BadRequest("max_completion_tokens must be at least 1")

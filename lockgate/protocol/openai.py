@@ -177,6 +177,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0  # vLLM's: no stop before this many output tokens
     repetition_penalty: float | None = None  # vLLM's: over the prompt's and output's tokens
+    # vLLM's: only the prompt's last this many tokens are kept (-1: as many as the context has)
+    truncate_prompt_tokens: int | None = None
     priority: int = 0  # 1 is the highest; 0: the model's default (as lockgate's v2 priority)
     n: int = 1
     stream: bool = False
@@ -209,7 +211,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     bad_words: Any = None
     allowed_token_ids: Any = None
     prompt_logprobs: Any = None
-    truncate_prompt_tokens: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
@@ -223,7 +224,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
         "use_beam_search",
         "bad_words",
         "allowed_token_ids",
-        "truncate_prompt_tokens",
         "guided_decoding_backend",
         "guided_whitespace_pattern",
         "structured_outputs",

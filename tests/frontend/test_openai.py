@@ -370,3 +370,26 @@ def test_repetition_penalty_steers_away_from_the_prompts_tokens(client: openai.O
     plain = count()
     assert plain == count(repetition_penalty=1.0) == " 5, "
     assert count(repetition_penalty=2.0) != plain
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client: openai.OpenAI) -> None:
+    """vLLM's truncate_prompt_tokens: a prompt longer than the context is answered from its
+    last tokens."""
+    long = client.completions.create(
+        model=MODEL,
+        prompt="word " * 600,
+        max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 40},
+    )
+    assert long.usage is not None and long.usage.prompt_tokens == 40
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi " * 100}],
+        max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 20},
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 20
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens must be -1 or"):
+        client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=1, extra_body={"truncate_prompt_tokens": 0}
+        )
