@@ -403,7 +403,7 @@ class App:
 
     async def _error(self, request: HttpRequest, exc: ServingError, openai: bool) -> None:
         if openai:
-            payload = error_body(exc.message, exc.kind, exc.status)
+            payload = error_body(exc.message, exc.kind, exc.status, exc.param)
             await respond_json(request.send, exc.status, payload, error_headers(exc))
         else:
             await respond_reply(request.send, error_reply(exc))

@@ -275,7 +275,7 @@ class CompletionPipeline:
         if max_tokens is None:
             max_tokens = default_max or (limit - prompt_len)
         if max_tokens < 1:
-            raise BadRequest("max_tokens must be at least 1")
+            raise BadRequest("max_tokens must be at least 1", param="max_tokens")
         if prompt_len + max_tokens > limit:
             raise BadRequest(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -503,7 +503,8 @@ def truncated(service: LLMService, prompt_ids: list[int], keep: int | None) -> l
     if not 1 <= keep <= context:
         raise BadRequest(
             f"truncate_prompt_tokens must be -1 or between 1 and the model's context of "
-            f"{context} tokens, got {keep}"
+            f"{context} tokens, got {keep}",
+            param="truncate_prompt_tokens",
         )
     return prompt_ids[-keep:]
 
@@ -590,7 +591,7 @@ def _seed(seed: int | None) -> int | None:
     if seed is None:
         return None
     if not -(2**63) <= seed < 2**63:
-        raise BadRequest(f"seed must be a 64-bit integer, got {seed}")
+        raise BadRequest(f"seed must be a 64-bit integer, got {seed}", param="seed")
     return seed % 2**63
 
 

@@ -170,7 +170,9 @@ class OpenAIRoutes:
                 service = next(iter(self.services.values()))
             else:
                 known = ", ".join(sorted(self.services)) or "none"
-                raise NotFound(f"the model '{name}' does not exist (language models: {known})")
+                raise NotFound(
+                    f"the model '{name}' does not exist (language models: {known})", param="model"
+                )
         if version is None:
             return service
         served = self.app.models.get(service.config.name, version)  # 404 or 503
@@ -249,7 +251,9 @@ class OpenAIRoutes:
         prompt_ids = truncated(service, prompt_ids, body.truncate_prompt_tokens)
         limit = body.max_completion_tokens
         if limit is not None and limit < 1:
-            raise BadRequest("max_completion_tokens must be at least 1")
+            raise BadRequest(
+                "max_completion_tokens must be at least 1", param="max_completion_tokens"
+            )
         prepared = self.pipeline.prepare(
             request,
             service,
@@ -390,7 +394,8 @@ class OpenAIRoutes:
             except ServingError as exc:
                 if not lasts:
                     raise
-                await send_event(send, oa.error_body(exc.message, exc.kind, exc.status))
+                error = oa.error_body(exc.message, exc.kind, exc.status, exc.param)
+                await send_event(send, error)
                 lasts = {}  # cut short: nothing to keep
             if options.include_usage and lasts:
                 usage = _usage(lasts, per_prompt)
@@ -545,7 +550,7 @@ _ROUTES = frozenset({"models", "completions", "chat/completions", "embeddings"})
 def _check_supported(body: oa.CompletionRequest | oa.ChatRequest) -> None:
     name = body.unsupported()
     if name is not None:
-        raise BadRequest(f"'{name}' is not supported by lockgate; leave it out")
+        raise BadRequest(f"'{name}' is not supported by lockgate; leave it out", param=name)
     body.check_options()
 
 

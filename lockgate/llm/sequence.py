@@ -81,8 +81,11 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
         object.__setattr__(self, "min_tokens_blocked", tuple(self.min_tokens_blocked))
         problems = self._problems()
-        if problems:
-            raise InvalidSamplingParams("invalid sampling parameters: " + "; ".join(problems))
+        if problems:  # each names its field first
+            raise InvalidSamplingParams(
+                "invalid sampling parameters: " + "; ".join(problems),
+                param=problems[0].split()[0],
+            )
 
     def _problems(self) -> list[str]:
         checks = [

@@ -66,7 +66,8 @@ class OpenAILimits:
         if len(strings) > self.max_stop or any(len(s) > self.max_stop_chars for s in strings):
             raise BadRequest(
                 f"stop takes at most {self.max_stop} strings of at most "
-                f"{self.max_stop_chars} characters"
+                f"{self.max_stop_chars} characters",
+                param="stop",
             )
         return strings
 
@@ -129,11 +130,13 @@ class OpenAILimits:
         """The sequences a completion of `n` choices generates: `best_of` (at least n, not
         streamed), else n; both at most `max_n`."""
         if not 1 <= n <= self.max_n:
-            raise BadRequest(f"n must be between 1 and {self.max_n}, got {n}")
+            raise BadRequest(f"n must be between 1 and {self.max_n}, got {n}", param="n")
         if best_of is None:
             return n
         if not n <= best_of <= self.max_n:
-            raise BadRequest(f"best_of must be between n ({n}) and {self.max_n}, got {best_of}")
+            raise BadRequest(
+                f"best_of must be between n ({n}) and {self.max_n}, got {best_of}", param="best_of"
+            )
         if stream and best_of > n:
             raise BadRequest("best_of cannot be used with stream: leave it out, or set it to n")
         return best_of
@@ -554,9 +557,12 @@ class ChatRequest(_Sampling, kw_only=True):
         super().check_options()
         if self.top_logprobs is not None:
             if not self.logprobs:
-                raise BadRequest("top_logprobs needs logprobs: true")
+                raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
             if not 0 <= self.top_logprobs <= 20:
-                raise BadRequest(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+                raise BadRequest(
+                    f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
+                    param="top_logprobs",
+                )
 
     def tool_use(self, limits: OpenAILimits) -> ToolUse | None:
         """The tools the model is offered, checked (400 naming the problem), and how it may
@@ -769,11 +775,20 @@ def decode(body: bytes, kind: Any) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid request: {exc}") from None
+        raise BadRequest(f"invalid request: {exc}", param=_field_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"malformed JSON: {exc}") from None
     except RecursionError:
         raise BadRequest("malformed JSON: nested too deeply") from None
+
+
+_FIELD = re.compile(r"at `\$\.(\w+)|missing required field `(\w+)`$")
+
+
+def _field_of(problem: str) -> str | None:
+    """The top-level request field a msgspec validation error is about, if it names one."""
+    found = _FIELD.search(problem)
+    return (found.group(1) or found.group(2)) if found else None
 
 
 def message_text(message: ChatMessage) -> str:
@@ -859,5 +874,5 @@ def usage_chunk(rid: str, model: str, obj: str, usage_: dict[str, Any]) -> dict[
     return {**_envelope(rid, model, obj, []), "usage": usage_}
 
 
-def error_body(message: str, kind: str, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

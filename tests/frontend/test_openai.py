@@ -112,6 +112,22 @@ def test_errors_use_openai_format(client: openai.OpenAI) -> None:
         client.completions.create(model="no-such-model", prompt="hi")
 
 
+def test_an_error_about_a_field_names_it_as_its_param(client: openai.OpenAI) -> None:
+    """OpenAI's error.param: the request field a 400 or 404 is about."""
+    asks: list[tuple[dict[str, object], str]] = [
+        ({"temperature": -3}, "temperature"),
+        ({"n": "two"}, "n"),
+        ({"extra_body": {"length_penalty": 2}}, "length_penalty"),
+        ({"model": "no-such-model"}, "model"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ]
+    for extra, param in asks:
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(**{"model": MODEL, "prompt": "hi", **extra})  # type: ignore[call-overload]
+        assert refused.value.status_code in (400, 404)
+        assert refused.value.body["param"] == param, refused.value.body  # type: ignore[index]
+
+
 def test_chat_prompts_too_long_for_the_context_are_refused_before_they_are_tokenized(
     llm_server: RunningServer,
 ) -> None:
