@@ -9,10 +9,13 @@ class ServingError(Exception):
     status: int = 500
     kind: str = "internal_error"
 
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after: float | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
+        self.param = param  # the request field it is about, when one is (OpenAI's error.param)
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:

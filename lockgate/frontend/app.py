@@ -55,10 +55,10 @@ from lockgate.frontend.lane import LaneRequest
 from lockgate.frontend.model_files import ModelFiles
 from lockgate.frontend.model_files import remove as remove_files
 from lockgate.frontend.openapi import openapi_document
-from lockgate.frontend.predict_routes import is_predict, predict_route, predict_target
+from lockgate.frontend.predict_routes import predict_route, predict_target
 from lockgate.frontend.v2_service import V2Service
 from lockgate.protocol.content_coding import accepted_coding
-from lockgate.protocol.openai import OpenAILimits, error_body
+from lockgate.protocol.openai import TOKEN_PATHS, OpenAILimits, error_body, openai_path
 from lockgate.protocol.repository_control import (
     LoadRequest,
     UnloadRequest,
@@ -81,7 +81,7 @@ READ_ONLY_PATHS = frozenset(
     }
 )
 READ = ("GET", "HEAD")  # the methods of a route that only reads
-TOKEN_PATHS = frozenset({"/tokenize", "/detokenize"})  # vLLM's; errors in the OpenAI shape
+
 WRITE = ("POST",)
 # the methods of each route under /v2/models/{m}[/versions/{v}], by its last segment
 # ("": the model's metadata)
@@ -256,8 +256,7 @@ class App:
             self.settings.body_timeout_s,
             trace=traced,
         )
-        openai = request.path.startswith("/v1/") or request.path in TOKEN_PATHS
-        openai = openai and not is_predict(request.path)  # KServe v1's: its own error form
+        openai = openai_path(request.path)
         if openai or _route_kind(request.path) == "generate":  # decoded whole on the loop
             payload = self.settings.openai.max_payload_bytes
             if payload < request.max_body:
@@ -428,7 +427,7 @@ class App:
 
     async def _error(self, request: HttpRequest, exc: ServingError, openai: bool) -> None:
         if openai:
-            payload = error_body(exc.message, exc.kind, exc.status)
+            payload = error_body(exc.message, exc.kind, exc.status, exc.param)
             await respond_json(request.send, exc.status, payload, error_headers(exc))
         else:
             await respond_reply(request.send, error_reply(exc))

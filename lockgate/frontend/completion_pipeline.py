@@ -181,16 +181,22 @@ class CompletionPipeline:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         generation_prompt: bool = True,
+        continue_final: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The token ids of chat messages ({"role", "content", ...}) through the model's chat
-        template, with the assistant's turn opened (unless not `generation_prompt`); `tools`
-        for a template that takes them."""
+        template, with the assistant's turn opened (unless not `generation_prompt`), or the
+        final message left open (`continue_final`); `tools` for a template that takes them,
+        `template_kwargs` as more variables of the template (vLLM's chat_template_kwargs)."""
         chars = sum(len(m["content"] or "") for m in messages)
         if tools is not None:
             chars += len(msgspec.json.encode(tools))
+        if template_kwargs:
+            chars += len(msgspec.json.encode(template_kwargs))
         most = self.limits.max_prompt_chars
         check_length(service, chars, most)
-        return await self._off_loop(_chat_ids, service, messages, tools, most, generation_prompt)
+        render = _ChatRender(generation_prompt, continue_final, template_kwargs)
+        return await self._off_loop(_chat_ids, service, messages, tools, most, render)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Tokenize off the event loop, at most `tokenize_threads` at once; past
@@ -269,7 +275,7 @@ class CompletionPipeline:
         if max_tokens is None:
             max_tokens = default_max or (limit - prompt_len)
         if max_tokens < 1:
-            raise BadRequest("max_tokens must be at least 1")
+            raise BadRequest("max_tokens must be at least 1", param="max_tokens")
         if prompt_len + max_tokens > limit:
             raise BadRequest(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -279,13 +285,17 @@ class CompletionPipeline:
         stop = self.limits.stop_strings(body.stop)
         self.limits.check_stop_token_ids(body.stop_token_ids, service.vocab_size)
         return SamplingParams(
-            **service.generation.fill(body.temperature, body.top_p, body.top_k, body.min_p),
-            seed=body.seed,
+            **service.generation.fill(
+                body.temperature, body.top_p, body.top_k, body.min_p, body.repetition_penalty
+            ),
+            seed=_seed(body.seed),
             max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
             stop=tuple(stop),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,
@@ -482,6 +492,23 @@ async def send_event(send: Send, payload: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
+def truncated(service: LLMService, prompt_ids: list[int], keep: int | None) -> list[int]:
+    """A prompt's last `keep` token ids (vLLM's truncate_prompt_tokens; -1: the model's context
+    of them; None: the prompt whole)."""
+    if keep is None:
+        return prompt_ids
+    context = service.engine_config.max_model_len
+    if keep == -1:
+        keep = context
+    if not 1 <= keep <= context:
+        raise BadRequest(
+            f"truncate_prompt_tokens must be -1 or between 1 and the model's context of "
+            f"{context} tokens, got {keep}",
+            param="truncate_prompt_tokens",
+        )
+    return prompt_ids[-keep:]
+
+
 def check_message_count(service: LLMService, count: int) -> None:
     """A chat template gives each message at least a token of its own (its role's header):
     more messages than the context has tokens cannot fit, and are refused before any is
@@ -521,12 +548,21 @@ def deadline(request: HttpRequest) -> float | None:
     return request.received + seconds
 
 
+@dataclass(frozen=True, slots=True)
+class _ChatRender:
+    """How chat messages are rendered through the template."""
+
+    generation_prompt: bool  # the assistant's turn opened after the messages
+    continue_final: bool  # the prompt ends inside the final message
+    template_kwargs: dict[str, Any] | None  # more variables of the template
+
+
 def _chat_ids(
     service: LLMService,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     most: int,
-    generation_prompt: bool = True,
+    render: _ChatRender,
 ) -> list[int]:
     """The prompt's ids; its rendered text (the template's own text with the contents) is
     held to `check_length` before it is encoded."""
@@ -537,14 +573,26 @@ def _chat_ids(
     try:
         return service.tokenizer.encode_chat(
             messages,
-            add_generation_prompt=generation_prompt,
+            add_generation_prompt=render.generation_prompt,
             tools=tools,
             check_chars=rendered,
+            continue_final_message=render.continue_final,
+            template_kwargs=render.template_kwargs,
         )
     except ServingError:
         raise
     except Exception as exc:
         raise BadRequest(f"chat template failed: {exc}") from None
+
+
+def _seed(seed: int | None) -> int | None:
+    """A request's seed, any 64-bit integer as OpenAI's and vLLM's take (negative ones too),
+    as the engine's (in [0, 2**63))."""
+    if seed is None:
+        return None
+    if not -(2**63) <= seed < 2**63:
+        raise BadRequest(f"seed must be a 64-bit integer, got {seed}", param="seed")
+    return seed % 2**63
 
 
 def _logit_bias(

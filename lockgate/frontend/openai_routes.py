@@ -35,6 +35,7 @@ from lockgate.frontend.completion_pipeline import (
     PreparedCompletion,
     check_message_count,
     send_event,
+    truncated,
 )
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, check_method, respond_json
 from lockgate.llm.sequence import TokenLogprobs
@@ -106,7 +107,11 @@ class OpenAIRoutes:
             check_message_count(service, len(body.messages))
             messages = tool_calls.prompt_messages(body.messages, None, False)
             ids = await self.pipeline.tokenize_chat(
-                service, messages, generation_prompt=body.add_generation_prompt
+                service,
+                messages,
+                generation_prompt=body.generation_prompt,
+                continue_final=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
             )
         answer: dict[str, Any] = {
             "count": len(ids),
@@ -165,7 +170,9 @@ class OpenAIRoutes:
                 service = next(iter(self.services.values()))
             else:
                 known = ", ".join(sorted(self.services)) or "none"
-                raise NotFound(f"the model '{name}' does not exist (language models: {known})")
+                raise NotFound(
+                    f"the model '{name}' does not exist (language models: {known})", param="model"
+                )
         if version is None:
             return service
         served = self.app.models.get(service.config.name, version)  # 404 or 503
@@ -187,6 +194,8 @@ class OpenAIRoutes:
         most_ids = service.engine_config.max_model_len
         prompts = oa.prompts_of(body.prompt, most_ids, self.limits.max_prompts)
         ids = await self.pipeline.tokenize_all(service, prompts)
+        keep = body.truncate_prompt_tokens
+        ids = [truncated(service, prompt_ids, keep) for prompt_ids in ids]
         prompt_only = body.prompt_only
         batch = [
             self.pipeline.prepare(
@@ -206,7 +215,7 @@ class OpenAIRoutes:
         if body.echo:
             echoes = [
                 _Echo(
-                    p if isinstance(p, str) else service.tokenizer.decode(i),
+                    p if isinstance(p, str) and keep is None else service.tokenizer.decode(i),
                     i,
                     not prompt_only,
                     body.logprobs,
@@ -231,10 +240,20 @@ class OpenAIRoutes:
         takes_tools = service.tokenizer.takes_tools
         messages = tool_calls.prompt_messages(body.messages, tools, takes_tools)
         definitions = tools.definitions() if tools is not None and takes_tools else None
-        prompt_ids = await self.pipeline.tokenize_chat(service, messages, definitions)
+        prompt_ids = await self.pipeline.tokenize_chat(
+            service,
+            messages,
+            definitions,
+            generation_prompt=body.generation_prompt,
+            continue_final=body.continue_final_message,
+            template_kwargs=body.chat_template_kwargs,
+        )
+        prompt_ids = truncated(service, prompt_ids, body.truncate_prompt_tokens)
         limit = body.max_completion_tokens
         if limit is not None and limit < 1:
-            raise BadRequest("max_completion_tokens must be at least 1")
+            raise BadRequest(
+                "max_completion_tokens must be at least 1", param="max_completion_tokens"
+            )
         prepared = self.pipeline.prepare(
             request,
             service,
@@ -246,7 +265,7 @@ class OpenAIRoutes:
             namespace=CHAT.id_prefix,
             tools=tools,
         )
-        await self._generate(request, [prepared], body, CHAT, tools)
+        await self._generate(request, [prepared], body, CHAT, tools, chat_echo=body.echoed)
 
     async def _generate(
         self,
@@ -257,14 +276,17 @@ class OpenAIRoutes:
         tools: oa.ToolUse | None = None,
         echoes: list[_Echo] | None = None,
         prompt_top: int | None = None,
+        chat_echo: str = "",
     ) -> None:
         """Run prepared completions (one per prompt of a batch) and answer them, whole or
         streamed, as one response whose choices run over the prompts in order, `n` each; a
         chat's output is split into content and calls when it was offered `tools`; with
-        `prompt_top`, each choice carries its prompt's logprobs in vLLM's form."""
+        `prompt_top`, each choice carries its prompt's logprobs in vLLM's form; a chat's
+        `chat_echo` begins each choice's content."""
         rid = oa.new_id(kind.id_prefix)
         service = batch[0].service
-        alone = batch[0] if len(batch) == 1 and echoes is None and prompt_top is None else None
+        plain = echoes is None and prompt_top is None and not chat_echo
+        alone = batch[0] if len(batch) == 1 and plain else None
         hit = await self.pipeline.cached(alone) if alone is not None else None
         if hit is not None:
             await self._replay(request, hit, rid, service, body, kind, tools)
@@ -272,12 +294,14 @@ class OpenAIRoutes:
         outputs = self.pipeline.submit(request, batch, rid)
         per_prompt = batch[0].best_of
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options or oa.StreamOptions()
             piece = kind.piece(service, tools)
             if echoes is not None or prompt_top is not None:
                 piece = _completion_piece(service, tools, echoes, per_prompt, prompt_top)
+            elif chat_echo:
+                piece = _chat_piece(service, tools, chat_echo)
             text, last = await self._stream(
-                request, outputs, rid, service, kind.chunk_object, include_usage, piece, per_prompt
+                request, outputs, rid, service, kind.chunk_object, options, piece, per_prompt
             )
         else:
             sequences = per_prompt * len(batch)
@@ -288,6 +312,8 @@ class OpenAIRoutes:
                 picked = self.pipeline.choose(prepared, group)
                 if echoes is not None:
                     picked = [_echoed(c, echoes[i]) for c in picked]
+                if chat_echo:
+                    picked = [replace(c, text=chat_echo + c.text) for c in picked]
                 chosen += picked
             usage = _usage(dict(enumerate(c.last for c in candidates)), per_prompt)
             answer = _answer(kind, service, rid, chosen, usage, tools, echoes, body.n, prompt_top)
@@ -328,6 +354,8 @@ class OpenAIRoutes:
                 delta = {"role": "assistant", **_delta(parsed, 0)}
                 reason = _tool_reason(reason, len(parsed.calls))
             chunk = oa.chat_chunk(rid, service.name, delta, reason)
+        if body.stream_options and body.stream_options.continuous:
+            chunk["usage"] = usage
         await send_event(send, chunk)
         if body.stream_options and body.stream_options.include_usage:
             await send_event(send, oa.usage_chunk(rid, service.name, kind.chunk_object, usage))
@@ -340,12 +368,12 @@ class OpenAIRoutes:
         rid: str,
         service: LLMService,
         obj: str,
-        include_usage: bool,
+        options: oa.StreamOptions,
         piece: Piece,
         per_prompt: int = 1,
     ) -> tuple[str, RequestOutput | None]:
-        """Send the completion as server-sent events, each chunk of one choice; the text and
-        last output of choice 0."""
+        """Send the completion as server-sent events, each chunk of one choice (with
+        `continuous_usage_stats`, its usage so far); the text and last output of choice 0."""
         send = request.send
         lasts: dict[int, RequestOutput] = {}  # by choice
         texts: list[str] = []  # of choice 0
@@ -357,6 +385,8 @@ class OpenAIRoutes:
                         await send({"type": "http.response.start", "status": 200, "headers": SSE})
                     chunk = piece(rid, service.name, out, index, index not in lasts)
                     if chunk is not None:
+                        if options.continuous:
+                            chunk["usage"] = _usage({index: out})
                         await send_event(send, _as_choice(chunk, index))
                     if index == 0:
                         texts.append(out.text)
@@ -364,9 +394,10 @@ class OpenAIRoutes:
             except ServingError as exc:
                 if not lasts:
                     raise
-                await send_event(send, oa.error_body(exc.message, exc.kind, exc.status))
+                error = oa.error_body(exc.message, exc.kind, exc.status, exc.param)
+                await send_event(send, error)
                 lasts = {}  # cut short: nothing to keep
-            if include_usage and lasts:
+            if options.include_usage and lasts:
                 usage = _usage(lasts, per_prompt)
                 await send_event(send, oa.usage_chunk(rid, service.name, obj, usage))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
@@ -519,7 +550,7 @@ _ROUTES = frozenset({"models", "completions", "chat/completions", "embeddings"})
 def _check_supported(body: oa.CompletionRequest | oa.ChatRequest) -> None:
     name = body.unsupported()
     if name is not None:
-        raise BadRequest(f"'{name}' is not supported by lockgate; leave it out")
+        raise BadRequest(f"'{name}' is not supported by lockgate; leave it out", param=name)
     body.check_options()
 
 
@@ -778,23 +809,25 @@ def _completion_piece(
     return piece
 
 
-def _chat_piece(service: LLMService, tools: oa.ToolUse | None) -> Piece:
-    """Each output's text as the delta's content; offered tools, split by one parser per
-    choice into content and calls, each call sent whole when it closes."""
+def _chat_piece(service: LLMService, tools: oa.ToolUse | None, echo: str = "") -> Piece:
+    """Each output's text as the delta's content, a choice's first beginning with `echo`;
+    offered tools, split by one parser per choice into content and calls, each call sent
+    whole when it closes."""
     parsers: dict[int, tool_calls.ToolCallParser] = {}
 
     def piece(
         rid: str, model: str, out: RequestOutput, index: int, first: bool
     ) -> dict[str, Any] | None:
         reason = _openai_reason(out.finish_reason.value if out.finish_reason else None)
+        text = echo + out.text if first else out.text
         if tools is None:
-            delta: dict[str, Any] = {"content": out.text}
+            delta: dict[str, Any] = {"content": text}
         else:
             parser = parsers.get(index)
             if parser is None:
                 parser = parsers[index] = tool_calls.ToolCallParser(tools)
             made = parser.made
-            parsed = parser.feed(out.text)
+            parsed = parser.feed(text)
             if out.finish_reason is not None:
                 parsed.extend(parser.finish())
             delta = _delta(parsed, made)

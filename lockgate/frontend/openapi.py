@@ -140,6 +140,10 @@ for _request in (oa.CompletionRequest, oa.ChatRequest):
             "description": "not implemented by lockgate on this route: refused (400) when given"
             + (" (best_of: completions only)" if _field == "best_of" else ""),
         }
+_HAND_CHECKED["ChatRequest", "modalities"] = {
+    "anyOf": [{"type": "null"}, {"type": "array", "items": {"const": "text"}}],
+    "description": 'only ["text"]: a text model answers no audio (other values: 400)',
+}
 
 
 def schema_components() -> dict[str, Any]:

@@ -24,10 +24,6 @@ def predict_target(parts: list[str]) -> tuple[str, str | None] | None:
     return parts[2], parts[4].removesuffix(SUFFIX)
 
 
-def is_predict(path: str) -> bool:
-    return predict_target([p for p in path.split("/") if p]) is not None
-
-
 async def predict_route(
     request: HttpRequest,
     service: V2Service,

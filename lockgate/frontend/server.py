@@ -45,18 +45,21 @@ from types import FrameType
 from typing import Any
 
 import httptools
+import msgspec
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from lockgate.core.heap import freeze_heap
 from lockgate.core.manager import ModelManager, ServingSettings
 from lockgate.core.metrics import Counter, Registry
+from lockgate.errors import Unavailable
 from lockgate.frontend.access_log import request_id
 from lockgate.frontend.app import App, ServerSettings
 from lockgate.frontend.gate import Gate, GateSettings
 from lockgate.frontend.health_port import HealthPort, HealthState
 from lockgate.frontend.http import Disconnect, compressed
 from lockgate.frontend.lane import BodiesArriving, Lane, LaneRequest, lane_target, reply_bytes
+from lockgate.protocol.openai import error_body, openai_path
 from lockgate.protocol.v2_codec import encode_error
 
 log = logging.getLogger("lockgate.server")
@@ -269,7 +272,7 @@ class _Protocol(HttpToolsProtocol):
             why, body = "model_admission", encode_error(error.message)
             retry = max(1, math.ceil(error.retry_after or 1))
         else:
-            body, retry = _SATURATED, self.gate.retry_after(now)
+            body, retry = _saturated(path), self.gate.retry_after(now)
         self.refusals.inc((why,))
         self._cancel_head_timer()
         if not self.penalized:  # (while paused, what is read next still waited from its start)
@@ -476,7 +479,8 @@ class _Protocol(HttpToolsProtocol):
             why = self.gate.admit(path, self._in_progress(), time.monotonic(), loading)
             if why is not None:
                 self.refusals.inc((why,))
-                self._refuse(_SATURATED, self.gate.retry_after(time.monotonic()), why, path)
+                retry = self.gate.retry_after(time.monotonic())
+                self._refuse(_saturated(path), retry, why, path)
                 return
             method = self.parser.get_method()
             wait = self.gate.loop_cost.wait(self._loop_work_ahead())
@@ -653,7 +657,16 @@ _REASONS = {
     408: b"Request Timeout",
     431: b"Request Header Fields Too Large",
 }
-_SATURATED = encode_error("server is saturated: retry later")
+_SATURATED_TEXT = "server is saturated: retry later"
+_SATURATED = encode_error(_SATURATED_TEXT)
+_SATURATED_OPENAI = msgspec.json.encode(error_body(_SATURATED_TEXT, Unavailable.kind, 503))
+
+
+def _saturated(path: str) -> bytes:
+    """The gate's refusal, in the error shape of the API the path belongs to."""
+    return _SATURATED_OPENAI if openai_path(path) else _SATURATED
+
+
 # headers that leave a request to the parser: a refusal on arrival would misread it, or
 # (content-encoding) its body is decoded on the ASGI path, not on the lane
 _PARSER_HEADERS = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"content-encoding"})

@@ -14,7 +14,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -39,7 +39,8 @@ class TextDecoder(Protocol):
     def flush(self) -> str: ...  # text held back until the end of the stream
 
 
-DecoderFactory = Callable[[list[int]], TextDecoder]  # prompt token ids -> decoder
+# (prompt token ids, whether special tokens' text is left out) -> decoder
+DecoderFactory = Callable[[list[int], bool], TextDecoder]
 
 
 @dataclass(slots=True)
@@ -118,11 +119,16 @@ class LLMEngine:
         QueueFull (429) or BadRequest (400). Returns its id."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         now = time.monotonic()
+        if params.min_tokens:
+            eos = () if params.ignore_eos else self.eos_token_ids
+            blocked = tuple(sorted({*params.stop_token_ids, *eos}))
+            params = replace(params, min_tokens_blocked=blocked)
         seq = Sequence.from_prompt(request_id, prompt_token_ids, params, now, deadline, priority)
         with self._lock:
             self.scheduler.add(seq, now)
             if self.decoder_factory is not None:
-                self._decoders[request_id] = self.decoder_factory(list(prompt_token_ids))
+                skip = params.skip_special_tokens
+                self._decoders[request_id] = self.decoder_factory(list(prompt_token_ids), skip)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -240,7 +246,8 @@ class LLMEngine:
         decoder = self._decoders.get(seq.seq_id)
         if decoder is not None:
             seq.output_text += decoder.add(token)
-        hit_stop_string = bool(seq.params.stop) and self._cut_at_stop_string(seq, old_len)
+        stops = bool(seq.params.stop) and seq.num_output_tokens >= seq.params.min_tokens
+        hit_stop_string = stops and self._cut_at_stop_string(seq, old_len)
         reason = FinishReason.STOP if hit_stop_string else self._stop_reason(seq, token)
         if reason is not None:
             if decoder is not None and not hit_stop_string:

@@ -3,14 +3,13 @@ does with `--generation-config auto`), used for the fields a request leaves out;
 API's defaults for the fields the file does not set.
 
 Read once at load. Of the file's keys only the sampling values lockgate's engine implements
-are read; the others (`do_sample`, `max_new_tokens`, token ids) are ignored, as vLLM ignores
-them, and a `repetition_penalty` other than 1 is reported and ignored.
+are read (`repetition_penalty` among them, as vLLM reads it); the others (`do_sample`,
+`max_new_tokens`, token ids) are ignored, as vLLM ignores them.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +17,13 @@ from typing import Any
 
 from lockgate.errors import ConfigError
 
-log = logging.getLogger("lockgate.llm")
-
 FILE_NAME = "generation_config.json"
 _FIELDS: tuple[tuple[str, type], ...] = (
     ("temperature", float),
     ("top_p", float),
     ("top_k", int),
     ("min_p", float),
+    ("repetition_penalty", float),
 )
 
 
@@ -37,6 +35,7 @@ class GenerationDefaults:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
     source: str = ""  # the generation_config.json they were read from; "": none
 
     def __post_init__(self) -> None:
@@ -45,6 +44,7 @@ class GenerationDefaults:
             ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
             ("top_k", self.top_k >= -1, "-1, 0 (off) or a positive count"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "in (0, 10]"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -59,10 +59,17 @@ class GenerationDefaults:
         top_p: float | None,
         top_k: int | None,
         min_p: float | None,
+        repetition_penalty: float | None = None,
     ) -> dict[str, Any]:
         """`SamplingParams` keyword arguments: each value a request gave (not None), else
         this default. A value the request gave is checked by `SamplingParams`, not here."""
-        given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+        given = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p,
+            "repetition_penalty": repetition_penalty,
+        }
         return {name: getattr(self, name) if v is None else v for name, v in given.items()}
 
     def to_dict(self) -> dict[str, float | int]:
@@ -86,9 +93,6 @@ def read_generation_defaults(folder: Path) -> GenerationDefaults:
         for name, kind in _FIELDS
         if raw.get(name) is not None  # null: not set
     }
-    penalty = raw.get("repetition_penalty")
-    if penalty is not None and penalty != 1:
-        log.warning("%s: repetition_penalty %s is not supported; ignored", path, penalty)
     return GenerationDefaults(**values, source=str(path))
 
 

@@ -177,6 +177,7 @@ def sampling_batch(rows: list[ScheduledSequence], vocab_size: int) -> SamplingBa
     token's. Sequences under a grammar have no drafts (the scheduler gives them none)."""
     params: list[SamplingParams] = []
     outputs: list[list[int]] = []
+    seen: list[list[int]] = []  # prompt and output, where a row has a repetition penalty
     counts: list[int] = []
     matchers: list[GrammarMatcher | None] = []
     for s in rows:
@@ -185,6 +186,7 @@ def sampling_batch(rows: list[ScheduledSequence], vocab_size: int) -> SamplingBa
             params.append(seq.params)
             drafts = s.draft_token_ids[:i]
             outputs.append(seq.output_token_ids + drafts if seq.params.has_penalties else [])
+            seen.append(seq.token_ids + drafts if seq.params.has_repetition_penalty else [])
             counts.append(seq.num_output_tokens + i)
             matchers.append(seq.matcher)
-    return SamplingBatch.build(params, outputs, counts, vocab_size, matchers)
+    return SamplingBatch.build(params, outputs, counts, vocab_size, matchers, seen)

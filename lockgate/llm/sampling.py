@@ -1,7 +1,8 @@
 """Pick the next token of every sequence in one pass of tensor ops over [N, V] logits.
 
-Order of processing, per row: presence/frequency penalties (from the counts of the row's
-output tokens), then temperature, top-k, top-p and min-p. Greedy rows (temperature 0) take
+Order of processing, per row: the repetition penalty (over the row's prompt and output
+tokens), presence/frequency penalties (from the counts of the row's output tokens), then
+temperature, top-k, top-p and min-p. Greedy rows (temperature 0) take
 the argmax of the penalized logits and skip temperature and the filters.
 
 Random rows sample by inverting the CDF: one uniform number per row, located in the row's
@@ -70,8 +71,18 @@ class LogitBias:
     values: torch.Tensor  # [E] float32
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams]) -> LogitBias | None:
+    def build(
+        cls, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
+    ) -> LogitBias | None:
+        """The requests' logit_bias, and -inf on the tokens a row short of its min_tokens
+        may not take (it has generated `num_output_tokens[row]`)."""
         entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+        entries += [
+            (row, t, -math.inf)
+            for row, (p, n) in enumerate(zip(params, num_output_tokens, strict=True))
+            if n < p.min_tokens
+            for t in p.min_tokens_blocked
+        ]
         if not entries:
             return None
         rows, tokens, values = zip(*entries, strict=True)
@@ -135,6 +146,8 @@ class SamplingBatch:
     presence_penalty: torch.Tensor | None  # [N] float32
     frequency_penalty: torch.Tensor | None  # [N] float32
     output_token_ids: torch.Tensor | None  # [N, L] int64, padded with V
+    repetition_penalty: torch.Tensor | None  # [N] float32, 1.0 where off
+    seen_token_ids: torch.Tensor | None  # [N, S] int64, prompt and output, padded with V
     bias: LogitBias | None  # additions to chosen logits; None when no row has any
     mask: TokenMask | None  # tokens allowed by grammars; None when no row has one
     seeds: dict[int, int]  # row -> seed for this token
@@ -148,10 +161,14 @@ class SamplingBatch:
         num_output_tokens: Sequence[int],
         vocab_size: int,
         matchers: Sequence[GrammarMatcher | None] = (),
+        seen_token_ids: Sequence[list[int]] = (),
     ) -> SamplingBatch:
         """Row i has generated `num_output_tokens[i]` tokens so far (seeds count them);
         `output_token_ids[i]` lists them where the row has penalties (elsewhere unused);
-        `matchers[i]` is its grammar's matcher, if any (none given: no row has one)."""
+        `matchers[i]` is its grammar's matcher, if any (none given: no row has one);
+        `seen_token_ids[i]`, its prompt and output where it has a repetition penalty (none
+        given: no row has one)."""
+        repeats = any(p.has_repetition_penalty for p in params)
         greedy = [p.is_greedy for p in params]
         sampled = [p for p in params if not p.is_greedy]
         return cls(
@@ -168,8 +185,12 @@ class SamplingBatch:
                 p.has_penalties for p in params), torch.float32),
             frequency_penalty=_row_param([p.frequency_penalty for p in params], any(
                 p.has_penalties for p in params), torch.float32),
-            output_token_ids=_padded_outputs(params, output_token_ids, vocab_size),
-            bias=LogitBias.build(params),
+            output_token_ids=_padded(output_token_ids, vocab_size) if any(
+                p.has_penalties for p in params) else None,
+            repetition_penalty=_row_param([p.repetition_penalty for p in params], repeats,
+                torch.float32),
+            seen_token_ids=_padded(seen_token_ids, vocab_size) if repeats else None,
+            bias=LogitBias.build(params, num_output_tokens),
             mask=TokenMask.build(matchers),
             seeds={i: _row_seed(p.seed, n) for i, (p, n) in enumerate(
                 zip(params, num_output_tokens, strict=True)) if p.seed is not None
@@ -192,13 +213,10 @@ def _row_seed(seed: int, token_index: int) -> int:
     return (seed * _SEED_MIX + token_index) % (2**63)
 
 
-def _padded_outputs(
-    params: Sequence[SamplingParams], outputs: Sequence[list[int]], vocab_size: int
-) -> torch.Tensor | None:
-    if not any(p.has_penalties for p in params):
-        return None
-    width = max(1, max(len(o) for o in outputs))
-    return torch.tensor([o + [vocab_size] * (width - len(o)) for o in outputs], dtype=torch.int64)
+def _padded(rows: Sequence[list[int]], vocab_size: int) -> torch.Tensor:
+    """Token ids [N, L], each row padded with V (a token past the vocabulary)."""
+    width = max(1, max(len(o) for o in rows))
+    return torch.tensor([o + [vocab_size] * (width - len(o)) for o in rows], dtype=torch.int64)
 
 
 class Sampler:
@@ -249,7 +267,16 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits -= frequency * count + presence * (count > 0), counts over output tokens."""
+    """The repetition penalty (a seen token's logit divided by it when positive, multiplied
+    when not), then logits -= frequency * count + presence * (count > 0), counts over output
+    tokens."""
+    if batch.seen_token_ids is not None:
+        assert batch.repetition_penalty is not None
+        n, v = logits.shape
+        seen = torch.zeros(n, v + 1, dtype=torch.bool)
+        seen = seen.scatter_(1, batch.seen_token_ids, True)[:, :v]  # [N, V]
+        penalty = torch.where(seen, batch.repetition_penalty.unsqueeze(1), 1.0)  # [N, V]
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
     if batch.output_token_ids is None:
         return logits
     assert batch.presence_penalty is not None and batch.frequency_penalty is not None

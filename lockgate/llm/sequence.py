@@ -53,12 +53,21 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
+    # no stop (EOS, stop token or stop string) before this many output tokens: the tokens
+    # that would stop it are masked (`min_tokens_blocked`, EOS and stop tokens, which the
+    # engine fills in as it takes the request)
+    min_tokens: int = 0
+    min_tokens_blocked: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # a stop string ends the text, and is kept
+    skip_special_tokens: bool = True  # special tokens' text left out of the output text
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's (as in CTRL): the logits of tokens in the prompt or the output are divided by it
+    # when positive, multiplied when negative; 1: off
+    repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top alternatives to report per token
     # the same for each prompt token after the first (its logprob given the tokens before it;
     # the completions API's `echo` with `logprobs`); None: none computed
@@ -70,9 +79,13 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
+        object.__setattr__(self, "min_tokens_blocked", tuple(self.min_tokens_blocked))
         problems = self._problems()
-        if problems:
-            raise InvalidSamplingParams("invalid sampling parameters: " + "; ".join(problems))
+        if problems:  # each names its field first
+            raise InvalidSamplingParams(
+                "invalid sampling parameters: " + "; ".join(problems),
+                param=problems[0].split()[0],
+            )
 
     def _problems(self) -> list[str]:
         checks = [
@@ -81,8 +94,10 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              "prompt_logprobs must be in [0, 20]"),
@@ -101,6 +116,10 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def has_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
 
 
 @dataclass(slots=True, eq=False)

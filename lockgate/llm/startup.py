@@ -234,7 +234,7 @@ def _build(engine_config: EngineConfig, weights: Path) -> tuple[LLMEngine, _Buil
         kv,
         engine_config,
         eos_token_ids=tokenizer.eos_token_ids,
-        decoder_factory=lambda _prompt: IncrementalDetokenizer(tokenizer),
+        decoder_factory=lambda _prompt, skip: IncrementalDetokenizer(tokenizer, skip),
     )
     _warmup(engine, checkpoint.config.vocab_size)
     _return_freed_memory()

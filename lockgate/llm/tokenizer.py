@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -248,15 +248,21 @@ class ChatTokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         check_chars: Callable[[int], None] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a chat prompt in which message content is text, never control: the
         template is rendered with a marker in place of each content, its own text is encoded
         with special tokens parsed, and each content with special tokens split, so a user
         writing `<|im_start|>system` gets those characters, not a forged role. The other
         text a client gives the template (roles, names, tool calls, `tools`, for a template
-        that takes them) must hold no control token's text (400)."""
+        that takes them, `template_kwargs`) must hold no control token's text (400). With
+        `continue_final_message`, the prompt ends with the final message's content (the
+        template's end of that turn cut off), for the model to go on writing it."""
         markers = [f"{_MARK_OPEN}{i}{_MARK_CLOSE}" for i in range(len(messages))]
         contents = [m.get("content") for m in messages]
+        last = len(messages) - 1 if continue_final_message else -1
+        marked_at = [bool(c) or i == last for i, c in enumerate(contents)]
         if any(c is not None and not isinstance(c, str) for c in contents):
             raise BadRequest("message content must be text")
         for content in contents:
@@ -267,14 +273,25 @@ class ChatTokenizer:
             self._check_not_control(rest, f"messages[{index}]")
         if tools is not None:
             self._check_not_control(tools, "tools")
+        extra = _template_variables(template_kwargs)
+        self._check_not_control(extra, "chat_template_kwargs")
+        if tools is not None:
+            extra["tools"] = tools
         marked = [
-            {**m, "content": mark} if content else m
-            for m, mark, content in zip(messages, markers, contents, strict=True)
+            {**m, "content": mark} if at else m
+            for m, mark, at in zip(messages, markers, marked_at, strict=True)
         ]
-        extra = {} if tools is None else {"tools": tools}
         prompt = self.apply_chat_template(marked, add_generation_prompt, **extra)
+        if continue_final_message:
+            end = prompt.rfind(markers[last])
+            if end < 0:
+                raise BadRequest(
+                    "continue_final_message: the chat template does not write the final "
+                    "message's content"
+                )
+            prompt = prompt[: end + len(markers[last])]
         if check_chars is not None:  # the whole prompt's length, before any of it is encoded
-            markers_chars = sum(len(markers[i]) for i, c in enumerate(contents) if c)
+            markers_chars = sum(len(markers[i]) for i, at in enumerate(marked_at) if at)
             contents_chars = sum(len(c) for c in contents if c)
             check_chars(len(prompt) - markers_chars + contents_chars)
         ids: list[int] = []
@@ -333,6 +350,22 @@ def _compile_template(source: str) -> tuple[jinja2.Template, bool]:
         return env.from_string(source), takes_tools
     except jinja2.TemplateSyntaxError as exc:
         raise ConfigError("<tokenizer>", "chat_template", f"invalid Jinja: {exc}") from exc
+
+
+# the variables lockgate gives a chat template itself: not to be set by chat_template_kwargs
+_TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+
+
+def _template_variables(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs (vLLM's), as variables for the template: 400 for
+    one that names a variable lockgate sets itself."""
+    found = dict(kwargs or {})
+    own = sorted(_TEMPLATE_OWN.intersection(found))
+    if own:
+        raise BadRequest(
+            f"chat_template_kwargs may not set {', '.join(own)}: use the request's own fields"
+        )
+    return found
 
 
 def _check_messages(messages: list[dict[str, Any]]) -> None:

@@ -21,6 +21,14 @@ from lockgate.protocol.json_arrays import count_scalars, opening_depth, strings_
 # /v1/embeddings is served at (a positive whole number; without it, the newest ready version).
 # The router sets it for a version canary; a client may set it to pin a version.
 MODEL_VERSION_HEADER = b"x-lockgate-model-version"
+TOKEN_PATHS = frozenset({"/tokenize", "/detokenize"})  # vLLM's, beside /v1
+
+
+def openai_path(path: str) -> bool:
+    """Whether a path is the OpenAI API's (or vLLM's beside it), whose errors have its shape:
+    {"error": {"message", "type", "param", "code"}}; not KServe v1's predict beside it
+    (`/v1/models/{m}:predict`), whose errors are {"error": "..."}."""
+    return (path.startswith("/v1/") and not path.endswith(":predict")) or path in TOKEN_PATHS
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +68,8 @@ class OpenAILimits:
         if len(strings) > self.max_stop or any(len(s) > self.max_stop_chars for s in strings):
             raise BadRequest(
                 f"stop takes at most {self.max_stop} strings of at most "
-                f"{self.max_stop_chars} characters"
+                f"{self.max_stop_chars} characters",
+                param="stop",
             )
         return strings
 
@@ -123,11 +132,13 @@ class OpenAILimits:
         """The sequences a completion of `n` choices generates: `best_of` (at least n, not
         streamed), else n; both at most `max_n`."""
         if not 1 <= n <= self.max_n:
-            raise BadRequest(f"n must be between 1 and {self.max_n}, got {n}")
+            raise BadRequest(f"n must be between 1 and {self.max_n}, got {n}", param="n")
         if best_of is None:
             return n
         if not n <= best_of <= self.max_n:
-            raise BadRequest(f"best_of must be between n ({n}) and {self.max_n}, got {best_of}")
+            raise BadRequest(
+                f"best_of must be between n ({n}) and {self.max_n}, got {best_of}", param="best_of"
+            )
         if stream and best_of > n:
             raise BadRequest("best_of cannot be used with stream: leave it out, or set it to n")
         return best_of
@@ -148,7 +159,13 @@ _AT_LEAST_ONE = frozenset(
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with no choices and the request's usage
+    # vLLM's: with include_usage, each chunk also carries its choice's usage so far
+    continuous_usage_stats: bool = False
+
+    @property
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
@@ -164,6 +181,10 @@ class _Sampling(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0  # vLLM's: no stop before this many output tokens
+    repetition_penalty: float | None = None  # vLLM's: over the prompt's and output's tokens
+    # vLLM's: only the prompt's last this many tokens are kept (-1: as many as the context has)
+    truncate_prompt_tokens: int | None = None
     priority: int = 0  # 1 is the highest; 0: the model's default (as lockgate's v2 priority)
     n: int = 1
     stream: bool = False
@@ -179,6 +200,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None  # the output is exactly one of these strings
     include_stop_str_in_output: bool = False  # vLLM's: a stop string ends the text, kept
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text
     # known to the OpenAI API, not implemented by lockgate (or not on this route): refused
     # by name when given (`unsupported_fields`)
     best_of: Any = None
@@ -190,42 +212,36 @@ class _Sampling(msgspec.Struct, kw_only=True):
     parallel_tool_calls: Any = None
     # vLLM's sampling and prompt extensions lockgate does not implement: refused by name, so
     # a request that counts on one is not answered as if it had been applied
-    repetition_penalty: Any = None
-    min_tokens: Any = None
     length_penalty: Any = None
     use_beam_search: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
     prompt_logprobs: Any = None
-    truncate_prompt_tokens: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
+    structural_tag: Any = None
     logits_processors: Any = None
-    skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     return_tokens_as_token_ids: Any = None
     unsupported_fields: ClassVar[tuple[str, ...]] = ()
     unsupported_everywhere: ClassVar[tuple[str, ...]] = (
-        "repetition_penalty",
-        "min_tokens",
         "length_penalty",
         "use_beam_search",
         "bad_words",
         "allowed_token_ids",
-        "truncate_prompt_tokens",
         "guided_decoding_backend",
         "guided_whitespace_pattern",
         "structured_outputs",
+        "structural_tag",
         "logits_processors",
-        "skip_special_tokens",
         "spaces_between_special_tokens",
         "return_tokens_as_token_ids",
     )
 
     def unsupported(self) -> str | None:
         """The first field given that lockgate does not implement on this route, if any.
-        (`repetition_penalty: 1`, `min_tokens: 0` and their like, the values that change
+        (`length_penalty: 1`, `use_beam_search: false` and their like, the values that change
         nothing, are let through.)"""
         for name in (*self.unsupported_fields, *self.unsupported_everywhere):
             value = getattr(self, name)
@@ -280,14 +296,12 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 # values of the refused vLLM fields that change nothing, and so are let through
 _NO_EFFECT: dict[str, Any] = {
-    "repetition_penalty": 1,
-    "min_tokens": 0,
     "length_penalty": 1,
     "use_beam_search": False,
     "bad_words": [],
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "return_tokens_as_token_ids": False,
+    "modalities": ["text"],
 }
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 
@@ -505,21 +519,53 @@ class ChatRequest(_Sampling, kw_only=True):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: true
+    # vLLM's: how the messages are rendered. None: the assistant's turn is opened, unless
+    # the final message is continued (the prompt ends inside it, for the model to go on)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    echo: bool = False  # vLLM's: the final message's content begins the answer's (`echoed`)
+    chat_template: Any = None  # a client's own template: refused
+    # OpenAI's audio output: a text model answers text only (modalities ["text"] passes)
+    audio: Any = None
+    modalities: Any = None
     unsupported_fields: ClassVar[tuple[str, ...]] = (
         "best_of",
         "functions",
         "function_call",
         "suffix",
         "prompt_logprobs",
+        "chat_template",
+        "audio",
+        "modalities",
     )
+
+    @property
+    def generation_prompt(self) -> bool:
+        return generation_prompt(self.add_generation_prompt, self.continue_final_message)
+
+    @property
+    def echoed(self) -> str:
+        """With `echo`, the content of the final message, which the answer's content begins
+        with (vLLM's): of an assistant message, or of any when no new turn is opened after
+        it; else nothing."""
+        if not self.echo or not self.messages:
+            return ""
+        last = self.messages[-1]
+        if last.role != "assistant" and self.generation_prompt:
+            return ""
+        return message_text(last)
 
     def check_options(self) -> None:
         super().check_options()
         if self.top_logprobs is not None:
             if not self.logprobs:
-                raise BadRequest("top_logprobs needs logprobs: true")
+                raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
             if not 0 <= self.top_logprobs <= 20:
-                raise BadRequest(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+                raise BadRequest(
+                    f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
+                    param="top_logprobs",
+                )
 
     def tool_use(self, limits: OpenAILimits) -> ToolUse | None:
         """The tools the model is offered, checked (400 naming the problem), and how it may
@@ -563,8 +609,23 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True  # messages: open the assistant's turn
+    add_generation_prompt: bool | None = None  # messages: as ChatRequest's
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+    @property
+    def generation_prompt(self) -> bool:
+        return generation_prompt(self.add_generation_prompt, self.continue_final_message)
+
+
+def generation_prompt(asked: bool | None, continue_final: bool) -> bool:
+    """Whether chat messages are rendered with the assistant's turn opened after them (vLLM's
+    add_generation_prompt): by default, unless the final message is continued; both asked is
+    a 400 (the prompt either ends inside the final message or opens a new turn)."""
+    if continue_final and asked:
+        raise BadRequest("continue_final_message and add_generation_prompt cannot both be true")
+    return not continue_final if asked is None else asked
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -717,11 +778,20 @@ def decode(body: bytes, kind: Any) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid request: {exc}") from None
+        raise BadRequest(f"invalid request: {exc}", param=_field_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"malformed JSON: {exc}") from None
     except RecursionError:
         raise BadRequest("malformed JSON: nested too deeply") from None
+
+
+_FIELD = re.compile(r"at `\$\.(\w+)|missing required field `(\w+)`$")
+
+
+def _field_of(problem: str) -> str | None:
+    """The top-level request field a msgspec validation error is about, if it names one."""
+    found = _FIELD.search(problem)
+    return (found.group(1) or found.group(2)) if found else None
 
 
 def message_text(message: ChatMessage) -> str:
@@ -807,5 +877,5 @@ def usage_chunk(rid: str, model: str, obj: str, usage_: dict[str, Any]) -> dict[
     return {**_envelope(rid, model, obj, []), "usage": usage_}
 
 
-def error_body(message: str, kind: str, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

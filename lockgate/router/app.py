@@ -54,7 +54,7 @@ from lockgate.core.heap import freeze_heap
 from lockgate.core.metrics import Registry
 from lockgate.errors import ServingError
 from lockgate.protocol.content_coding import coding_of, inflate
-from lockgate.protocol.openai import MODEL_VERSION_HEADER
+from lockgate.protocol.openai import MODEL_VERSION_HEADER, error_body, openai_path
 from lockgate.router import replica_settings
 from lockgate.router.balancer import Balancer
 from lockgate.router.budget import Budget
@@ -279,21 +279,24 @@ class RouterApp:
             return await _error(send, 501, replica_settings.MESSAGE)
         headers: list[tuple[bytes, bytes]] = scope["headers"]  # names in lower case (ASGI)
         client = self.limits.client(headers, arrived) if self.limits is not None else None
+        path: str = scope["path"]
         refusal = client.admit_request(arrived) if client is not None else None
         if refusal is not None:
-            return await self._refuse(send, refusal)
+            return await self._refuse(send, refusal, path)
         body = await _read_body(receive, self.settings.max_body_bytes)
         if body is None:
-            return await _error(send, 413, f"body over {self.settings.max_body_bytes} bytes")
+            most = self.settings.max_body_bytes
+            return await _error(send, 413, f"body over {most} bytes", path=path)
         timeout = _timeout(headers)
         if timeout is False:
-            return await _error(send, 400, "request-timeout must be a positive number of seconds")
-        if scope["method"] == "POST" and scope["path"] in OPENAI_PATHS:
+            message = "request-timeout must be a positive number of seconds"
+            return await _error(send, 400, message, path=path)
+        if scope["method"] == "POST" and path in OPENAI_PATHS:
             # read for routing, metering and shadows: a compressed body goes on inflated
             try:
                 body, headers = await self._inflated(body, headers)
             except ServingError as exc:
-                return await _error(send, exc.status, exc.message)
+                return await _error(send, exc.status, exc.message, path=path)
         route = self._route(scope, headers, body)
         if route.pin is not None:
             headers = [*headers, (MODEL_VERSION_HEADER, route.pin.encode())]
@@ -301,7 +304,7 @@ class RouterApp:
         if client is not None and client.tokens is not None and route.llm is not None:
             refusal = client.admit_tokens(route.llm.charge, time.monotonic())
             if refusal is not None:
-                return await self._refuse(send, refusal)
+                return await self._refuse(send, refusal, path)
             metered = Metered.of(route.llm, body)
             body = metered.body
         mirror: Mirror | None = None
@@ -358,10 +361,11 @@ class RouterApp:
                 self.hedges.request(now)
         # draining (`--drain-delay`): readiness says 503 so load balancers stop sending, and
         # what they still send is served until the port closes
+        path = route.original.partition("?")[0]
         if lane is None and self.pool.all_full(now):  # (the lane looked before its attempt)
             self.shed.inc()
             retry = self.settings.shed_retry_after
-            return await _error(send, 503, "every replica is full: retry later", retry)
+            return await _error(send, 503, "every replica is full: retry later", retry, path)
         model = route.target.model if route.target and route.target.verb == "infer" else None
         try:
             response, replica = await self._answer(
@@ -369,9 +373,9 @@ class RouterApp:
             )
         except Failure as exc:
             wait = 1 if exc.status == 503 else None
-            return await _error(send, exc.status, str(exc), wait)
+            return await _error(send, exc.status, str(exc), wait, path)
         except TimeoutError:
-            return await _error(send, 504, "deadline passed in the router")
+            return await _error(send, 504, "deadline passed in the router", path=path)
         return await self._pass(response, replica, send, receive, taps, hidden)
 
     # -- the lane ----------------------------------------------------------------------------
@@ -521,9 +525,9 @@ class RouterApp:
         """A usable replica of `group` (for a shadow's copy)."""
         return self._pick(Route("", "", group=group), time.monotonic(), ())
 
-    async def _refuse(self, send: Send, refusal: Refusal) -> int:
+    async def _refuse(self, send: Send, refusal: Refusal, path: str) -> int:
         self.rate_limited.inc((refusal.limit,))
-        return await _error(send, 429, refusal.message, refusal.retry_after)
+        return await _error(send, 429, refusal.message, refusal.retry_after, path)
 
     async def _answer(
         self,
@@ -804,8 +808,25 @@ async def _json(send: Send, status: int, payload: Any) -> None:
     await _respond(send, status, _encode(payload), b"application/json")
 
 
-async def _error(send: Send, status: int, message: str, retry_after: int | None = None) -> int:
+async def _error(
+    send: Send, status: int, message: str, retry_after: int | None = None, path: str = ""
+) -> int:
+    """The router's own error: in the OpenAI API's shape on its paths (`path`), else v2's."""
     extra = [(b"retry-after", b"%d" % retry_after)] if retry_after is not None else None
+    payload: Any = {"error": message}
+    if openai_path(path):
+        payload = error_body(message, _KINDS.get(status, "router_error"), status)
     with contextlib.suppress(Exception):
-        await _respond(send, status, _encode({"error": message}), b"application/json", extra)
+        await _respond(send, status, _encode(payload), b"application/json", extra)
     return status
+
+
+# the error types of the router's own answers on the OpenAI API, by status
+_KINDS = {
+    400: "invalid_request",
+    413: "payload_too_large",
+    429: "rate_limited",
+    502: "bad_gateway",
+    503: "unavailable",
+    504: "deadline_exceeded",
+}

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.conftest import RunningServer, start_server
@@ -96,3 +97,32 @@ def test_a_gate_refusal_carries_an_id_and_is_logged(logged_server: RunningServer
     assert refused.headers["x-request-id"] == "refused-1"
     entry = wait_for_line(logged_server, "refused-1")
     assert entry["status"] == 503 and entry["refused"] == "requests"
+
+
+def test_a_gate_refusal_on_the_openai_api_is_an_openai_error_the_client_retries(
+    logged_server: RunningServer,
+) -> None:
+    """The official client reads the refusal as an OpenAI error (its message, type and code),
+    waits the Retry-After it names and tries again."""
+    slow = logged_server.url + "/v2/models/slow/infer"
+    client = openai.OpenAI(base_url=logged_server.url + "/v1", api_key="unused", max_retries=0)
+    patient = client.with_options(max_retries=4)
+    chat = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(httpx.post, slow, json=SLOW, timeout=30)
+        time.sleep(0.5)  # the slow request holds the only place
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.chat.completions.create(**chat)  # type: ignore[call-overload]
+        started = time.monotonic()
+        with pytest.raises(openai.NotFoundError):  # let through once the place is free
+            patient.chat.completions.create(**chat)  # type: ignore[call-overload]
+        assert busy.result().status_code == 200
+    assert time.monotonic() - started >= 0.9  # it waited as it was told
+    assert refused.value.status_code == 503
+    assert int(refused.value.response.headers["retry-after"]) >= 1
+    assert refused.value.body == {
+        "message": "server is saturated: retry later",
+        "type": "unavailable",
+        "param": None,
+        "code": 503,
+    }

@@ -66,6 +66,7 @@ def test_requests_without_temperature_use_the_models_generation_config(
         "top_p": 1.0,
         "top_k": 50,
         "min_p": 0.0,
+        "repetition_penalty": 1.0,
     }
     ask = {"model": SERVED_NAME, "prompt": "Once upon a time", "max_tokens": 10}
     first = client.completions.create(**ask).choices[0].text  # type: ignore[call-overload]

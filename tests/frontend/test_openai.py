@@ -82,13 +82,21 @@ def test_stop_string_and_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
-    def run() -> str:
+    def run(seed: int, max_tokens: int = 12) -> str:
         r = client.completions.create(
-            model=MODEL, prompt="The ocean is", max_tokens=12, temperature=1.0, top_p=0.9, seed=7
+            model=MODEL,
+            prompt="The ocean is",
+            max_tokens=max_tokens,
+            temperature=1.0,
+            top_p=0.9,
+            seed=seed,
         )
         return r.choices[0].text
 
-    assert run() == run()
+    assert run(7) == run(7)
+    assert run(-7, 4) == run(-7, 4)  # any 64-bit seed, as OpenAI's and vLLM's
+    with pytest.raises(openai.BadRequestError, match="seed must be a 64-bit integer"):
+        run(2**63)
 
 
 def test_errors_use_openai_format(client: openai.OpenAI) -> None:
@@ -102,6 +110,22 @@ def test_errors_use_openai_format(client: openai.OpenAI) -> None:
         client.completions.create(model=MODEL, prompt="hi", temperature=-3)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi")
+
+
+def test_an_error_about_a_field_names_it_as_its_param(client: openai.OpenAI) -> None:
+    """OpenAI's error.param: the request field a 400 or 404 is about."""
+    asks: list[tuple[dict[str, object], str]] = [
+        ({"temperature": -3}, "temperature"),
+        ({"n": "two"}, "n"),
+        ({"extra_body": {"length_penalty": 2}}, "length_penalty"),
+        ({"model": "no-such-model"}, "model"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ]
+    for extra, param in asks:
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(**{"model": MODEL, "prompt": "hi", **extra})  # type: ignore[call-overload]
+        assert refused.value.status_code in (400, 404)
+        assert refused.value.body["param"] == param, refused.value.body  # type: ignore[index]
 
 
 def test_chat_prompts_too_long_for_the_context_are_refused_before_they_are_tokenized(
@@ -248,12 +272,15 @@ def test_guided_choice_and_a_kept_stop_string(client: openai.OpenAI) -> None:
     ("extra", "fragment"),
     [
         ({"max_completion_tokens": 0}, "max_completion_tokens must be at least 1"),
-        ({"repetition_penalty": 1.3}, "'repetition_penalty' is not supported"),
-        ({"min_tokens": 4}, "'min_tokens' is not supported"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 10]"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be in [0, max_tokens]"),
         ({"stream_options": {"include_usage": True}}, "stream_options can only be given"),
         ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
         ({"stop_token_ids": [2, 10**9]}, "1000000000 is not a token id of the model"),
+        ({"modalities": ["text", "audio"]}, "'modalities' is not supported"),
+        ({"structural_tag": '{"type": "structural_tag"}'}, "'structural_tag' is not supported"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "'audio' is not supported"),
     ],
 )
 def test_what_a_request_cannot_have_is_refused_by_name(
@@ -270,7 +297,7 @@ def test_values_that_change_nothing_pass(client: openai.OpenAI) -> None:
         model=MODEL,
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=2,
-        extra_body={"repetition_penalty": 1.0, "min_tokens": 0},
+        extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "modalities": ["text"]},
     )
     assert result.choices[0].finish_reason in ("stop", "length")
 
@@ -283,3 +310,102 @@ def test_one_model_and_a_wrong_method(client: openai.OpenAI, llm_server: Running
     wrong = httpx.get(llm_server.url + "/v1/chat/completions", timeout=10)
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["param"] is None
+
+
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(
+    client: openai.OpenAI,
+) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage of its
+    choice so far, and the last the request's."""
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="1, 2, 3,",
+            max_tokens=3,
+            n=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+            extra_body={"ignore_eos": True},
+        )
+    )
+    counts: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        assert chunk.usage is not None and len(chunk.choices) == 1, chunk
+        counts[chunk.choices[0].index].append(chunk.usage.completion_tokens)
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+    assert counts == {0: [1, 2, 3], 1: [1, 2, 3]}
+    last = chunks[-1]
+    assert not last.choices and last.usage is not None and last.usage.completion_tokens == 6
+
+
+def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings(client: openai.OpenAI) -> None:
+    """vLLM's min_tokens: the output runs to at least that many tokens before EOS (and a
+    stop token, masked alike) or a stop string may end it."""
+    closed = [
+        {"role": "user", "content": "Count to ten."},
+        {"role": "assistant", "content": "1, 2, 3, 4,"},
+    ]
+
+    def chat(**extra: object) -> openai.types.chat.ChatCompletion:
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=closed,  # type: ignore[arg-type]
+            max_tokens=3,
+            temperature=0,
+            extra_body={"add_generation_prompt": False, **extra},
+        )
+
+    ended = chat()  # the turn is over: EOS at once
+    assert ended.usage is not None and ended.usage.completion_tokens == 1
+    held = chat(min_tokens=3)
+    assert held.usage is not None and held.usage.completion_tokens == 3
+    counted = client.completions.create(
+        model=MODEL,
+        prompt="1, 2, 3, 4,",
+        max_tokens=6,
+        temperature=0,
+        stop=[","],
+        extra_body={"min_tokens": 4},
+    )
+    choice = counted.choices[0]
+    assert counted.usage is not None and counted.usage.completion_tokens >= 4
+    assert choice.text.startswith(" 5, 6") and choice.finish_reason == "stop", choice
+
+
+def test_repetition_penalty_steers_away_from_the_prompts_tokens(client: openai.OpenAI) -> None:
+    """vLLM's repetition_penalty: greedy counting goes on with the prompt's tokens (digits,
+    commas, spaces) unless they are penalized."""
+
+    def count(**extra: object) -> str:
+        answer = client.completions.create(
+            model=MODEL, prompt="1, 2, 3, 4,", max_tokens=4, temperature=0, extra_body=extra
+        )
+        return answer.choices[0].text
+
+    plain = count()
+    assert plain == count(repetition_penalty=1.0) == " 5, "
+    assert count(repetition_penalty=2.0) != plain
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client: openai.OpenAI) -> None:
+    """vLLM's truncate_prompt_tokens: a prompt longer than the context is answered from its
+    last tokens."""
+    long = client.completions.create(
+        model=MODEL,
+        prompt="word " * 600,
+        max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 40},
+    )
+    assert long.usage is not None and long.usage.prompt_tokens == 40
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi " * 100}],
+        max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 20},
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 20
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens must be -1 or"):
+        client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=1, extra_body={"truncate_prompt_tokens": 0}
+        )

@@ -112,7 +112,7 @@ def smollm2_engine(
         allocate_kv_cache(checkpoint.config, blocks, block_size, "float32"),
         config,
         eos_token_ids=tokenizer.eos_token_ids,
-        decoder_factory=lambda _prompt: IncrementalDetokenizer(tokenizer),
+        decoder_factory=lambda _prompt, skip: IncrementalDetokenizer(tokenizer, skip),
     )
 
 

@@ -157,7 +157,7 @@ def test_stop_strings_cut_the_text_before_the_stop() -> None:
     letters = "".join(chr(97 + t % 26) for t in ref)
     stop = letters[6:8]
     engine = make_engine()
-    engine.decoder_factory = lambda _prompt: LetterDecoder()
+    engine.decoder_factory = lambda _prompt, _skip: LetterDecoder()
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=20, stop=(stop,)))
     outputs: list[RequestOutput] = []
     while engine.has_unfinished:
@@ -404,7 +404,7 @@ def real_engine(
         kv,
         config,
         eos_token_ids=tokenizer.eos_token_ids,
-        decoder_factory=lambda _prompt: IncrementalDetokenizer(tokenizer),
+        decoder_factory=lambda _prompt, skip: IncrementalDetokenizer(tokenizer, skip),
     )
 
 

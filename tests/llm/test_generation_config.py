@@ -26,23 +26,42 @@ def test_without_a_file_the_defaults_are_the_openai_apis(tmp_path: Path) -> None
         "top_p": 1.0,
         "top_k": 0,
         "min_p": 0.0,
+        "repetition_penalty": 1.0,
     }
 
 
 def test_the_file_sets_what_it_names_and_ignores_the_rest(tmp_path: Path) -> None:
     raw = {"temperature": 0.6, "top_p": 0.9, "top_k": None, "do_sample": True, "eos_token_id": 2}
     defaults = read_generation_defaults(write(tmp_path, raw))
-    assert defaults.to_dict() == {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "min_p": 0.0}
+    assert defaults.to_dict() == {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+    }
     assert defaults.source.endswith("generation_config.json")
 
 
 def test_a_value_the_request_gives_wins_over_the_default() -> None:
     defaults = GenerationDefaults(temperature=0.0, top_p=0.9, top_k=50, min_p=0.05)
     filled = defaults.fill(0.7, None, 0, None)  # top_k 0 given: off, not the default 50
-    assert filled == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.05}
+    assert filled == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,
+        "min_p": 0.05,
+        "repetition_penalty": 1.0,
+    }
     params = SamplingParams(**filled, max_tokens=4)
     assert not params.is_greedy and params.top_k == 0
     assert SamplingParams(**defaults.fill(None, None, None, None)).is_greedy
+
+
+def test_the_files_repetition_penalty_is_the_default_as_in_vllm(tmp_path: Path) -> None:
+    defaults = read_generation_defaults(write(tmp_path, {"repetition_penalty": 1.05}))
+    assert defaults.fill(None, None, None, None)["repetition_penalty"] == 1.05
+    assert defaults.fill(None, None, None, None, 1.0)["repetition_penalty"] == 1.0  # asked
 
 
 @pytest.mark.parametrize(
@@ -53,6 +72,7 @@ def test_a_value_the_request_gives_wins_over_the_default() -> None:
         ({"top_p": 0}, "top_p"),
         ({"top_k": 2.5}, "top_k"),
         ({"min_p": True}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
         ([0.7], "<file>"),
     ],
 )

@@ -110,7 +110,7 @@ def real_engine(checkpoint: Checkpoint, model: CausalLM, tokenizer: ChatTokenize
         kv,
         config,
         eos_token_ids=tokenizer.eos_token_ids,
-        decoder_factory=lambda _prompt: IncrementalDetokenizer(tokenizer),
+        decoder_factory=lambda _prompt, skip: IncrementalDetokenizer(tokenizer, skip),
     )
 
 

@@ -119,6 +119,17 @@ def test_penalties_subtract_counts_and_presence() -> None:
     assert out.token_ids[0] not in (3, 7)
 
 
+def test_repetition_penalty_scales_the_logits_of_seen_tokens_toward_less_likely() -> None:
+    logits = torch.zeros(2, V)
+    logits[:, 1], logits[:, 2] = 2.0, -2.0
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0), SamplingParams()]
+    batch = SamplingBatch.build(params, [[], []], [0, 0], V, seen_token_ids=[[1, 2, 2], []])
+    penalized = apply_penalties(logits, batch)
+    assert penalized[0, 1] == 1.0 and penalized[0, 2] == -4.0  # divided; multiplied
+    assert torch.equal(penalized[1], logits[1])  # a row without it is left alone
+    assert penalized[0, 0] == 0.0
+
+
 def test_logprobs_are_the_models_whatever_the_sampling() -> None:
     """Logprobs are the log_softmax of the raw logits: temperature, top-k, penalties and
     biases change what is drawn, not what the model said of it (a filtered token is not

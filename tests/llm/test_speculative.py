@@ -254,7 +254,7 @@ def test_stop_strings_cut_the_same_text() -> None:
     runs = []
     for speculative in (False, True):
         engine = make_engine(speculative)
-        engine.decoder_factory = lambda _prompt: LetterDecoder()
+        engine.decoder_factory = lambda _prompt, _skip: LetterDecoder()
         params = SamplingParams(temperature=0.0, max_tokens=60, stop=(stop,))
         runs.append(run_all(engine, [prompt], [params])[0])
     texts = ["".join(o.text for o in r) for r in runs]
@@ -355,7 +355,7 @@ def real_engine(
         kv,
         config,
         eos_token_ids=tokenizer.eos_token_ids,
-        decoder_factory=lambda _prompt: IncrementalDetokenizer(tokenizer),
+        decoder_factory=lambda _prompt, skip: IncrementalDetokenizer(tokenizer, skip),
     )
 
 

@@ -300,7 +300,7 @@ def test_a_token_quota_is_charged_settled_and_refunded(
         assert late.status_code == 429, late.text
         # 50 wanted, about 16 left: about 34 s at one token a second
         assert 24 <= int(late.headers["retry-after"]) <= 35, late.headers
-        assert "token quota" in late.json()["error"]
+        assert "token quota" in late.json()["error"]["message"]  # in the OpenAI shape
         assert sample(router.url, "lockgate_router_rate_limited_total", limit="tokens") == 1
     finally:
         router.stop()

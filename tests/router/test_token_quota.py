@@ -54,7 +54,8 @@ def test_a_token_quota_counts_prompt_tokens_and_refuses_with_retry_after(
     earliest = math.ceil((50 - (TPM - spent) - rate * elapsed) / rate)
     retry_after = int(refused.value.response.headers["retry-after"])
     assert max(1, earliest) <= retry_after <= latest, (retry_after, spent, elapsed)
-    assert "token quota" in refused.value.response.json()["error"]
+    assert "token quota" in refused.value.response.json()["error"]["message"]
+    assert refused.value.body["type"] == "rate_limited"  # type: ignore[index]  # OpenAI's shape
     assert limited == 1
 
 
