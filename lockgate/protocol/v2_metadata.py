@@ -80,7 +80,7 @@ def model_config(config: ModelConfig, runtime: Runtime) -> Document:
         "default_model_filename": config.default_model_filename,
         "parameters": {key: {"string_value": value} for key, value in config.parameters.items()},
         "model_warmup": [_warmup(config, sample) for sample in config.warmup],
-        "model_transaction_policy": {"decoupled": False},
+        "model_transaction_policy": {"decoupled": config.decoupled},
     }
     if config.dynamic_batching is not None:
         doc["dynamic_batching"] = _dynamic_batching(config)
