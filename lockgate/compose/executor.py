@@ -118,8 +118,7 @@ class Executor:
         service = served.service
         if not isinstance(service, StreamingService):
             raise BadRequest(f"model '{request.model}' is not decoupled: it answers once")
-        deadline = request.deadline
-        opened = StreamRequest(request.inputs, request.id, deadline)
+        opened = StreamRequest(request.inputs, request.id, request.deadline)
         labels = (served.config.name, str(served.version))
         try:
             responses = service.open(opened, Context(self, request, 1))
@@ -137,8 +136,10 @@ class Executor:
                     kind = response.error.kind if response.error is not None else "success"
                 yield response
         finally:
-            responses.cancel()  # ended: a no-op; else the client has gone
-            if kind == "success":
+            if not responses.ended:
+                responses.cancel()  # the client has gone before the final response
+            if kind == "success":  # one execution per request, as a composition's
+                self.models.metrics.batch_size.observe(labels, request.rows)
                 self._answered(request, served, time.monotonic())
             else:
                 self.models.metrics.requests.inc((*labels, kind))

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import queue
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import pytest
@@ -21,6 +23,8 @@ from lockgate.backends.python import load_composition
 from lockgate.config import ModelConfig
 from lockgate.core.config_triton import parse_pbtxt_config
 from lockgate.errors import ConfigError
+from lockgate.protocol.grpc import inference_pb2 as pb
+from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
 from tests.conftest import RunningServer, free_port, start_server
 
 # as Triton's repeat example (python_backend/examples/decoupled): each element of IN a
@@ -176,6 +180,46 @@ class TritonPythonModel:
 """
 
 
+# sends as fast as it can until its client cancels; notes how many sends had returned when
+# one had to wait for the client (a send that took over 0.3 s)
+FLOOD_CONFIG = """
+name: "flood"
+backend: "python"
+model_transaction_policy { decoupled: true }
+parameters: { key: "max_buffered_responses" value: { string_value: "8" } }
+input [{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }]
+output [{ name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] }]
+"""
+
+FLOOD_MODEL = """
+import time
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.mark = Path(args["model_repository"]) / "blocked"
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            out = pb_utils.Tensor("OUT", np.arange(4096, dtype=np.int32))  # 16 KiB
+            sent, blocked = 0, None
+            while not request.is_cancelled() and sent < 5000:
+                start = time.monotonic()
+                sender.send(pb_utils.InferenceResponse([out]))
+                if blocked is None and time.monotonic() - start > 0.3:
+                    blocked = sent
+                    self.mark.write_text(str(blocked))
+                sent += 1
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("triton-decoupled-repo")
@@ -184,6 +228,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("square", SQUARE_CONFIG, SQUARE_MODEL),
         ("countdown", COUNTDOWN_CONFIG, COUNTDOWN_MODEL),
         ("forgetful", COUNTDOWN_CONFIG, FORGETFUL_MODEL),
+        ("flood", FLOOD_CONFIG, FLOOD_MODEL),
     ):
         config = config.replace("{name}", name).replace("{{", "{").replace("}}", "}")
         (root / name / "1").mkdir(parents=True)
@@ -344,6 +389,34 @@ def test_a_cancelled_stream_cancels_its_requests(server: RunningServer, repo: Pa
         assert outs(again.until_final()) == [4, 4]
     finally:
         again.stop()
+
+
+def test_a_client_that_does_not_read_holds_the_models_sender(
+    server: RunningServer, repo: Path
+) -> None:
+    """Backpressure: the client reads nothing, so HTTP/2 flow control holds the server's
+    writes, the stream's messages wait, then the model's responses (8 at most, its
+    max_buffered_responses), and then its sender, instead of memory growing."""
+    mark = repo / "flood" / "blocked"
+    request = pb.ModelInferRequest(model_name="flood", id="flood")
+    request.inputs.add(name="IN", datatype="INT32", shape=[1])
+    request.raw_input_contents.append(np.array([1], dtype=np.int32).tobytes())
+    hold = threading.Event()
+
+    def requests() -> Iterator[pb.ModelInferRequest]:
+        yield request
+        hold.wait(30)  # the client's side stays open
+
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests())
+        time.sleep(1.0)  # the model's sends fill what lies between it and the client
+        hold.set()
+        call.cancel()  # the waiting send returns, and the model notes how long it waited
+    deadline = time.monotonic() + 10
+    while not mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert mark.exists(), "the sender never had to wait"
+    assert int(mark.read_text()) < 2000  # of 5000: bounded by the windows and buffers
 
 
 def test_http_and_unary_grpc_inference_refuse_a_decoupled_model(server: RunningServer) -> None:
