@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
+from grpc._cython.cygrpc import ExecuteBatchError  # a write to a call already gone
 from grpc.aio import ServicerContext as Context
 
 from lockgate.backends.response_stream import StreamedResponse
@@ -299,7 +300,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    ) -> None:
         try:
             self._authenticate("ModelStreamInfer", context)
         except ServingError as exc:
@@ -308,7 +309,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         reader = asyncio.get_running_loop().create_task(stream.read(requests))
         try:
             while (answer := await stream.answers.get()) is not None:
-                yield answer.message  # resumed once the client can take the next message
+                try:
+                    await context.write(answer.message)  # once the client can take it
+                except ExecuteBatchError:
+                    log.debug("ModelStreamInfer: the client went away during a write")
+                    return
                 stream.written(answer)
         finally:
             reader.cancel()
