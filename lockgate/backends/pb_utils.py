@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from lockgate.backends.base import InferContext
-from lockgate.backends.response_stream import ResponseStream, StreamedResponse, StreamFull
+from lockgate.backends.response_stream import ResponseStream, StreamedResponse
 from lockgate.config import DATATYPES
 from lockgate.datatypes import Arrays, is_datatype, numpy_dtype, serialize_bytes_tensor
 from lockgate.errors import ServingError
@@ -312,14 +312,7 @@ class _Responses:
         streamed = (
             StreamedResponse(final=True) if response is None else self.convert(response, final)
         )
-        try:
-            self.stream.send(streamed)
-        except StreamFull as exc:
-            self.closed = False
-            raise TritonModelException(
-                f"{exc}: an async execute cannot wait for a slow client; await between sends, "
-                "or send from a thread (which waits for room)"
-            ) from None
+        self.stream.send(streamed)
 
     def __del__(self) -> None:
         if not self.closed and not self.stream.ended:
@@ -345,8 +338,9 @@ def attach_responses(
 class ResponseSender:
     """Triton's response sender: sends a decoupled model's responses for one request, from
     `execute` or from any thread, then the final flag (alone, or with the last response).
-    From a thread, a send waits while the client is slow to read (`max_buffered_responses`
-    wait for it); after the client has gone, sends are dropped without an error."""
+    While `max_buffered_responses` wait for a slow client, a send from a thread waits (an
+    async `execute` waits at its next `await`); after the client has gone, sends are dropped
+    without an error."""
 
     __slots__ = ("_responses",)
 

@@ -4,7 +4,8 @@ A model sends responses from its own threads, or from the event loop; one task o
 (the frontend's) takes them in order and writes them to the client. Between the two, at most
 `limit` responses wait: a thread that sends past that waits for the client to catch up, so
 a client that reads slowly holds the model back instead of filling memory. A send from the
-event loop itself cannot wait: past the bound it raises `StreamFull`.
+event loop itself cannot wait: it is taken, and the model's coroutine waits for `room()`
+at its next `await` instead (`backends/triton_decoupled.py`).
 
 When the client goes away the stream is cancelled: waiting responses are dropped, senders
 waiting for room wake, and later sends are dropped without an error (`cancelled` tells the
@@ -48,10 +49,6 @@ class StreamRequest:
     deadline: float | None = None
 
 
-class StreamFull(Exception):
-    """A send from the event loop found `limit` responses waiting for the client."""
-
-
 class ResponseStream:
     """A bounded channel of `StreamedResponse`s from a model's senders to one reader."""
 
@@ -60,7 +57,8 @@ class ResponseStream:
         self.limit = limit
         self._items: deque[StreamedResponse] = deque()
         self._lock = threading.Condition()
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None  # the reader's
+        self._room: asyncio.Future[None] | None = None  # a coroutine's waiting for room
         self._ended = False  # the final response is in
         self.cancelled = False
 
@@ -68,15 +66,19 @@ class ResponseStream:
     def ended(self) -> bool:
         return self._ended or self.cancelled
 
+    @property
+    def full(self) -> bool:
+        """`limit` responses (or more, sent from the loop) wait for the client."""
+        return not self.ended and len(self._items) >= self.limit
+
     # -- senders (any thread) -----------------------------------------------------------
     def send(self, response: StreamedResponse) -> bool:
-        """Queue a response, waiting for room when `limit` responses wait (from a thread).
-        False: dropped, the stream was cancelled or has ended."""
+        """Queue a response; from a thread, wait for room while `limit` responses wait (on
+        the loop it cannot: see `room`). False: dropped, the stream was cancelled or has
+        ended."""
         on_loop = _running_loop() is self._loop
         with self._lock:
-            while self._full(response) and not self.ended:
-                if on_loop:
-                    raise StreamFull(f"{self.limit} responses wait for the client")
+            while not on_loop and self._full(response) and not self.ended:
                 self._lock.wait()
             if self.ended:
                 return False
@@ -93,6 +95,15 @@ class ResponseStream:
         """End the stream if no final response came: with `error`, or the final flag alone."""
         if not self.ended:
             self.send(StreamedResponse(error=error, final=True))
+
+    async def room(self) -> None:
+        """On the loop: wait until fewer than `limit` responses wait, or the stream ended."""
+        while self.full:
+            waiter = self._room = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._room = None
 
     # -- the reader (the event loop) ----------------------------------------------------
     def cancel(self) -> None:
@@ -112,6 +123,7 @@ class ResponseStream:
                 if self._items:
                     response = self._items.popleft()
                     self._lock.notify()  # room for a waiting sender
+                    _wake(self._room)  # (it checks whether there is room enough)
                     return response
                 if self.ended:
                     raise StopAsyncIteration
@@ -130,9 +142,8 @@ class ResponseStream:
             self._loop.call_soon_threadsafe(self._wake)
 
     def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        _wake(self._waiter)
+        _wake(self._room)  # the stream may have ended
 
 
 @runtime_checkable
@@ -149,6 +160,11 @@ class StreamingService(Protocol):
     async def drain(self, timeout: float) -> bool: ...
 
     def close(self) -> None: ...
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -16,7 +16,8 @@ the event loop for an `async def execute`. A model may keep a request's sender a
 from threads of its own after `execute` has returned.
 
 - Each response sent goes at once to the request's `ResponseStream`, in order; at most
-  `max_buffered_responses` wait for a slow client, past which a sending thread waits.
+  `max_buffered_responses` wait for a slow client, past which a sending thread waits, and
+  an async `execute` waits at its next `await` (`Paced`).
 - An `InferenceResponse(error=...)` is an error response on the stream (its status as in
   `TritonPythonBackend.error_of`); an exception from `execute` ends the request with it.
 - A request whose client has gone is cancelled: `is_cancelled()` turns True, and what is
@@ -31,6 +32,7 @@ import contextvars
 import inspect
 import time
 import weakref
+from collections.abc import Coroutine, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -110,7 +112,7 @@ class TritonPythonDecoupled:
             return
         token = pb_utils.CALLER.set(caller)
         try:
-            returned = await self._backend.execute_async([request])
+            returned = await Paced(self._backend.execute_async([request]), stream)
         except ServingError as exc:
             stream.end(exc)
             return
@@ -163,3 +165,37 @@ class TritonPythonDecoupled:
             stream.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._backend.close()
+
+
+class Paced:
+    """An async `execute`, resumed only while its request's stream has room. A send from the
+    event loop cannot wait for a slow client, so the coroutine waits instead: at each of its
+    `await`s, once what it awaited is done, it goes on only when fewer than
+    `max_buffered_responses` of its responses wait. Everything else passes through, as
+    `await coroutine` would: what it yields to the event loop, and cancellation."""
+
+    __slots__ = ("_coro", "_stream")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], stream: ResponseStream) -> None:
+        self._coro = coro
+        self._stream = stream
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, stream = self._coro, self._stream
+        sent: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                yielded = coro.send(sent) if error is None else coro.throw(error)
+            except StopIteration as returned:
+                return returned.value
+            sent, error = None, None
+            try:
+                sent = yield yielded  # to the task: a future the coroutine awaits, or None
+                while stream.full:
+                    yield from stream.room().__await__()
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # cancelled: raised where the coroutine awaits
+                error = exc

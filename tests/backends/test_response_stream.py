@@ -1,6 +1,6 @@
 """The bounded channel between a decoupled model's senders and the task that writes to the
-client: order, the bound (a sending thread waits), cancellation (senders wake, later sends
-are dropped), and sends from the event loop, which cannot wait."""
+client: order, the bound (a sending thread waits; a coroutine waits for room), cancellation
+(senders wake, later sends are dropped), and the final response."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import asyncio
 import threading
 
 import numpy as np
-import pytest
 
-from lockgate.backends.response_stream import ResponseStream, StreamedResponse, StreamFull
+from lockgate.backends.response_stream import ResponseStream, StreamedResponse
 from lockgate.errors import BadRequest
 
 
@@ -70,13 +69,35 @@ def test_the_final_response_ends_the_stream_whatever_the_bound() -> None:
     async def main() -> None:
         stream = ResponseStream(asyncio.get_running_loop(), limit=1)
         stream.send(item(1))
-        with pytest.raises(StreamFull):  # on the loop a send cannot wait
-            stream.send(item(2))
+        stream.send(item(2))  # on the loop a send cannot wait: taken past the bound
+        assert stream.full
         stream.send(StreamedResponse(error=BadRequest("no"), final=True))
         assert not stream.send(item(3))  # after the final one: dropped
         stream.end()  # a no-op once ended
         taken = [r async for r in stream]
-        assert values(taken) == [1]
-        assert taken[1].final and isinstance(taken[1].error, BadRequest)
+        assert values(taken) == [1, 2]
+        assert taken[2].final and isinstance(taken[2].error, BadRequest)
+
+    asyncio.run(main())
+
+
+def test_a_coroutine_waits_for_room_until_the_reader_takes_enough() -> None:
+    async def main() -> None:
+        stream = ResponseStream(asyncio.get_running_loop(), limit=2)
+        for value in range(3):
+            stream.send(item(value))
+        room = asyncio.ensure_future(stream.room())
+        await asyncio.sleep(0.01)
+        assert not room.done()
+        await anext(stream)  # 2 wait: still the bound
+        await asyncio.sleep(0.01)
+        assert not room.done()
+        await anext(stream)
+        await asyncio.wait_for(room, 1)
+        stream.send(item(3))
+        stream.send(item(4))
+        room = asyncio.ensure_future(stream.room())
+        stream.cancel()  # a cancelled stream has room: nothing more is kept
+        await asyncio.wait_for(room, 1)
 
     asyncio.run(main())

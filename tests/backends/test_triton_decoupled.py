@@ -159,7 +159,8 @@ class TritonPythonModel:
             n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
             sender = request.get_response_sender()
             for i in range(n, 0, -1):
-                await asyncio.sleep(0.001)
+                if i % 50 == 0:  # sends between awaits: past the bound, taken all the same
+                    await asyncio.sleep(0.001)
                 sender.send(pb_utils.InferenceResponse(
                     [pb_utils.Tensor("OUT", np.array([i], dtype=np.int32))]))
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -183,15 +184,16 @@ class TritonPythonModel:
 # sends as fast as it can until its client cancels; notes how many sends had returned when
 # one had to wait for the client (a send that took over 0.3 s)
 FLOOD_CONFIG = """
-name: "flood"
+name: "{name}"
 backend: "python"
 model_transaction_policy { decoupled: true }
-parameters: { key: "max_buffered_responses" value: { string_value: "8" } }
-input [{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }]
-output [{ name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] }]
+parameters: {{ key: "max_buffered_responses" value: {{ string_value: "8" }} }}
+input [{{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }}]
+output [{{ name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] }}]
 """
 
 FLOOD_MODEL = """
+import asyncio
 import time
 from pathlib import Path
 
@@ -203,7 +205,7 @@ class TritonPythonModel:
     def initialize(self, args):
         self.mark = Path(args["model_repository"]) / "blocked"
 
-    def execute(self, requests):
+    {define} execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             out = pb_utils.Tensor("OUT", np.arange(4096, dtype=np.int32))  # 16 KiB
@@ -211,6 +213,7 @@ class TritonPythonModel:
             while not request.is_cancelled() and sent < 5000:
                 start = time.monotonic()
                 sender.send(pb_utils.InferenceResponse([out]))
+                {pause}
                 if blocked is None and time.monotonic() - start > 0.3:
                     blocked = sent
                     self.mark.write_text(str(blocked))
@@ -228,7 +231,12 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("square", SQUARE_CONFIG, SQUARE_MODEL),
         ("countdown", COUNTDOWN_CONFIG, COUNTDOWN_MODEL),
         ("forgetful", COUNTDOWN_CONFIG, FORGETFUL_MODEL),
-        ("flood", FLOOD_CONFIG, FLOOD_MODEL),
+        ("flood", FLOOD_CONFIG, FLOOD_MODEL.format(define="def", pause="pass")),
+        (
+            "flood_async",
+            FLOOD_CONFIG,
+            FLOOD_MODEL.format(define="async def", pause="await asyncio.sleep(0)"),
+        ),
     ):
         config = config.replace("{name}", name).replace("{{", "{").replace("}}", "}")
         (root / name / "1").mkdir(parents=True)
@@ -359,8 +367,8 @@ def test_an_async_execute_streams_and_a_forgotten_final_flag_ends_the_stream(
 ) -> None:
     stream = Stream(server)
     try:
-        stream.send("countdown", [3], "c", empty_final=True)
-        assert outs(stream.until_final()) == [3, 2, 1]
+        stream.send("countdown", [200], "c", empty_final=True)
+        assert outs(stream.until_final()) == list(range(200, 0, -1))
         stream.send("forgetful", [1], "f", empty_final=True)
         messages = stream.until_final()
         assert outs(messages) == [7] and len(messages) == 2
@@ -391,14 +399,16 @@ def test_a_cancelled_stream_cancels_its_requests(server: RunningServer, repo: Pa
         again.stop()
 
 
+@pytest.mark.parametrize("model", ["flood", "flood_async"])
 def test_a_client_that_does_not_read_holds_the_models_sender(
-    server: RunningServer, repo: Path
+    server: RunningServer, repo: Path, model: str
 ) -> None:
     """Backpressure: the client reads nothing, so HTTP/2 flow control holds the server's
     writes, the stream's messages wait, then the model's responses (8 at most, its
-    max_buffered_responses), and then its sender, instead of memory growing."""
-    mark = repo / "flood" / "blocked"
-    request = pb.ModelInferRequest(model_name="flood", id="flood")
+    max_buffered_responses), and then its sender (a thread's send; an async execute at its
+    next await), instead of memory growing."""
+    mark = repo / model / "blocked"
+    request = pb.ModelInferRequest(model_name=model, id=model)
     request.inputs.add(name="IN", datatype="INT32", shape=[1])
     request.raw_input_contents.append(np.array([1], dtype=np.int32).tobytes())
     hold = threading.Event()
