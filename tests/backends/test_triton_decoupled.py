@@ -20,6 +20,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from lockgate.backends.python import load_composition
+from lockgate.backends.triton_python import autocomplete
 from lockgate.config import ModelConfig
 from lockgate.core.config_triton import parse_pbtxt_config
 from lockgate.errors import ConfigError
@@ -454,3 +455,24 @@ def test_only_a_triton_python_model_may_be_decoupled(tmp_path: Path) -> None:
     config = ModelConfig(name="m", backend="python", decoupled=True)
     with pytest.raises(ConfigError, match="only a Triton Python model"):
         load_composition(config, tmp_path / "1")
+
+
+def test_auto_complete_config_may_make_the_model_decoupled(tmp_path: Path) -> None:
+    """As in Triton, a model's `auto_complete_config` may set the transaction policy."""
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "model.py").write_text(
+        textwrap.dedent(
+            """
+            class TritonPythonModel:
+                @staticmethod
+                def auto_complete_config(config):
+                    config.set_model_transaction_policy({"decoupled": True})
+                    return config
+
+                def execute(self, requests):
+                    return None
+            """
+        )
+    )
+    config = ModelConfig(name="m", backend="python")
+    assert autocomplete(config, tmp_path / "1").decoupled
