@@ -268,16 +268,21 @@ class V2Service:
         outputs, unencoded. A `trace_id` marks a traced request (see `frontend/otel.py`).
         A decoupled model is refused, as Triton refuses it on `endpoint`: it answers only
         on a stream."""
-        if served.config.decoupled:
-            error = BadRequest(
-                f"{endpoint} doesn't support models with decoupled transaction policy: "
-                f"model '{name}' streams its responses over gRPC ModelStreamInfer"
-            )
-            self.refused(served, error)
-            raise error
+        self.check_coupled(served, endpoint)
         request = self._request(name, served, decoded, deadline, priority_granted, trace_id)
         answer = await self.executor.infer(request, served)
         return InferResult(answer.served, answer.outputs, answer.source, request)
+
+    def check_coupled(self, served: ServedVersion, endpoint: str = "HTTP end point") -> None:
+        """400 for a decoupled model, in Triton's words for `endpoint`: it answers only on a
+        stream (gRPC ModelStreamInfer)."""
+        if served.config.decoupled:
+            error = BadRequest(
+                f"{endpoint} doesn't support models with decoupled transaction policy: "
+                f"model '{served.config.name}' streams its responses over gRPC ModelStreamInfer"
+            )
+            self.refused(served, error)
+            raise error
 
     def stream(
         self,
