@@ -4,6 +4,7 @@ request answered by a stream of responses over gRPC ModelStreamInfer, driven by 
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import textwrap
 import threading
@@ -20,6 +21,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from lockgate.backends.python import load_composition
+from lockgate.backends.response_stream import ResponseStream, StreamedResponse
+from lockgate.backends.triton_decoupled import Paced
 from lockgate.backends.triton_python import autocomplete
 from lockgate.config import ModelConfig
 from lockgate.core.config_triton import parse_pbtxt_config
@@ -476,3 +479,41 @@ def test_auto_complete_config_may_make_the_model_decoupled(tmp_path: Path) -> No
     )
     config = ModelConfig(name="m", backend="python")
     assert autocomplete(config, tmp_path / "1").decoupled
+
+
+def test_paced_holds_a_coroutine_at_its_next_await_while_the_stream_is_full() -> None:
+    """What the coroutine awaits comes back to it as under a plain await, cancellation too;
+    past the bound it resumes only once the reader has taken a response."""
+
+    async def main() -> None:
+        stream = ResponseStream(asyncio.get_running_loop(), limit=1)
+        seen: list[str] = []
+
+        async def model() -> str:
+            seen.append(await asyncio.sleep(0, "value"))
+            for value in (1, 2):  # past the bound: taken, from the loop
+                stream.send(StreamedResponse({"OUT": np.array([value])}))
+            await asyncio.sleep(0)  # held here
+            seen.append("resumed")
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+            return "never"
+
+        task = asyncio.ensure_future(Paced(model(), stream))
+        await asyncio.sleep(0.05)
+        assert seen == ["value"]
+        await anext(stream)  # one waits: still the bound
+        await asyncio.sleep(0.05)
+        assert seen == ["value"]
+        await anext(stream)
+        await asyncio.sleep(0.05)
+        assert seen == ["value", "resumed"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert seen[-1] == "cancelled"
+
+    asyncio.run(main())
