@@ -18,7 +18,8 @@ import asyncio
 import contextlib
 import threading
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from lockgate.backends.base import InferContext
@@ -41,12 +42,14 @@ class StreamedResponse:
 
 @dataclass(frozen=True, slots=True)
 class StreamRequest:
-    """What a streaming model gets of a request: its inputs, its id, and its deadline
-    (time.monotonic() seconds; a request still waiting for the model then is refused)."""
+    """What a streaming model gets of a request: its inputs, its id, its parameters as the
+    client sent them, and its deadline (time.monotonic() seconds; a request still waiting
+    for the model then is refused)."""
 
     inputs: Arrays
     id: str = ""
     deadline: float | None = None
+    parameters: Mapping[str, object] = field(default_factory=dict)
 
 
 class ResponseStream:

@@ -69,7 +69,7 @@ class TritonPythonDecoupled:
             )
         loop = asyncio.get_running_loop()
         stream = ResponseStream(loop, self._limit)
-        triton = self._backend.request(request.inputs, request.id)
+        triton = self._backend.request(request.inputs, request.id, request.parameters)
         pb_utils.attach_responses(triton, stream, self._streamed, self._model)
         caller = pb_utils.Caller(loop, ctx)
         if self._async:

@@ -42,6 +42,7 @@ import itertools
 import json
 import re
 import sys
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -87,13 +88,16 @@ class TritonPythonBackend:
     def model(self) -> str:
         return self._model
 
-    def request(self, inputs: Arrays, request_id: str = "") -> pb_utils.InferenceRequest:
+    def request(
+        self, inputs: Arrays, request_id: str = "", parameters: Mapping[str, object] | None = None
+    ) -> pb_utils.InferenceRequest:
         return pb_utils.InferenceRequest(
             model_name=self._model,
             requested_output_names=self._outputs,
             inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
             request_id=request_id,
             model_version=self._version,
+            parameters=dict(parameters or {}),
         )
 
     def execute(self, requests: list[pb_utils.InferenceRequest]) -> Any:

@@ -18,7 +18,7 @@ response goes to the client as it comes.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -111,14 +111,18 @@ class Executor:
         return Answer(outputs, served)
 
     async def stream(
-        self, request: InferRequest, served: ServedVersion
+        self,
+        request: InferRequest,
+        served: ServedVersion,
+        parameters: Mapping[str, object] | None = None,
     ) -> AsyncGenerator[StreamedResponse]:
-        """The responses of a streaming model to `request`, as it sends them, up to its final
-        one. Closing the iterator early (the client went away) cancels the request."""
+        """The responses of a streaming model to `request` (with the client's `parameters`),
+        as it sends them, up to its final one. Closing the iterator early (the client went
+        away) cancels the request."""
         service = served.service
         if not isinstance(service, StreamingService):
             raise BadRequest(f"model '{request.model}' is not decoupled: it answers once")
-        opened = StreamRequest(request.inputs, request.id, request.deadline)
+        opened = StreamRequest(request.inputs, request.id, request.deadline, parameters or {})
         labels = (served.config.name, str(served.version))
         try:
             responses = service.open(opened, Context(self, request, 1))

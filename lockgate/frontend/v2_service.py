@@ -295,7 +295,7 @@ class V2Service:
         """The responses of a decoupled model to one checked request, as the model sends
         them; closing the iterator before its final response cancels the request."""
         request = self._request(name, served, decoded, deadline, priority_granted, "")
-        return self.executor.stream(request, served)
+        return self.executor.stream(request, served, decoded.parameters)
 
     def _request(
         self,

@@ -98,6 +98,7 @@ instance_group [{ count: 2 kind: KIND_CPU }]
 """
 
 SQUARE_MODEL = """
+import json
 import time
 from pathlib import Path
 
@@ -119,9 +120,10 @@ class TritonPythonModel:
             if n == -1:
                 self.until_cancelled(request, sender)
                 continue
+            scale = json.loads(request.parameters()).get("scale", 1)
             for i in range(n):
                 flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if i == n - 1 else 0
-                out = pb_utils.Tensor("OUT", np.array([n * n], dtype=np.int32))
+                out = pb_utils.Tensor("OUT", np.array([n * n * scale], dtype=np.int32))
                 sender.send(pb_utils.InferenceResponse([out]), flags=flags)
             if n == 0:
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -266,11 +268,22 @@ class Stream:
         self.got: queue.Queue[tuple[Any, InferenceServerException | None]] = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.got.put((result, error)))
 
-    def send(self, model: str, values: list[int], request_id: str, empty_final: bool) -> None:
+    def send(
+        self,
+        model: str,
+        values: list[int],
+        request_id: str,
+        empty_final: bool,
+        parameters: dict[str, Any] | None = None,
+    ) -> None:
         tensor = grpcclient.InferInput("IN", [len(values)], "INT32")
         tensor.set_data_from_numpy(np.array(values, dtype=np.int32))
         self.client.async_stream_infer(
-            model, [tensor], request_id=request_id, enable_empty_final_response=empty_final
+            model,
+            [tensor],
+            request_id=request_id,
+            enable_empty_final_response=empty_final,
+            parameters=parameters,
         )
 
     def until_final(
@@ -344,6 +357,8 @@ def test_the_final_flag_alone_is_a_message_only_when_the_client_asks(
         messages = stream.until_final()
         assert outs(messages) == [9, 9, 9]
         assert stream.quiet()
+        stream.send("square", [2], "c", empty_final=False, parameters={"scale": 10})
+        assert outs(stream.until_final()) == [40, 40]  # the request's parameters
     finally:
         stream.stop()
 
