@@ -367,9 +367,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         """One response of a decoupled model as a stream message, marked final or not."""
         if response.error is not None:
             return _stream_error(request, response.error.message, response.final)
-        if response.outputs is None:  # the final flag alone
+        if response.outputs is None:  # the final flag alone, named as the request named it
             message = pb.ModelInferResponse(
-                model_name=request.model_name, model_version=str(served.version), id=decoded.id
+                model_name=request.model_name, model_version=request.model_version, id=request.id
             )
             message.parameters[FINAL_RESPONSE].bool_param = True
             return pb.ModelStreamInferResponse(infer_response=message)
