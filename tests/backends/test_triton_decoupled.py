@@ -448,6 +448,24 @@ def test_a_client_that_does_not_read_holds_the_models_sender(
     assert int(mark.read_text()) < 2000  # of 5000: bounded by the windows and buffers
 
 
+def test_each_finished_stream_counts_once_in_the_models_statistics(
+    server: RunningServer,
+) -> None:
+    def counts() -> tuple[int, int]:
+        stats = httpx.get(server.url + "/v2/models/countdown/stats", timeout=10).json()
+        model = stats["model_stats"][0]
+        return model["inference_stats"]["success"]["count"], model["execution_count"]
+
+    before = counts()
+    stream = Stream(server)
+    try:
+        stream.send("countdown", [2], "s", empty_final=True)
+        assert outs(stream.until_final()) == [2, 1]
+    finally:
+        stream.stop()
+    assert counts() == (before[0] + 1, before[1] + 1)
+
+
 def test_http_and_unary_grpc_inference_refuse_a_decoupled_model(server: RunningServer) -> None:
     body = {"inputs": [{"name": "IN", "datatype": "INT32", "shape": [1], "data": [2]}]}
     reply = httpx.post(server.url + "/v2/models/square/infer", json=body, timeout=10)
