@@ -154,6 +154,11 @@ class ModelConfig:
     ensemble: tuple[EnsembleStep, ...] = ()  # backend "ensemble"
     cascade: CascadeConfig | None = None  # backend "cascade"
     fallback: tuple[Fallback, ...] = ()
+    # Triton's `model_transaction_policy { decoupled: true }`: each request answered by a
+    # stream of responses (a Triton Python model only), of which at most
+    # `max_buffered_responses` wait for a slow client before the model's sends wait
+    decoupled: bool = False
+    max_buffered_responses: int = 64
     source: str = ""  # the file this config came from, for error messages
 
     def input(self, name: str) -> TensorSpec | None:

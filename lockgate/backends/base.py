@@ -28,7 +28,9 @@ class Backend(Protocol):
 
 class ModelService(Protocol):
     """A model that schedules its own work (a language model's engine) instead of a
-    `Backend` behind the dynamic batcher. The model manager loads, drains and closes it."""
+    `Backend` behind the dynamic batcher. The model manager loads, drains and closes it. One
+    that answers each request with a stream of responses is a `StreamingService`
+    (`backends/response_stream.py`)."""
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new work and wait up to `timeout` s for admitted work; True if it all ended."""

@@ -11,9 +11,11 @@ Calling other models from `execute` (Triton's business logic scripting:
 `InferenceRequest(...).exec()`, or `await ...async_exec()` from an `async def execute`) works
 in a model that lockgate runs as a composition (`backends/triton_python.py`): each call goes
 through the called model's own batcher, within the calling request's deadline and at its
-priority. What lockgate does not give a Python model is refused by a clear error when used,
-rather than faked: decoupled responses (`get_response_sender`, `exec(decoupled=True)`) and
-tensors on a GPU.
+priority. A request to a decoupled model (`model_transaction_policy { decoupled: true }`)
+has a `ResponseSender` (`request.get_response_sender()`) that sends its responses as they
+come, from `execute` or from any thread, and `is_cancelled()` once its client has gone. What
+lockgate does not give a Python model is refused by a clear error when used, rather than
+faked: decoupled calls to other models (`exec(decoupled=True)`) and tensors on a GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from lockgate.backends.base import InferContext
+from lockgate.backends.response_stream import ResponseStream, StreamedResponse
 from lockgate.config import DATATYPES
 from lockgate.datatypes import Arrays, is_datatype, numpy_dtype, serialize_bytes_tensor
 from lockgate.errors import ServingError
@@ -159,6 +162,7 @@ class InferenceRequest:
         self._model_version = model_version
         self._flags = flags
         self._timeout = timeout
+        self._responses: _Responses | None = None  # a decoupled model's request: its stream
         if isinstance(parameters, str):
             self._parameters = parameters
         else:
@@ -193,13 +197,19 @@ class InferenceRequest:
         return self._parameters
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the client has gone (its stream was closed or cancelled): responses sent
+        now are dropped, and the model may stop working on the request."""
+        return self._responses is not None and self._responses.stream.cancelled
 
-    def get_response_sender(self) -> Any:
-        raise TritonModelException(
-            "decoupled responses (get_response_sender) are not supported by lockgate: return "
-            "one InferenceResponse per request from execute()"
-        )
+    def get_response_sender(self) -> ResponseSender:
+        """The sender of this request's responses, in a decoupled model."""
+        if self._responses is None:
+            raise TritonModelException(
+                "get_response_sender() is for a decoupled model: set model_transaction_policy "
+                "{ decoupled: true } in its config, or return one InferenceResponse per request "
+                "from execute()"
+            )
+        return ResponseSender(self._responses)
 
     def exec(self, decoupled: bool = False) -> InferenceResponse:
         """Run this request on its model, from a thread executing a request: the answer, or
@@ -268,6 +278,82 @@ class InferenceResponse:
         return self._error
 
 
+class _Responses:
+    """Where the responses of one request to a decoupled model go: its stream, and how a
+    response becomes what the stream carries. Its request and its senders hold it; when the
+    last of them is dropped without the final flag, the stream ends there (with a warning),
+    so a model that forgets the flag never leaves its client waiting."""
+
+    __slots__ = ("closed", "convert", "model", "stream")
+
+    def __init__(
+        self,
+        stream: ResponseStream,
+        convert: Callable[[InferenceResponse, bool], StreamedResponse],
+        model: str,
+    ) -> None:
+        self.stream = stream
+        self.convert = convert
+        self.model = model
+        self.closed = False  # the model sent the final flag
+
+    def send(self, response: InferenceResponse | None, flags: int) -> None:
+        if self.closed:
+            raise TritonModelException("Unable to send response. Response sender has been closed.")
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is None and not final:
+            raise TritonModelException(
+                "send() needs a response unless flags is TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+            )
+        if response is not None and not isinstance(response, InferenceResponse):
+            kind = type(response).__name__
+            raise TritonModelException(f"send() takes an InferenceResponse, not a {kind}")
+        self.closed = final
+        streamed = (
+            StreamedResponse(final=True) if response is None else self.convert(response, final)
+        )
+        self.stream.send(streamed)
+
+    def __del__(self) -> None:
+        if not self.closed and not self.stream.ended:
+            log.warning(
+                "model '%s': a request's response sender was dropped without "
+                "TRITONSERVER_RESPONSE_COMPLETE_FINAL; its stream ends here",
+                self.model,
+            )
+            self.stream.end()
+
+
+def attach_responses(
+    request: InferenceRequest,
+    stream: ResponseStream,
+    convert: Callable[[InferenceResponse, bool], StreamedResponse],
+    model: str,
+) -> None:
+    """Make `request` a decoupled model's: its responses go to `stream`, each converted by
+    `convert(response, final)`."""
+    request._responses = _Responses(stream, convert, model)
+
+
+class ResponseSender:
+    """Triton's response sender: sends a decoupled model's responses for one request, from
+    `execute` or from any thread, then the final flag (alone, or with the last response).
+    While `max_buffered_responses` wait for a slow client, a send from a thread waits (an
+    async `execute` waits at its next `await`); after the client has gone, sends are dropped
+    without an error."""
+
+    __slots__ = ("_responses",)
+
+    def __init__(self, responses: _Responses) -> None:
+        self._responses = responses
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        self._responses.send(response, flags)
+
+    def is_cancelled(self) -> bool:
+        return self._responses.stream.cancelled
+
+
 class ModelConfig:
     """The config `auto_complete_config(auto_complete_model_config)` receives and returns:
     Triton's JSON form, in which it may set the batch size, dynamic batching, inputs and
@@ -304,8 +390,9 @@ class ModelConfig:
         self._config.setdefault("dynamic_batching", {})
 
     def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
-        if transaction_policy_dict.get("decoupled"):
-            raise ValueError("decoupled models are not supported by lockgate")
+        unknown = set(transaction_policy_dict) - {"decoupled"}
+        if unknown:
+            raise ValueError(f"model_transaction_policy has no {sorted(unknown)}")
         self._config["model_transaction_policy"] = dict(transaction_policy_dict)
 
     def add_input(self, input: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from lockgate.backends import triton_python
+from lockgate.backends import triton_decoupled, triton_python
 from lockgate.backends.base import Arrays, InferContext, checked_outputs, model_file
 from lockgate.backends.user_module import import_file
 from lockgate.config import ModelConfig
@@ -85,14 +85,27 @@ class PythonComposition:
 
 def load_composition(
     config: ModelConfig, version_dir: Path
-) -> PythonComposition | triton_python.TritonPythonComposition | None:
+) -> (
+    PythonComposition
+    | triton_python.TritonPythonComposition
+    | triton_decoupled.TritonPythonDecoupled
+    | None
+):
     """The model as a composition when its `infer` is a coroutine function, or when it is a
-    Triton Python model that calls other models; else None (it is then loaded by `load`,
-    behind the batcher)."""
+    Triton Python model that calls other models; a decoupled Triton Python model as a
+    stream of responses per request; else None (it is then loaded by `load`, behind the
+    batcher)."""
     path = model_file(config, version_dir)
     module_name = _module_name(config.name, version_dir.name)
     module = import_file(path, module_name)
     cls = getattr(module, config.parameters.get("class_name", "Model"), None)
+    if config.decoupled:
+        if not _is_triton(module, cls, config):
+            sys.modules.pop(module_name, None)
+            problem = f"only a Triton Python model (TritonPythonModel in {path.name}) is decoupled"
+            raise ConfigError(str(path), "model_transaction_policy.decoupled", problem)
+        backend = _triton_model(module, config, version_dir, module_name)
+        return triton_decoupled.TritonPythonDecoupled(backend, config)
     if _is_triton(module, cls, config):
         triton = module.TritonPythonModel
         if triton_python.calls_models(triton, path.read_text(errors="replace")):

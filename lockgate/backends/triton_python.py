@@ -27,6 +27,8 @@ A `model.py` under `backend: "python"` that defines `TritonPythonModel` (and no 
 - A model that calls other models (its file builds `pb_utils.InferenceRequest(...)`, or its
   `execute` is `async def`) runs as a composition instead (`TritonPythonComposition`): one
   `execute` per request, outside the batcher, its calls through the called models' batchers.
+- A decoupled model (`model_transaction_policy { decoupled: true }`) sends a stream of
+  responses per request (`backends/triton_decoupled.py`).
 - `finalize()` runs when the model is unloaded.
 """
 
@@ -40,6 +42,7 @@ import itertools
 import json
 import re
 import sys
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -81,12 +84,20 @@ class TritonPythonBackend:
     def infer(self, inputs: Arrays) -> Arrays:
         return self.outputs_of(self.execute([self.request(inputs)]))
 
-    def request(self, inputs: Arrays) -> pb_utils.InferenceRequest:
+    @property
+    def model(self) -> str:
+        return self._model
+
+    def request(
+        self, inputs: Arrays, request_id: str = "", parameters: Mapping[str, object] | None = None
+    ) -> pb_utils.InferenceRequest:
         return pb_utils.InferenceRequest(
             model_name=self._model,
             requested_output_names=self._outputs,
             inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
+            request_id=request_id,
             model_version=self._version,
+            parameters=dict(parameters or {}),
         )
 
     def execute(self, requests: list[pb_utils.InferenceRequest]) -> Any:
@@ -105,7 +116,7 @@ class TritonPythonBackend:
         if isinstance(exc, ServingError):
             return exc
         if isinstance(exc, pb_utils.TritonError):
-            return self._error(exc)
+            return self.error_of(exc)
         return BackendError(f"model '{self._model}': {type(exc).__name__}: {exc}")
 
     def outputs_of(self, responses: Any) -> Arrays:
@@ -120,16 +131,20 @@ class TritonPythonBackend:
             raise BackendError(f"model '{self._model}': execute() returned a {kind}")
         error = response.error()
         if error is not None:
-            raise self._error(error)
+            raise self.error_of(error)
+        return checked_outputs(self.tensors_of(response), self._model, self._expected)
+
+    def tensors_of(self, response: pb_utils.InferenceResponse) -> Arrays:
+        """A response's output tensors as named arrays; BackendError for one not a Tensor."""
         outputs = {}
         for tensor in response.output_tensors():
             if not isinstance(tensor, pb_utils.Tensor):
                 kind = type(tensor).__name__
                 raise BackendError(f"model '{self._model}': an output is a {kind}, not a Tensor")
             outputs[tensor.name()] = tensor.as_numpy()
-        return checked_outputs(outputs, self._model, self._expected)
+        return outputs
 
-    def _error(self, error: pb_utils.TritonError) -> ServingError:
+    def error_of(self, error: pb_utils.TritonError) -> ServingError:
         message = f"model '{self._model}': {error.message()}"
         if error.code() in _CLIENT_ERRORS:
             return BadRequest(message)
@@ -263,12 +278,14 @@ def _completed(config: ModelConfig, doc: dict[str, Any], source: str) -> ModelCo
     batching = config.dynamic_batching
     if batching is None and "dynamic_batching" in doc:
         batching = DynamicBatching()
+    decoupled = bool(doc.get("model_transaction_policy", {}).get("decoupled", False))
     return replace(
         config,
         max_batch_size=int(doc["max_batch_size"]),
         inputs=specs("input"),
         outputs=specs("output"),
         dynamic_batching=batching,
+        decoupled=config.decoupled or decoupled,
     )
 
 
@@ -283,7 +300,7 @@ def triton_config(config: ModelConfig) -> dict[str, Any]:
         "output": [_tensor(spec) for spec in config.outputs],
         "parameters": {key: {"string_value": value} for key, value in config.parameters.items()},
         "instance_group": [{"count": config.instance_count, "kind": "KIND_CPU"}],
-        "model_transaction_policy": {"decoupled": False},
+        "model_transaction_policy": {"decoupled": config.decoupled},
     }
     if config.dynamic_batching is not None:
         doc["dynamic_batching"] = {

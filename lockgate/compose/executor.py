@@ -9,16 +9,22 @@ The frontends call `Executor.infer` with a checked request. In order:
    within the request's deadline and at its priority;
 4. on a refusal for load or time (503, 429, 504), the model's fallbacks in order: a cheaper
    model, the cache even if stale, a static answer. The answer says where it came from.
+
+`Executor.stream` runs a request on a model that answers with a stream of responses (a
+decoupled model, a `StreamingService`): no cache, no coalescing, no fallback, as each
+response goes to the client as it comes.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from lockgate.backends.python import PythonComposition
+from lockgate.backends.response_stream import StreamedResponse, StreamingService, StreamRequest
 from lockgate.backends.triton_python import TritonPythonComposition
 from lockgate.cache.key import request_key
 from lockgate.cache.response_cache import ResponseCache
@@ -104,6 +110,44 @@ class Executor:
             )
         return Answer(outputs, served)
 
+    async def stream(
+        self,
+        request: InferRequest,
+        served: ServedVersion,
+        parameters: Mapping[str, object] | None = None,
+    ) -> AsyncGenerator[StreamedResponse]:
+        """The responses of a streaming model to `request` (with the client's `parameters`),
+        as it sends them, up to its final one. Closing the iterator early (the client went
+        away) cancels the request."""
+        service = served.service
+        if not isinstance(service, StreamingService):
+            raise BadRequest(f"model '{request.model}' is not decoupled: it answers once")
+        opened = StreamRequest(request.inputs, request.id, request.deadline, parameters or {})
+        labels = (served.config.name, str(served.version))
+        try:
+            responses = service.open(opened, Context(self, request, 1))
+        except ServingError as error:
+            self.models.metrics.requests.inc((*labels, error.kind))
+            raise
+        kind = "cancelled"
+        try:
+            async for response in responses:
+                if response.outputs is not None and request.outputs is not None:
+                    wanted = request.outputs
+                    outputs = {k: v for k, v in response.outputs.items() if k in wanted}
+                    response = replace(response, outputs=outputs)
+                if response.final:
+                    kind = response.error.kind if response.error is not None else "success"
+                yield response
+        finally:
+            if not responses.ended:
+                responses.cancel()  # the client has gone before the final response
+            if kind == "success":  # one execution per request, as a composition's
+                self.models.metrics.batch_size.observe(labels, request.rows)
+                self._answered(request, served, time.monotonic())
+            else:
+                self.models.metrics.requests.inc((*labels, kind))
+
     def generation(self, served: ServedVersion) -> str:
         """What a cached answer of `served` depends on: its fingerprint, and for an ensemble
         or a cascade those of the versions it runs now (a step reloaded as another model
@@ -172,6 +216,11 @@ class Executor:
             outputs = result.outputs
         elif isinstance(service, PythonComposition | TritonPythonComposition):
             outputs = await service.run(request.inputs, ctx)
+        elif isinstance(service, StreamingService):
+            raise BadRequest(
+                f"model '{request.model}' is decoupled: its responses stream over gRPC "
+                "ModelStreamInfer"
+            )
         else:
             raise BadRequest(
                 f"model '{request.model}' is a language model: use /v1/completions, "

@@ -18,6 +18,8 @@ A `config.yaml` (every key but `backend` is optional):
     parameters: {intra_op_threads: 1}
     response_cache: {enable: true, ttl_s: 300, max_bytes: 67108864, coalesce: true, redis: true}
     fallback: [{model: digits_small}, {cache: true}, {static: {label: -1}}]
+    model_transaction_policy: {decoupled: true}   # a Triton Python model that streams
+    max_buffered_responses: 64   # a decoupled model's responses waiting for a slow client
 
 Compositions (`backend: ensemble` or `backend: cascade`):
 
@@ -85,6 +87,8 @@ _TOP_LEVEL = frozenset(
         "ensemble_scheduling",
         "cascade",
         "fallback",
+        "model_transaction_policy",
+        "max_buffered_responses",
     }
 )
 _TENSOR_KEYS = frozenset(
@@ -242,6 +246,10 @@ class _Reader:
             ensemble=self.ensemble(raw),
             cascade=self.cascade(raw.get("cascade")),
             fallback=self.fallback(raw.get("fallback"), name),
+            decoupled=self.decoupled(raw),
+            max_buffered_responses=self.integer(
+                raw.get("max_buffered_responses", 64), "max_buffered_responses", 1, 1 << 16
+            ),
             source=self.path,
         )
 
@@ -573,6 +581,19 @@ class _Reader:
                 static = {str(k): v if isinstance(v, list) else [v] for k, v in outputs.items()}
                 found.append(Fallback(FallbackKind.STATIC, static=static))
         return tuple(found)
+
+    def decoupled(self, raw: Mapping[str, Any]) -> bool:
+        """`model_transaction_policy: {decoupled: true}`, for a Triton Python model only."""
+        field = "model_transaction_policy"
+        policy = self.mapping(raw.get(field), field, frozenset({"decoupled"}))
+        decoupled = self.boolean(policy.get("decoupled", False), f"{field}.decoupled")
+        if decoupled and raw.get("backend") != "python":
+            problem = (
+                f"backend '{raw.get('backend')}' cannot be decoupled: only a Triton Python "
+                "model (backend python, class TritonPythonModel) sends a stream of responses"
+            )
+            raise self.error(f"{field}.decoupled", problem)
+        return decoupled
 
     def filename(self, value: Any) -> str:
         if value is None:

@@ -47,7 +47,9 @@ _QUEUE_POLICY_FIELDS = frozenset(
 )
 _STEP_FIELDS = frozenset({"model_name", "model_version", "input_map", "output_map"})
 _LOCATION = re.compile(r"^\d+(?::\d+)? : ")  # ParseError's "line:column : " prefix
-_LOCKGATE_FIELDS = ("latency_slo_ms", "admission_slack")  # given as parameters in a config.pbtxt
+# lockgate's own fields, given as parameters in a config.pbtxt: numbers, and whole numbers
+_LOCKGATE_FIELDS = ("latency_slo_ms", "admission_slack")
+_LOCKGATE_COUNTS = ("max_buffered_responses",)
 
 
 def parse_pbtxt_config(text: str, *, path: str, folder: str) -> ModelConfig:
@@ -179,7 +181,8 @@ class _TritonTranslator:
 
     def _field_parameters(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
         """Backend settings; lockgate's own fields that Triton's schema lacks
-        (`latency_slo_ms`, `admission_slack`) are given as parameters of the same name."""
+        (`latency_slo_ms`, `admission_slack`, `max_buffered_responses`) are given as
+        parameters of the same name."""
         parameters = {key: config.parameters[key].string_value for key in sorted(config.parameters)}
         for key in _LOCKGATE_FIELDS:
             if key in parameters:
@@ -189,17 +192,18 @@ class _TritonTranslator:
                 except ValueError:
                     problem = f"expected a number, got {value!r}"
                     raise self.error(f"parameters.{key}", problem) from None
+        for key in _LOCKGATE_COUNTS:
+            if key in parameters:
+                value = parameters.pop(key)
+                if not value.strip().isdigit():
+                    problem = f"expected a whole number, got {value!r}"
+                    raise self.error(f"parameters.{key}", problem)
+                raw[key] = int(value)
         raw["parameters"] = parameters
 
     def _field_model_transaction_policy(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
-        """`decoupled: false` (what lockgate's own config answer says) is the only kind it
-        serves: one response per request."""
-        if config.model_transaction_policy.decoupled:
-            log.warning(
-                "%s: ignoring 'model_transaction_policy.decoupled' (lockgate answers each "
-                "request once)",
-                self.path,
-            )
+        decoupled = config.model_transaction_policy.decoupled
+        raw["model_transaction_policy"] = {"decoupled": decoupled}
 
     def _field_response_cache(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
         raw["response_cache"] = {"enable": config.response_cache.enable}

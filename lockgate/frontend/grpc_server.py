@@ -14,6 +14,12 @@ drain. A request reaches the batcher exactly as a REST one does; only the codec 
   `max_stream_inflight` requests of one stream are read and not yet answered to the client:
   past that the server stops reading the stream (HTTP/2 flow control then holds the
   client's writes), so a client that writes and never reads costs bounded memory.
+- A decoupled model's request is answered on the stream by each response it sends, with the
+  request's id and, as in Triton, the parameter `triton_final_response` (true on the last);
+  the final flag sent alone is a message only when the request asked for it
+  (`triton_enable_empty_final_response`). At most `max_stream_inflight` such responses of a
+  stream wait to be written; past that the request waits, and then the model's senders do.
+  ModelInfer refuses a decoupled model, as Triton does.
 """
 
 from __future__ import annotations
@@ -25,13 +31,16 @@ import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
+from grpc._cython.cygrpc import ExecuteBatchError  # a write to a call already gone
 from grpc.aio import ServicerContext as Context
 
-from lockgate.core.manager import ModelManager
+from lockgate.backends.response_stream import StreamedResponse
+from lockgate.core.manager import ModelManager, ServedVersion
 from lockgate.errors import Forbidden, NotFound, ServingError, Unauthorized
 from lockgate.frontend.app import App
 from lockgate.frontend.grpc_health import add_health_service
@@ -41,6 +50,7 @@ from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
 from lockgate.protocol.grpc.status import cancelled_code
 from lockgate.protocol.repository_control import load_request, unload_request
+from lockgate.protocol.v2_codec import V2InferRequest
 
 if TYPE_CHECKING:
     from lockgate.frontend.otel import RequestTrace
@@ -63,6 +73,8 @@ STATUS_CODES = {
 PUBLIC_METHODS = frozenset({"ServerLive", "ServerReady"})  # as the REST health routes
 MODEL_CONTROL_METHODS = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
 SETTINGS_METHODS = frozenset({"LogSettings", "TraceSetting"})  # keys by what they ask
+FINAL_RESPONSE = "triton_final_response"  # on a decoupled model's responses: the last?
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"  # a request's: send it alone
 _CONTROL_PATH = "/v2/repository/models/-/load"  # a model control route, for its keys
 # the codes that mark a traced request's span as an error (as 5xx on HTTP)
 ERROR_CODES = frozenset(
@@ -288,7 +300,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    ) -> None:
         try:
             self._authenticate("ModelStreamInfer", context)
         except ServingError as exc:
@@ -297,8 +309,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         reader = asyncio.get_running_loop().create_task(stream.read(requests))
         try:
             while (answer := await stream.answers.get()) is not None:
-                yield answer  # resumed once the client can take the next message
-                stream.slots.release()
+                try:
+                    await context.write(answer.message)  # once the client can take it
+                except ExecuteBatchError:
+                    log.debug("ModelStreamInfer: the client went away during a write")
+                    return
+                stream.written(answer)
         finally:
             reader.cancel()
             stream.cancel()
@@ -309,17 +325,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         received = traced.received if traced is not None else time.monotonic()
         name = request.model_name
         served = self.v2.served(name, request.model_version)
-        check = functools.partial(self.v2.check_declared, served)  # before any data is decoded
-        shared = self.v2.shared_memory
-        try:
-            decoded = codec.decode_infer_request(request, check=check, shared_memory=shared)
-        except ServingError as error:
-            self.v2.refused(served, error)
-            raise
+        decoded = self._decode(request, served)
         deadline = Deadline(received, transport_seconds=context.time_remaining())
         granted = self.app.priority_granted(_bearer(context))
         trace_id = traced.trace_id if traced is not None else ""
-        result = await self.v2.infer(name, served, decoded, deadline, granted, trace_id)
+        result = await self.v2.infer(
+            name, served, decoded, deadline, granted, trace_id, endpoint="ModelInfer RPC"
+        )
         if traced is not None and result.request is not None:
             traced.requests.append(result.request)
         return codec.encode_infer_response(
@@ -331,9 +343,50 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             datatypes=result.output_datatypes,
             batched=result.batched,
             parameters=result.parameters,
-            shared_memory=shared,
+            shared_memory=self.v2.shared_memory,
             labels=result.output_labels,
         )
+
+    def _decode(self, request: pb.ModelInferRequest, served: ServedVersion) -> V2InferRequest:
+        check = functools.partial(self.v2.check_declared, served)  # before any data is decoded
+        try:
+            return codec.decode_infer_request(
+                request, check=check, shared_memory=self.v2.shared_memory
+            )
+        except ServingError as error:
+            self.v2.refused(served, error)
+            raise
+
+    def _encode(
+        self,
+        served: ServedVersion,
+        decoded: V2InferRequest,
+        response: StreamedResponse,
+        request: pb.ModelInferRequest,
+    ) -> pb.ModelStreamInferResponse:
+        """One response of a decoupled model as a stream message, marked final or not."""
+        if response.error is not None:
+            return _stream_error(request, response.error.message, response.final)
+        if response.outputs is None:  # the final flag alone, named as the request named it
+            message = pb.ModelInferResponse(
+                model_name=request.model_name, model_version=request.model_version, id=request.id
+            )
+            message.parameters[FINAL_RESPONSE].bool_param = True
+            return pb.ModelStreamInferResponse(infer_response=message)
+        outputs = response.outputs
+        encoded = codec.encode_infer_response(
+            model_name=request.model_name,
+            model_version=str(served.version),
+            request_id=decoded.id,
+            outputs=outputs,
+            requested=[o for o in decoded.outputs if o.name in outputs],
+            datatypes={s.name: s.datatype for s in served.config.outputs},
+            batched=served.config.batching,
+            parameters={FINAL_RESPONSE: response.final},
+            shared_memory=self.v2.shared_memory,
+            labels=served.labels,
+        )
+        return pb.ModelStreamInferResponse(infer_response=encoded)
 
     def _trace(
         self, method: str, request: pb.ModelInferRequest, context: Context
@@ -404,20 +457,31 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         self.app.authenticate("POST" if change else "GET", path, lambda: _bearer(context))
 
 
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """A message for the client. `done`: the last of its request, whose slot it frees once
+    written; else one of a decoupled model's responses, which frees its room."""
+
+    message: pb.ModelStreamInferResponse
+    done: bool = True
+
+
 class _Stream:
     """The requests of one ModelStreamInfer call, answered concurrently as they finish.
 
-    `answers` carries the responses, then None once the client has closed its side and
+    `answers` carries the messages, then None once the client has closed its side and
     every request has been answered.
     """
 
     def __init__(self, servicer: InferenceServicer, context: Context) -> None:
         self.servicer = servicer
         self.context = context
-        self.answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        self.answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
         self.pending: set[asyncio.Task[None]] = set()
         # a request holds a slot from being read until its answer is written
         self.slots = asyncio.Semaphore(servicer.max_stream_inflight)
+        # a decoupled model's response holds room until written: past that its request waits
+        self.room = asyncio.Semaphore(servicer.max_stream_inflight)
 
     async def read(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
         loop = asyncio.get_running_loop()
@@ -432,20 +496,28 @@ class _Stream:
         finally:  # the client closed its side, or reading failed: end the stream either way
             self.answers.put_nowait(None)
 
+    def written(self, answer: _Answer) -> None:
+        (self.slots if answer.done else self.room).release()
+
     async def answer(self, request: pb.ModelInferRequest) -> None:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         traced = self.servicer._trace("ModelStreamInfer", request, self.context)
         try:
+            served = self.servicer.v2.served(request.model_name, request.model_version)
+            if served.config.decoupled:
+                await self.stream(request, served)
+                return
             response = await self.servicer._infer(request, self.context, traced)
-            self.answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+            self.answers.put_nowait(_Answer(pb.ModelStreamInferResponse(infer_response=response)))
         except ServingError as exc:
             code = status_code(exc)
-            self.answers.put_nowait(_stream_error(request, exc.message))
+            self.answers.put_nowait(_Answer(_stream_error(request, exc.message)))
         except Exception as exc:
             log.exception("unhandled error in gRPC ModelStreamInfer")
             code = grpc.StatusCode.INTERNAL
-            self.answers.put_nowait(_stream_error(request, f"internal error: {type(exc).__name__}"))
+            error = _stream_error(request, f"internal error: {type(exc).__name__}")
+            self.answers.put_nowait(_Answer(error))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -454,15 +526,41 @@ class _Stream:
             trace_id = self.servicer._end_trace(traced, code)
             self.servicer.latency.observe(("ModelStreamInfer", code.name), elapsed, trace_id)
 
+    async def stream(self, request: pb.ModelInferRequest, served: ServedVersion) -> None:
+        """A decoupled model's responses to `request`, each a message as it comes; the last
+        frees the request's slot. An error before the model runs raises (one message)."""
+        servicer = self.servicer
+        decoded = servicer._decode(request, served)
+        empty_final = decoded.parameters.get(EMPTY_FINAL_RESPONSE) is True
+        deadline = Deadline(time.monotonic(), transport_seconds=self.context.time_remaining())
+        granted = servicer.app.priority_granted(_bearer(self.context))
+        responses = servicer.v2.stream(request.model_name, served, decoded, deadline, granted)
+        async with aclosing(responses):
+            async for response in responses:
+                if response.final and response.empty and not empty_final:
+                    break  # the final flag alone, not asked for: no message
+                message = servicer._encode(served, decoded, response, request)
+                if response.final:
+                    self.answers.put_nowait(_Answer(message))
+                    return
+                await self.room.acquire()
+                self.answers.put_nowait(_Answer(message, done=False))
+        self.slots.release()  # no last message: the request is done
+
     def cancel(self) -> None:
         for task in list(self.pending):
             task.cancel("stream closed")
 
 
-def _stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+def _stream_error(
+    request: pb.ModelInferRequest, message: str, final: bool | None = None
+) -> pb.ModelStreamInferResponse:
+    """A request's error as a stream message; a decoupled model's marked `final` or not."""
     response = pb.ModelInferResponse(
         model_name=request.model_name, model_version=request.model_version, id=request.id
     )
+    if final is not None:
+        response.parameters[FINAL_RESPONSE].bool_param = final
     return pb.ModelStreamInferResponse(error_message=message, infer_response=response)
 
 

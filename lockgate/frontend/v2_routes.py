@@ -40,6 +40,7 @@ async def infer(
     priority_granted: bool = True,
 ) -> None:
     served = service.served(name, version_text)  # 404 before the body is read
+    service.check_coupled(served)  # and 400 for a model that answers only on a stream
     body = await request.body()
     async with cancel_on_disconnect(request):
         reply = await infer_reply(

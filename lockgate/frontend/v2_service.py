@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from lockgate import __version__
 from lockgate.backends.base import spec_of
+from lockgate.backends.response_stream import StreamedResponse
 from lockgate.compose.executor import Executor
 from lockgate.config import ModelConfig
 from lockgate.core.batch_times import BatchTimes
@@ -262,9 +263,50 @@ class V2Service:
         deadline: Deadline,
         priority_granted: bool = True,
         trace_id: str = "",
+        endpoint: str = "HTTP end point",
     ) -> InferResult:
         """Check, admit, batch and run one request on `served` (from `served()`); its
-        outputs, unencoded. A `trace_id` marks a traced request (see `frontend/otel.py`)."""
+        outputs, unencoded. A `trace_id` marks a traced request (see `frontend/otel.py`).
+        A decoupled model is refused, as Triton refuses it on `endpoint`: it answers only
+        on a stream."""
+        self.check_coupled(served, endpoint)
+        request = self._request(name, served, decoded, deadline, priority_granted, trace_id)
+        answer = await self.executor.infer(request, served)
+        return InferResult(answer.served, answer.outputs, answer.source, request)
+
+    def check_coupled(self, served: ServedVersion, endpoint: str = "HTTP end point") -> None:
+        """400 for a decoupled model, in Triton's words for `endpoint`: it answers only on a
+        stream (gRPC ModelStreamInfer)."""
+        if served.config.decoupled:
+            error = BadRequest(
+                f"{endpoint} doesn't support models with decoupled transaction policy: "
+                f"model '{served.config.name}' streams its responses over gRPC ModelStreamInfer"
+            )
+            self.refused(served, error)
+            raise error
+
+    def stream(
+        self,
+        name: str,
+        served: ServedVersion,
+        decoded: V2InferRequest,
+        deadline: Deadline,
+        priority_granted: bool = True,
+    ) -> AsyncGenerator[StreamedResponse]:
+        """The responses of a decoupled model to one checked request, as the model sends
+        them; closing the iterator before its final response cancels the request."""
+        request = self._request(name, served, decoded, deadline, priority_granted, "")
+        return self.executor.stream(request, served, decoded.parameters)
+
+    def _request(
+        self,
+        name: str,
+        served: ServedVersion,
+        decoded: V2InferRequest,
+        deadline: Deadline,
+        priority_granted: bool,
+        trace_id: str,
+    ) -> InferRequest:
         timed = Deadline(
             deadline.received,
             timeout_parameter(decoded.parameters),
@@ -272,7 +314,7 @@ class V2Service:
             deadline.transport_seconds,
         )
         try:
-            request = self.core_request(
+            return self.core_request(
                 name,
                 served,
                 decoded,
@@ -284,8 +326,6 @@ class V2Service:
         except ServingError as error:
             self.refused(served, error)
             raise
-        answer = await self.executor.infer(request, served)
-        return InferResult(answer.served, answer.outputs, answer.source, request)
 
     def refused(self, served: ServedVersion, error: ServingError) -> None:
         """Count a request refused before it reached the model (malformed, or not what its

@@ -78,9 +78,9 @@ def model_config(config: ModelConfig, runtime: Runtime) -> Document:
         "output": [_config_output(spec) for spec in config.outputs],
         "instance_group": [_instance_group(config)],
         "default_model_filename": config.default_model_filename,
-        "parameters": {key: {"string_value": value} for key, value in config.parameters.items()},
+        "parameters": _parameters(config),
         "model_warmup": [_warmup(config, sample) for sample in config.warmup],
-        "model_transaction_policy": {"decoupled": False},
+        "model_transaction_policy": {"decoupled": config.decoupled},
     }
     if config.dynamic_batching is not None:
         doc["dynamic_batching"] = _dynamic_batching(config)
@@ -89,6 +89,16 @@ def model_config(config: ModelConfig, runtime: Runtime) -> Document:
     if config.ensemble:
         doc["ensemble_scheduling"] = {"step": [_ensemble_step(step) for step in config.ensemble]}
     return doc
+
+
+def _parameters(config: ModelConfig) -> dict[str, Any]:
+    """The backend's parameters, and a decoupled model's bound on waiting responses, which
+    Triton's schema lacks (a config.pbtxt gives it as a parameter, and reads it back so)."""
+    parameters = {key: {"string_value": value} for key, value in config.parameters.items()}
+    if config.decoupled:
+        bound = str(config.max_buffered_responses)
+        parameters["max_buffered_responses"] = {"string_value": bound}
+    return parameters
 
 
 def _ensemble_step(step: EnsembleStep) -> dict[str, Any]:

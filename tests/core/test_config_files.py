@@ -461,3 +461,18 @@ def test_composition_config_errors_name_the_field(tmp_path: Path, text: str, fie
     with pytest.raises(ConfigError) as info:
         load_model_config(folder)
     assert info.value.field == field
+
+
+def test_decoupled_in_yaml_is_for_the_python_backend_only() -> None:
+    text = (
+        "backend: python\nmodel_transaction_policy: {decoupled: true}\nmax_buffered_responses: 4\n"
+    )
+    config = parse_yaml_config(text, path="s/config.yaml", folder="s")
+    assert config.decoupled and config.max_buffered_responses == 4
+    with pytest.raises(ConfigError, match=r"model_transaction_policy\.decoupled.*cannot be"):
+        parse_yaml_config(text.replace("python", "sklearn"), path="s/config.yaml", folder="s")
+    with pytest.raises(ConfigError, match="max_buffered_responses"):
+        parse_yaml_config(text.replace(": 4", ": 0"), path="s/config.yaml", folder="s")
+    with pytest.raises(ConfigError, match=r"model_transaction_policy\.streaming"):
+        bad = "backend: python\nmodel_transaction_policy: {streaming: true}\n"
+        parse_yaml_config(bad, path="s/config.yaml", folder="s")

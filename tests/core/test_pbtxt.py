@@ -393,6 +393,27 @@ def test_lockgates_own_fields_come_as_parameters() -> None:
         parse_pbtxt_config(bad, path="c.pbtxt", folder="add_sub")
 
 
+def test_a_decoupled_model_and_its_bound_read_back_from_the_config_lockgate_answers() -> None:
+    from lockgate.core.config_triton import parse_json_config
+    from lockgate.protocol import v2_metadata
+
+    text = (
+        'backend: "python"\nmodel_transaction_policy { decoupled: true }\n'
+        'parameters: { key: "max_buffered_responses", value: { string_value: "8" } }\n'
+    )
+    config = parse_pbtxt_config(text, path="s/config.pbtxt", folder="s")
+    assert config.decoupled and config.max_buffered_responses == 8 and not config.parameters
+    document = v2_metadata.model_config(config, v2_metadata.Runtime("python"))
+    assert document["model_transaction_policy"] == {"decoupled": True}
+    again = parse_json_config(v2_metadata.encode(document).decode(), path="s", folder="s")
+    assert again.decoupled and again.max_buffered_responses == 8
+    plain = parse_pbtxt_config('backend: "python"', path="p/config.pbtxt", folder="p")
+    assert not plain.decoupled and plain.max_buffered_responses == 64
+    with pytest.raises(ConfigError, match=r"max_buffered_responses.*whole number"):
+        bad = text.replace('"8"', '"many"')
+        parse_pbtxt_config(bad, path="s/config.pbtxt", folder="s")
+
+
 RESHAPED_DIGITS = """
 platform: "onnxruntime_onnx"
 max_batch_size: 8
