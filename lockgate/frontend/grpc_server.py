@@ -36,8 +36,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
-from grpc._cython.cygrpc import ExecuteBatchError  # a write to a call already gone
 from grpc.aio import ServicerContext as Context
+
+try:  # what grpcio raises on a write to a call the client has left
+    from grpc._cython.cygrpc import ExecuteBatchError as _Gone
+except ImportError:  # another grpcio: such a write raises its own error, and is logged
+    _Gone = ConnectionError  # type: ignore[misc,assignment]
 
 from lockgate.backends.response_stream import StreamedResponse
 from lockgate.core.manager import ModelManager, ServedVersion
@@ -311,7 +315,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             while (answer := await stream.answers.get()) is not None:
                 try:
                     await context.write(answer.message)  # once the client can take it
-                except ExecuteBatchError:
+                except _Gone:
                     log.debug("ModelStreamInfer: the client went away during a write")
                     return
                 stream.written(answer)
