@@ -74,6 +74,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "(Triton's extension); 0: the extension is off",
     )
     p.add_argument(
+        "--allowed-origins",
+        default="",
+        metavar="ORIGINS",
+        help="comma-separated origins (https://app.example.com) whose browser pages may call "
+        "lockgate (CORS); '*': any origin; default: none",
+    )
+    p.add_argument(
         "--shared-memory-registry",
         default="",
         metavar="DIR",
@@ -542,6 +549,7 @@ def _serve(args: argparse.Namespace) -> int:
         compress_min_bytes=args.compress_min_bytes,
         shared_memory_regions=args.shared_memory_regions,
         shared_memory_registry=args.shared_memory_registry,
+        allowed_origins=args.allowed_origins,
         api_keys=_env_keys("LOCKGATE_API_KEYS"),
         admin_keys=_env_keys("LOCKGATE_ADMIN_KEYS"),
         priority_keys=_env_keys("LOCKGATE_PRIORITY_KEYS"),

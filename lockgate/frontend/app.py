@@ -33,6 +33,7 @@ from lockgate.errors import (
 from lockgate.extras import import_for
 from lockgate.frontend import v2_routes
 from lockgate.frontend.access_log import AccessEntry, AccessLog, model_of, request_id
+from lockgate.frontend.cors import Cors, is_preflight, origin_of
 from lockgate.frontend.dashboard import dashboard_page
 from lockgate.frontend.http import (
     ClientDisconnected,
@@ -145,6 +146,7 @@ class ServerSettings:
     shared_memory_regions: int = 256
     # a directory the replicas of one `serve --replicas` share registrations in; "": none
     shared_memory_registry: str = ""
+    allowed_origins: str = ""  # comma-separated origins browsers may call from (CORS); "": off
     public_paths: frozenset[str] = field(
         default_factory=lambda: frozenset(
             {
@@ -194,6 +196,7 @@ class App:
         self.tracing = _tracing(self.settings.otel_endpoint, trace, self.closers)
         self.closers.append(self._close_shared_memory)
         self.model_files = ModelFiles()  # models loaded from files sent in a load request
+        self.cors = Cors.of(self.settings.allowed_origins)  # None: no cross-origin calls
         self.closers.append(self._remove_model_files)
         models.registry.gauge(
             "lockgate_http_requests_in_progress", "HTTP requests received and not yet answered."
@@ -217,6 +220,13 @@ class App:
         start = received if isinstance(received, float) else now
         if self.front_delay is not None:
             self.front_delay(now - start, now)
+        allowed = None if self.cors is None else self.cors.allow(origin_of(scope["headers"]))
+        if allowed is not None and is_preflight(scope["method"], scope["headers"]):
+            assert self.cors is not None
+            headers = self.cors.preflight(allowed)
+            await send({"type": "http.response.start", "status": 204, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
         route = _route_kind(scope["path"])
         rid = request_id(scope["headers"])
         entry: AccessEntry | None = None
@@ -236,6 +246,8 @@ class App:
                 # the load a router in front balances on: requests in progress here
                 load = (b"x-lockgate-inflight", b"%d" % self.in_flight)
                 message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid), load]
+                if allowed is not None:
+                    message["headers"] += Cors.answer(allowed)
                 if self.access.enabled:
                     entry = self._access_entry(scope, rid, status, elapsed)
             elif entry is not None:

@@ -55,6 +55,7 @@ from lockgate.core.metrics import Counter, Registry
 from lockgate.errors import Unavailable
 from lockgate.frontend.access_log import request_id
 from lockgate.frontend.app import App, ServerSettings
+from lockgate.frontend.cors import origin_of
 from lockgate.frontend.gate import Gate, GateSettings
 from lockgate.frontend.health_port import HealthPort, HealthState
 from lockgate.frontend.http import Disconnect, compressed
@@ -261,7 +262,7 @@ class _Protocol(HttpToolsProtocol):
             wait = self.gate.loop_cost.wait(self._loop_work_ahead())
             error = self.lockgate_app.early_refusal(b"POST", path, headers, received, wait)
             if error is None:
-                target = lane_target(path) if self.lockgate_app.lane_open else None
+                target = lane_target(path) if self._lane_open(headers) else None
                 if target is not None and length <= self.lockgate_app.settings.max_body_bytes:
                     request = LaneRequest(*target, path, headers, b"", received, not close)
                     self._take_lane(request, length, data[end + 4 :], now)
@@ -296,6 +297,12 @@ class _Protocol(HttpToolsProtocol):
         else:
             self._keep_alive()
         return size
+
+    def _lane_open(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether this request may be answered from the lane: not one from a browser page
+        of another origin when CORS is on (its answer carries headers only the app adds)."""
+        app = self.lockgate_app
+        return app.lane_open and (app.cors is None or origin_of(headers) is None)
 
     def _in_progress(self) -> int:
         """Requests let through and not yet answered: ASGI and lane tasks, and lane requests
