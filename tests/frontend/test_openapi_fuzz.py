@@ -21,8 +21,8 @@ from lockgate.demo.smollm2 import SERVED_NAME
 from lockgate.frontend.openapi import openapi_document
 from tests.conftest import RunningServer, smollm2_repository, start_server
 
-EXAMPLES = 15  # per operation (38 operations)
-LLM_EXAMPLES = 8  # per generating operation (6): each generates a few tokens
+EXAMPLES = 10  # per operation (40 operations)
+LLM_EXAMPLES = 6  # per generating operation (6): each generates a few tokens
 MAX_TOKENS = 3  # what a fuzzed completion may generate at most
 MODELS = ("echo", "digits_onnx", "minilm", "smollm2")  # half the cases aim at one of these
 SPARE = "spare"  # the only model the fuzzed load and unload calls aim at
