@@ -51,6 +51,20 @@ def is_datatype(datatype: str) -> bool:
     return datatype in _NUMPY
 
 
+def config_datatype(datatype: str) -> str:
+    """A v2 datatype in model_config.proto's spelling: FP32 -> TYPE_FP32, BYTES -> TYPE_STRING."""
+    return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
+
+
+def normalize_datatype(value: str) -> str | None:
+    """`FP32`, `fp32` and Triton's `TYPE_FP32` are FP32; `TYPE_STRING` is BYTES; None for a
+    name that is no datatype."""
+    name = value.strip().upper().removeprefix("TYPE_")
+    if name == "STRING":
+        name = "BYTES"
+    return name if name in _NUMPY else None
+
+
 def numpy_dtype(datatype: str) -> np.dtype:
     """The numpy dtype that holds `datatype` (object for BYTES, uint16 bits for BF16)."""
     dtype = _NUMPY.get(datatype)

@@ -33,7 +33,7 @@ import numpy as np
 from lockgate.backends.base import InferContext
 from lockgate.backends.response_stream import ResponseStream, StreamedResponse
 from lockgate.config import DATATYPES
-from lockgate.datatypes import Arrays, is_datatype, numpy_dtype, serialize_bytes_tensor
+from lockgate.datatypes import Arrays, normalize_datatype, numpy_dtype, serialize_bytes_tensor
 from lockgate.errors import ServingError
 
 log = logging.getLogger("lockgate.models.python")
@@ -490,9 +490,8 @@ _TRITON_TYPES = ("INVALID", *(d for d in DATATYPES if d not in ("BF16", "BYTES")
 
 def triton_string_to_numpy(triton_type_string: str) -> type:
     """A config's `data_type` ("TYPE_FP32", "TYPE_STRING") as a numpy scalar type."""
-    datatype = triton_type_string.removeprefix("TYPE_")
-    datatype = "BYTES" if datatype == "STRING" else datatype
-    if not is_datatype(datatype) or datatype == "BF16":
+    datatype = normalize_datatype(triton_type_string)
+    if datatype is None or datatype == "BF16":
         raise TritonModelException(f"no numpy type for {triton_type_string!r}")
     found: type = numpy_dtype(datatype).type
     return found

@@ -52,7 +52,7 @@ from lockgate.backends import pb_utils
 from lockgate.backends.base import InferContext, checked_outputs, model_file
 from lockgate.backends.user_module import import_file
 from lockgate.config import DynamicBatching, ModelConfig, TensorSpec
-from lockgate.datatypes import Arrays, is_datatype
+from lockgate.datatypes import Arrays, config_datatype, normalize_datatype
 from lockgate.errors import BackendError, BadRequest, ConfigError, ServingError, Unavailable
 
 CLASS_NAME = "TritonPythonModel"
@@ -266,9 +266,8 @@ def _completed(config: ModelConfig, doc: dict[str, Any], source: str) -> ModelCo
         optional = {spec.name for spec in (*config.inputs, *config.outputs) if spec.optional}
         found = []
         for tensor in doc[kind]:
-            datatype = str(tensor["data_type"]).removeprefix("TYPE_")
-            datatype = "BYTES" if datatype == "STRING" else datatype
-            if not is_datatype(datatype):
+            datatype = normalize_datatype(str(tensor["data_type"]))
+            if datatype is None:
                 problem = f"{kind} '{tensor['name']}' has data_type {tensor['data_type']!r}"
                 raise ConfigError(source, "auto_complete_config", problem)
             dims = tuple(int(d) for d in tensor["dims"])
@@ -310,8 +309,8 @@ def triton_config(config: ModelConfig) -> dict[str, Any]:
 
 
 def _tensor(spec: TensorSpec) -> dict[str, Any]:
-    datatype = "TYPE_STRING" if spec.datatype == "BYTES" else f"TYPE_{spec.datatype}"
-    doc: dict[str, Any] = {"name": spec.name, "data_type": datatype, "dims": list(spec.dims)}
+    data_type = config_datatype(spec.datatype)
+    doc: dict[str, Any] = {"name": spec.name, "data_type": data_type, "dims": list(spec.dims)}
     if spec.optional:
         doc["optional"] = True
     return doc

@@ -59,6 +59,7 @@ from lockgate.config import (
     VersionPolicyKind,
     WarmupSample,
 )
+from lockgate.datatypes import normalize_datatype
 from lockgate.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -140,14 +141,6 @@ def _check_warmup(
             if name not in declared:
                 field = f"warmup[{index}].inputs.{name}"
                 raise ConfigError(source, field, f"no input named '{name}'")
-
-
-def normalize_datatype(value: str) -> str | None:
-    """`FP32`, `fp32` and Triton's `TYPE_FP32` are FP32; `TYPE_STRING` is BYTES."""
-    name = value.strip().upper().removeprefix("TYPE_")
-    if name == "STRING":
-        name = "BYTES"
-    return name if name in DATATYPES else None
 
 
 class _Reader:

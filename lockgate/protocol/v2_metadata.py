@@ -20,6 +20,7 @@ from lockgate.config import (
     VersionPolicyKind,
     WarmupSample,
 )
+from lockgate.datatypes import config_datatype
 
 Document = dict[str, Any]
 
@@ -59,11 +60,6 @@ def model_metadata(config: ModelConfig, versions: Sequence[int], runtime: Runtim
 
 def _tensor_metadata(spec: TensorSpec, batch: list[int]) -> dict[str, Any]:
     return {"name": spec.name, "datatype": spec.datatype, "shape": [*batch, *spec.dims]}
-
-
-def config_datatype(datatype: str) -> str:
-    """A v2 datatype in model_config.proto's spelling: FP32 -> TYPE_FP32, BYTES -> TYPE_STRING."""
-    return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
 
 
 def model_config(config: ModelConfig, runtime: Runtime) -> Document:
