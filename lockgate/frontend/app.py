@@ -269,7 +269,7 @@ class App:
             trace=traced,
         )
         openai = openai_path(request.path)
-        if openai or _route_kind(request.path) == "generate":  # decoded whole on the loop
+        if openai or route == "generate":  # decoded whole on the loop
             payload = self.settings.openai.max_payload_bytes
             if payload < request.max_body:
                 request.max_body, request.body_flag = payload, "--max-payload-bytes"

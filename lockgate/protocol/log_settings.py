@@ -21,12 +21,12 @@ file cannot be moved through the network). This module is bookkeeping only:
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from lockgate.errors import BadRequest
+from lockgate.protocol.json_body import json_object
 
 LOG_FORMATS = ("default", "ISO8601")
 MAX_VERBOSE_LEVEL = 2**32 - 1  # a uint32, as in Triton's gRPC message
@@ -98,12 +98,4 @@ def _checked(name: str, value: object) -> LogValue:
 def decode_settings(body: bytes) -> dict[str, Any]:
     """The settings a REST request's body changes (log or trace): a JSON object of name/value
     pairs (an empty body: none)."""
-    if not body.strip():
-        return {}
-    try:
-        document = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"malformed JSON in the request body: {exc}") from None
-    if not isinstance(document, dict):
-        raise BadRequest("the request body must be a JSON object of settings")
-    return document
+    return json_object(body, "a JSON object of settings")

@@ -82,11 +82,10 @@ def decode_predict(body: bytes, config: ModelConfig) -> PredictRequest:
     specs = [spec for spec in config.inputs if not spec.optional] or list(config.inputs)
     if not specs:
         raise BadRequest(f"model '{config.name}' declares no inputs")
-    named = isinstance(values, dict) and set(values) != {"b64"}
     if columnar:
-        by_name = _named(values, specs, "inputs") if named or len(specs) > 1 else None
-        by_name = by_name if by_name is not None else {specs[0].name: values}
-    elif len(specs) == 1 and not _is_named_rows(values, specs):
+        named = len(specs) > 1 or _is_named(values)
+        by_name = _named(values, specs, "inputs") if named else {specs[0].name: values}
+    elif len(specs) == 1 and not (isinstance(values, list) and values and _is_named(values[0])):
         by_name = {specs[0].name: values}
     else:
         by_name = _columns(values, specs, config.batching)
@@ -128,11 +127,9 @@ def _bounded(raw: bytes) -> Any:
         raise BadRequest(f"malformed JSON: {exc}") from None
 
 
-def _is_named_rows(values: Any, specs: Sequence[TensorSpec]) -> bool:
-    """Rows given as objects by input name (`[{"x": ...}, ...]`), even for one input; but
-    not a BYTES row written `{"b64": ...}`."""
-    first = values[0] if isinstance(values, list) and values else None
-    return isinstance(first, dict) and set(first) != {"b64"}
+def _is_named(value: Any) -> bool:
+    """An object of values by input name; not a BYTES value written `{"b64": ...}`."""
+    return isinstance(value, dict) and set(value) != {"b64"}
 
 
 def _named(values: Any, specs: Sequence[TensorSpec], field: str) -> dict[str, Any]:

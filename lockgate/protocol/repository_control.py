@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
 from lockgate.errors import BadRequest
+from lockgate.protocol.json_body import json_object
 
 MAX_CONFIG_CHARS = 1 << 20  # a config override longer than this is refused
 MAX_FILES = 1024  # model files one load request may send
@@ -110,15 +110,7 @@ def unload_request(parameters: Mapping[str, Any]) -> UnloadRequest:
 
 def parameters_of(body: bytes) -> Mapping[str, Any]:
     """The `parameters` object of an HTTP load or unload request's body (empty: none)."""
-    if not body.strip():
-        return {}
-    try:
-        document = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"malformed JSON in the request body: {exc}") from None
-    if not isinstance(document, dict):
-        raise BadRequest("the request body must be a JSON object")
-    parameters = document.get("parameters", {})
+    parameters = json_object(body, "a JSON object").get("parameters", {})
     if not isinstance(parameters, dict):
         raise BadRequest("parameters must be an object of name/value pairs")
     return parameters
