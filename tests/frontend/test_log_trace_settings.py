@@ -7,7 +7,6 @@ receives (rate, count, a model's own settings and their clearing), and every mis
 from __future__ import annotations
 
 import re
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
 from tests.conftest import RunningServer, _write_python_model, free_port, start_server
 
 pytest.importorskip("opentelemetry.sdk", reason="needs lockgate[otel]")
-from tests.frontend.otlp_receiver import Receiver
+from tests.frontend.otlp_receiver import Receiver, receiving
 
 DEFAULT_LOG = {
     "log_file": "",
@@ -44,12 +43,8 @@ CLEARED = {"trace_level": None, "trace_rate": None, "trace_count": None}
 
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[Receiver]:
-    server = Receiver()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with receiving() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import queue
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from tests.conftest import RunningServer, free_port, smollm2_repository, start_s
 pytest.importorskip("opentelemetry.sdk", reason="needs lockgate[otel]")
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from tests.frontend.otlp_receiver import Receiver
+from tests.frontend.otlp_receiver import Receiver, receiving
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
@@ -34,12 +33,8 @@ BODY = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1
 
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[Receiver]:
-    server = Receiver()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with receiving() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
