@@ -29,6 +29,7 @@ from lockgate.core.config_triton import parse_pbtxt_config
 from lockgate.errors import ConfigError
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
+from tests.backends.test_triton_python import triton_repository
 from tests.conftest import RunningServer, free_port, start_server
 
 # as Triton's repeat example (python_backend/examples/decoupled): each element of IN a
@@ -231,8 +232,8 @@ class TritonPythonModel:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("triton-decoupled-repo")
-    for name, config, model in (
+    return triton_repository(
+        tmp_path_factory.mktemp("triton-decoupled-repo"),
         ("repeat", REPEAT_CONFIG, REPEAT_MODEL),
         ("square", SQUARE_CONFIG, SQUARE_MODEL),
         ("countdown", COUNTDOWN_CONFIG, COUNTDOWN_MODEL),
@@ -243,12 +244,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
             FLOOD_CONFIG,
             FLOOD_MODEL.format(define="async def", pause="await asyncio.sleep(0)"),
         ),
-    ):
-        config = config.replace("{name}", name).replace("{{", "{").replace("}}", "}")
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
-        (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
-    return root
+    )
 
 
 @pytest.fixture(scope="module")

@@ -217,14 +217,20 @@ class TritonPythonModel:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("triton-python-repo")
-    for name, config, model in (
+    return triton_repository(
+        tmp_path_factory.mktemp("triton-python-repo"),
         ("add_sub", ADD_SUB_CONFIG, ADD_SUB_MODEL),
         ("upper", UPPER_CONFIG, UPPER_MODEL),
         ("pipeline", PIPELINE_CONFIG, PIPELINE_MODEL.replace("{execute}", SYNC_EXECUTE)),
         ("pipeline_async", PIPELINE_CONFIG, PIPELINE_MODEL.replace("{execute}", ASYNC_EXECUTE)),
         ("auto", AUTO_CONFIG, AUTO_MODEL),
-    ):
+    )
+
+
+def triton_repository(root: Path, *models: tuple[str, str, str]) -> Path:
+    """`root` as a repository of Triton Python models: each (name, config.pbtxt with `{name}`
+    and doubled braces, model.py), in version 1."""
+    for name, config, model in models:
         config = config.replace("{name}", name).replace("{{", "{").replace("}}", "}")
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
