@@ -56,7 +56,12 @@ from lockgate.frontend.lane import LaneRequest
 from lockgate.frontend.model_files import ModelFiles
 from lockgate.frontend.model_files import remove as remove_files
 from lockgate.frontend.openapi import openapi_document
-from lockgate.frontend.predict_routes import predict_route, predict_target
+from lockgate.frontend.predict_routes import (
+    predict_route,
+    predict_target,
+    status_route,
+    status_target,
+)
 from lockgate.frontend.v2_service import V2Service
 from lockgate.protocol.content_coding import accepted_coding
 from lockgate.protocol.openai import TOKEN_PATHS, OpenAILimits, error_body, openai_path
@@ -102,6 +107,10 @@ class OpenAIHandler(Protocol):
     async def tokenize(self, request: HttpRequest) -> None: ...
 
     async def detokenize(self, request: HttpRequest) -> None: ...
+
+    def serves(self, name: str) -> bool:
+        """`GET /v1/models/{name}` is one of this API's models."""
+        ...
 
 
 # Triton's generate extension: (request, model, version, streamed)
@@ -493,6 +502,14 @@ class App:
             raise Forbidden("API key not accepted" + (f" for {admin}" if admin else ""))
 
     # -- routing -----------------------------------------------------------------------
+    def _classic(self, name: str) -> bool:
+        """`GET /v1/models/{name}` is KServe v1's model status, not the OpenAI API's model:
+        a model of the repository that no language model serves under that name (or any
+        model, with no language model served)."""
+        if not self.v2.knows(name):
+            return self.openai is None  # 404 as KServe v1 answers it
+        return self.openai is None or not self.openai.serves(name)
+
     async def _route(self, request: HttpRequest) -> None:
         path, method = request.path, request.method
         if path in READ_ONLY_PATHS:
@@ -506,6 +523,8 @@ class App:
         elif (target := predict_target(parts)) is not None:  # before the OpenAI API's /v1
             granted = not self.settings.priority_keys or self.priority_granted(request.bearer())
             await predict_route(request, self.v2, *target, granted)
+        elif (target := status_target(method, parts)) is not None and self._classic(target[0]):
+            await status_route(request, self.v2, *target)
         elif parts and parts[0] == "v1" and self.openai is not None:
             await self.openai(request, parts[1:])
         elif path in TOKEN_PATHS and self.openai is not None:

@@ -155,6 +155,9 @@ class OpenAIRoutes:
         ]
         return {"object": "list", "data": data}
 
+    def serves(self, name: str) -> bool:
+        return name in self.services or name in self._embedding_models()
+
     def _model(self, name: str) -> dict[str, Any]:
         """GET /v1/models/{name}: one entry of the list, or 404."""
         for entry in self._models()["data"]:

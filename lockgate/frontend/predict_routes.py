@@ -1,11 +1,21 @@
-"""KServe v1's and TensorFlow Serving's predict route, `POST /v1/models/{m}[/versions/{v}]:predict`
-(`protocol/predict.py`), served by the same inference path as KServe v2: admission, batching,
-the response cache and fallbacks."""
+"""KServe v1's and TensorFlow Serving's routes (`protocol/predict.py`):
+- `POST /v1/models/{m}[/versions/{v}]:predict`, served by the same inference path as KServe
+  v2: admission, batching, the response cache and fallbacks;
+- `GET /v1/models/{m}[/versions/{v}]`, the model's status, for a model of the repository that
+  is not a language model (the OpenAI API answers that path for those).
+"""
 
 from __future__ import annotations
 
 from lockgate.errors import ServingError
-from lockgate.frontend.http import JSON, HttpRequest, cancel_on_disconnect, check_method, respond
+from lockgate.frontend.http import (
+    JSON,
+    HttpRequest,
+    cancel_on_disconnect,
+    check_method,
+    respond,
+    respond_json,
+)
 from lockgate.frontend.v2_service import Deadline, V2Service, timeout_header
 from lockgate.protocol import predict
 from lockgate.protocol.v2_codec import V2InferRequest
@@ -22,6 +32,28 @@ def predict_target(parts: list[str]) -> tuple[str, str | None] | None:
     if parts[3] != "versions":
         return None
     return parts[2], parts[4].removesuffix(SUFFIX)
+
+
+def status_target(method: str, parts: list[str]) -> tuple[str, str | None] | None:
+    """The model and version a status request names (`GET /v1/models/{m}[/versions/{v}]`),
+    or None for another request."""
+    if method != "GET" or parts[:2] != ["v1", "models"]:
+        return None
+    if len(parts) == 3:
+        return parts[2], None
+    if len(parts) == 5 and parts[3] == "versions":
+        return parts[2], parts[4]
+    return None
+
+
+async def status_route(
+    request: HttpRequest, service: V2Service, name: str, version_text: str | None
+) -> None:
+    """A model's status, 200 whether or not it is ready (KServe's `ready` says), 404 for a
+    model or version the repository does not hold."""
+    versions, reason = service.version_states(name, version_text)
+    ready = any(v.state == "READY" for v in versions)
+    await respond_json(request.send, 200, predict.model_status(name, versions, ready, reason))
 
 
 async def predict_route(

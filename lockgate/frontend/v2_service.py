@@ -30,6 +30,7 @@ from lockgate.errors import BadRequest, Forbidden, NotFound, ServingError
 from lockgate.frontend.server_log import ServerLog
 from lockgate.protocol import v2_metadata
 from lockgate.protocol.log_settings import LogSettings
+from lockgate.protocol.predict import VersionStatus
 from lockgate.protocol.shared_memory import SharedMemory
 from lockgate.protocol.trace_settings import TraceSettings, TraceValues, change_of
 from lockgate.protocol.v2_codec import DeclaredInput, V2InferRequest
@@ -377,6 +378,29 @@ class V2Service:
             if version is None or served.version == version
         ]
         return v2_metadata.model_statistics(stats)
+
+    def knows(self, name: str) -> bool:
+        """The model is loaded, loading or failed (not only a folder of the repository)."""
+        return name in self.models.models
+
+    def version_states(
+        self, name: str, version_text: str | None
+    ) -> tuple[list[VersionStatus], str]:
+        """The state of each version of a model (or of the one asked), and why the model
+        failed when it did before any version (its config or folder), for a status request:
+        404 for a model or version not loaded."""
+        model = self.models.models.get(name)
+        if model is None:
+            raise NotFound(f"unknown model '{name}'")
+        wanted = parse_version(version_text)
+        states = [
+            VersionStatus(version, served.state.value, served.error)
+            for version, served in sorted(model.versions.items())
+            if wanted is None or version == wanted
+        ]
+        if wanted is not None and not states:
+            raise NotFound(f"unknown version {wanted} of model '{name}'")
+        return states, model.error
 
     def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
         """Every model version and its state; a model with no version as UNAVAILABLE."""

@@ -17,6 +17,12 @@
   it is UTF-8, else `{"b64": ...}`.
 - Errors are `{"error": "message"}`, as both servers write them.
 
+A model's status, `GET /v1/models/{m}[/versions/{v}]`, is answered in both servers' forms at
+once (`model_status`): KServe v1's `{"name", "ready"}` and TensorFlow Serving's
+`model_version_status`, one entry per version with its state (START, LOADING, AVAILABLE,
+UNLOADING, END) and, for one that failed, the reason (for a model whose config or folder
+failed, with no version, the reason is `reason`).
+
 Sizes are bounded before anything is built: at most `MAX_ELEMENTS` values in a request, counted
 from the raw bytes (each value but the last of a list is followed by a comma), and arrays no
 deeper than the model's tensors nest.
@@ -115,6 +121,46 @@ def encode_predict(outputs: Arrays, config: ModelConfig, columnar: bool) -> byte
     else:
         rows = [columns]
     return msgspec.json.encode({"predictions": rows})
+
+
+@dataclass(frozen=True, slots=True)
+class VersionStatus:
+    """One version of a model as the repository holds it (states as the v2 index spells
+    them: LOADING, READY, UNLOADING, UNAVAILABLE)."""
+
+    version: int
+    state: str
+    error: str = ""
+
+
+# the v2 index's states in TensorFlow Serving's words
+_TF_STATES = {"LOADING": "LOADING", "READY": "AVAILABLE", "UNLOADING": "UNLOADING"}
+
+
+def model_status(
+    name: str, versions: Sequence[VersionStatus], ready: bool, reason: str = ""
+) -> dict[str, Any]:
+    """KServe v1's and TensorFlow Serving's answer to a model status request, together: the
+    two share the path, and each client reads only its own keys. `reason`: why a model with
+    no version loaded has none (its config or folder failed)."""
+    status: dict[str, Any] = {
+        "name": name,
+        "ready": ready,
+        "model_version_status": [
+            {
+                "version": str(v.version),
+                "state": _TF_STATES.get(v.state, "END"),
+                "status": {
+                    "error_code": "UNKNOWN" if v.error else "OK",
+                    "error_message": v.error,
+                },
+            }
+            for v in versions
+        ],
+    }
+    if reason:
+        status["reason"] = reason
+    return status
 
 
 def _bounded(raw: bytes) -> Any:

@@ -307,6 +307,10 @@ def test_one_model_and_a_wrong_method(client: openai.OpenAI, llm_server: Running
     assert model.id == MODEL and model.object == "model"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
+    assert client.models.retrieve("minilm").object == "model"  # an embedding model
+    # the language model's repository folder is not an OpenAI model: KServe v1's status
+    status = httpx.get(llm_server.url + "/v1/models/smollm2", timeout=10).json()
+    assert status["name"] == "smollm2" and status["ready"] is True
     wrong = httpx.get(llm_server.url + "/v1/chat/completions", timeout=10)
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["param"] is None

@@ -124,3 +124,24 @@ def test_bytes_tensors_take_text_and_base64_and_answer_text_or_base64() -> None:
     )
     nan = np.array([[np.nan, np.inf]], dtype=np.float32)
     assert predict.encode_predict({"y": nan}, floats, True) == b'{"outputs":[["NaN","Infinity"]]}'
+
+
+def test_a_models_status_in_kserve_v1_and_tensorflow_serving_form(server: RunningServer) -> None:
+    """`GET /v1/models/{m}`: KServe v1's `ready` and TensorFlow Serving's version states."""
+    status = httpx.get(server.url + "/v1/models/digits_onnx")
+    assert status.status_code == 200, status.text
+    body = status.json()
+    assert body["name"] == "digits_onnx" and body["ready"] is True
+    ok = {"error_code": "OK", "error_message": ""}
+    assert body["model_version_status"] == [{"version": "1", "state": "AVAILABLE", "status": ok}]
+    one = httpx.get(server.url + "/v1/models/digits_onnx/versions/1").json()
+    assert one == body
+    assert httpx.get(server.url + "/v1/models/digits_onnx/versions/7").status_code == 404
+    assert httpx.get(server.url + "/v1/models/no_such_model").status_code == 404
+    # a model that failed to load: known, not ready, and why
+    broken = httpx.get(server.url + "/v1/models/broken")
+    assert broken.status_code == 200, broken.text
+    assert broken.json()["ready"] is False, broken.json()
+    failed = broken.json()["model_version_status"]
+    reasons = [v["status"]["error_message"] for v in failed] + [broken.json().get("reason")]
+    assert all(v["state"] == "END" for v in failed) and any(reasons), broken.json()
