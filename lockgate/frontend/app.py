@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from lockgate import __version__
+from lockgate.backends.base import LLM_BACKEND
 from lockgate.cache.redis_tier import RedisSettings
 from lockgate.cache.response_cache import ResponseCache
 from lockgate.compose.executor import Executor
@@ -35,6 +36,7 @@ from lockgate.frontend import v2_routes
 from lockgate.frontend.access_log import AccessEntry, AccessLog, model_of, request_id
 from lockgate.frontend.cors import Cors, is_preflight, origin_of
 from lockgate.frontend.dashboard import dashboard_page
+from lockgate.frontend.generate_tensor_routes import generate_tensors_route
 from lockgate.frontend.http import (
     ClientDisconnected,
     CompressingSend,
@@ -555,15 +557,13 @@ class App:
         allowed = MODEL_ROUTES.get(action) if len(rest) <= 1 else None
         if allowed is None:
             raise NotFound(f"no route for {request.method} {request.path[:200]}")
-        if action.startswith("generate") and self.generate is None:
-            raise NotFound("generate serves language models: this server runs without them")
         check_method(request.method, request.path, allowed)
-        if action == "infer":
+        if action in ("infer", "generate", "generate_stream"):
             granted = not self.settings.priority_keys or self.priority_granted(request.bearer())
+        if action == "infer":
             await v2_routes.infer(request, self.v2, name, version, granted)
         elif action in ("generate", "generate_stream"):
-            assert self.generate is not None
-            await self.generate(request, name, version, action == "generate_stream")
+            await self._generate(request, name, version, action == "generate_stream", granted)
         elif action == "":
             await v2_routes.document(request, self.v2.model_metadata(name, version))
         elif action == "ready":
@@ -572,6 +572,18 @@ class App:
             await v2_routes.document(request, self.v2.model_config(name, version))
         else:  # stats
             await v2_routes.document(request, self.v2.statistics(name, version))
+
+    async def _generate(
+        self, request: HttpRequest, name: str, version: str | None, stream: bool, granted: bool
+    ) -> None:
+        """Triton's generate extension: a language model's text, or any other model's
+        tensors from the body's fields."""
+        if self.v2.served(name, version).config.backend != LLM_BACKEND:
+            await generate_tensors_route(request, self.v2, name, version, stream, granted)
+        elif self.generate is None:
+            raise NotFound("generate serves language models: this server runs without them")
+        else:
+            await self.generate(request, name, version, stream)
 
     def not_ready(self) -> str | None:
         """Why the server is not ready (REST, gRPC and the gRPC health service ask this),
