@@ -139,7 +139,7 @@ def test_client_mistakes_are_400_with_a_message(
     assert says in r.json()["error"]
 
 
-def test_generate_refuses_what_no_model_answers(server: RunningServer) -> None:
+def test_generate_names_what_it_cannot_serve(server: RunningServer) -> None:
     url = server.url + "/v2/models"
     malformed = httpx.post(f"{url}/smollm2/generate_stream", content=b"{", timeout=30)
     assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]

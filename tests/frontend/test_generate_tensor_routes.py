@@ -111,13 +111,36 @@ class TritonPythonModel:
 """
 
 
+# an ensemble may not run a decoupled model
+ENSEMBLE_CONFIG = """
+name: "chain"
+platform: "ensemble"
+max_batch_size: 0
+input [
+  { name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "N" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+output [{ name: "OUT" data_type: TYPE_STRING dims: [ 1 ] }]
+ensemble_scheduling { step [{
+  model_name: "chatter"
+  model_version: -1
+  input_map { key: "text_input" value: "TEXT" }
+  input_map { key: "count" value: "N" }
+  output_map { key: "text_output" value: "OUT" }
+}] }
+"""
+
+
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return triton_repository(
+    root = triton_repository(
         tmp_path_factory.mktemp("generate-tensors-repo"),
         ("chatter", CHATTER_CONFIG, CHATTER_MODEL),
         ("upper", UPPER_CONFIG, UPPER_MODEL),
     )
+    (root / "chain" / "1").mkdir(parents=True)
+    (root / "chain" / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +266,13 @@ def test_bad_bodies_are_400_with_a_message(server: RunningServer, body: bytes, s
         reply = httpx.post(f"{server.url}/v2/models/chatter/{route}", content=body, timeout=30)
         assert reply.status_code == 400, reply.text
         assert says in reply.json()["error"]
+
+
+def test_an_ensemble_with_a_decoupled_step_is_refused_at_load(server: RunningServer) -> None:
+    index = httpx.post(f"{server.url}/v2/repository/index", json={}, timeout=10).json()
+    (entry,) = [e for e in index if e["name"] == "chain"]
+    assert entry["state"] == "UNAVAILABLE"
+    assert "its step 'chatter' is decoupled" in entry["reason"], entry
+    body = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}
+    reply = httpx.post(f"{server.url}/v2/models/chain/infer", json=body, timeout=10)
+    assert reply.status_code == 503 and "is decoupled" in reply.json()["error"]
