@@ -155,6 +155,18 @@ def events(lines: Iterator[str]) -> list[dict[str, Any]]:
     return [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
 
 
+def marked(repo: Path, request_id: str) -> list[str]:
+    """What chatter noted of a request once done: responses sent, and whether cancelled."""
+    mark = repo / "chatter" / "marks" / request_id
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = mark.read_text() if mark.exists() else ""
+        if text:  # written whole (write_text creates the file first)
+            return text.split()
+        time.sleep(0.02)
+    raise AssertionError(f"chatter noted nothing of request {request_id}")
+
+
 def cancelled(server: RunningServer) -> float:
     """The requests to chatter that ended cancelled, from /metrics (0 before the first)."""
     series = 'lockgate_requests_total{model="chatter",outcome="cancelled",version="1"} '
@@ -183,7 +195,9 @@ def test_each_response_of_a_decoupled_model_is_an_event_in_order(server: Running
     assert stream(server, "chatter", {"text_input": "x", "count": 0}).text == ""  # final alone
 
 
-def test_generate_on_a_decoupled_model_takes_exactly_one_response(server: RunningServer) -> None:
+def test_generate_on_a_decoupled_model_takes_exactly_one_response(
+    server: RunningServer, repo: Path
+) -> None:
     url = f"{server.url}/v2/models/chatter/generate"
     one = httpx.post(url, json={"text_input": "solo", "count": 1, "id": "one"}, timeout=30)
     assert one.status_code == 200, one.text
@@ -197,6 +211,10 @@ def test_generate_on_a_decoupled_model_takes_exactly_one_response(server: Runnin
     for count in (0, 3):
         many = httpx.post(url, json={"text_input": "x", "count": count}, timeout=30)
         assert many.status_code == 400 and many.json() == {"error": ONE_RESPONSE}
+    # the second response cancels the request: the model stops sending
+    body = {"text_input": "x", "count": 1000, "id": "many", "parameters": {"delay": 0.01}}
+    assert httpx.post(url, json=body, timeout=30).status_code == 400
+    assert marked(repo, "many")[1] == "True" and int(marked(repo, "many")[0]) < 1000
 
 
 def test_an_error_response_mid_stream_is_an_error_event_and_the_stream_goes_on(
@@ -216,7 +234,6 @@ def test_an_error_response_mid_stream_is_an_error_event_and_the_stream_goes_on(
 
 def test_a_client_that_goes_away_cancels_the_request(server: RunningServer, repo: Path) -> None:
     before = cancelled(server)
-    mark = repo / "chatter" / "marks" / "early"
     body = {"text_input": "long", "count": 1000, "id": "early", "parameters": {"delay": 0.01}}
     with httpx.stream(
         "POST", f"{server.url}/v2/models/chatter/generate_stream", json=body, timeout=30
@@ -226,10 +243,7 @@ def test_a_client_that_goes_away_cancels_the_request(server: RunningServer, repo
             read += line.startswith("data: ")
             if read == 3:
                 break  # and close the connection
-    deadline = time.monotonic() + 10
-    while not mark.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    sent, was_cancelled = mark.read_text().split()
+    sent, was_cancelled = marked(repo, "early")
     assert was_cancelled == "True" and 3 <= int(sent) < 1000
     assert cancelled(server) == before + 1
     # nothing of it is left: both instances answer at once
