@@ -20,6 +20,7 @@ As Triton maps them:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ from lockgate.protocol.v2_codec import (
 PARAMETERS = "parameters"  # the field whose fields are read as the body's own
 ID = "id"
 _JSON_ERRORS = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])  # values kept raw until placed
 
 
 class _Fields:
@@ -55,26 +57,26 @@ class _Fields:
         self.datatypes: dict[str, str] = {}
         self.parameters: dict[str, Any] = {}
 
-    def read(self, body: Mapping[str, Any], nested: bool) -> None:
-        for name, value in body.items():
+    def read(self, fields: Mapping[str, msgspec.Raw], nested: bool) -> None:
+        for name, raw in fields.items():
             spec = self.config.input(name)
             if spec is not None:
                 if name in self.inputs:
                     raise BadRequest(
                         f"input '{name}' is given twice (at the top and in parameters)"
                     )
-                self.inputs[name] = tensor(spec, value, self.config.batching)
+                self.inputs[name] = tensor(spec, raw, self.config.batching)
                 self.datatypes[name] = spec.datatype
             elif name == PARAMETERS and not nested:
-                if not isinstance(value, dict):
+                if bytes(raw).lstrip()[:1] != b"{":
                     raise BadRequest("parameters must be an object of name/value pairs")
-                self.read(value, nested=True)
+                self.read(_decode(raw, _FIELDS, PARAMETERS), nested=True)
             elif name != ID or nested:
                 if name in self.parameters:
                     raise BadRequest(
                         f"parameter '{name}' is given twice (at the top and in parameters)"
                     )
-                self.parameters[name] = parameter(name, value)
+                self.parameters[name] = parameter(name, raw)
         if len(self.parameters) > MAX_PARAMETERS:
             raise BadRequest(f"a request takes at most {MAX_PARAMETERS} parameters")
 
@@ -83,13 +85,10 @@ def decode(body: bytes, config: ModelConfig) -> V2InferRequest:
     """The v2 request a generate body amounts to on the model `config` describes; BadRequest
     (400) naming what is wrong. Whether every input the model needs is there, and at the
     right batch size, is checked later, as for any v2 request."""
-    try:
-        fields = msgspec.json.decode(body) if body.strip() else {}
-    except _JSON_ERRORS as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from None
-    if not isinstance(fields, dict):
-        raise BadRequest(f"the body must be a JSON object, got {type(fields).__name__}")
-    request_id = fields.get(ID, "")
+    if body.lstrip()[:1] != b"{":
+        raise BadRequest("the body must be a JSON object of fields")
+    fields = _decode(body, _FIELDS, "the body")
+    request_id = msgspec.json.decode(fields.pop(ID, b'""'))
     if not isinstance(request_id, str):
         raise BadRequest("id must be a string")
     read = _Fields(config)
@@ -98,29 +97,37 @@ def decode(body: bytes, config: ModelConfig) -> V2InferRequest:
     return V2InferRequest(request_id, read.inputs, read.datatypes, read.parameters, [], False)
 
 
-def tensor(spec: TensorSpec, value: object, batching: bool) -> np.ndarray:
+def tensor(spec: TensorSpec, raw: msgspec.Raw | bytes, batching: bool) -> np.ndarray:
     """An input's array from its field: a value or a flat list of values of its datatype."""
-    values = value if isinstance(value, list) else [value]
     element, kind = json_element(spec.datatype)
-    for item in values:
-        if not _is(item, element):
-            got = "a list" if isinstance(item, list) else type(item).__name__
-            raise BadRequest(
-                f"input '{spec.name}': {spec.datatype} takes {kind} (a value or a flat list "
-                f"of them), got {got}"
-            )
+    try:
+        value = _values(element).decode(raw)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(
+            f"input '{spec.name}': {spec.datatype} takes {kind}, a value or a flat list of "
+            f"them: {exc}"
+        ) from None
+    except _JSON_ERRORS as exc:
+        raise BadRequest(f"input '{spec.name}': malformed JSON: {exc}") from None
+    values = value if isinstance(value, list) else [value]
     dims = (-1, *spec.dims) if batching else spec.dims
     return to_array(spec.name, spec.datatype, values).reshape(
         shape_of(spec.name, len(values), dims)
     )
 
 
-def _is(item: object, element: type) -> bool:
-    if isinstance(item, bool):
-        return element is bool
-    if element is float:
-        return isinstance(item, int | float)
-    return isinstance(item, element)
+@functools.cache
+def _values(element: type) -> msgspec.json.Decoder[Any]:
+    return msgspec.json.Decoder(element | list[element])  # type: ignore[valid-type]
+
+
+def _decode(raw: msgspec.Raw | bytes, decoder: msgspec.json.Decoder[Any], what: str) -> Any:
+    try:
+        return decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"{what} must be a JSON object of fields: {exc}") from None
+    except _JSON_ERRORS as exc:
+        raise BadRequest(f"malformed JSON in {what}: {exc}") from None
 
 
 def shape_of(name: str, count: int, dims: Sequence[int]) -> tuple[int, ...]:
@@ -145,13 +152,19 @@ def _unshaped(name: str, count: int, dims: Sequence[int]) -> str:
     return f"input '{name}': {count} value(s) cannot take its shape {dims_text(dims)}"
 
 
-def parameter(name: str, value: object) -> str | int | float | bool:
+def parameter(name: str, raw: msgspec.Raw | bytes) -> str | int | float | bool:
+    """A request parameter's value: a string, a number or a boolean."""
+    data = bytes(raw)
+    value = None if data.lstrip()[:1] in (b"[", b"{") else _decode(data, _ANY, f"'{name[:80]}'")
     if isinstance(value, str | int | float):  # bool is an int
         return value
     raise BadRequest(
         f"parameter '{name[:80]}' must be a string, a number or a boolean "
-        f"(or name one of the model's inputs)"
+        "(or name one of the model's inputs)"
     )
+
+
+_ANY = msgspec.json.Decoder()
 
 
 def encode(

@@ -270,7 +270,7 @@ def test_a_model_that_answers_once_answers_both_routes(server: RunningServer) ->
         (b'{"text_input": "x", "count": "three"}', "INT32 takes integers"),
         (b'{"text_input": 5, "count": 1}', "BYTES takes strings"),
         (b'{"text_input": ["a", "b"], "count": 1}', "2 value(s) cannot take its shape [1]"),
-        (b'{"text_input": "x", "count": [[1]]}', "got a list"),
+        (b'{"text_input": "x", "count": [[1]]}', "got `array`"),
         (b'{"text_input": "x", "count": 1, "parameters": 3}', "parameters must be an object"),
         (b'{"text_input": "x", "count": 1, "extra": {"a": 1}}', "parameter 'extra' must be"),
     ],
