@@ -18,7 +18,7 @@ from tests.backends.test_triton_python import triton_repository
 from tests.conftest import RunningServer, start_server
 
 # for a text and a count N, N responses "<text> <i><suffix>" (the suffix a request parameter),
-# then the final flag alone; the text "fail" makes the second an error response. It stops
+# then the final flag alone; the parameter fail_at makes that response an error. It stops
 # early once its client has gone, and notes how many it sent and whether it was cancelled
 CHATTER_CONFIG = """
 name: "chatter"
@@ -62,8 +62,9 @@ class TritonPythonModel:
             for i in range(count):
                 if sender.is_cancelled():
                     break
-                if text == "fail" and i == 1:
-                    error = pb_utils.TritonError(f"response {i} failed")
+                if i == parameters.get("fail_at"):
+                    code = pb_utils.TritonError.INVALID_ARG
+                    error = pb_utils.TritonError(f"response {i} failed", code)
                     sender.send(pb_utils.InferenceResponse(error=error))
                 else:
                     sender.send(pb_utils.InferenceResponse([
@@ -220,11 +221,16 @@ def test_generate_on_a_decoupled_model_takes_exactly_one_response(
 def test_an_error_response_mid_stream_is_an_error_event_and_the_stream_goes_on(
     server: RunningServer,
 ) -> None:
-    reply = stream(server, "chatter", {"text_input": "fail", "count": 3})
-    assert reply.status_code == 200  # the first response's
-    got = events(iter(reply.text.splitlines()))
-    assert [event.get("text_output") for event in got] == ["fail 0", None, "fail 2"]
-    assert got[1] == {"error": "model 'chatter': response 1 failed"}
+    for fail_at, status in ((1, 200), (0, 400)):  # the status is the first response's
+        body = {"text_input": "fail", "count": 3, "parameters": {"fail_at": fail_at}}
+        reply = stream(server, "chatter", body)
+        assert reply.status_code == status
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        got = events(iter(reply.text.splitlines()))
+        texts: list[str | None] = ["fail 0", "fail 1", "fail 2"]
+        texts[fail_at] = None
+        assert [event.get("text_output") for event in got] == texts
+        assert got[fail_at] == {"error": f"model 'chatter': response {fail_at} failed"}
     again = stream(server, "chatter", {"text_input": "after", "count": 2})
     assert [event["text_output"] for event in events(iter(again.text.splitlines()))] == [
         "after 0",
