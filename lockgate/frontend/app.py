@@ -106,7 +106,7 @@ class OpenAIHandler(Protocol):
     async def detokenize(self, request: HttpRequest) -> None: ...
 
 
-# Triton's generate extension: (request, model, version, streamed)
+# Triton's generate extension on a language model: (request, model, version, streamed)
 GenerateHandler = Callable[[HttpRequest, str, str | None, bool], Awaitable[None]]
 
 
@@ -506,8 +506,7 @@ class App:
         elif parts[:2] == ["v2", "models"] and len(parts) >= 3:
             await self._model_route(request, parts[2:])
         elif (target := predict_target(parts)) is not None:  # before the OpenAI API's /v1
-            granted = not self.settings.priority_keys or self.priority_granted(request.bearer())
-            await predict_route(request, self.v2, *target, granted)
+            await predict_route(request, self.v2, *target, self._granted(request))
         elif parts and parts[0] == "v1" and self.openai is not None:
             await self.openai(request, parts[1:])
         elif path in TOKEN_PATHS and self.openai is not None:
@@ -558,12 +557,10 @@ class App:
         if allowed is None:
             raise NotFound(f"no route for {request.method} {request.path[:200]}")
         check_method(request.method, request.path, allowed)
-        if action in ("infer", "generate", "generate_stream"):
-            granted = not self.settings.priority_keys or self.priority_granted(request.bearer())
         if action == "infer":
-            await v2_routes.infer(request, self.v2, name, version, granted)
+            await v2_routes.infer(request, self.v2, name, version, self._granted(request))
         elif action in ("generate", "generate_stream"):
-            await self._generate(request, name, version, action == "generate_stream", granted)
+            await self._generate(request, name, version, action == "generate_stream")
         elif action == "":
             await v2_routes.document(request, self.v2.model_metadata(name, version))
         elif action == "ready":
@@ -573,12 +570,17 @@ class App:
         else:  # stats
             await v2_routes.document(request, self.v2.statistics(name, version))
 
+    def _granted(self, request: HttpRequest) -> bool:
+        """Whether the request may ask for a priority above its model's default."""
+        return not self.settings.priority_keys or self.priority_granted(request.bearer())
+
     async def _generate(
-        self, request: HttpRequest, name: str, version: str | None, stream: bool, granted: bool
+        self, request: HttpRequest, name: str, version: str | None, stream: bool
     ) -> None:
         """Triton's generate extension: a language model's text, or any other model's
         tensors from the body's fields."""
         if self.v2.served(name, version).config.backend != LLM_BACKEND:
+            granted = self._granted(request)
             await generate_tensors_route(request, self.v2, name, version, stream, granted)
         elif self.generate is None:
             raise NotFound("generate serves language models: this server runs without them")
