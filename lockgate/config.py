@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from lockgate.errors import ConfigError
+
 # KServe v2 datatypes.
 DATATYPES = (
     "BOOL",
@@ -160,6 +162,16 @@ class ModelConfig:
     decoupled: bool = False
     max_buffered_responses: int = 64
     source: str = ""  # the file this config came from, for error messages
+
+    def __post_init__(self) -> None:
+        if self.decoupled and self.response_cache.enable:  # as Triton refuses it
+            raise ConfigError(
+                self.source or self.name,
+                "response_cache",
+                "the response cache does not support decoupled models "
+                "(model_transaction_policy { decoupled: true }): each request is answered by "
+                "a stream of responses, not one answer to keep; disable response_cache",
+            )
 
     def input(self, name: str) -> TensorSpec | None:
         for spec in self.inputs:

@@ -219,7 +219,7 @@ class Executor:
         elif isinstance(service, StreamingService):
             raise BadRequest(
                 f"model '{request.model}' is decoupled: its responses stream over gRPC "
-                "ModelStreamInfer"
+                f"ModelStreamInfer or /v2/models/{request.model}/generate_stream"
             )
         else:
             raise BadRequest(

@@ -40,7 +40,7 @@ from lockgate.core.runner import Instance, instance_thread
 from lockgate.core.serving_metrics import ServingMetrics
 from lockgate.core.slo import ServiceProfile
 from lockgate.core.warmup import profile_sample, sample_batch, synthetic_batch
-from lockgate.errors import BadRequest, NotFound, Unavailable
+from lockgate.errors import BadRequest, ConfigError, NotFound, Unavailable
 
 log = logging.getLogger("lockgate.models")
 
@@ -180,9 +180,19 @@ class ModelManager:
                 )
         for ensemble_step in config.ensemble:
             served = self._step(ensemble_step.model, ensemble_step.version)
-            problem = "" if served is None else _unmapped(ensemble_step, served.config)
+            problem = "" if served is None else _step_problem(ensemble_step, served.config)
             if problem:
                 raise Unavailable(f"model '{name}' is not ready: {problem}", retry_after=1)
+
+    def _check_decoupled_steps(self, config: ModelConfig) -> None:
+        """Refuse to load an ensemble with a decoupled step among the models known now (those
+        of a repository being loaded are all known); a step that becomes decoupled later makes
+        the ensemble not ready (`_check_steps`)."""
+        for index, step in enumerate(config.ensemble):
+            known = self.models.get(step.model)
+            if known is not None and known.config is not None and known.config.decoupled:
+                field = f"ensemble_scheduling.step[{index}]"
+                raise ConfigError(config.source or config.name, field, _decoupled_step(step))
 
     def _step(self, name: str, version: int | None) -> ServedVersion | None:
         """The version of `name` a composition runs, if it serves."""
@@ -323,6 +333,8 @@ class ModelManager:
             served.fingerprint = await loop.run_in_executor(
                 None, version_fingerprint, config, served.path
             )
+        # past an await: every model of a repository loaded at once is listed by now
+        self._check_decoupled_steps(config)
         service_factory = get_service_factory(config.backend)
         if service_factory is not None:  # loads and warms up in one call
             start = time.monotonic()
@@ -500,6 +512,19 @@ class ModelManager:
         return all(
             m.latest_ready() is not None for m in self.models.values() if m.config is not None
         )
+
+
+def _step_problem(step: EnsembleStep, config: ModelConfig) -> str:
+    """Why an ensemble cannot run `step` on the model `config` describes ("" if it can)."""
+    return _decoupled_step(step) if config.decoupled else _unmapped(step, config)
+
+
+def _decoupled_step(step: EnsembleStep) -> str:
+    return (
+        f"its step '{step.model}' is decoupled (model_transaction_policy {{ decoupled: true }}): "
+        "an ensemble runs models that answer each request once; stream that model's responses "
+        "on its own (gRPC ModelStreamInfer or /generate_stream)"
+    )
 
 
 def _unmapped(step: EnsembleStep, config: ModelConfig) -> str:

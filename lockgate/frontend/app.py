@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from lockgate import __version__
+from lockgate.backends.base import LLM_BACKEND
 from lockgate.cache.redis_tier import RedisSettings
 from lockgate.cache.response_cache import ResponseCache
 from lockgate.compose.executor import Executor
@@ -35,6 +36,7 @@ from lockgate.frontend import v2_routes
 from lockgate.frontend.access_log import AccessEntry, AccessLog, model_of, request_id
 from lockgate.frontend.cors import Cors, is_preflight, origin_of
 from lockgate.frontend.dashboard import dashboard_page
+from lockgate.frontend.generate_tensor_routes import generate_tensors_route
 from lockgate.frontend.http import (
     ClientDisconnected,
     CompressingSend,
@@ -113,7 +115,7 @@ class OpenAIHandler(Protocol):
         ...
 
 
-# Triton's generate extension: (request, model, version, streamed)
+# Triton's generate extension on a language model: (request, model, version, streamed)
 GenerateHandler = Callable[[HttpRequest, str, str | None, bool], Awaitable[None]]
 
 
@@ -521,8 +523,7 @@ class App:
         elif parts[:2] == ["v2", "models"] and len(parts) >= 3:
             await self._model_route(request, parts[2:])
         elif (target := predict_target(parts)) is not None:  # before the OpenAI API's /v1
-            granted = not self.settings.priority_keys or self.priority_granted(request.bearer())
-            await predict_route(request, self.v2, *target, granted)
+            await predict_route(request, self.v2, *target, self._granted(request))
         elif (target := status_target(method, parts)) is not None and self._classic(target[0]):
             await status_route(request, self.v2, *target)
         elif parts and parts[0] == "v1" and self.openai is not None:
@@ -574,15 +575,11 @@ class App:
         allowed = MODEL_ROUTES.get(action) if len(rest) <= 1 else None
         if allowed is None:
             raise NotFound(f"no route for {request.method} {request.path[:200]}")
-        if action.startswith("generate") and self.generate is None:
-            raise NotFound("generate serves language models: this server runs without them")
         check_method(request.method, request.path, allowed)
         if action == "infer":
-            granted = not self.settings.priority_keys or self.priority_granted(request.bearer())
-            await v2_routes.infer(request, self.v2, name, version, granted)
+            await v2_routes.infer(request, self.v2, name, version, self._granted(request))
         elif action in ("generate", "generate_stream"):
-            assert self.generate is not None
-            await self.generate(request, name, version, action == "generate_stream")
+            await self._generate(request, name, version, action == "generate_stream")
         elif action == "":
             await v2_routes.document(request, self.v2.model_metadata(name, version))
         elif action == "ready":
@@ -591,6 +588,23 @@ class App:
             await v2_routes.document(request, self.v2.model_config(name, version))
         else:  # stats
             await v2_routes.document(request, self.v2.statistics(name, version))
+
+    def _granted(self, request: HttpRequest) -> bool:
+        """Whether the request may ask for a priority above its model's default."""
+        return not self.settings.priority_keys or self.priority_granted(request.bearer())
+
+    async def _generate(
+        self, request: HttpRequest, name: str, version: str | None, stream: bool
+    ) -> None:
+        """Triton's generate extension: a language model's text, or any other model's
+        tensors from the body's fields."""
+        if self.v2.served(name, version).config.backend != LLM_BACKEND:
+            granted = self._granted(request)
+            await generate_tensors_route(request, self.v2, name, version, stream, granted)
+        elif self.generate is None:
+            raise NotFound("generate serves language models: this server runs without them")
+        else:
+            await self.generate(request, name, version, stream)
 
     def not_ready(self) -> str | None:
         """Why the server is not ready (REST, gRPC and the gRPC health service ask this),

@@ -12,8 +12,7 @@ A route decodes its body into the OpenAI completion request it amounts to, then:
     collect   (answers sent whole) the outputs joined, per choice; with best_of, the best
     keep      cache a completion that finished
 
-and encodes the answer in its own wire format: nothing here knows one, except the framing of
-server-sent events that both streaming routes use (`send_event`).
+and encodes the answer in its own wire format: nothing here knows one.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from lockgate.cache.completion import Completion, CompletionCache, CompletionKey
 from lockgate.core.metrics import Counter
 from lockgate.errors import BadRequest, Forbidden, ServingError, Unavailable
 from lockgate.frontend.app import App
-from lockgate.frontend.http import HttpRequest, Send, cancel_on_disconnect
+from lockgate.frontend.http import HttpRequest, cancel_on_disconnect
 from lockgate.llm.guided import Grammar
 from lockgate.llm.sequence import SamplingParams
 from lockgate.llm.service import LLMService
@@ -484,12 +483,6 @@ class CompletionPipeline:
                 text, last.finish_reason.value, last.num_prompt_tokens, last.num_output_tokens
             )
             self.completions.put(key, completion)
-
-
-async def send_event(send: Send, payload: dict[str, Any]) -> None:
-    """One server-sent event, `data: <payload as JSON>`, of a streamed answer."""
-    body = b"data: " + _encode(payload) + b"\n\n"
-    await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
 def truncated(service: LLMService, prompt_ids: list[int], keep: int | None) -> list[int]:

@@ -20,9 +20,15 @@ from lockgate.frontend.completion_pipeline import (
     TEXT_COMPLETION,
     CompletionPipeline,
     Generation,
+)
+from lockgate.frontend.http import (
+    EVENT_STREAM,
+    HttpRequest,
+    answer_whole,
+    cancel_on_disconnect,
+    respond_json,
     send_event,
 )
-from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, respond_json
 from lockgate.llm.service import LLMService
 from lockgate.protocol import generate
 from lockgate.protocol import openai as oa
@@ -31,7 +37,6 @@ if TYPE_CHECKING:
     from lockgate.frontend.openai_routes import OpenAIRoutes
     from lockgate.llm.engine import RequestOutput
 
-SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 DEFAULT_MAX_TOKENS = 16  # as /v1/completions and vLLM
 Reply = Callable[[str], dict[str, Any]]  # text_output -> the response object
 
@@ -84,7 +89,7 @@ class GenerateRoutes:
         hit = await pipeline.cached(prepared)
         if hit is not None:
             cached = [(b"x-lockgate-cache", b"hit")]
-            await _answer_whole(request, stream, reply(prefix + hit.text), cached)
+            await answer_whole(request.send, stream, reply(prefix + hit.text), cached)
             return
         outputs = pipeline.submit(request, [prepared], oa.new_id("gen"))
         if stream:
@@ -118,7 +123,9 @@ async def _stream(
         try:
             async for out in outputs:
                 if not started:
-                    await send({"type": "http.response.start", "status": 200, "headers": SSE})
+                    await send(
+                        {"type": "http.response.start", "status": 200, "headers": EVENT_STREAM}
+                    )
                     started = True
                     if prefix:
                         await send_event(send, reply(prefix))
@@ -131,18 +138,6 @@ async def _stream(
             await send_event(send, generate.error(exc.message))
             last = None
     if not started:
-        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        await send({"type": "http.response.start", "status": 200, "headers": EVENT_STREAM})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
     return "".join(texts), last
-
-
-async def _answer_whole(
-    request: HttpRequest, stream: bool, payload: dict[str, Any], headers: list[tuple[bytes, bytes]]
-) -> None:
-    """One answer known in full: a JSON body, or a stream of one event."""
-    if not stream:
-        await respond_json(request.send, 200, payload, headers)
-        return
-    await request.send({"type": "http.response.start", "status": 200, "headers": SSE + headers})
-    await send_event(request.send, payload)
-    await request.send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -34,6 +34,11 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 JSON = b"application/json"
+# a streamed answer's headers (Triton's generate_stream, and lockgate's)
+EVENT_STREAM = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
 _json_encode = msgspec.json.Encoder().encode
 
 
@@ -273,6 +278,30 @@ async def respond_json(
     send: Send, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
     await respond(send, status, _json_encode(payload), JSON, headers)
+
+
+async def send_event(send: Send, payload: dict[str, Any]) -> None:
+    """One server-sent event, `data: <payload as JSON>`, of a streamed answer (after its
+    `http.response.start`)."""
+    body = b"data: " + _json_encode(payload) + b"\n\n"
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+async def answer_whole(
+    send: Send,
+    stream: bool,
+    payload: dict[str, Any],
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """One answer known in full: a JSON body, or (`stream`) a stream of one event."""
+    if not stream:
+        await respond_json(send, 200, payload, headers)
+        return
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": EVENT_STREAM + (headers or [])}
+    )
+    await send_event(send, payload)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def error_headers(error: ServingError) -> list[tuple[bytes, bytes]]:

@@ -34,10 +34,15 @@ from lockgate.frontend.completion_pipeline import (
     Generation,
     PreparedCompletion,
     check_message_count,
-    send_event,
     truncated,
 )
-from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, check_method, respond_json
+from lockgate.frontend.http import (
+    HttpRequest,
+    cancel_on_disconnect,
+    check_method,
+    respond_json,
+    send_event,
+)
 from lockgate.llm.sequence import TokenLogprobs
 from lockgate.llm.service import LLMMetrics, LLMService
 from lockgate.protocol import openai as oa

@@ -382,7 +382,7 @@ def _infer(params: tuple[dict[str, Any], ...], at: str) -> dict[str, Any]:
 
 def _generate(params: tuple[dict[str, Any], ...], at: str, stream: bool) -> dict[str, Any]:
     """Triton's generate extension on a language model: the text whole, or as server-sent
-    events."""
+    events (and, in words, on any other model)."""
     if stream:
         data = {
             "type": "string",
@@ -408,7 +408,7 @@ def _generate(params: tuple[dict[str, Any], ...], at: str, stream: bool) -> dict
         ok = _ok("GenerateResponse")
         operation_id, summary = f"generate{at}", "Generation (Triton)"
     body = {"application/json": {"schema": _ref("GenerateRequest"), "example": _GENERATE_EXAMPLE}}
-    return _operation(
+    operation = _operation(
         operation_id,
         summary,
         ok,
@@ -417,6 +417,18 @@ def _generate(params: tuple[dict[str, Any], ...], at: str, stream: bool) -> dict
         params=(_LLM_MODEL, *params[1:], _TIMEOUT),
         body=body,
     )
+    operation["description"] = _GENERATE_OTHER_MODELS
+    return operation
+
+
+_GENERATE_OTHER_MODELS = (
+    "Described here on a language model. Any other model answers too, as Triton answers on "
+    "its Python models: the body's fields named as the model's inputs are those inputs (a "
+    "value or a flat list of values), the others request parameters, and each answer is "
+    '`{"model_name", "model_version", <output>: value, ...}`; a decoupled model streams each '
+    "of its responses as an event (docs/protocols.md, Triton's generate extension on other "
+    "models)."
+)
 
 
 def _v2_paths() -> dict[str, Any]:

@@ -277,11 +277,13 @@ class V2Service:
 
     def check_coupled(self, served: ServedVersion, endpoint: str = "HTTP end point") -> None:
         """400 for a decoupled model, in Triton's words for `endpoint`: it answers only on a
-        stream (gRPC ModelStreamInfer)."""
+        stream (gRPC ModelStreamInfer, or Triton's generate extension)."""
         if served.config.decoupled:
+            name = served.config.name
             error = BadRequest(
                 f"{endpoint} doesn't support models with decoupled transaction policy: "
-                f"model '{served.config.name}' streams its responses over gRPC ModelStreamInfer"
+                f"model '{name}' streams its responses over gRPC ModelStreamInfer or "
+                f"/v2/models/{name}/generate_stream"
             )
             self.refused(served, error)
             raise error

@@ -187,7 +187,7 @@ def decode_infer_request(
     parsed = _parse_header(view[:split])
     binary = view[split:]
     planned = _plan_inputs(parsed.inputs, len(binary), max_elements, shared_memory)
-    _check_request_parameters(parsed.parameters)
+    check_request_parameters(parsed.parameters)
     outputs = _requested_outputs(parsed.outputs, shared_memory)
     checked = None if check is None else check([p.declared for p in planned])
     return V2InferRequest(
@@ -409,14 +409,14 @@ def _from_json(plan: _Planned) -> np.ndarray:
     values = _json_values(name, datatype, data, depth)
     if len(values) != plan.count:
         raise BadRequest(_count_mismatch(plan, len(values)))
-    return _to_array(name, datatype, values).reshape(shape)
+    return to_array(name, datatype, values).reshape(shape)
 
 
 def _check_scalars(plan: _Planned, data: bytes) -> None:
     """Numbers or booleans: exactly as many leaves as the shape has elements, in no more
     lists than the shape nests; checked on the raw bytes."""
     name, datatype, shape = plan.declared.name, plan.declared.datatype, plan.declared.shape
-    _, kind = _json_element(datatype)
+    _, kind = json_element(datatype)
     for char, what in ((b"{", "objects"), (b'"', "strings")):
         if char in data:
             raise BadRequest(f"input '{name}': data for {datatype} must be {kind}, not {what}")
@@ -461,7 +461,7 @@ def nested_lists(shape: Sequence[int]) -> int:
     return total
 
 
-def _to_array(name: str, datatype: str, values: list[Any]) -> np.ndarray:
+def to_array(name: str, datatype: str, values: list[Any]) -> np.ndarray:
     # values: flat, row-major, already checked to be of the datatype's JSON kind
     if datatype == "BYTES":
         array = np.empty(len(values), dtype=np.object_)
@@ -482,7 +482,7 @@ def _to_array(name: str, datatype: str, values: list[Any]) -> np.ndarray:
 
 def _json_values(name: str, datatype: str, data: bytes, depth: int) -> list[Any]:
     """The flat, type-checked element list of a JSON `data` array nested `depth` deep."""
-    element, kind = _json_element(datatype)
+    element, kind = json_element(datatype)
     try:
         values: list[Any] = _decoder(element, depth).decode(data)
     except msgspec.ValidationError as error:
@@ -504,7 +504,7 @@ def _decoder(element: type, depth: int) -> msgspec.json.Decoder[Any]:
     return msgspec.json.Decoder(list[kind])  # type: ignore[valid-type]
 
 
-def _json_element(datatype: str) -> tuple[type, str]:
+def json_element(datatype: str) -> tuple[type, str]:
     """The JSON element type of a datatype and how to say it in an error."""
     if datatype in _INTEGERS:
         return int, "integers"
@@ -540,7 +540,7 @@ def _requested_output(entry: _OutputIn, shared_memory: SharedMemory | None) -> R
     return RequestedOutput(entry.name, binary, classes, where)
 
 
-def _check_request_parameters(params: dict[str, Any]) -> None:
+def check_request_parameters(params: dict[str, Any]) -> None:
     for key in ("priority", "timeout"):
         if key in params and not _is_count(params[key]):
             raise BadRequest(f"request parameter '{key}' must be a non-negative integer")

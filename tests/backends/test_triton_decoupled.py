@@ -489,6 +489,16 @@ def test_only_a_triton_python_model_may_be_decoupled(tmp_path: Path) -> None:
         load_composition(config, tmp_path / "1")
 
 
+def test_a_decoupled_model_may_not_enable_the_response_cache() -> None:
+    """As Triton refuses it: a stream of responses is no one answer to keep."""
+    pbtxt = 'backend: "python"\nmodel_transaction_policy { decoupled: true }\n'
+    parse_pbtxt_config(pbtxt, path="config.pbtxt", folder="m")
+    with pytest.raises(ConfigError, match="response cache does not support decoupled models"):
+        parse_pbtxt_config(
+            pbtxt + "response_cache { enable: true }\n", path="config.pbtxt", folder="m"
+        )
+
+
 def test_auto_complete_config_may_make_the_model_decoupled(tmp_path: Path) -> None:
     """As in Triton, a model's `auto_complete_config` may set the transaction policy."""
     (tmp_path / "1").mkdir()

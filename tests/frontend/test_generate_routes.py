@@ -139,12 +139,13 @@ def test_client_mistakes_are_400_with_a_message(
     assert says in r.json()["error"]
 
 
-def test_generate_routes_only_language_models(server: RunningServer) -> None:
+def test_generate_names_what_it_cannot_serve(server: RunningServer) -> None:
     url = server.url + "/v2/models"
     malformed = httpx.post(f"{url}/smollm2/generate_stream", content=b"{", timeout=30)
     assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]
+    # another model maps the fields to its inputs (frontend/generate_tensor_routes.py)
     classic = httpx.post(f"{url}/digits_onnx/generate", json={"text_input": "hi"}, timeout=30)
-    assert classic.status_code == 400 and "not a language model" in classic.json()["error"]
+    assert classic.status_code == 400 and "missing required input" in classic.json()["error"]
     unknown = httpx.post(f"{url}/nope/generate", json={"text_input": "hi"}, timeout=30)
     assert unknown.status_code == 404 and "nope" in unknown.json()["error"]
     version = httpx.post(f"{url}/smollm2/versions/9/generate", json={"text_input": "hi"})
