@@ -18,8 +18,8 @@ no outputs declared, the model returns `label` (or the output of `parameters.met
 
 A config that declares no inputs and no outputs is completed from the estimator
 (`autocomplete`): one FP64 input `input` of `n_features_in_` values, and one output, a
-classifier's `label` (INT64, FP64 or BYTES, as its `classes_`) or any other estimator's
-`predict` (FP64; `[n_outputs_]` per row when it predicts several values).
+classifier's `label` or any other estimator's `predict`, with the datatype and the values per
+row of `predict` on one row of zeros (FP64, one value per row, when it refuses zeros).
 
 When both `predict` and `predict_proba` are asked of an estimator whose `predict` is by
 definition the class of highest probability (trees, forests, extra trees, histogram
@@ -168,21 +168,22 @@ def autocomplete(config: ModelConfig, version_dir: Path) -> ModelConfig:
         return config
     batch = () if config.batching else (-1,)  # without batching the batch dim is the model's
     inputs = (TensorSpec("input", "FP64", (*batch, int(features))),)
-    return replace(config, inputs=inputs, outputs=(_predict_spec(estimator, batch),))
+    outputs = (_predict_spec(estimator, int(features), batch),)
+    return replace(config, inputs=inputs, outputs=outputs)
 
 
-def _predict_spec(estimator: Any, batch: tuple[int, ...]) -> TensorSpec:
-    """The output of `predict`: a classifier's label in the datatype of its classes, or any
-    other estimator's values, one or `n_outputs_` per row."""
+def _predict_spec(estimator: Any, features: int, batch: tuple[int, ...]) -> TensorSpec:
+    """The output of `predict`, its datatype and values per row as one row of zeros gives
+    them: a classifier's `label`, any other estimator's `predict`."""
     from sklearn.base import is_classifier
 
-    classes = getattr(estimator, "classes_", None)
-    if is_classifier(estimator) and isinstance(classes, np.ndarray):
-        datatype = datatype_of(classes) if classes.dtype.kind in "buifOSU" else "BYTES"
-        return TensorSpec("label", datatype, batch)
-    outputs = getattr(estimator, "n_outputs_", 1)
-    per_row = (int(outputs),) if isinstance(outputs, int | np.integer) and outputs > 1 else ()
-    return TensorSpec("predict", "FP64", (*batch, *per_row))
+    name = "label" if is_classifier(estimator) else "predict"
+    try:
+        probe = np.asarray(estimator.predict(np.zeros((1, features))))  # [1, ...]
+        datatype = datatype_of(probe)
+    except Exception:  # an estimator that refuses zeros: one FP64 value per row
+        return TensorSpec(name, "FP64", batch)
+    return TensorSpec(name, datatype, (*batch, *probe.shape[1:]))
 
 
 def output_methods(config: ModelConfig) -> dict[str, str]:
