@@ -689,7 +689,7 @@ def _models(args: argparse.Namespace) -> int:
         if repository is None:
             return 2
     try:
-        bare = find_bare_model(Path(repository), empty_ok=True)
+        bare = find_bare_model(Path(repository))
     except ConfigError as exc:
         print(f"lockgate: {exc.path}: {exc.problem}", file=sys.stderr)
         return 2
