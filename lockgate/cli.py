@@ -637,7 +637,7 @@ def _bare_model(args: argparse.Namespace, path: Path) -> BareModel | None:
     from lockgate.errors import ConfigError
 
     # an empty folder is a repository when models may be loaded into it later
-    bare = find_bare_model(path, args.model_name, args.model_control_mode != "none")
+    bare = find_bare_model(path, args.model_name, empty_ok=args.model_control_mode != "none")
     if bare is not None and args.model_control_mode == "explicit":
         problem = (
             "one model file is always loaded: --model-control-mode explicit loads and unloads "

@@ -41,19 +41,17 @@ _LISTED = 8  # names of what a folder holds, in the message that refuses it
 
 @dataclass(frozen=True, slots=True)
 class BareModel:
-    """The model file (links followed) and the name it is served under."""
+    """The model file (links followed), the name it is served under, and the backend its
+    name calls for (a link's name: the file it leads to may be named by a hash)."""
 
     name: str
     file: Path
+    backend: str
 
     @property
     def folder(self) -> Path:
         """Where the configs beside the file are read, and its version folder."""
         return self.file.parent
-
-    @property
-    def backend(self) -> str:
-        return file_backend(self.file.name) or ""
 
     def watched(self) -> list[Path]:
         """What poll mode watches: the model file and the config files beside it."""
@@ -101,14 +99,15 @@ def _neither(path: Path, children: list[Path], files: list[Path]) -> str:
 
 
 def _checked(path: Path, name: str, file: Path) -> BareModel:
-    if file_backend(path.name) is None:
+    backend = file_backend(path.name)
+    if backend is None:
         suffixes = ", ".join(model_file_suffixes())
         problem = f"not a model file: lockgate serves a {suffixes} file or a model repository"
         raise ConfigError(str(path), "model file", problem)
     if not is_safe_name(name):
         problem = f"{name!r} is not a model name (letters, digits, _ . -): give --model-name"
         raise ConfigError(str(path), "name", problem)
-    bare = BareModel(name, file)
+    bare = BareModel(name, file, backend)
     if not spec_of(bare.backend).autocomplete and not has_model_config(bare.folder):
         problem = (
             f"the {bare.backend} backend cannot read a model's inputs and outputs from its "

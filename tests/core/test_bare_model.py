@@ -173,3 +173,14 @@ def test_sklearn_classifier_and_regressor_are_autocompleted(tmp_path: Path) -> N
     assert bare is not None
     config = bare_entry(bare).config
     assert config is not None and config.outputs == (TensorSpec("predict", "FP64", (2,)),)
+
+
+def test_a_link_is_followed_to_a_file_named_by_its_hash(tmp_path: Path, onnx_file: Path) -> None:
+    (tmp_path / "blobs").mkdir()
+    shutil.copy(onnx_file, tmp_path / "blobs" / "9f2c1e")  # as a model hub's cache keeps it
+    (tmp_path / "digits.onnx").symlink_to(tmp_path / "blobs" / "9f2c1e")
+    bare = find_bare_model(tmp_path / "digits.onnx")
+    assert bare is not None and (bare.name, bare.backend) == ("digits", "onnxruntime")
+    entry = bare_entry(bare)
+    assert entry.ok and entry.path == tmp_path / "blobs"
+    assert entry.config is not None and entry.config.default_model_filename == "9f2c1e"

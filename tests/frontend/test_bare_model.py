@@ -103,6 +103,20 @@ def test_a_sklearn_joblib_answers_kserve_v1_as_its_predict(
         assert server.stop() == 0
 
 
+def test_lockgate_models_checks_a_file(
+    onnx_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lockgate import cli
+
+    shutil.copy(onnx_file, tmp_path / "digits.onnx")
+    assert cli.main(["models", str(tmp_path / "digits.onnx")]) == 0
+    line = capsys.readouterr().out.split()
+    assert line[:4] == ["digits", "OK", "backend=onnxruntime", "versions=1"]
+    shutil.copy(onnx_file, tmp_path / "other.onnx")
+    assert cli.main(["models", str(tmp_path)]) == 2
+    assert "holds 2 model files" in capsys.readouterr().err
+
+
 def serve_exit(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     """`lockgate serve path` run to its exit (it must not start)."""
     cmd = [sys.executable, "-m", "lockgate.cli", "serve", str(path), "--port", str(free_port())]
