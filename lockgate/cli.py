@@ -16,6 +16,7 @@ from lockgate import __version__
 
 if TYPE_CHECKING:
     from lockgate.cache.redis_tier import RedisSettings
+    from lockgate.core.bare_model import BareModel
 
 
 def _env_keys(name: str) -> frozenset[str]:
@@ -24,8 +25,22 @@ def _env_keys(name: str) -> frozenset[str]:
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="serve a model repository (default: the bundled demo)")
-    p.add_argument("repository", nargs="?", type=Path, help="model repository folder")
+    p = sub.add_parser(
+        "serve", help="serve a model repository or one model file (default: the bundled demo)"
+    )
+    p.add_argument(
+        "repository",
+        nargs="?",
+        type=Path,
+        help="model repository folder, or one model file (.onnx, .joblib, .pkl, .pt, .pt2), or "
+        "a folder that holds one (as KServe's /mnt/models)",
+    )
+    p.add_argument(
+        "--model-name",
+        metavar="NAME",
+        help="the name a single model file is served under (default: the file's stem, or the "
+        "name of the folder that holds it); a repository's models keep their folders' names",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -498,8 +513,12 @@ def _serve(args: argparse.Namespace) -> int:
         repository = _build_demo(build_demo_repository, default_demo_path())
         if repository is None:
             return 2
-    if not Path(repository).is_dir():
-        print(f"lockgate: no model repository at {repository}", file=sys.stderr)
+    from lockgate.errors import ConfigError
+
+    try:
+        bare = _bare_model(args, Path(repository))
+    except ConfigError as exc:
+        print(f"lockgate: {exc.path}: {exc.problem}", file=sys.stderr)
         return 2
     count = _replica_count(args, Path(repository))
     if count > 1 and args.health_port is not None:
@@ -591,6 +610,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     options = ServeOptions(
         repository=Path(repository),
+        bare=bare,
         host=args.host,
         port=args.port,
         drain_timeout=args.drain_timeout,
@@ -608,6 +628,30 @@ def _serve(args: argparse.Namespace) -> int:
         health_stale_s=args.health_stale_s,
     )
     return run(options)
+
+
+def _bare_model(args: argparse.Namespace, path: Path) -> BareModel | None:
+    """The one model file `path` names (None: `path` is a repository). ConfigError when it is
+    neither, or when the model control mode has no meaning for one file."""
+    from lockgate.core.bare_model import find_bare_model
+    from lockgate.errors import ConfigError
+
+    # an empty folder is a repository when models may be loaded into it later
+    bare = find_bare_model(path, args.model_name, empty_ok=args.model_control_mode != "none")
+    if bare is not None and args.model_control_mode == "explicit":
+        problem = (
+            "one model file is always loaded: --model-control-mode explicit loads and unloads "
+            "a repository's models (poll reloads the file when it changes)"
+        )
+        raise ConfigError(str(path), "--model-control-mode", problem)
+    if bare is None and args.model_name:
+        logging.getLogger("lockgate").info(
+            "--model-name %s names a single model file; %s is a repository, whose models keep "
+            "their folders' names",
+            args.model_name,
+            path,
+        )
+    return bare
 
 
 def _startup_models(args: argparse.Namespace) -> frozenset[str] | None:
@@ -633,7 +677,9 @@ def _build_demo(build: Callable[..., Path], dest: Path) -> Path | None:
 
 
 def _models(args: argparse.Namespace) -> int:
+    from lockgate.core.bare_model import bare_entry, find_bare_model
     from lockgate.core.repository import scan_repository
+    from lockgate.errors import ConfigError
 
     repository = args.repository
     if repository is None:
@@ -642,7 +688,12 @@ def _models(args: argparse.Namespace) -> int:
         repository = _build_demo(build_demo_repository, default_demo_path())
         if repository is None:
             return 2
-    entries = scan_repository(Path(repository))
+    try:
+        bare = find_bare_model(Path(repository))
+    except ConfigError as exc:
+        print(f"lockgate: {exc.path}: {exc.problem}", file=sys.stderr)
+        return 2
+    entries = [bare_entry(bare)] if bare else scan_repository(Path(repository))
     bad = 0
     for entry in entries:
         if entry.error or entry.config is None:
@@ -664,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"lockgate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
-    p = sub.add_parser("models", help="list and check a model repository")
+    p = sub.add_parser("models", help="list and check a model repository or model file")
     p.add_argument("repository", nargs="?", type=Path)
     from lockgate.router import cli as route
 

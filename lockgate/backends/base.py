@@ -87,6 +87,7 @@ SPECS: tuple[BackendSpec, ...] = (
         "",
         ("model.joblib", "model.pkl"),
         "lockgate.backends.sklearn:load",
+        "lockgate.backends.sklearn:autocomplete",
         extra="sklearn",
     ),
     BackendSpec(
@@ -153,10 +154,27 @@ def get_service_factory(name: str) -> ModelServiceFactory | None:
     return factory
 
 
+def file_backend(filename: str) -> str | None:
+    """The backend that serves a model file named `filename` by its suffix (`digits.onnx`:
+    onnxruntime), or None. A Python file is code, not a model file: it is served only from a
+    repository's version folder."""
+    suffix = Path(filename).suffix
+    for spec in SPECS:
+        if suffix != ".py" and any(Path(name).suffix == suffix for name in spec.file_names):
+            return spec.name
+    return None
+
+
+def model_file_suffixes() -> tuple[str, ...]:
+    """The suffixes `file_backend` knows, for messages: .onnx, .joblib, ..."""
+    names = (name for spec in SPECS for name in spec.file_names)
+    return tuple(Path(name).suffix for name in names if not name.endswith(".py"))
+
+
 def autocomplete(config: ModelConfig, version_dir: Path) -> ModelConfig:
     """The config with what the backend reads from the model file: inputs and outputs the
-    config omits (an ONNX graph's signature), or what a Triton Python model's
-    `auto_complete_config` sets."""
+    config omits (an ONNX graph's signature, an estimator's features and prediction), or
+    what a Triton Python model's `auto_complete_config` sets."""
     spec = _BY_NAME.get(config.backend)
     if spec is None or not spec.autocomplete:
         return config

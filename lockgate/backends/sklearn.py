@@ -16,6 +16,11 @@ name:
 `parameters.method` names the method of a single output whose name is none of these. With
 no outputs declared, the model returns `label` (or the output of `parameters.method`).
 
+A config that declares no inputs and no outputs is completed from the estimator
+(`autocomplete`): one FP64 input `input` of `n_features_in_` values, and one output, a
+classifier's `label` or any other estimator's `predict`, with the datatype and the values per
+row of `predict` on one row of zeros (FP64, one value per row, when it refuses zeros).
+
 When both `predict` and `predict_proba` are asked of an estimator whose `predict` is by
 definition the class of highest probability (trees, forests, extra trees, histogram
 gradient boosting), the labels are taken from the probabilities: one pass over the model
@@ -25,6 +30,7 @@ instead of two, which halves the cost of a forest.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +38,8 @@ import joblib
 import numpy as np
 
 from lockgate.backends.base import Arrays, model_file
-from lockgate.config import ModelConfig
-from lockgate.datatypes import numpy_dtype
+from lockgate.config import ModelConfig, TensorSpec
+from lockgate.datatypes import datatype_of, numpy_dtype
 from lockgate.errors import BackendError, BadRequest, ConfigError
 
 _METHOD_BY_NAME = {
@@ -139,13 +145,45 @@ _UNPICKLING = threading.Lock()
 
 def load(config: ModelConfig, version_dir: Path) -> SklearnBackend:
     """Load the estimator with joblib from the version folder (trusted repositories only)."""
-    path = model_file(config, version_dir)
+    return SklearnBackend(_estimator(model_file(config, version_dir)), config)
+
+
+def _estimator(path: Path) -> Any:
     try:
         with _UNPICKLING:  # unpickling imports sklearn: threads at once see half-imported modules
-            estimator = joblib.load(path)
+            return joblib.load(path)
     except Exception as exc:
         raise ConfigError(str(path), "model", f"joblib cannot load the estimator: {exc}") from exc
-    return SklearnBackend(estimator, config)
+
+
+def autocomplete(config: ModelConfig, version_dir: Path) -> ModelConfig:
+    """A config with no inputs and no outputs, completed from the estimator: its input of
+    `n_features_in_` values and its `predict` output. Left as it is when it declares either,
+    or when the estimator does not say how many features it takes."""
+    if config.inputs or config.outputs:
+        return config
+    estimator = _estimator(model_file(config, version_dir))
+    features = getattr(estimator, "n_features_in_", None)
+    if not isinstance(features, int | np.integer):
+        return config
+    batch = () if config.batching else (-1,)  # without batching the batch dim is the model's
+    inputs = (TensorSpec("input", "FP64", (*batch, int(features))),)
+    outputs = (_predict_spec(estimator, int(features), batch),)
+    return replace(config, inputs=inputs, outputs=outputs)
+
+
+def _predict_spec(estimator: Any, features: int, batch: tuple[int, ...]) -> TensorSpec:
+    """The output of `predict`, its datatype and values per row as one row of zeros gives
+    them: a classifier's `label`, any other estimator's `predict`."""
+    from sklearn.base import is_classifier
+
+    name = "label" if is_classifier(estimator) else "predict"
+    try:
+        probe = np.asarray(estimator.predict(np.zeros((1, features))))  # [1, ...]
+        datatype = datatype_of(probe)
+    except Exception:  # an estimator that refuses zeros: one FP64 value per row
+        return TensorSpec(name, "FP64", batch)
+    return TensorSpec(name, datatype, (*batch, *probe.shape[1:]))
 
 
 def output_methods(config: ModelConfig) -> dict[str, str]:

@@ -6,6 +6,7 @@ YAML is parsed here and Triton's format in `config_triton.py`; both end in the o
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -14,21 +15,43 @@ from lockgate.config import (
     ModelConfig,
 )
 from lockgate.core.config_reader import config_from_dict
-from lockgate.core.config_triton import parse_pbtxt_config
+from lockgate.core.config_triton import parse_pbtxt_config, read_pbtxt
 from lockgate.errors import ConfigError
 
 CONFIG_FILENAMES = ("config.yaml", "config.pbtxt")
 
 
-def load_model_config(model_dir: Path) -> ModelConfig:
-    """Read `<model_dir>/config.yaml`, or `config.pbtxt` when there is no YAML file."""
+def has_model_config(model_dir: Path) -> bool:
+    return any((model_dir / filename).is_file() for filename in CONFIG_FILENAMES)
+
+
+def load_model_config(model_dir: Path, name: str | None = None) -> ModelConfig:
+    """Read `<model_dir>/config.yaml`, or `config.pbtxt` when there is no YAML file.
+    `name`: the model's name when it is not the folder's (a bare model's config, beside its
+    file); a name the file declares yields to it."""
     for filename in CONFIG_FILENAMES:
         path = model_dir / filename
         if path.is_file():
             text = _read_text(path)
-            parse = parse_yaml_config if filename.endswith(".yaml") else parse_pbtxt_config
-            return parse(text, path=str(path), folder=model_dir.name)
+            yaml_file = filename.endswith(".yaml")
+            parse = parse_yaml_config if yaml_file else parse_pbtxt_config
+            if name is None:
+                return parse(text, path=str(path), folder=model_dir.name)
+            declared = _declared_name(text, str(path), yaml_file)
+            return replace(parse(text, path=str(path), folder=declared or name), name=name)
     raise ConfigError(str(model_dir), "config", "no config.yaml or config.pbtxt")
+
+
+def _declared_name(text: str, path: str, yaml_file: bool) -> str:
+    """The `name` a config file declares ("": none, or a file the parser will refuse)."""
+    if not yaml_file:
+        return read_pbtxt(text, path=path).name
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return ""
+    declared = raw.get("name") if isinstance(raw, dict) else None
+    return declared if isinstance(declared, str) else ""
 
 
 def _read_text(path: Path) -> str:

@@ -20,12 +20,13 @@ _CHUNK = 1 << 20
 _SKIPPED = frozenset({"__pycache__"})  # written by Python's import of a model.py
 
 
-def version_fingerprint(config: ModelConfig, version_dir: Path) -> str:
-    """A hash of the config and of every file under the version folder (names and bytes).
-    Reads every file: call it on a worker thread."""
+def version_fingerprint(config: ModelConfig, version_dir: Path, only: Path | None = None) -> str:
+    """A hash of the config and of every file under the version folder (names and bytes), or
+    of the one file `only` in it (a bare model's: its folder may hold anything else). Reads
+    every file: call it on a worker thread."""
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
     h.update(repr(replace(config, source="")).encode())
-    for path in _files(version_dir):
+    for path in _files(version_dir) if only is None else [only]:
         name = path.relative_to(version_dir).as_posix().encode()
         h.update(len(name).to_bytes(8, "little") + name)
         h.update(path.stat().st_size.to_bytes(8, "little"))

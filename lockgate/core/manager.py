@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from lockgate.backends.base import (
     ModelService,
     get_factory,
     get_service_factory,
+    model_file,
 )
 from lockgate.config import EnsembleStep, ModelConfig
 from lockgate.core.admission import AdmissionSettings
@@ -42,6 +44,9 @@ from lockgate.core.slo import ServiceProfile
 from lockgate.core.warmup import profile_sample, sample_batch, synthetic_batch
 from lockgate.errors import BadRequest, ConfigError, NotFound, Unavailable
 
+if TYPE_CHECKING:
+    from lockgate.core.bare_model import BareModel
+
 log = logging.getLogger("lockgate.models")
 
 
@@ -56,7 +61,8 @@ class ModelState(Enum):
 class ServedVersion:
     config: ModelConfig
     version: int
-    path: Path
+    path: Path  # the version folder, which the backend loads from
+    folder: Path  # the model folder: label files, warmup data
     state: ModelState = ModelState.LOADING
     error: str = ""
     batcher: Batcher | None = None
@@ -83,6 +89,10 @@ class ServedModel:
     config: ModelConfig | None
     versions: dict[int, ServedVersion] = field(default_factory=dict)
     error: str = ""
+    bare: bool = False  # one model file served as it is: `path` is its folder and version 1's
+
+    def version_dir(self, version: int) -> Path:
+        return self.path if self.bare else self.path / str(version)
 
     @property
     def failures(self) -> list[str]:
@@ -225,14 +235,16 @@ class ModelManager:
         return result
 
     # -- loading -----------------------------------------------------------------------
-    async def load_repository(self, root: Path) -> None:
-        """Load every model of a repository, concurrently. Failures are kept, not raised."""
+    async def load_repository(self, root: Path, bare: BareModel | None = None) -> None:
+        """Load every model of a repository, concurrently, or the one `bare` model file that
+        `root` names. Failures are kept, not raised."""
+        from lockgate.core.bare_model import bare_entry
         from lockgate.core.repository import scan_repository
 
         start = time.monotonic()
-        self.repository = root
-        chosen = self.settings.startup_models
-        scanned = scan_repository(root)
+        self.repository = None if bare else root  # a bare model's folder lists no others
+        chosen = None if bare else self.settings.startup_models
+        scanned = [bare_entry(bare)] if bare else scan_repository(root)
         if chosen is not None:
             for name in sorted(chosen - {e.name for e in scanned}):
                 log.error("--load-model %s: no such model in the repository %s", name, root)
@@ -245,7 +257,10 @@ class ModelManager:
             )
         ]
         await asyncio.gather(
-            *(self.load_model(e.name, e.path, e.config, e.versions, e.error) for e in entries)
+            *(
+                self.load_model(e.name, e.path, e.config, e.versions, e.error, bare=e.bare)
+                for e in entries
+            )
         )
         ready = sum(1 for m in self.models.values() if m.latest_ready() is not None)
         log.info(
@@ -263,13 +278,15 @@ class ModelManager:
         config: ModelConfig | None,
         versions: list[int],
         error: str | None = None,
+        *,
+        bare: bool = False,
     ) -> ServedModel:
         """Load a model, or reload one already served without a gap: the old versions keep
         serving until the new ones are warm, then drain. A reload in which a version fails
         leaves the old model serving and returns the failed one, with its errors (as Triton,
         which keeps the loaded versions when any new one fails)."""
         old = self.models.get(name)
-        model = ServedModel(name, path, config, error=error or "")
+        model = ServedModel(name, path, config, error=error or "", bare=bare)
         if old is None:
             self.models[name] = model  # listed at once, with readiness "loading"
         if config is None or error:
@@ -297,7 +314,7 @@ class ModelManager:
         log.info("model %s reloaded: versions %s", new.name, sorted(ready))
 
     async def _load_version(self, model: ServedModel, config: ModelConfig, version: int) -> None:
-        served = ServedVersion(config, version, model.path / str(version))
+        served = ServedVersion(config, version, model.version_dir(version), model.path)
         model.versions[version] = served
         labels = (model.name, str(version))
         loaded = self.models.get(model.name)
@@ -328,10 +345,12 @@ class ModelManager:
     async def _start(self, served: ServedVersion) -> None:
         loop = asyncio.get_running_loop()
         config, labels = served.config, (served.config.name, str(served.version))
-        served.labels = read_labels(config, served.path.parent)
+        served.labels = read_labels(config, served.folder)
         if config.backend != LLM_BACKEND:  # weights of gigabytes; their cache keys differ
+            bare = served.path == served.folder  # its folder may hold anything else
+            only = model_file(config, served.path) if bare else None
             served.fingerprint = await loop.run_in_executor(
-                None, version_fingerprint, config, served.path
+                None, version_fingerprint, config, served.path, only
             )
         # past an await: every model of a repository loaded at once is listed by now
         self._check_decoupled_steps(config)
@@ -381,7 +400,7 @@ class ModelManager:
         profile = ServiceProfile(max(1, config.max_batch_size))
         await asyncio.gather(
             *(
-                loop.run_in_executor(i.executor, self._warm, config, served.path.parent, i)
+                loop.run_in_executor(i.executor, self._warm, config, served.folder, i)
                 for i in instances
             )
         )
@@ -389,7 +408,7 @@ class ModelManager:
             instances[0].executor,
             self._measure,
             config,
-            served.path.parent,
+            served.folder,
             instances[0],
             profile,
         )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lockgate.backends.base import autocomplete, model_file
 from lockgate.config import ModelConfig
-from lockgate.core.config_files import load_model_config
+from lockgate.core.config_files import has_model_config, load_model_config
 from lockgate.core.config_reader import check_warmup_inputs
 from lockgate.core.config_triton import parse_json_config
 from lockgate.errors import ConfigError
@@ -37,6 +37,7 @@ class ModelEntry:
     config: ModelConfig | None = None
     versions: list[int] = field(default_factory=list)
     error: str | None = None
+    bare: bool = False  # one model file (`core/bare_model.py`): `path` is its folder
 
     @property
     def ok(self) -> bool:
@@ -46,6 +47,15 @@ class ModelEntry:
 def is_safe_name(name: str) -> bool:
     """A model name that is one plain path component: no `..`, no separator, not hidden."""
     return _SAFE_NAME.fullmatch(name) is not None and ".." not in name
+
+
+def is_model_folder(folder: Path) -> bool:
+    """A folder with a config file or a numbered version folder: a repository's model."""
+    if not folder.is_dir():
+        return False
+    if has_model_config(folder):
+        return True
+    return any(_VERSION_NAME.fullmatch(c.name) and c.is_dir() for c in folder.iterdir())
 
 
 def scan_repository(root: Path) -> list[ModelEntry]:

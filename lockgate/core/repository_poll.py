@@ -15,11 +15,15 @@ poll, so a model being copied in is not loaded half-written:
 Language models are left alone when the server does not load them (`--no-llm`). The walk runs
 on a worker thread: a repository on a slow mount does not hold the event loop. Pure
 bookkeeping but for `poll`, which does the loading.
+
+A bare model (`core/bare_model.py`) is watched the same way, by its file and the config files
+beside it (`bare_polling`): reloaded when they change, unloaded when the file is removed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lockgate.backends.base import LLM_BACKEND
+from lockgate.core.bare_model import BareModel, bare_entry
 from lockgate.core.manager import ModelManager
 from lockgate.core.repository import model_names, scan_model
 
@@ -47,6 +52,18 @@ def fingerprint(folder: Path) -> Fingerprint:
             except OSError:  # removed while walking, or a dangling link
                 continue
             found.add((os.path.relpath(path, folder), stat.st_size, stat.st_mtime_ns))
+    return frozenset(found)
+
+
+def files_fingerprint(paths: list[Path]) -> Fingerprint:
+    """`fingerprint` of the files among `paths` that exist, by name."""
+    found = set()
+    for path in paths:
+        try:
+            stat = path.stat()
+        except OSError:  # absent, or a dangling link
+            continue
+        found.add((path.name, stat.st_size, stat.st_mtime_ns))
     return frozenset(found)
 
 
@@ -101,19 +118,22 @@ class RepositoryWatch:
 Loader = Callable[[str], Awaitable[None]]
 
 
+Look = Callable[[], dict[str, Fingerprint]]  # a snapshot of what is watched, by model name
+
+
 @dataclass(slots=True)
 class RepositoryPoller:
-    """Polls `root` every `interval` seconds and hands each change to `load` or `unload`
-    (by model name), one at a time, in name order."""
+    """Takes a snapshot with `look` every `interval` seconds and hands each change to `load`
+    or `unload` (by model name), one at a time, in name order."""
 
-    root: Path
+    look: Look
     interval: float
     load: Loader
     unload: Loader
     watch: RepositoryWatch = field(init=False)
 
     def __post_init__(self) -> None:
-        self.watch = RepositoryWatch(snapshot(self.root))
+        self.watch = RepositoryWatch(self.look())
 
     async def run(self) -> None:
         while True:
@@ -122,7 +142,7 @@ class RepositoryPoller:
 
     async def poll(self) -> Changes:
         """One look at the repository, and what it changed."""
-        now = await asyncio.to_thread(snapshot, self.root)
+        now = await asyncio.to_thread(self.look)
         changes = self.watch.observe(now)
         for name in changes.unload:
             log.info("repository poll: model %s was removed: unloading it", name)
@@ -153,8 +173,28 @@ def polling(manager: ModelManager, root: Path, interval: float) -> RepositoryPol
             return
         await manager.load_model(entry.name, entry.path, config, entry.versions, entry.error)
 
+    return RepositoryPoller(functools.partial(snapshot, root), interval, load, _unloader(manager))
+
+
+def bare_polling(manager: ModelManager, bare: BareModel, interval: float) -> RepositoryPoller:
+    """A poller that reloads a bare model when its file or a config beside it changes, and
+    unloads it when its file is removed."""
+
+    def look() -> dict[str, Fingerprint]:
+        return {bare.name: files_fingerprint(bare.watched())} if bare.file.is_file() else {}
+
+    async def load(name: str) -> None:
+        entry = await asyncio.to_thread(bare_entry, bare)
+        await manager.load_model(
+            entry.name, entry.path, entry.config, entry.versions, entry.error, bare=True
+        )
+
+    return RepositoryPoller(look, interval, load, _unloader(manager))
+
+
+def _unloader(manager: ModelManager) -> Loader:
     async def unload(name: str) -> None:
         if name in manager.models:
             await manager.unload(name)
 
-    return RepositoryPoller(root, interval, load, unload)
+    return unload

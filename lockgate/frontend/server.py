@@ -49,6 +49,7 @@ import msgspec
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from lockgate.core.bare_model import BareModel
 from lockgate.core.heap import freeze_heap
 from lockgate.core.manager import ModelManager, ServingSettings
 from lockgate.core.metrics import Counter, Registry
@@ -71,6 +72,7 @@ Extension = Callable[[App], Awaitable[None]]
 @dataclass(slots=True)
 class ServeOptions:
     repository: Path | None
+    bare: BareModel | None = None  # `repository` names one model file, not a repository
     host: str = "127.0.0.1"
     port: int = 8000
     drain_timeout: float = 30.0
@@ -873,7 +875,7 @@ class _Server(uvicorn.Server):
 def build_app(options: ServeOptions) -> App:
     registry = Registry()
     models = ModelManager(registry, options.serving)
-    options.http.repository = options.repository
+    options.http.repository = None if options.bare else options.repository
     app = App(models, options.http)
     try:
         from lockgate.frontend.generate_routes import GenerateRoutes
@@ -890,9 +892,9 @@ async def load(app: App, options: ServeOptions) -> None:
     start = time.monotonic()
     try:
         if options.repository is not None:
-            await app.models.load_repository(options.repository)
+            await app.models.load_repository(options.repository, options.bare)
             if options.serving.repository_poll_s is not None:
-                _start_polling(app, options.repository, options.serving.repository_poll_s)
+                _start_polling(app, options, options.serving.repository_poll_s)
         for extension in options.extensions:
             await extension(app)
     except Exception:
@@ -902,13 +904,20 @@ async def load(app: App, options: ServeOptions) -> None:
     log.info("start-up complete in %.2f s", time.monotonic() - start)
 
 
-def _start_polling(app: App, repository: Path, interval: float) -> None:
-    """Poll mode: watch the repository for changes until the server stops."""
-    from lockgate.core.repository_poll import polling
+def _start_polling(app: App, options: ServeOptions, interval: float) -> None:
+    """Poll mode: watch the repository (or the bare model's file) for changes until the
+    server stops."""
+    from lockgate.core.repository_poll import bare_polling, polling
 
-    poller = polling(app.models, repository, interval)
+    assert options.repository is not None
+    if options.bare is None:
+        poller = polling(app.models, options.repository, interval)
+        watched = f"the repository {options.repository}"
+    else:
+        poller = bare_polling(app.models, options.bare, interval)
+        watched = f"the model file {options.bare.file}"
     app.background.append(asyncio.get_running_loop().create_task(poller.run()))
-    log.info("polling the repository %s every %g s for changes", repository, interval)
+    log.info("polling %s every %g s for changes", watched, interval)
 
 
 async def serve(options: ServeOptions) -> int:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from sklearn.linear_model import LogisticRegression
 
-from lockgate.backends.sklearn import load, output_methods
+from lockgate.backends.sklearn import autocomplete, load, output_methods
 from lockgate.config import ModelConfig, TensorSpec
 from lockgate.errors import BackendError, BadRequest, ConfigError
 
@@ -138,3 +138,16 @@ def test_an_estimator_whose_predict_is_not_the_argmax_is_called_for_each(
     assert not predict_from_proba(backend._estimator)
     result = backend.infer({"input": ROWS})
     np.testing.assert_array_equal(result["label"], backend._estimator.predict(ROWS))
+
+
+def test_autocomplete_reads_the_estimator_only_when_the_config_declares_nothing(
+    version_dir: Path, estimator: LogisticRegression
+) -> None:
+    declared = config()
+    assert autocomplete(declared, version_dir) is declared
+    bare = ModelConfig(name="clf", backend="sklearn", source="clf/config.yaml")  # unbatched
+    completed = autocomplete(bare, version_dir)
+    assert completed.inputs == (TensorSpec("input", "FP64", (-1, 2)),)
+    assert completed.outputs == (TensorSpec("label", "INT64", (-1,)),)
+    out = load(completed, version_dir).infer({"input": ROWS.astype(np.float64)})
+    np.testing.assert_array_equal(out["label"], estimator.predict(ROWS))

@@ -196,7 +196,7 @@ def test_a_version_whose_instances_all_restart_is_not_serving() -> None:
         ServiceProfile(4),
         AdmissionSettings(),
     )
-    served = ServedVersion(config, 1, Path("."), state=ModelState.READY, batcher=batcher)
+    served = ServedVersion(config, 1, Path("1"), Path("."), state=ModelState.READY, batcher=batcher)
     model = ServedModel("m", Path("."), config, {1: served})
     assert served.serving and model.latest_ready() is served
     instance.healthy = False  # a hang: restarting

@@ -10,6 +10,7 @@ Needs kubectl (for its built-in kustomize): skipped without it, failed without i
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import re
@@ -526,6 +527,7 @@ def test_kserve_runtime_serves_v2_on_kserve_ports() -> None:
     assert container["name"] == "kserve-container"
     args = container["args"]
     assert args[:2] == ["serve", "/mnt/models"]
+    assert flag(args, "--model-name") == "{{.Name}}"  # a bare model file: the isvc's name
     assert flag(args, "--host") == "0.0.0.0"
     assert flag(args, "--port") == "8080" and flag(args, "--grpc-port") == "9000"
     assert [p["containerPort"] for p in container["ports"]] == [8080]
@@ -543,7 +545,20 @@ def test_kserve_inference_service_uses_the_lockgate_runtime() -> None:
     supported = {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
     assert model["modelFormat"]["name"] in supported
     assert model["protocolVersion"] in runtime["spec"]["protocolVersions"]
-    assert model["storageUri"] == "gs://example-bucket/digits"
+    assert model["storageUri"] == "gs://example-bucket/digits/model.onnx"
+
+
+def test_kserve_runtime_args_are_lockgate_serve_options() -> None:
+    """The runtime's args, as KServe substitutes them, parse as `lockgate serve`'s own."""
+    from lockgate import cli
+
+    runtime = one(render("kserve"), "ClusterServingRuntime", "lockgate")
+    (container,) = runtime["spec"]["containers"]
+    args = [arg.replace("{{.Name}}", "digits") for arg in container["args"]]
+    parser = argparse.ArgumentParser()
+    cli._add_serve(parser.add_subparsers())
+    parsed = parser.parse_args(args)
+    assert (parsed.repository, parsed.model_name) == (Path("/mnt/models"), "digits")
 
 
 # --- the image -------------------------------------------------------------------------------
