@@ -1,0 +1,226 @@
+"""Model control through `lockgate route`: a load or unload (tritonclient, HTTP and gRPC)
+reaches every replica, a failure names its replica, and a replica that joins later (or starts
+again) is sent the loads it missed before it takes traffic. Real replicas in explicit model
+control mode behind a real router, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import RunningServer, free_port, start_server
+from tests.router.test_router import CONFIG, WHO, start_router, who
+
+EXPLICIT = ("--no-llm", "--model-control-mode", "explicit")
+
+
+def repository(root: Path, replica: int, *names: str) -> Path:
+    """`names`, each the identity model that tells which replica answered."""
+    repo = root / f"replica-{replica}"
+    for name in names:
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(WHO)
+        (repo / name / "config.yaml").write_text(CONFIG + f"parameters: {{replica: '{replica}'}}\n")
+    return repo
+
+
+def start_replica(
+    root: Path, replica: int, *extra: str, port: int | None = None, wait_ready: bool = True
+) -> RunningServer:
+    """Replica `replica` in explicit model control mode (`extra`: its other flags), its
+    repository `who` and `extra`, and for replica 0 `solo` too."""
+    names = ("who", "extra", "solo") if replica == 0 else ("who", "extra")
+    repo = root / f"replica-{replica}"
+    if not repo.exists():
+        repository(root, replica, *names)
+    grpc_port = free_port()
+    return start_server(
+        repo, root, *EXPLICIT, *extra, grpc_port=grpc_port, port=port, wait_ready=wait_ready
+    )
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningServer]]:
+    root = tmp_path_factory.mktemp("control-replicas")
+    servers = [start_replica(root, i, "--load-model", "who") for i in range(2)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def router(
+    replicas: list[RunningServer], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    urls = [f"{r.url}?grpc={r.grpc_port}" for r in replicas]
+    grpc_port = free_port()
+    args = [a for url in urls for a in ("--replica", url)]
+    router = start_router(
+        tmp_path_factory.mktemp("control-router"), *args, "--grpc-port", str(grpc_port)
+    )
+    router.grpc_port = grpc_port
+    yield router
+    router.stop()
+
+
+def http_client(server: RunningServer) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(server.address)
+
+
+def ready_on(replicas: list[RunningServer], model: str) -> list[bool]:
+    """Whether each replica, asked directly, serves `model`."""
+    return [http_client(r).is_model_ready(model) for r in replicas]
+
+
+def test_a_load_and_an_unload_reach_every_replica(
+    router: RunningServer, replicas: list[RunningServer]
+) -> None:
+    client = http_client(router)
+    assert ready_on(replicas, "extra") == [False, False]
+    client.load_model("extra")
+    assert ready_on(replicas, "extra") == [True, True]
+    assert client.is_model_ready("extra")
+    with httpx.Client() as http:
+        answered = Counter(who(http, router.url, "extra") for _ in range(40))
+    assert set(answered) == {0, 1}, answered  # every request served, by both replicas
+    client.unload_model("extra")
+    assert ready_on(replicas, "extra") == [False, False]
+    assert not client.is_model_ready("extra")
+    sent = router.metric(
+        "lockgate_router_model_control_total", 'action="load",outcome="ok",way="request"'
+    )
+    assert sent == 2
+
+
+def test_grpc_loads_with_a_config_and_files_reach_every_replica(
+    router: RunningServer, replicas: list[RunningServer]
+) -> None:
+    """tritonclient.grpc's load_model with a config override, and with the model's files sent
+    (bytes over gRPC, base64 to each replica), then unload_model: each on every replica."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{router.grpc_port}")
+    client.load_model("extra", config=json.dumps({"max_batch_size": 4}))
+    for replica in replicas:
+        assert http_client(replica).get_model_config("extra")["max_batch_size"] == 4
+    config = http_client(replicas[0]).get_model_config("who")
+    config["name"] = "sent"
+    config["parameters"] = {"replica": {"string_value": "7"}}
+    client.load_model("sent", config=json.dumps(config), files={"file:1/model.py": WHO.encode()})
+    assert ready_on(replicas, "sent") == [True, True]
+    with httpx.Client() as http:
+        assert {who(http, router.url, "sent") for _ in range(10)} == {7}
+    for model in ("extra", "sent"):
+        client.unload_model(model)
+        assert ready_on(replicas, model) == [False, False]
+
+
+def test_a_load_one_replica_refuses_names_it(
+    router: RunningServer, replicas: list[RunningServer]
+) -> None:
+    """`solo` is in replica 0's repository alone: replica 1 answers 404, and the router's
+    answer is that 404, naming replica 1 (and over gRPC, NOT_FOUND)."""
+    r = httpx.post(router.url + "/v2/repository/models/solo/load", timeout=30)
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert replicas[1].url in error and replicas[0].url not in error, error
+    assert "failed on 1 of 2 replicas (applied on 1)" in error
+    assert ready_on(replicas, "solo") == [True, False]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{router.grpc_port}")
+    with pytest.raises(InferenceServerException) as refused:
+        client.unload_model("solo")  # replica 1 has no such model: 404 there
+    assert refused.value.status() == "StatusCode.NOT_FOUND"
+    assert replicas[1].url in str(refused.value)
+    assert ready_on(replicas, "solo") == [False, False]  # replica 0 unloaded it
+    refusals = router.metric(
+        "lockgate_router_model_control_total", 'action="load",outcome="refused",way="request"'
+    )
+    assert refusals >= 1
+
+
+def test_bad_control_requests_are_refused_with_the_replicas_answer(router: RunningServer) -> None:
+    r = httpx.post(
+        router.url + "/v2/repository/models/extra/load",
+        json={"parameters": {"colour": "blue"}},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "unknown load parameter 'colour'" in r.text, r.text
+    r = httpx.post(
+        router.url + "/v2/repository/models/extra/load",
+        headers={"request-timeout": "soon"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "request-timeout" in r.text, r.text
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{router.grpc_port}")
+    with pytest.raises(InferenceServerException) as refused:
+        client.load_model("a/b")
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_a_replica_that_joins_later_is_sent_the_loads_it_missed(
+    replicas: list[RunningServer], tmp_path: Path
+) -> None:
+    """A router over replica 0 and a port where no replica runs yet: the load answers 502
+    naming the missing replica; once that replica starts (nothing loaded: it says not ready)
+    it is sent the load before it takes traffic, and again when it starts over."""
+    late_port = free_port()
+    late_url = f"http://127.0.0.1:{late_port}"
+    router = start_router(tmp_path, "--replica", replicas[0].url, "--replica", late_url)
+    late: RunningServer | None = None
+    try:
+        config = http_client(replicas[0]).get_model_config("who")
+        config.update(name="extra", max_batch_size=2)
+        r = httpx.post(
+            router.url + "/v2/repository/models/extra/load",
+            json={"parameters": {"config": json.dumps(config)}},
+            timeout=30,
+        )
+        assert r.status_code == 502, r.text
+        assert late_url in r.json()["error"] and "before it takes traffic" in r.text
+        assert ready_on(replicas[:1], "extra") == [True]
+        root = replicas[0].log_path.parent
+        for start in range(2):  # its first start, then a start over
+            late = start_replica(root, 2, port=late_port, wait_ready=False)
+            wait_usable(router, late_url)
+            assert http_client(late).is_model_ready("extra")
+            assert http_client(late).get_model_config("extra")["max_batch_size"] == 2
+            before = answered(router, late_url)
+            with httpx.Client() as http:
+                for _ in range(30):
+                    who(http, router.url, "extra")
+            assert answered(router, late_url) > before  # it takes its share
+            late.stop()
+            late = None
+            if start == 0:
+                wait_usable(router, late_url, usable=False)
+        replays = router.metric(
+            "lockgate_router_model_control_total", 'action="load",outcome="ok",way="replay"'
+        )
+        assert replays == 2
+    finally:
+        if late is not None:
+            late.stop()
+        http_client(replicas[0]).unload_model("extra")
+        router.stop()
+
+
+def answered(router: RunningServer, url: str) -> int:
+    listed = httpx.get(router.url + "/router/replicas").json()["replicas"]
+    return int(next(r["answered"] for r in listed if r["url"] == url))
+
+
+def wait_usable(router: RunningServer, url: str, usable: bool = True) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        listed = httpx.get(router.url + "/router/replicas").json()["replicas"]
+        if any(r["url"] == url and r["usable"] == usable for r in listed):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not usable={usable}: {listed}\n{router.log()[-3000:]}")
