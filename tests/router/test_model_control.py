@@ -6,6 +6,8 @@ control mode behind a real router, on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import RunningServer, free_port, start_server
-from tests.router.test_router import CONFIG, WHO, start_router, who
+from tests.router.test_router import CONFIG, WHO, _free_pair, start_router, who
 
 EXPLICIT = ("--no-llm", "--model-control-mode", "explicit")
 
@@ -224,3 +226,46 @@ def wait_usable(router: RunningServer, url: str, usable: bool = True) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"{url} not usable={usable}: {listed}\n{router.log()[-3000:]}")
+
+
+def test_serve_with_replicas_sends_a_load_to_each_and_to_one_started_again(
+    tmp_path: Path,
+) -> None:
+    """`lockgate serve --replicas 2 --model-control-mode explicit` runs its replicas behind the
+    router (kernel balancing would hand a load to one): a load reaches both, and a replica
+    killed and started again by the parent is sent it before it takes traffic."""
+    base = _free_pair()
+    repo = repository(tmp_path, 0, "who", "extra")
+    server = start_server(
+        repo,
+        tmp_path,
+        *EXPLICIT,
+        *("--load-model", "who", "--replicas", "2", "--replica-base-port", str(base)),
+    )
+    ports = [base, base + 1]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    try:
+        for url in urls:
+            wait_usable(server, url)
+        http_client(server).load_model("extra")
+        direct = [httpclient.InferenceServerClient(f"127.0.0.1:{port}") for port in ports]
+        assert [c.is_model_ready("extra") for c in direct] == [True, True]
+        os.kill(replica_pid(server, base), signal.SIGKILL)
+        wait_usable(server, urls[0], usable=False)
+        wait_usable(server, urls[0])  # started again, and sent the load first
+        assert [c.is_model_ready("extra") for c in direct] == [True, True]
+        http_client(server).unload_model("extra")
+        assert [c.is_model_ready("extra") for c in direct] == [False, False]
+    finally:
+        assert server.stop() == 0, server.log()[-2000:]
+
+
+def replica_pid(server: RunningServer, port: int) -> int:
+    """The pid of the replica process that `server` started on `port`."""
+    pid = server.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for child in children:
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        if b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
+            return int(child)
+    raise AssertionError(f"no replica on port {port} among {children}")
