@@ -388,8 +388,8 @@ def _replica_count(args: argparse.Namespace, repository: Path) -> int:
     from lockgate.backends.base import LLM_BACKEND
     from lockgate.router.replicas import auto_replicas, usable_cores
 
-    if args.model_control_mode == "explicit":  # a load or unload must reach the one process
-        return 1
+    if args.model_control_mode == "explicit":  # one process, as asked of none; a number of
+        return 1  # them run behind the router, which sends each load and unload to all
     cores = usable_cores()
     return auto_replicas(
         repository, cores=cores, llm_backend=LLM_BACKEND, language_models=not args.no_llm
