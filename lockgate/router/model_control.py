@@ -40,6 +40,8 @@ from lockgate.router.upstream import UpstreamError
 log = logging.getLogger("lockgate.router")
 _encode = msgspec.json.Encoder().encode
 _MAX_REASON = 500  # characters of one replica's error passed on
+# the router's own, for each replica: its deadline then, and a plain answer it reads itself
+_OWN_HEADERS = frozenset({b"request-timeout", b"accept-encoding"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +143,9 @@ class ModelControl:
         body: bytes,
         deadline: float | None,
     ) -> ControlAnswer:
-        """Send a control request to every ready replica (`deadline`: on the monotonic clock,
-        None for none), remember it when one applied it, and answer for all of them."""
+        """Send a control request to every replica (`deadline`: on the monotonic clock, None
+        for none), remember it when one applied it, and answer for all of them."""
+        headers = [(k, v) for k, v in headers if k not in _OWN_HEADERS]
         try:
             async with asyncio.timeout_at(_loop_time(deadline)):
                 await self.lock.acquire()
@@ -180,8 +183,7 @@ class ModelControl:
         return ControlAnswer.of(control, told)
 
     def _remember(self, control: Control, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        kept = tuple((k, v) for k, v in headers if k != b"request-timeout")
-        if not self.log.record(Entry(control, kept, body)):
+        if not self.log.record(Entry(control, tuple(headers), body)):
             self.forgotten.inc()
             log.warning(
                 "router: %s not kept to replay (past --control-memory-mb): a replica that "
@@ -202,8 +204,7 @@ class ModelControl:
         sent = headers
         if deadline is not None:
             left = deadline - time.monotonic()
-            kept = [(k, v) for k, v in headers if k != b"request-timeout"]
-            sent = [*kept, (b"request-timeout", f"{max(left, 0.001):.6f}".encode())]
+            sent = [*headers, (b"request-timeout", f"{max(left, 0.001):.6f}".encode())]
         replica.in_flight += 1
         try:
             async with asyncio.timeout_at(_loop_time(deadline)):

@@ -23,14 +23,21 @@ from tests.conftest import RunningServer, free_port, start_server
 from tests.router.test_router import CONFIG, WHO, _free_pair, start_router, who
 
 EXPLICIT = ("--no-llm", "--model-control-mode", "explicit")
+SLOW_LOAD = 1.5  # seconds the model `slow_load` takes to load
 
 
 def repository(root: Path, replica: int, *names: str) -> Path:
-    """`names`, each the identity model that tells which replica answered."""
+    """`names`, each the identity model that tells which replica answered (`slow_load`: one
+    whose load takes SLOW_LOAD seconds)."""
     repo = root / f"replica-{replica}"
     for name in names:
         (repo / name / "1").mkdir(parents=True)
-        (repo / name / "1" / "model.py").write_text(WHO)
+        source = WHO
+        if name == "slow_load":
+            source = WHO.replace(
+                "self.calls = 0", f"self.calls = 0\n        time.sleep({SLOW_LOAD})"
+            )
+        (repo / name / "1" / "model.py").write_text(source)
         (repo / name / "config.yaml").write_text(CONFIG + f"parameters: {{replica: '{replica}'}}\n")
     return repo
 
@@ -39,8 +46,8 @@ def start_replica(
     root: Path, replica: int, *extra: str, port: int | None = None, wait_ready: bool = True
 ) -> RunningServer:
     """Replica `replica` in explicit model control mode (`extra`: its other flags), its
-    repository `who` and `extra`, and for replica 0 `solo` too."""
-    names = ("who", "extra", "solo") if replica == 0 else ("who", "extra")
+    repository `who`, `extra` and `slow_load`, and for replica 0 `solo` too."""
+    names = ("who", "extra", "slow_load", *(("solo",) if replica == 0 else ()))
     repo = root / f"replica-{replica}"
     if not repo.exists():
         repository(root, replica, *names)
@@ -164,6 +171,30 @@ def test_bad_control_requests_are_refused_with_the_replicas_answer(router: Runni
     with pytest.raises(InferenceServerException) as refused:
         client.load_model("a/b")
     assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_a_load_past_its_deadline_answers_504_naming_the_replicas(
+    router: RunningServer, replicas: list[RunningServer]
+) -> None:
+    """The request's deadline bounds the wait for every replica: past it, 504 naming those
+    that had not answered. They leave the rotation until a probe finds them up again."""
+    started = time.monotonic()
+    r = httpx.post(
+        router.url + "/v2/repository/models/slow_load/load",
+        headers={"request-timeout": "0.3"},
+        timeout=30,
+    )
+    assert time.monotonic() - started < SLOW_LOAD
+    assert r.status_code == 504, r.text
+    error = r.json()["error"]
+    assert all(replica.url in error for replica in replicas), error
+    assert "no answer within the request's deadline" in error
+    for replica in replicas:
+        wait_usable(router, replica.url)
+    unreached = router.metric(
+        "lockgate_router_model_control_total", 'action="load",outcome="unreached",way="request"'
+    )
+    assert unreached == 2
 
 
 def test_a_replica_that_joins_later_is_sent_the_loads_it_missed(
