@@ -146,10 +146,12 @@ class ReplicaPool:
             ready = False
         if up and self.joiner is not None and self.joiner.behind(replica):
             ready = False
-            replica.joining = True
-            task = asyncio.create_task(self._join(replica, self.joiner))
-            self.joins.add(task)
-            task.add_done_callback(self.joins.discard)
+            if not replica.joining:  # (a DNS lookup probes a new replica beside the loop)
+                replica.joining = True
+                self.on_change(replica, "joining: sent the model loads and unloads it lacks")
+                task = asyncio.create_task(self._join(replica, self.joiner))
+                self.joins.add(task)
+                task.add_done_callback(self.joins.discard)
         replica.ready = ready
         if ready != was:
             self.on_change(replica, "ready" if ready else "not ready")
