@@ -283,7 +283,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         choices=("kernel", "router"),
         help="with --replicas > 1, kernel: every replica binds --port (and --grpc-port) with "
         "SO_REUSEPORT and the kernel spreads connections; router: lockgate's router on "
-        "--port in front of them (retries, hedging); default: kernel on Linux, else router",
+        "--port in front of them (retries, hedging; a model load or unload reaches every "
+        "replica); default: kernel on Linux, else router, and router with "
+        "--model-control-mode explicit",
     )
     p.add_argument(
         "--replica-base-port",
@@ -401,8 +403,8 @@ def _replica_count(args: argparse.Namespace, repository: Path) -> int:
     from lockgate.backends.base import LLM_BACKEND
     from lockgate.router.replicas import auto_replicas, usable_cores
 
-    if args.model_control_mode == "explicit":  # a load or unload must reach the one process
-        return 1
+    if args.model_control_mode == "explicit":  # one process, as asked of none; a number of
+        return 1  # them run behind the router, which sends each load and unload to all
     cores = usable_cores()
     return auto_replicas(
         repository, cores=cores, llm_backend=LLM_BACKEND, language_models=not args.no_llm
@@ -410,9 +412,13 @@ def _replica_count(args: argparse.Namespace, repository: Path) -> int:
 
 
 def _balance(args: argparse.Namespace) -> str:
-    """--balance, or its default: the kernel where it spreads a shared port's connections."""
+    """--balance, or its default: the kernel where it spreads a shared port's connections,
+    but the router with explicit model control, whose loads and unloads it sends to every
+    replica (through the kernel's shared port, one replica would get each)."""
     from lockgate.router.replicas import reuse_port_balances
 
+    if args.balance is None and args.model_control_mode == "explicit":
+        return "router"
     return str(args.balance or ("kernel" if reuse_port_balances() else "router"))
 
 

@@ -97,10 +97,12 @@ def start_server(
     wait_ready: bool = True,
     grpc_port: int | None = None,
     python: str | None = None,
+    port: int | None = None,
 ) -> RunningServer:
-    """A server on a free port; gRPC only on `grpc_port` (off by default: no clash on 8001).
-    `python` runs the lockgate installed in another environment (from outside the checkout)."""
-    port = free_port()
+    """A server on `port` (default: a free one); gRPC only on `grpc_port` (off by default: no
+    clash on 8001). `python` runs the lockgate installed in another environment (from outside
+    the checkout)."""
+    port = port or free_port()
     log_path = tmp / f"server-{port}.log"
     cmd = [
         python or sys.executable,

@@ -65,6 +65,7 @@ from lockgate.frontend.predict_routes import (
     status_target,
 )
 from lockgate.frontend.v2_service import V2Service
+from lockgate.protocol import readiness
 from lockgate.protocol.content_coding import accepted_coding
 from lockgate.protocol.openai import TOKEN_PATHS, OpenAILimits, error_body, openai_path
 from lockgate.protocol.repository_control import (
@@ -611,11 +612,11 @@ class App:
         or None when it is."""
         models = self.models
         if self.draining:
-            return "draining"
+            return readiness.DRAINING
         if not self.started:
-            return "loading models"
+            return readiness.LOADING
         if not any(m.latest_ready() is not None for m in models.models.values()):
-            return "no model is loaded"
+            return readiness.NO_MODEL
         if self.settings.strict_readiness and not models.ready():
             not_ready = [m.name for m in models.models.values() if m.latest_ready() is None]
             return f"models not ready: {not_ready}"

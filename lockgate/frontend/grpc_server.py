@@ -52,7 +52,7 @@ from lockgate.frontend.v2_service import SERVER_METADATA, Deadline
 from lockgate.protocol.grpc import codec
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
-from lockgate.protocol.grpc.status import cancelled_code
+from lockgate.protocol.grpc.status import STATUS_CODES, cancelled_code
 from lockgate.protocol.repository_control import load_request, unload_request
 from lockgate.protocol.v2_codec import V2InferRequest
 
@@ -63,17 +63,6 @@ log = logging.getLogger("lockgate.grpc")
 
 T = TypeVar("T")
 
-STATUS_CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
 PUBLIC_METHODS = frozenset({"ServerLive", "ServerReady"})  # as the REST health routes
 MODEL_CONTROL_METHODS = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
 SETTINGS_METHODS = frozenset({"LogSettings", "TraceSetting"})  # keys by what they ask

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lockgate.protocol import readiness
+
 log = logging.getLogger("lockgate.health")
 
 READY_EVERY_S = 0.1  # how often the loop recomputes readiness for the thread
@@ -46,7 +48,7 @@ class HealthState:
     stale_s: float = 10.0  # seconds without a sentinel firing after which the loop is wedged
     beat: float = 0.0  # time.monotonic() of the loop's last sentinel firing; 0: not yet
     checked: float = 0.0  # when readiness was last computed
-    not_ready: str | None = "loading models"  # None: ready
+    not_ready: str | None = readiness.LOADING  # None: ready
 
     def refresh(self, now: float, not_ready: Callable[[], str | None]) -> None:
         """On the loop, from the sentinel: a heartbeat, and readiness every READY_EVERY_S."""

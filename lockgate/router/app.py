@@ -24,6 +24,10 @@ For each request, in order:
 7. Deadlines: a `request-timeout` header (seconds) is passed on less the time already
    spent in the router; past it, 504 at once.
 
+Model control (`POST /v2/repository/models/{m}/load` and `/unload`) takes none of 2-7: after
+1, it goes to every replica at once, and a replica that joins later is sent what it missed
+(`model_control.py`).
+
 The KServe v2 inference requests that need none of 1, 3 (a canary) or the shadow below, nor a
 sticky session, take the lane (`lane.py`): passed to the replica and back from the
 connections' own callbacks, below ASGI, and hedged there as in 5; an attempt there that gets
@@ -60,11 +64,13 @@ from lockgate.router.balancer import Balancer
 from lockgate.router.budget import Budget
 from lockgate.router.canary import Canary, CanaryRule
 from lockgate.router.client_connection import HOLD
+from lockgate.router.control_log import Control
 from lockgate.router.groups import MAIN, ReplicaGroups
 from lockgate.router.hedge import HedgePolicy, finished_within
 from lockgate.router.lane import LANE_SCOPE, LaneCall, LaneClient, LaneHead
 from lockgate.router.llm_request import EMBEDDINGS_PATH, OPENAI_PATHS, LLMRequest
 from lockgate.router.llm_routing import LLMRouting, LLMRoutingSettings
+from lockgate.router.model_control import ControlSettings, ModelControl
 from lockgate.router.model_counts import ModelCounts
 from lockgate.router.model_path import ModelPath
 from lockgate.router.pool import ReplicaPool
@@ -109,6 +115,7 @@ class RouterSettings:
     rate_limits: RateLimitSettings | None = None
     llm_routing: LLMRoutingSettings = field(default_factory=LLMRoutingSettings)
     max_model_series: int = 1000  # model names with request counters of their own
+    control: ControlSettings = field(default_factory=ControlSettings)
 
 
 class Tap(Protocol):
@@ -146,6 +153,7 @@ class RouterApp:
         self.llm_routing = LLMRouting(settings.llm_routing, registry)
         self.model_counts = ModelCounts(registry, settings.max_model_series)
         self.lane_targets: dict[str, ModelPath] = {}  # the model each lane path names
+        self.control = ModelControl(pool, settings.control, registry)
         self.rate_limited = registry.counter(
             "lockgate_router_rate_limited_total",
             "Requests refused 429 by a rate limit ('requests') or a token quota ('tokens').",
@@ -253,6 +261,8 @@ class RouterApp:
             "group": self.groups.group(r) or "main",
             "usable": r.usable(now),
             "ready": r.ready,
+            "joining": r.joining,
+            "told": r.told,
             "ejected_for_s": max(0.0, r.ejected_until - now),
             "full": r.full(now),
             "in_flight": r.in_flight,
@@ -291,6 +301,12 @@ class RouterApp:
         if timeout is False:
             message = "request-timeout must be a positive number of seconds"
             return await _error(send, 400, message, path=path)
+        control = Control.parse(scope["method"], path)
+        if control is not None:  # to every replica
+            deadline = None if timeout is None else arrived + timeout
+            answer = await self.control.apply(control, headers, body, deadline)
+            await _respond(send, answer.status, answer.body, b"application/json")
+            return answer.status
         if scope["method"] == "POST" and path in OPENAI_PATHS:
             # read for routing, metering and shadows: a compressed body goes on inflated
             try:

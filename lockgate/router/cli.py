@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from lockgate.router.app import RouterSettings
 from lockgate.router.hedge import HedgePolicy
+from lockgate.router.model_control import ControlSettings
 from lockgate.router.pool import Discovery, split_url
 from lockgate.router.replica import HealthSettings
 
@@ -103,6 +104,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds gRPC calls in progress may run on once the router stops",
     )
     p.add_argument(
+        "--control-replay-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a replica that joins has to apply each model load or unload replayed "
+        "to it (no answer: it joins at a later probe)",
+    )
+    p.add_argument(
+        "--control-memory-mb",
+        type=float,
+        default=256.0,
+        help="model load and unload requests (with the files a load sends) kept to replay to "
+        "replicas that join; a request past it is not kept",
+    )
+    p.add_argument(
         "--drain-delay",
         type=float,
         default=0.0,
@@ -153,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         hedge=hedge,
         hedge_ratio=args.hedge_budget,
+        control=ControlSettings(args.control_replay_timeout, int(args.control_memory_mb * 2**20)),
     )
     app = build(discovery, health, settings)
     return serve(app, args.host, args.port, args.drain_delay, grpc=grpc)
@@ -170,6 +186,8 @@ _BOUNDS: dict[str, tuple[float, bool, float]] = {
     "hedge_delay_ms": (0.0, False, math.inf),
     "max_body_mb": (0.0, True, math.inf),  # 0 answered every request 413
     "drain_delay": (0.0, False, math.inf),
+    "control_replay_timeout": (0.0, True, math.inf),
+    "control_memory_mb": (0.0, False, math.inf),
     "grpc_max_concurrent_rpcs": (1, False, math.inf),
     "grpc_max_stream_inflight": (1, False, math.inf),
     "grpc_drain_timeout": (0.0, False, math.inf),

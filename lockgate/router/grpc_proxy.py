@@ -22,6 +22,11 @@ code, message and trailing metadata, come back unchanged. One channel per replic
   At most `max_stream_inflight` messages are passed to the replica and not yet answered back
   to the client; past that the router stops reading the client's side, so a client that
   writes and never reads holds bounded memory (HTTP/2 flow control then holds its writes).
+- RepositoryModelLoad and RepositoryModelUnload go to every replica, as their HTTP routes do
+  (`model_control.py`): the request is read and sent on to each replica's HTTP port as the
+  same load or unload (a parameter's bytes in base64, metadata as headers); OK when every
+  replica applied it, else the first failure's code and a message naming each replica that
+  failed.
 - LogSettings and TraceSetting: UNIMPLEMENTED, each replica's own (`replica_settings.py`).
 - `grpc.health.v1.Health`: service "" is the router (SERVING while a replica is usable and the
   router is not draining); any other name (a model) is asked of a replica.
@@ -30,6 +35,7 @@ code, message and trailing metadata, come back unchanged. One channel per replic
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 import urllib.parse
@@ -38,13 +44,16 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import grpc
+import msgspec
+from google.protobuf.message import DecodeError
 from grpc.aio import ServicerContext as Context
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lockgate.protocol.grpc import inference_pb2 as pb
-from lockgate.protocol.grpc.status import cancelled_code
+from lockgate.protocol.grpc.status import STATUS_CODES, cancelled_code
 from lockgate.router import replica_settings
 from lockgate.router.app import RouterApp
+from lockgate.router.control_log import Control
 from lockgate.router.groups import MAIN
 from lockgate.router.grpc_model import model_of
 from lockgate.router.hedge import finished_within
@@ -67,6 +76,12 @@ LIVE = b"\x08\x01"  # a ServerLiveResponse with live true (field 1, varint 1)
 REPLICA_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 # metadata that belongs to the call or its connection, not to the request: never forwarded
 _OWN_KEYS = frozenset({"user-agent", "content-type", "te", "host", "content-length"})
+# model control: to every replica, over HTTP
+CONTROL: dict[str, tuple[str, Any]] = {
+    PREFIX + "RepositoryModelLoad": ("load", pb.RepositoryModelLoadRequest),
+    PREFIX + "RepositoryModelUnload": ("unload", pb.RepositoryModelUnloadRequest),
+}
+CONTROL_CODES = {**STATUS_CODES, 502: grpc.StatusCode.UNAVAILABLE}  # 502: a replica not reached
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 WATCH_INTERVAL_S = 0.5
 Metadata = tuple[tuple[str, str | bytes], ...]
@@ -344,6 +359,8 @@ class GrpcFront:
             raise _Status(grpc.StatusCode.UNIMPLEMENTED, replica_settings.MESSAGE)
         if method == SERVER_READY and (self.router.draining or not self.router.pool.ready()):
             return NOT_READY  # as REST's readiness says 503: not an error to the client
+        if method in CONTROL:
+            return await self._control(method, request, context)
         arrived = time.monotonic()
         metadata = _forwarded(context.invocation_metadata())
         self._admit()
@@ -381,6 +398,30 @@ class GrpcFront:
         if refusal is not None:
             raise refusal  # every replica tried refused: pass the last refusal on
         raise self._unanswered()
+
+    async def _control(self, method: str, request: bytes, context: Context) -> bytes:
+        """A load or unload, sent to every replica (`model_control.py`) as its HTTP route."""
+        action, kind = CONTROL[method]
+        try:
+            message = kind.FromString(request)
+        except DecodeError:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, "malformed request") from None
+        name: str = message.model_name
+        if not name or "/" in name or name in (".", ".."):
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"invalid model name {name[:200]!r}")
+        parameters = {key: _plain(p) for key, p in message.parameters.items()}
+        body = _encode_json({"parameters": parameters})
+        headers = [(b"content-type", b"application/json")]
+        for key, value in _forwarded(context.invocation_metadata()):
+            if isinstance(value, str) and not key.endswith("-bin"):
+                headers.append((key.encode(), value.encode()))
+        left = _time_left(context)
+        deadline = None if left is None else time.monotonic() + left
+        answer = await self.router.control.apply(Control(name, action), headers, body, deadline)
+        if answer.status != 200:
+            code = CONTROL_CODES.get(answer.status, grpc.StatusCode.INTERNAL)
+            raise _Status(code, answer.message[:_MAX_MESSAGE])
+        return b""  # an empty RepositoryModelLoadResponse (or Unload)
 
     async def _attempt(self, replica: Replica, call: _Call) -> bytes:
         """One try on one replica: its answer; _Retry for UNAVAILABLE, else its _Status."""
@@ -629,6 +670,17 @@ def _forwarded(metadata: Any) -> Metadata:
         for key, value in metadata
         if key not in _OWN_KEYS and not key.startswith((":", "grpc-"))
     )
+
+
+_encode_json = msgspec.json.Encoder().encode
+_MAX_MESSAGE = 4096  # characters of a status message: a client drops a trailer over 8 KiB
+
+
+def _plain(parameter: Any) -> Any:
+    """A ModelRepositoryParameter as its HTTP route's JSON takes it (bytes in base64)."""
+    choice = parameter.WhichOneof("parameter_choice")
+    value = getattr(parameter, choice) if choice is not None else None
+    return base64.b64encode(value).decode() if isinstance(value, bytes) else value
 
 
 def _time_left(context: Context) -> float | None:

@@ -5,19 +5,28 @@ Every `probe_interval` seconds each replica's `/v2/health/ready` is asked; a rep
 traffic only while its last probe said 200 and no ejection holds it out. A DNS name is
 resolved again every `resolve_interval` seconds: new addresses join (once ready), vanished
 ones take no new request and are closed when their requests have ended.
+
+A replica that may lack model control requests the others were told (new, not told one, or
+its probe could not reach it, as when it starts again) joins through the `Joiner` when a
+probe finds it up (200, or 503 for a reason other than loading its start-up models or
+draining: in explicit model control mode a replica with no model loaded says 503): the router
+replays those requests to it (`model_control.py`), and only then is it ready.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+from lockgate.protocol import readiness
 from lockgate.router.replica import HealthSettings, Replica
 from lockgate.router.upstream import Upstream, UpstreamError
 
@@ -31,6 +40,15 @@ class Discovery:
     urls: tuple[str, ...] = ()
     dns: str | None = None
     resolve_interval: float = 5.0
+
+
+class Joiner(Protocol):
+    """Brings a replica up to date with the model control requests before it takes traffic."""
+
+    def behind(self, replica: Replica) -> bool: ...
+    async def join(self, replica: Replica) -> bool:
+        """False when it could not (the next probe tries again)."""
+        ...
 
 
 def split_url(url: str) -> tuple[str, int]:
@@ -52,6 +70,8 @@ class ReplicaPool:
         self.on_change = on_change or (lambda replica, event: None)
         self.replicas: list[Replica] = []
         self.tasks: list[asyncio.Task[None]] = []
+        self.joiner: Joiner | None = None  # set by the router's model control
+        self.joins: set[asyncio.Task[None]] = set()
         for url in discovery.urls:
             self._add(url)
 
@@ -81,12 +101,13 @@ class ReplicaPool:
             await self.resolve()
             self.tasks.append(asyncio.create_task(self._resolve_loop()))
         await asyncio.gather(*(self.probe(r) for r in self.replicas))
+        await asyncio.gather(*self.joins)
         self.tasks.append(asyncio.create_task(self._probe_loop()))
 
     async def stop(self) -> None:
-        for task in self.tasks:
+        for task in [*self.tasks, *self.joins]:
             task.cancel()
-        for task in self.tasks:
+        for task in [*self.tasks, *self.joins]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for replica in self.replicas:
@@ -103,21 +124,45 @@ class ReplicaPool:
                 self.on_change(replica, "removed")
 
     async def probe(self, replica: Replica) -> None:
+        if replica.joining:  # its join says when it is ready
+            return
         was = replica.ready
+        up = False  # it could be told model control requests now
         try:
             async with asyncio.timeout(self.health.probe_timeout):
                 response = await replica.upstream.request("GET", "/v2/health/ready", [], b"")
-                await response.read()
-            replica.ready = response.status == 200
+                body = await response.read()
+            ready = response.status == 200
+            up = ready or (response.status == 503 and _reason(body) not in readiness.BUSY)
             # the load it reports, less this probe: refreshed here too, so a replica this
             # router stopped sending to (its last answer reported it busy) is seen idle again
             reported = response.header(b"x-lockgate-inflight")
             if reported is not None and reported.isdigit():
                 replica.reported = max(0, int(reported) - 1)
-        except (UpstreamError, TimeoutError):
-            replica.ready = False
-        if replica.ready != was:
-            self.on_change(replica, "ready" if replica.ready else "not ready")
+        except UpstreamError:  # not there: stopped, or starting again without what it was told
+            ready = False
+            replica.told = 0
+        except TimeoutError:  # there, but slow: what it was told still holds
+            ready = False
+        if up and self.joiner is not None and self.joiner.behind(replica):
+            ready = False
+            if not replica.joining:  # (a DNS lookup probes a new replica beside the loop)
+                replica.joining = True
+                self.on_change(replica, "joining: sent the model loads and unloads it lacks")
+                task = asyncio.create_task(self._join(replica, self.joiner))
+                self.joins.add(task)
+                task.add_done_callback(self.joins.discard)
+        replica.ready = ready
+        if ready != was:
+            self.on_change(replica, "ready" if ready else "not ready")
+
+    async def _join(self, replica: Replica, joiner: Joiner) -> None:
+        try:
+            joined = await joiner.join(replica)
+        finally:
+            replica.joining = False
+        if joined and not replica.removed:
+            await self.probe(replica)  # ready now, with what it was told?
 
     # -- DNS -------------------------------------------------------------------------------
     async def _resolve_loop(self) -> None:
@@ -143,6 +188,15 @@ class ReplicaPool:
             if replica.url not in urls and not replica.removed:
                 replica.removed = True
                 self.on_change(replica, "leaving")
+
+
+def _reason(body: bytes) -> str | None:
+    """The `error` of a readiness answer's body (`protocol/readiness.py`), None for none."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error if isinstance(error, str) else None
 
 
 def _bracket(address: str) -> str:

@@ -61,6 +61,11 @@ class Replica:
     full_until: float = 0.0  # it answered 503 (its admission refused) until about then
     answered: int = 0
     removed: bool = False  # gone from discovery: takes no new request
+    # the model control requests (`ControlLog.seq`) it has been told up to, all in order; 0
+    # when new or when a probe could not reach it (it may have started again): a probe that
+    # says 200 while it is behind has them replayed to it first (`pool.py`)
+    told: int = 0
+    joining: bool = False  # being sent the model control requests it lacks: no traffic yet
 
     def usable(self, now: float) -> bool:
         return self.ready and not self.removed and not self.http.out(now)

@@ -9,7 +9,9 @@ use), balanced one of two ways:
   port on 127.0.0.1 (the router's port plus 1 to N unless `--replica-base-port` says
   otherwise; gRPC, when the router serves it, on the N ports after those), the router on the
   address asked for. A signal to the router drains it; the replicas then get SIGTERM and
-  drain in turn. A replica that exits on its own is started again after a second.
+  drain in turn. A replica that exits on its own is started again after a second. The
+  default with `--model-control-mode explicit`: the router sends each load and unload to
+  every replica, and to one started again before it takes traffic (`model_control.py`).
 
 `--replicas auto` (`auto_replicas`) is one replica per usable core when the repository holds
 classic models only, and one when it holds a language model that will be served: a language

@@ -24,7 +24,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from lockgate.backends.base import LLM_BACKEND
-from lockgate.cli import _replica_count, _replicas
+from lockgate.cli import _balance, _replica_count, _replicas
 from lockgate.router.replicas import (
     _cgroup_cpus,
     auto_replicas,
@@ -86,6 +86,7 @@ def serve_args(*flags: str) -> argparse.Namespace:
     parser.add_argument("--replicas", type=_replicas, default=1)
     parser.add_argument("--model-control-mode", default="none")
     parser.add_argument("--no-llm", action="store_true")
+    parser.add_argument("--balance")
     return parser.parse_args(flags)
 
 
@@ -103,6 +104,16 @@ def test_the_replicas_flag(classic: Path, with_llm: Path) -> None:
     for bad in ("0", "-2", "many"):
         with pytest.raises(argparse.ArgumentTypeError):
             _replicas(bad)
+
+
+def test_explicit_model_control_balances_through_the_router() -> None:
+    """Its loads and unloads must reach every replica: the router sends them to each, where
+    the kernel's shared port would hand each to one."""
+    explicit = ("--model-control-mode", "explicit")
+    assert _balance(serve_args("--replicas", "2", *explicit)) == "router"
+    assert _balance(serve_args("--replicas", "2", *explicit, "--balance", "kernel")) == "kernel"
+    expected = "kernel" if reuse_port_balances() else "router"
+    assert _balance(serve_args("--replicas", "2")) == expected
 
 
 def test_cgroup_quota_caps_the_cores(tmp_path: Path) -> None:

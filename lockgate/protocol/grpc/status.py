@@ -1,10 +1,24 @@
-"""gRPC status codes lockgate's servers count calls by, shared by the server and the router."""
+"""gRPC status codes, shared by the server and the router: how lockgate's servers count calls, and
+the code of an HTTP status."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import grpc
+
+# the gRPC code of an HTTP status (of a ServingError, or a replica's answer)
+STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 
 
 def cancelled_code(context: Any) -> grpc.StatusCode:

@@ -1,0 +1,313 @@
+"""Model control through `lockgate route`: a load or unload (tritonclient, HTTP and gRPC)
+reaches every replica, a failure names its replica, and a replica that joins later (or starts
+again) is sent the loads it missed before it takes traffic. Real replicas in explicit model
+control mode behind a real router, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import RunningServer, free_port, start_server
+from tests.router.test_router import CONFIG, WHO, _free_pair, start_router, who
+
+EXPLICIT = ("--no-llm", "--model-control-mode", "explicit")
+SLOW_LOAD = 1.5  # seconds the model `slow_load` takes to load
+
+
+def repository(root: Path, replica: int, *names: str) -> Path:
+    """`names`, each the identity model that tells which replica answered (`slow_load`: one
+    whose load takes SLOW_LOAD seconds)."""
+    repo = root / f"replica-{replica}"
+    for name in names:
+        (repo / name / "1").mkdir(parents=True)
+        source = WHO
+        if name == "slow_load":
+            source = WHO.replace(
+                "self.calls = 0", f"self.calls = 0\n        time.sleep({SLOW_LOAD})"
+            )
+        (repo / name / "1" / "model.py").write_text(source)
+        (repo / name / "config.yaml").write_text(CONFIG + f"parameters: {{replica: '{replica}'}}\n")
+    return repo
+
+
+def start_replica(
+    root: Path, replica: int, *extra: str, port: int | None = None, wait_ready: bool = True
+) -> RunningServer:
+    """Replica `replica` in explicit model control mode (`extra`: its other flags), its
+    repository `who`, `extra` and `slow_load`, and for replica 0 `solo` too."""
+    names = ("who", "extra", "slow_load", *(("solo",) if replica == 0 else ()))
+    repo = root / f"replica-{replica}"
+    if not repo.exists():
+        repository(root, replica, *names)
+    grpc_port = free_port()
+    return start_server(
+        repo, root, *EXPLICIT, *extra, grpc_port=grpc_port, port=port, wait_ready=wait_ready
+    )
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningServer]]:
+    root = tmp_path_factory.mktemp("control-replicas")
+    servers = [start_replica(root, i, "--load-model", "who") for i in range(2)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def router(
+    replicas: list[RunningServer], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    urls = [f"{r.url}?grpc={r.grpc_port}" for r in replicas]
+    grpc_port = free_port()
+    args = [a for url in urls for a in ("--replica", url)]
+    router = start_router(
+        tmp_path_factory.mktemp("control-router"), *args, "--grpc-port", str(grpc_port)
+    )
+    router.grpc_port = grpc_port
+    yield router
+    router.stop()
+
+
+def http_client(server: RunningServer) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(server.address)
+
+
+def ready_on(replicas: list[RunningServer], model: str) -> list[bool]:
+    """Whether each replica, asked directly, serves `model`."""
+    return [http_client(r).is_model_ready(model) for r in replicas]
+
+
+def test_a_load_and_an_unload_reach_every_replica(
+    router: RunningServer, replicas: list[RunningServer]
+) -> None:
+    client = http_client(router)
+    assert ready_on(replicas, "extra") == [False, False]
+    client.load_model("extra")
+    assert ready_on(replicas, "extra") == [True, True]
+    assert client.is_model_ready("extra")
+    with httpx.Client() as http:
+        answered = Counter(who(http, router.url, "extra") for _ in range(40))
+    assert set(answered) == {0, 1}, answered  # every request served, by both replicas
+    client.unload_model("extra")
+    assert ready_on(replicas, "extra") == [False, False]
+    assert not client.is_model_ready("extra")
+    sent = router.metric(
+        "lockgate_router_model_control_total", 'action="load",outcome="ok",way="request"'
+    )
+    assert sent == 2
+
+
+def test_grpc_loads_with_a_config_and_files_reach_every_replica(
+    router: RunningServer, replicas: list[RunningServer]
+) -> None:
+    """tritonclient.grpc's load_model with a config override, and with the model's files sent
+    (bytes over gRPC, base64 to each replica), then unload_model: each on every replica."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{router.grpc_port}")
+    client.load_model("extra", config=json.dumps({"max_batch_size": 4}))
+    for replica in replicas:
+        assert http_client(replica).get_model_config("extra")["max_batch_size"] == 4
+    config = http_client(replicas[0]).get_model_config("who")
+    config["name"] = "sent"
+    config["parameters"] = {"replica": {"string_value": "7"}}
+    client.load_model("sent", config=json.dumps(config), files={"file:1/model.py": WHO.encode()})
+    assert ready_on(replicas, "sent") == [True, True]
+    with httpx.Client() as http:
+        assert {who(http, router.url, "sent") for _ in range(10)} == {7}
+    for model in ("extra", "sent"):
+        client.unload_model(model)
+        assert ready_on(replicas, model) == [False, False]
+
+
+def test_a_load_one_replica_refuses_names_it(
+    router: RunningServer, replicas: list[RunningServer]
+) -> None:
+    """`solo` is in replica 0's repository alone: replica 1 answers 404, and the router's
+    answer is that 404, naming replica 1 (and over gRPC, NOT_FOUND)."""
+    r = httpx.post(router.url + "/v2/repository/models/solo/load", timeout=30)
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert replicas[1].url in error and replicas[0].url not in error, error
+    assert "failed on 1 of 2 replicas (applied on 1)" in error
+    assert ready_on(replicas, "solo") == [True, False]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{router.grpc_port}")
+    with pytest.raises(InferenceServerException) as refused:
+        client.unload_model("solo")  # replica 1 has no such model: 404 there
+    assert refused.value.status() == "StatusCode.NOT_FOUND"
+    assert replicas[1].url in str(refused.value)
+    assert ready_on(replicas, "solo") == [False, False]  # replica 0 unloaded it
+    refusals = router.metric(
+        "lockgate_router_model_control_total", 'action="load",outcome="refused",way="request"'
+    )
+    assert refusals >= 1
+
+
+def test_bad_control_requests_are_refused_with_the_replicas_answer(router: RunningServer) -> None:
+    r = httpx.post(
+        router.url + "/v2/repository/models/extra/load",
+        json={"parameters": {"colour": "blue"}},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "unknown load parameter 'colour'" in r.text, r.text
+    r = httpx.post(
+        router.url + "/v2/repository/models/extra/load",
+        headers={"request-timeout": "soon"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "request-timeout" in r.text, r.text
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{router.grpc_port}")
+    with pytest.raises(InferenceServerException) as refused:
+        client.load_model("a/b")
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_a_load_past_its_deadline_answers_504_naming_the_replicas(
+    router: RunningServer, replicas: list[RunningServer]
+) -> None:
+    """The request's deadline bounds the wait for every replica: past it, 504 naming those
+    that had not answered. They leave the rotation until a probe finds them up again."""
+    started = time.monotonic()
+    r = httpx.post(
+        router.url + "/v2/repository/models/slow_load/load",
+        headers={"request-timeout": "0.3"},
+        timeout=30,
+    )
+    assert time.monotonic() - started < SLOW_LOAD
+    assert r.status_code == 504, r.text
+    error = r.json()["error"]
+    assert all(replica.url in error for replica in replicas), error
+    assert "no answer within the request's deadline" in error
+    for replica in replicas:
+        wait_usable(router, replica.url)
+    unreached = router.metric(
+        "lockgate_router_model_control_total", 'action="load",outcome="unreached",way="request"'
+    )
+    assert unreached == 2
+
+
+def test_a_load_reaches_the_replicas_of_every_group(
+    replicas: list[RunningServer], tmp_path: Path
+) -> None:
+    """A canary's replicas (`URL#group`) take only their group's inference, but serve the same
+    repository: a load and an unload reach them too."""
+    canary = f"{replicas[1].url}#canary"
+    router = start_router(tmp_path, "--replica", replicas[0].url, "--replica", canary)
+    try:
+        http_client(router).load_model("extra")
+        assert ready_on(replicas, "extra") == [True, True]
+        http_client(router).unload_model("extra")
+        assert ready_on(replicas, "extra") == [False, False]
+    finally:
+        router.stop()
+
+
+def test_a_replica_that_joins_later_is_sent_the_loads_it_missed(
+    replicas: list[RunningServer], tmp_path: Path
+) -> None:
+    """A router over replica 0 and a port where no replica runs yet: the load answers 502
+    naming the missing replica; once that replica starts (nothing loaded: it says not ready)
+    it is sent the load, with its config, before it takes traffic."""
+    late_port = free_port()
+    late_url = f"http://127.0.0.1:{late_port}"
+    router = start_router(tmp_path, "--replica", replicas[0].url, "--replica", late_url)
+    late: RunningServer | None = None
+    try:
+        config = http_client(replicas[0]).get_model_config("who")
+        config.update(name="extra", max_batch_size=2)
+        r = httpx.post(
+            router.url + "/v2/repository/models/extra/load",
+            json={"parameters": {"config": json.dumps(config)}},
+            timeout=30,
+        )
+        assert r.status_code == 502, r.text
+        assert late_url in r.json()["error"] and "before it takes traffic" in r.text
+        assert ready_on(replicas[:1], "extra") == [True]
+        root = replicas[0].log_path.parent
+        late = start_replica(root, 2, port=late_port, wait_ready=False)
+        wait_usable(router, late_url)
+        assert http_client(late).is_model_ready("extra")  # with the config the load gave
+        assert http_client(late).get_model_config("extra")["max_batch_size"] == 2
+        before = answered(router, late_url)
+        with httpx.Client() as http:
+            for _ in range(30):
+                who(http, router.url, "extra")
+        assert answered(router, late_url) > before  # it takes its share
+        replays = router.metric(
+            "lockgate_router_model_control_total", 'action="load",outcome="ok",way="replay"'
+        )
+        assert replays == 1
+    finally:
+        if late is not None:
+            late.stop()
+        http_client(replicas[0]).unload_model("extra")
+        router.stop()
+
+
+def answered(router: RunningServer, url: str) -> int:
+    listed = httpx.get(router.url + "/router/replicas").json()["replicas"]
+    return int(next(r["answered"] for r in listed if r["url"] == url))
+
+
+def wait_usable(router: RunningServer, url: str, usable: bool = True) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        listed = httpx.get(router.url + "/router/replicas").json()["replicas"]
+        if any(r["url"] == url and r["usable"] == usable for r in listed):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not usable={usable}: {listed}\n{router.log()[-3000:]}")
+
+
+def test_serve_with_replicas_sends_a_load_to_each_and_to_one_started_again(
+    tmp_path: Path,
+) -> None:
+    """`lockgate serve --replicas 2 --model-control-mode explicit` runs its replicas behind the
+    router (kernel balancing would hand a load to one): a load reaches both, and a replica
+    killed and started again by the parent is sent it before it takes traffic."""
+    base = _free_pair()
+    repo = repository(tmp_path, 0, "who", "extra")
+    server = start_server(
+        repo,
+        tmp_path,
+        *EXPLICIT,
+        *("--load-model", "who", "--replicas", "2", "--replica-base-port", str(base)),
+    )
+    ports = [base, base + 1]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    try:
+        for url in urls:
+            wait_usable(server, url)
+        http_client(server).load_model("extra")
+        direct = [httpclient.InferenceServerClient(f"127.0.0.1:{port}") for port in ports]
+        assert [c.is_model_ready("extra") for c in direct] == [True, True]
+        os.kill(replica_pid(server, base), signal.SIGKILL)
+        wait_usable(server, urls[0], usable=False)
+        wait_usable(server, urls[0])  # started again, and sent the load first
+        assert [c.is_model_ready("extra") for c in direct] == [True, True]
+        http_client(server).unload_model("extra")
+        assert [c.is_model_ready("extra") for c in direct] == [False, False]
+    finally:
+        assert server.stop() == 0, server.log()[-2000:]
+
+
+def replica_pid(server: RunningServer, port: int) -> int:
+    """The pid of the replica process that `server` started on `port`."""
+    pid = server.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for child in children:
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        if b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
+            return int(child)
+    raise AssertionError(f"no replica on port {port} among {children}")
