@@ -178,6 +178,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--hang-timeout", type=float, default=30.0, help="seconds before a stuck instance restarts"
     )
     p.add_argument(
+        "--max-sequences",
+        type=_positive_int,
+        default=1024,
+        help="live sequences of a stateful model (sequence_batching) whose config sets no "
+        "oldest.max_candidate_sequences; a new sequence past it gets 503 with Retry-After",
+    )
+    p.add_argument(
         "--model-control-mode",
         choices=("none", "explicit", "poll"),
         default="none",
@@ -365,6 +372,16 @@ def _grpc_port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is outside 0-65535")
     return port
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def _replicas(text: str) -> int | str:
@@ -569,6 +586,7 @@ def _serve(args: argparse.Namespace) -> int:
         startup_models=_startup_models(args),
         repository_poll_s=args.repository_poll_secs if args.model_control_mode == "poll" else None,
         hang_timeout=args.hang_timeout,
+        max_sequences=args.max_sequences,
         unload_drain_timeout=args.drain_timeout,
         admission=AdmissionSettings(deadline_aware=not args.no_admission),
         language_models=not args.no_llm,
