@@ -87,6 +87,19 @@ sequence_batching {{
 }}
 """
 
+CHAIN = """
+name: "chain"
+platform: "ensemble"
+max_batch_size: 8
+input [{{ name: "VALUE" data_type: TYPE_INT32 dims: [ 1 ] }}]
+output [{{ name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] }}]
+ensemble_scheduling {{ step [{{
+  model_name: "acc" model_version: -1
+  input_map {{ key: "INPUT" value: "VALUE" }}
+  output_map {{ key: "OUTPUT" value: "SUM" }}
+}}] }}
+"""
+
 IDLE_S = 0.6  # the `text` model's max_sequence_idle_microseconds
 TEXT_LIMIT = 3  # --max-sequences: the `text` model's config sets no max_candidate_sequences
 
@@ -122,6 +135,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
             ),
             ACCUMULATOR,
         ),
+        ("chain", CHAIN, ""),
     )
     running = start_server(
         repo,
@@ -239,6 +253,19 @@ def test_end_frees_the_sequence_and_a_request_needs_an_id(server: RunningServer)
         json={"inputs": [two_rows], "parameters": {"sequence_id": 5, "sequence_start": True}},
     )
     assert rest.status_code == 400 and "batch-size 1" in rest.text
+
+
+def test_an_ensemble_passes_its_sequence_on_to_a_stateful_step(server: RunningServer) -> None:
+    client = httpclient.InferenceServerClient(server.address)
+    sums = []
+    for index, value in enumerate((5, 6, 7)):
+        tensor = httpclient.InferInput("VALUE", [1, 1], "INT32")
+        tensor.set_data_from_numpy(np.full((1, 1), value, dtype=np.int32))
+        result = client.infer(
+            "chain", [tensor], sequence_id=77, sequence_start=index == 0, sequence_end=index == 2
+        )
+        sums.append(int(result.as_numpy("SUM")[0, 0]))
+    assert sums == [5, 11, 18]
 
 
 def test_string_ids_and_the_idle_timeout(server: RunningServer) -> None:
