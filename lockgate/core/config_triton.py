@@ -247,6 +247,13 @@ class _TritonTranslator:
                 "max_queue_delay_microseconds": oldest.max_queue_delay_microseconds,
             }
         elif strategy == "direct":
+            if batching.direct.minimum_slot_utilization:
+                log.warning(
+                    "%s: ignoring field '%s.direct.minimum_slot_utilization' (lockgate serves "
+                    "direct as oldest: a batch leaves when its window ends or it is full)",
+                    self.path,
+                    field,
+                )
             out["direct"] = {
                 "max_queue_delay_microseconds": batching.direct.max_queue_delay_microseconds
             }
