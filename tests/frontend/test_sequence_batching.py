@@ -100,7 +100,7 @@ ensemble_scheduling {{ step [{{
 }}] }}
 """
 
-IDLE_S = 0.6  # the `text` model's max_sequence_idle_microseconds
+IDLE_S = 0.8  # the `text` model's max_sequence_idle_microseconds
 TEXT_LIMIT = 3  # --max-sequences: the `text` model's config sets no max_candidate_sequences
 
 
@@ -223,6 +223,29 @@ def test_interleaved_sequences_keep_their_own_running_sums(server: RunningServer
         assert answer["shared"] == 1  # one row per sequence in any batch
         assert answer["state"] is None  # the state output is not the client's
     assert max(answer["rows"] for answer in seen) > 1  # sequences shared batches
+
+
+def test_requests_of_one_sequence_sent_at_once_run_one_at_a_time(server: RunningServer) -> None:
+    """Three requests of one sequence at once, each on a connection of its own: each runs on
+    the state the one before left, never two in one batch, so the last sees the whole sum."""
+    client = httpclient.InferenceServerClient(server.address)
+    step(client, httpclient, "acc", 1, 555, sequence_start=True)
+    answers: list[tuple[int, int]] = []
+
+    def send(value: int) -> None:
+        own = httpclient.InferenceServerClient(server.address)
+        result = step(own, httpclient, "acc", value, 555)
+        answers.append((int(result.as_numpy("OUTPUT")[0, 0]), int(result.as_numpy("SHARED")[0, 0])))
+
+    threads = [threading.Thread(target=send, args=(value,)) for value in (10, 100, 1000)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(shared == 1 for _, shared in answers), answers
+    assert len({output for output, _ in answers}) == 3 and max(answers)[0] == 1111, answers
+    last = step(client, httpclient, "acc", 10000, 555, sequence_end=True)
+    assert last.as_numpy("OUTPUT")[0, 0] == 11111
 
 
 def test_end_frees_the_sequence_and_a_request_needs_an_id(server: RunningServer) -> None:
