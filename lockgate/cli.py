@@ -268,7 +268,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=1,
         help="server processes sharing --port and --grpc-port (see --balance), each loading "
         "every model: a number (default 1), or auto: one per usable core when every model is "
-        "classic, 1 with a language model or explicit model control",
+        "classic, 1 with a language model, a stateful model or explicit model control",
     )
     p.add_argument(
         "--balance",
