@@ -145,6 +145,7 @@ _CONTROL_KEYS = frozenset(
 )
 _FLAG_VALUES = {"int32_false_true": "INT32", "fp32_false_true": "FP32", "bool_false_true": "BOOL"}
 _CORRID_TYPES = ("UINT64", "INT64", "UINT32", "INT32", "BYTES")
+_STATEFUL_BACKENDS = ("python", "onnxruntime", "onnx")  # they take inputs and give outputs by name
 _STATE_KEYS = frozenset(
     {
         "input_name",
@@ -691,12 +692,19 @@ class _Reader:
         )
 
     def sequence_model(self, raw: Mapping[str, Any]) -> None:
-        """A stateful model is one the batcher runs: not a composition, not decoupled, and
-        with no response cache (as Triton refuses it)."""
+        """A stateful model is one the batcher runs, on a backend that takes and gives tensors
+        by name: not a composition, not decoupled, and with no response cache (as Triton
+        refuses it)."""
         field = "sequence_batching"
         backend = raw.get("backend")
         if backend in ("ensemble", "cascade"):
             raise self.error(field, f"a {backend} cannot have sequence_batching")
+        if backend not in _STATEFUL_BACKENDS:
+            problem = (
+                f"backend '{backend}' takes no control inputs or implicit state; a stateful "
+                f"model's backend is one of {', '.join(_STATEFUL_BACKENDS)}"
+            )
+            raise self.error(field, problem)
         policy = raw.get("model_transaction_policy")
         if isinstance(policy, dict) and policy.get("decoupled") is True:
             raise self.error(field, "lockgate serves no decoupled model with sequence_batching")

@@ -247,6 +247,7 @@ def test_instance_group_counts_are_summed() -> None:
             "sequence_batching",
             "ensemble",
         ),
+        ("backend: sklearn\nsequence_batching: {}", "sequence_batching", "no control inputs"),
     ],
 )
 def test_yaml_errors_name_the_field(text: str, field: str, fragment: str) -> None:
