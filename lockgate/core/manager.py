@@ -41,7 +41,7 @@ from lockgate.core.sequence_batcher import DEFAULT_MAX_SEQUENCES, SequenceBatche
 from lockgate.core.serving_metrics import ServingMetrics
 from lockgate.core.slo import ServiceProfile
 from lockgate.core.warmup import profile_sample, sample_batch, synthetic_batch
-from lockgate.errors import BadRequest, NotFound, Unavailable
+from lockgate.errors import BadRequest, ConfigError, NotFound, Unavailable
 
 log = logging.getLogger("lockgate.models")
 
@@ -334,6 +334,14 @@ class ModelManager:
         if service_factory is not None:  # loads and warms up in one call
             start = time.monotonic()
             service = await loop.run_in_executor(None, service_factory, config, served.path)
+            if service is not None and config.sequence_batching is not None:
+                await loop.run_in_executor(None, service.close)
+                raise ConfigError(
+                    config.source,
+                    "sequence_batching",
+                    "this model calls other models, outside the batcher: it cannot keep "
+                    "sequences (a stateful model computes its own answer)",
+                )
             if service is not None:
                 if isinstance(service, Instrumented):
                     service.instrument(self.registry)

@@ -136,11 +136,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
             ACCUMULATOR,
         ),
         ("chain", CHAIN, ""),
+        (
+            "caller",  # calls other models: it runs outside the batcher, so it cannot be loaded
+            config(name="caller", max_batch_size=8, corrid="TYPE_UINT64", idle_us=1, strategy=""),
+            ACCUMULATOR + "\n# pb_utils.InferenceRequest(model_name='acc')\n",
+        ),
     )
     running = start_server(
         repo,
         tmp_path_factory.mktemp("sequence-logs"),
         "--no-llm",
+        "--model-control-mode",
+        "explicit",
+        *("--load-model", "acc", "--load-model", "text", "--load-model", "chain"),
         "--max-sequences",
         str(TEXT_LIMIT),
         grpc_port=free_port(),
@@ -322,6 +330,12 @@ def test_past_the_limit_a_new_sequence_gets_503_with_retry_after(server: Running
     assert int(refused.headers["retry-after"]) >= 1
     assert post("s0", end=True).status_code == 200  # an end makes room
     assert post("one-too-many", start=True, end=True).status_code == 200
+
+
+def test_a_model_that_calls_others_cannot_keep_sequences(server: RunningServer) -> None:
+    loaded = httpx.post(server.url + "/v2/repository/models/caller/load", timeout=60)
+    assert loaded.status_code == 400, loaded.text
+    assert "sequence_batching" in loaded.text and "calls other models" in loaded.text
 
 
 @pytest.mark.skipif(
