@@ -193,6 +193,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--hang-timeout", type=float, default=30.0, help="seconds before a stuck instance restarts"
     )
     p.add_argument(
+        "--max-sequences",
+        type=_positive_int,
+        default=1024,
+        help="live sequences of a stateful model (sequence_batching) whose config sets no "
+        "oldest.max_candidate_sequences; a new sequence past it gets 503 with Retry-After",
+    )
+    p.add_argument(
         "--model-control-mode",
         choices=("none", "explicit", "poll"),
         default="none",
@@ -276,7 +283,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=1,
         help="server processes sharing --port and --grpc-port (see --balance), each loading "
         "every model: a number (default 1), or auto: one per usable core when every model is "
-        "classic, 1 with a language model or explicit model control",
+        "classic, 1 with a language model, a stateful model or explicit model control",
     )
     p.add_argument(
         "--balance",
@@ -382,6 +389,16 @@ def _grpc_port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is outside 0-65535")
     return port
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def _replicas(text: str) -> int | str:
@@ -594,6 +611,7 @@ def _serve(args: argparse.Namespace) -> int:
         startup_models=_startup_models(args),
         repository_poll_s=args.repository_poll_secs if args.model_control_mode == "poll" else None,
         hang_timeout=args.hang_timeout,
+        max_sequences=args.max_sequences,
         unload_drain_timeout=args.drain_timeout,
         admission=AdmissionSettings(deadline_aware=not args.no_admission),
         language_models=not args.no_llm,

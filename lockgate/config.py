@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from lockgate.errors import ConfigError
 
@@ -53,6 +54,113 @@ class DynamicBatching:
     default_timeout_us: int = 0  # 0: no default deadline
     priority_levels: int = 1
     default_priority_level: int = 0  # 0 means "the lowest level" (priority_levels)
+
+
+class SequenceStrategy(Enum):
+    OLDEST = "oldest"
+    DIRECT = "direct"  # served by the same scheduler as OLDEST
+
+
+class SequenceControlKind(Enum):
+    START = "CONTROL_SEQUENCE_START"
+    END = "CONTROL_SEQUENCE_END"
+    READY = "CONTROL_SEQUENCE_READY"
+    CORRID = "CONTROL_SEQUENCE_CORRID"
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceControl:
+    """A control input (Triton's `control_input`): the model input `name` gets, for each row,
+    `false_true[0]` or `false_true[1]` (START, END, READY), or the sequence's correlation id
+    (CORRID), as `datatype`."""
+
+    kind: SequenceControlKind
+    name: str
+    datatype: str  # INT32, FP32 or BOOL for a flag; UINT64, INT64, UINT32, INT32 or BYTES
+    false_true: tuple[float, float] = (0, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceState:
+    """An implicit state (Triton's `state`): the model's output `output_name` for one request
+    of a sequence is its input `input_name` for the next; the first request gets zeros of
+    `initial_dims`. `dims` exclude the batch dimension; -1: any."""
+
+    input_name: str
+    output_name: str
+    datatype: str
+    dims: tuple[int, ...]
+    initial_dims: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceBatching:
+    """`sequence_batching`: a stateful model. Each request carries a sequence id; the requests
+    of one sequence run in arrival order, at most one per batch, with the control inputs and
+    the implicit state added to its row."""
+
+    strategy: SequenceStrategy = SequenceStrategy.DIRECT
+    max_sequence_idle_us: int = 1_000_000  # Triton's default: 1 s
+    max_candidate_sequences: int = 0  # oldest: live sequences per instance; 0: the server's
+    max_queue_delay_us: int = 0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    controls: tuple[SequenceControl, ...] = ()
+    states: tuple[SequenceState, ...] = ()
+
+    def control(self, kind: SequenceControlKind) -> SequenceControl | None:
+        for control in self.controls:
+            if control.kind is kind:
+                return control
+        return None
+
+    def document(self) -> dict[str, Any]:
+        """Triton's JSON form (`GET /v2/models/{m}/config`, a Python model's `model_config`),
+        which `config.yaml` takes too."""
+        strategy: dict[str, Any] = {"max_queue_delay_microseconds": self.max_queue_delay_us}
+        if self.strategy is SequenceStrategy.OLDEST:
+            strategy["max_candidate_sequences"] = self.max_candidate_sequences
+            strategy["preferred_batch_size"] = list(self.preferred_batch_sizes)
+        return {
+            "max_sequence_idle_microseconds": self.max_sequence_idle_us,
+            self.strategy.value: strategy,
+            "control_input": [
+                {"name": c.name, "control": [_control_document(c)]} for c in self.controls
+            ],
+            "state": [
+                {
+                    "input_name": s.input_name,
+                    "output_name": s.output_name,
+                    "data_type": _triton_type(s.datatype),
+                    "dims": list(s.dims),
+                    "initial_state": [
+                        {
+                            "name": "zeros",
+                            "data_type": _triton_type(s.datatype),
+                            "dims": list(s.initial_dims),
+                            "zero_data": True,
+                        }
+                    ],
+                }
+                for s in self.states
+            ],
+        }
+
+
+def _control_document(control: SequenceControl) -> dict[str, Any]:
+    doc: dict[str, Any] = {"kind": control.kind.value}
+    if control.kind is SequenceControlKind.CORRID:
+        doc["data_type"] = _triton_type(control.datatype)
+    elif control.datatype == "INT32":
+        doc["int32_false_true"] = [int(v) for v in control.false_true]
+    elif control.datatype == "BOOL":
+        doc["bool_false_true"] = [bool(v) for v in control.false_true]
+    else:
+        doc["fp32_false_true"] = list(control.false_true)
+    return doc
+
+
+def _triton_type(datatype: str) -> str:
+    return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
 
 
 class VersionPolicyKind(Enum):
@@ -161,6 +269,7 @@ class ModelConfig:
     # `max_buffered_responses` wait for a slow client before the model's sends wait
     decoupled: bool = False
     max_buffered_responses: int = 64
+    sequence_batching: SequenceBatching | None = None  # a stateful model (Triton's)
     source: str = ""  # the file this config came from, for error messages
 
     def __post_init__(self) -> None:
@@ -205,4 +314,11 @@ class ModelConfig:
 
     @property
     def batcher(self) -> DynamicBatching:
+        """The batcher's settings; a sequence model's come from its `oldest` or `direct`."""
+        sequences = self.sequence_batching
+        if sequences is not None:
+            return DynamicBatching(
+                max_queue_delay_us=sequences.max_queue_delay_us,
+                preferred_batch_sizes=sequences.preferred_batch_sizes,
+            )
         return self.dynamic_batching or DynamicBatching()

@@ -54,6 +54,9 @@ class OnnxBackend:
         self._required = [name for name in self._input_names if name not in optional]
         graph_outputs = [o.name for o in session.get_outputs()]
         self._output_names = [s.name for s in config.outputs] or graph_outputs
+        if config.sequence_batching is not None:  # its implicit state goes back to the sequence
+            states = [s.output_name for s in config.sequence_batching.states]
+            self._output_names += [name for name in states if name not in self._output_names]
         for name in self._output_names:
             if name not in graph_outputs:
                 problem = f"output '{name}' is not in the ONNX graph ({', '.join(graph_outputs)})"

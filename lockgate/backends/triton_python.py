@@ -305,6 +305,8 @@ def triton_config(config: ModelConfig) -> dict[str, Any]:
         doc["dynamic_batching"] = {
             "max_queue_delay_microseconds": config.dynamic_batching.max_queue_delay_us
         }
+    if config.sequence_batching is not None:
+        doc["sequence_batching"] = config.sequence_batching.document()
     return doc
 
 

@@ -280,7 +280,8 @@ class Executor:
 
 
 class Context:
-    """The `InferContext` of one composed request: steps inherit its deadline and priority."""
+    """The `InferContext` of one composed request: steps inherit its deadline, its priority
+    and its sequence (as Triton passes an ensemble's correlation id on to its steps)."""
 
     __slots__ = ("depth", "executor", "parent")
 
@@ -303,6 +304,7 @@ class Context:
             id=self.parent.id,
             rows=rows,
             arrival=time.monotonic(),
+            sequence=self.parent.sequence,  # a stateful step continues the caller's sequence
         )
         answer = await self.executor.infer(request, served, self.depth)
         return answer.outputs

@@ -21,6 +21,18 @@ A `config.yaml` (every key but `backend` is optional):
     model_transaction_policy: {decoupled: true}   # a Triton Python model that streams
     max_buffered_responses: 64   # a decoupled model's responses waiting for a slow client
 
+A stateful model (Triton's `sequence_batching`, in the keys of Triton's JSON form; instead of
+`dynamic_batching`):
+
+    sequence_batching:
+      max_sequence_idle_microseconds: 1000000
+      oldest: {max_candidate_sequences: 64, preferred_batch_size: [8]}
+      control_input:
+        - {name: START, control: [{kind: CONTROL_SEQUENCE_START, int32_false_true: [0, 1]}]}
+        - {name: CORRID, control: [{kind: CONTROL_SEQUENCE_CORRID, data_type: TYPE_UINT64}]}
+      state:
+        - {input_name: STATE_IN, output_name: STATE_OUT, data_type: TYPE_FP32, dims: [4]}
+
 Compositions (`backend: ensemble` or `backend: cascade`):
 
     ensemble:                    # or Triton's ensemble_scheduling: {step: [...]}
@@ -30,8 +42,8 @@ Compositions (`backend: ensemble` or `backend: cascade`):
     cascade: {models: [small, large], rule: "rule.py:escalate"}   # or a function of yours
 
 Unknown keys are errors in `config.yaml` (a typo must not pass silently). In
-`config.pbtxt`, fields that Triton knows and lockgate does not use (optimization,
-sequence_batching, ...) are ignored with a warning.
+`config.pbtxt`, fields that Triton knows and lockgate does not use (optimization, ...) are
+ignored with a warning.
 
 A warmup sample with no `inputs` means zeros for every input.
 """
@@ -54,6 +66,11 @@ from lockgate.config import (
     FallbackKind,
     ModelConfig,
     ResponseCacheConfig,
+    SequenceBatching,
+    SequenceControl,
+    SequenceControlKind,
+    SequenceState,
+    SequenceStrategy,
     TensorSpec,
     VersionPolicy,
     VersionPolicyKind,
@@ -90,6 +107,7 @@ _TOP_LEVEL = frozenset(
         "fallback",
         "model_transaction_policy",
         "max_buffered_responses",
+        "sequence_batching",
     }
 )
 _TENSOR_KEYS = frozenset(
@@ -110,6 +128,36 @@ _STEP_KEYS = frozenset(
     {"model", "model_name", "version", "model_version", "input_map", "output_map"}
 )
 _CASCADE_KEYS = frozenset({"models", "confidence_output", "threshold", "rule"})
+_SEQUENCE_KEYS = frozenset(
+    {"max_sequence_idle_microseconds", "control_input", "state", "oldest", "direct"}
+)
+_OLDEST_KEYS = frozenset(
+    {
+        "max_candidate_sequences",
+        "preferred_batch_size",
+        "max_queue_delay_microseconds",
+        "preserve_ordering",
+    }
+)
+_DIRECT_KEYS = frozenset({"max_queue_delay_microseconds", "minimum_slot_utilization"})
+_CONTROL_KEYS = frozenset(
+    {"kind", "int32_false_true", "fp32_false_true", "bool_false_true", "data_type"}
+)
+_FLAG_VALUES = {"int32_false_true": "INT32", "fp32_false_true": "FP32", "bool_false_true": "BOOL"}
+_CORRID_TYPES = ("UINT64", "INT64", "UINT32", "INT32", "BYTES")
+_STATEFUL_BACKENDS = ("python", "onnxruntime", "onnx")  # they take inputs and give outputs by name
+_STATE_KEYS = frozenset(
+    {
+        "input_name",
+        "output_name",
+        "data_type",
+        "dims",
+        "initial_state",
+        "use_same_buffer_for_input_output",
+        "use_growable_memory",
+    }
+)
+_INITIAL_STATE_KEYS = frozenset({"data_type", "dims", "zero_data", "data_file", "name"})
 _WARMUP_KEYS = frozenset({"name", "batch_size", "count", "inputs"})
 _WARMUP_KINDS = ("zero", "random")
 _SAFE_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a warmup file: one plain name
@@ -221,6 +269,7 @@ class _Reader:
         inputs = self.tensors(raw, "input", "inputs")
         outputs = self.tensors(raw, "output", "outputs")
         batching = raw.get("dynamic_batching")
+        sequences = self.sequence_batching(raw, max_batch_size, inputs)
         return ModelConfig(
             name=name,
             backend=self.backend(raw.get("backend")),
@@ -243,6 +292,7 @@ class _Reader:
             max_buffered_responses=self.integer(
                 raw.get("max_buffered_responses", 64), "max_buffered_responses", 1, 1 << 16
             ),
+            sequence_batching=sequences,
             source=self.path,
         )
 
@@ -587,6 +637,198 @@ class _Reader:
             )
             raise self.error(f"{field}.decoupled", problem)
         return decoupled
+
+    def sequence_batching(
+        self,
+        raw: Mapping[str, Any],
+        max_batch_size: int,
+        inputs: tuple[TensorSpec, ...],
+    ) -> SequenceBatching | None:
+        """Triton's `sequence_batching`, in the keys of its JSON form, checked as Triton checks
+        it against the rest of the config."""
+        value = raw.get("sequence_batching")
+        if value is None:
+            return None
+        field = "sequence_batching"
+        body = self.mapping(value, field, _SEQUENCE_KEYS)
+        if raw.get("dynamic_batching") not in (None, False):
+            raise self.error(field, "give dynamic_batching or sequence_batching, not both")
+        self.sequence_model(raw)
+        if "oldest" in body and "direct" in body:
+            raise self.error(field, "give one strategy: oldest or direct")
+        strategy = SequenceStrategy.OLDEST if "oldest" in body else SequenceStrategy.DIRECT
+        keys = _OLDEST_KEYS if strategy is SequenceStrategy.OLDEST else _DIRECT_KEYS
+        where = f"{field}.{strategy.value}"
+        chosen = self.mapping(body.get(strategy.value), where, keys)
+        preferred = self.listed(
+            chosen, "preferred_batch_size", lambda v, f: self.integer(v, f, 1), where
+        )
+        for size in preferred:
+            if size > max(1, max_batch_size):
+                problem = f"preferred batch size {size} exceeds max_batch_size {max_batch_size}"
+                raise self.error(f"{where}.preferred_batch_size", problem)
+        idle = self.integer(
+            body.get("max_sequence_idle_microseconds", 0),
+            f"{field}.max_sequence_idle_microseconds",
+            0,
+        )
+        controls = self.listed(body, "control_input", self.sequence_control, field)
+        states = self.listed(body, "state", self.sequence_state, field)
+        self.sequence_names(controls, states, inputs)
+        return SequenceBatching(
+            strategy=strategy,
+            max_sequence_idle_us=idle or SequenceBatching().max_sequence_idle_us,
+            max_candidate_sequences=self.integer(
+                chosen.get("max_candidate_sequences", 0), f"{where}.max_candidate_sequences", 0
+            ),
+            max_queue_delay_us=self.integer(
+                chosen.get("max_queue_delay_microseconds", 0),
+                f"{where}.max_queue_delay_microseconds",
+                0,
+            ),
+            preferred_batch_sizes=tuple(sorted(set(preferred))),
+            controls=controls,
+            states=states,
+        )
+
+    def sequence_model(self, raw: Mapping[str, Any]) -> None:
+        """A stateful model is one the batcher runs, on a backend that takes and gives tensors
+        by name: not a composition, not decoupled, and with no response cache (as Triton
+        refuses it)."""
+        field = "sequence_batching"
+        backend = raw.get("backend")
+        if backend in ("ensemble", "cascade"):
+            raise self.error(field, f"a {backend} cannot have sequence_batching")
+        if backend not in _STATEFUL_BACKENDS:
+            problem = (
+                f"backend '{backend}' takes no control inputs or implicit state; a stateful "
+                f"model's backend is one of {', '.join(_STATEFUL_BACKENDS)}"
+            )
+            raise self.error(field, problem)
+        policy = raw.get("model_transaction_policy")
+        if isinstance(policy, dict) and policy.get("decoupled") is True:
+            raise self.error(field, "lockgate serves no decoupled model with sequence_batching")
+        cache = raw.get("response_cache")
+        if cache is True or (isinstance(cache, dict) and cache.get("enable", True) is True):
+            problem = "the response cache cannot answer a stateful model: disable response_cache"
+            raise self.error(field, problem)
+
+    def sequence_control(self, value: Any, field: str) -> SequenceControl:
+        """One `control_input`: a model input and the one control it carries."""
+        raw = self.mapping(value, field, frozenset({"name", "control"}))
+        name = self.string(raw.get("name"), f"{field}.name")
+        controls = self.items(raw.get("control"), f"{field}.control")
+        if len(controls) != 1:
+            raise self.error(f"{field}.control", "give exactly one control for the input")
+        where = f"{field}.control[0]"
+        control = self.mapping(controls[0], where, _CONTROL_KEYS)
+        kinds = [kind.value for kind in SequenceControlKind]
+        kind_name = control.get("kind", SequenceControlKind.START.value)  # Triton's 0
+        if kind_name not in kinds:
+            raise self.error(f"{where}.kind", f"unknown kind {kind_name!r}; one of {kinds}")
+        kind = SequenceControlKind(kind_name)
+        given = [key for key in _FLAG_VALUES if control.get(key)]
+        if kind is SequenceControlKind.CORRID:
+            if given:
+                raise self.error(where, f"{kind.value} takes a data_type, not {given[0]}")
+            datatype = self.control_datatype(control.get("data_type"), f"{where}.data_type")
+            return SequenceControl(kind, name, datatype)
+        if len(given) != 1:
+            choices = ", ".join(_FLAG_VALUES)
+            raise self.error(where, f"{kind.value} needs exactly one of {choices}")
+        (key,) = given
+        values = self.items(control[key], f"{where}.{key}")
+        if len(values) != 2:
+            raise self.error(f"{where}.{key}", f"must have exactly 2 entries, got {values!r}")
+        false, true = (
+            float(self.boolean(v, f"{where}.{key}[{i}]"))
+            if key == "bool_false_true"
+            else self.number(v, f"{where}.{key}[{i}]")
+            for i, v in enumerate(values)
+        )
+        return SequenceControl(kind, name, _FLAG_VALUES[key], (false, true))
+
+    def control_datatype(self, value: Any, field: str) -> str:
+        if value is None:
+            raise self.error(field, f"missing; one of {', '.join(_CORRID_TYPES)}")
+        datatype = normalize_datatype(self.string(value, field))
+        if datatype not in _CORRID_TYPES:
+            raise self.error(field, f"got {value!r}; one of {', '.join(_CORRID_TYPES)}")
+        return datatype
+
+    def sequence_state(self, value: Any, field: str) -> SequenceState:
+        raw = self.mapping(value, field, _STATE_KEYS)
+        input_name = self.string(raw.get("input_name"), f"{field}.input_name")
+        output_name = self.string(raw.get("output_name"), f"{field}.output_name")
+        datatype = self.datatype(raw.get("data_type"), f"{field}.data_type")
+        dims = self.dims(raw.get("dims"), f"{field}.dims")
+        initial = self.items(raw.get("initial_state"), f"{field}.initial_state")
+        if len(initial) > 1:
+            raise self.error(f"{field}.initial_state", "give at most one initial state")
+        initial_dims = tuple(1 if d < 0 else d for d in dims)  # no initial_state: -1 dims as 1
+        if initial:
+            initial_dims = self.initial_state(initial[0], f"{field}.initial_state[0]", datatype)
+            if len(initial_dims) != len(dims) or any(
+                d >= 0 and d != i for d, i in zip(dims, initial_dims, strict=True)
+            ):
+                problem = f"dims {list(initial_dims)} do not fit the state's dims {list(dims)}"
+                raise self.error(f"{field}.initial_state[0].dims", problem)
+        return SequenceState(input_name, output_name, datatype, dims, initial_dims)
+
+    def initial_state(self, value: Any, field: str, datatype: str) -> tuple[int, ...]:
+        """An initial state of zeros (`zero_data`): its dims, every one fixed."""
+        raw = self.mapping(value, field, _INITIAL_STATE_KEYS)
+        if "data_file" in raw:
+            raise self.error(f"{field}.data_file", "not supported by lockgate: use zero_data")
+        if "zero_data" not in raw:
+            raise self.error(field, "give zero_data (an initial state of zeros)")
+        self.string(raw.get("name"), f"{field}.name")  # Triton requires it
+        if self.datatype(raw.get("data_type"), f"{field}.data_type") != datatype:
+            raise self.error(f"{field}.data_type", f"does not match the state's {datatype}")
+        dims = self.dims(raw.get("dims"), f"{field}.dims")
+        if -1 in dims:
+            raise self.error(f"{field}.dims", f"must all be fixed, got {list(dims)}")
+        return dims
+
+    def datatype(self, value: Any, field: str) -> str:
+        datatype = normalize_datatype(self.string(value, field))
+        if datatype is None:
+            raise self.error(field, f"unknown datatype {value!r}; one of {DATATYPES}")
+        return datatype
+
+    def sequence_names(
+        self,
+        controls: tuple[SequenceControl, ...],
+        states: tuple[SequenceState, ...],
+        inputs: tuple[TensorSpec, ...],
+    ) -> None:
+        """Each control kind at most once; the inputs lockgate fills in (controls, state
+        inputs) named once each and not among the inputs a client sends; state outputs not
+        clashing with each other."""
+        seen_kinds: set[SequenceControlKind] = set()
+        for index, control in enumerate(controls):
+            if control.kind in seen_kinds:
+                problem = f"{control.kind.value} is given twice"
+                raise self.error(f"sequence_batching.control_input[{index}]", problem)
+            seen_kinds.add(control.kind)
+        declared = {spec.name for spec in inputs}
+        filled = [(f"control_input[{i}].name", c.name) for i, c in enumerate(controls)] + [
+            (f"state[{i}].input_name", s.input_name) for i, s in enumerate(states)
+        ]
+        seen: set[str] = set()
+        for where, name in filled:
+            field = f"sequence_batching.{where}"
+            if name in declared:
+                raise self.error(field, f"'{name}' is also a declared input: lockgate fills it in")
+            if name in seen:
+                raise self.error(field, f"'{name}' is filled in twice")
+            seen.add(name)
+        # a state output may also be a listed output: then a client may ask for it
+        state_outputs = [state.output_name for state in states]
+        for index, name in enumerate(state_outputs):
+            if name in state_outputs[:index]:
+                problem = f"'{name}' is the output of two states"
+                raise self.error(f"sequence_batching.state[{index}].output_name", problem)
 
     def filename(self, value: Any) -> str:
         if value is None:

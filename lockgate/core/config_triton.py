@@ -3,7 +3,7 @@ by protobuf's text parser, as Triton parses it: a misspelt field, a value of the
 an unknown enum value is an error that names the file, line and column. The `ModelConfig`
 message is then translated into the keys of `config.yaml` and validated by the one reader
 (`config_reader.py`). Fields that Triton knows and lockgate does not use (optimization,
-sequence_batching, ...) are ignored with a warning.
+model_operations, ...) are ignored with a warning.
 
 proto3 scalars have no presence: an unset number reads as 0, so Triton's zeros that mean
 "unset" (an instance count, a warmup batch size or count, `num_versions`, a queue size, the
@@ -218,7 +218,79 @@ class _TritonTranslator:
             ]
         }
 
+    def _field_sequence_batching(self, config: pb.ModelConfig, raw: dict[str, Any]) -> None:
+        raw["sequence_batching"] = self.sequence_batching(config.sequence_batching)
+
     # -- nested messages
+
+    def sequence_batching(self, batching: pb.ModelSequenceBatching) -> dict[str, Any]:
+        """In the keys of Triton's JSON form, which `config.yaml` takes too."""
+        field = "sequence_batching"
+        if batching.iterative_sequence:
+            raise self.error(f"{field}.iterative_sequence", "not supported by lockgate")
+        used = ("max_sequence_idle_microseconds", "control_input", "state", "oldest", "direct")
+        self.warn_unused(batching, field, used)
+        out: dict[str, Any] = {
+            "max_sequence_idle_microseconds": batching.max_sequence_idle_microseconds,
+            "control_input": [
+                {"name": control.name, "control": [self.control(c) for c in control.control]}
+                for control in batching.control_input
+            ],
+            "state": [self.state(state) for state in batching.state],
+        }
+        strategy = batching.WhichOneof("strategy_choice")
+        if strategy == "oldest":
+            oldest = batching.oldest
+            out["oldest"] = {
+                "max_candidate_sequences": oldest.max_candidate_sequences,
+                "preferred_batch_size": list(oldest.preferred_batch_size),
+                "max_queue_delay_microseconds": oldest.max_queue_delay_microseconds,
+            }
+        elif strategy == "direct":
+            if batching.direct.minimum_slot_utilization:
+                log.warning(
+                    "%s: ignoring field '%s.direct.minimum_slot_utilization' (lockgate serves "
+                    "direct as oldest: a batch leaves when its window ends or it is full)",
+                    self.path,
+                    field,
+                )
+            out["direct"] = {
+                "max_queue_delay_microseconds": batching.direct.max_queue_delay_microseconds
+            }
+        return out
+
+    def control(self, control: pb.ModelSequenceBatching.Control) -> dict[str, Any]:
+        kind = pb.ModelSequenceBatching.Control.Kind.DESCRIPTOR
+        out: dict[str, Any] = {"kind": _enum_name(kind, control.kind)}
+        for key in ("int32_false_true", "fp32_false_true", "bool_false_true"):
+            values = list(getattr(control, key))
+            if values:
+                out[key] = values
+        if control.data_type != pb.TYPE_INVALID:
+            out["data_type"] = self.datatype(control.data_type)
+        return out
+
+    def state(self, state: pb.ModelSequenceBatching.State) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "input_name": state.input_name,
+            "output_name": state.output_name,
+            "data_type": self.datatype(state.data_type),
+            "dims": list(state.dims),
+            "initial_state": [],
+        }
+        for initial in state.initial_state:
+            entry: dict[str, Any] = {
+                "name": initial.name,
+                "data_type": self.datatype(initial.data_type),
+                "dims": list(initial.dims),
+            }
+            choice = initial.WhichOneof("state_data")
+            if choice == "zero_data":
+                entry["zero_data"] = True
+            elif choice == "data_file":
+                entry["data_file"] = initial.data_file
+            out["initial_state"].append(entry)
+        return out
 
     def tensor(self, tensor: pb.ModelInput | pb.ModelOutput, field: str) -> dict[str, Any]:
         self.warn_unused(tensor, field, _TENSOR_FIELDS | _TENSOR_IGNORED_QUIETLY)

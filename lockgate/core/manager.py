@@ -39,6 +39,7 @@ from lockgate.core.metrics import Instrumented, Registry
 from lockgate.core.request import InferRequest
 from lockgate.core.reshape import Reshaped
 from lockgate.core.runner import Instance, instance_thread
+from lockgate.core.sequence_batcher import DEFAULT_MAX_SEQUENCES, SequenceBatcher, max_sequences
 from lockgate.core.serving_metrics import ServingMetrics
 from lockgate.core.slo import ServiceProfile
 from lockgate.core.warmup import profile_sample, sample_batch, synthetic_batch
@@ -66,6 +67,7 @@ class ServedVersion:
     state: ModelState = ModelState.LOADING
     error: str = ""
     batcher: Batcher | None = None
+    sequences: SequenceBatcher | None = None  # a stateful model's, around its batcher
     service: ModelService | None = None  # a model with its own scheduler (a language model)
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
@@ -128,6 +130,8 @@ class ServingSettings:
     startup_models: frozenset[str] | None = None
     # poll mode: seconds between looks at the repository for changes (None: no polling)
     repository_poll_s: float | None = None
+    # live sequences of a stateful model version whose config sets no max_candidate_sequences
+    max_sequences: int = DEFAULT_MAX_SEQUENCES
 
 
 class ModelManager:
@@ -230,7 +234,10 @@ class ModelManager:
             )
         if served.finite_inputs:
             _check_finite(request)
-        result = await served.batcher.submit(request)
+        if served.sequences is not None:
+            result = await served.sequences.submit(request)
+        else:
+            result = await served.batcher.submit(request)
         served.last_inference_ms = int(time.time() * 1000)
         return result
 
@@ -358,6 +365,14 @@ class ModelManager:
         if service_factory is not None:  # loads and warms up in one call
             start = time.monotonic()
             service = await loop.run_in_executor(None, service_factory, config, served.path)
+            if service is not None and config.sequence_batching is not None:
+                await loop.run_in_executor(None, service.close)
+                raise ConfigError(
+                    config.source,
+                    "sequence_batching",
+                    "this model calls other models, outside the batcher: it cannot keep "
+                    "sequences (a stateful model computes its own answer)",
+                )
             if service is not None:
                 if isinstance(service, Instrumented):
                     service.instrument(self.registry)
@@ -429,6 +444,9 @@ class ModelManager:
             instance.on_replaced = batcher.instance_ready
         batcher.start()
         served.batcher = batcher
+        if config.sequence_batching is not None:
+            limit = max_sequences(config, self.settings.max_sequences)
+            served.sequences = SequenceBatcher(config, served.version, batcher, self.metrics, limit)
 
     def _warm(self, config: ModelConfig, folder: Path, instance: Instance) -> None:
         """Run the configured warmup samples on an instance (on its own thread)."""
@@ -510,6 +528,8 @@ class ModelManager:
             if served.batcher is not None:
                 await served.batcher.drain(timeout=self.settings.unload_drain_timeout)
                 await served.batcher.close()
+            if served.sequences is not None:
+                served.sequences.close()
             if served.service is not None:
                 await served.service.drain(self.settings.unload_drain_timeout)
                 await asyncio.get_running_loop().run_in_executor(None, served.service.close)

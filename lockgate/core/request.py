@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from lockgate.core.sequences import SequenceFlags
 from lockgate.datatypes import Arrays
 
 _ids = itertools.count(1)
@@ -39,6 +40,7 @@ class InferRequest:
     planned_rows: int = 0  # rows admission planned in the batch it rides
     seq: int = field(default_factory=lambda: next(_ids))
     trace_id: str = ""  # when the request is traced: the exemplar of its latency
+    sequence: SequenceFlags | None = None  # a stateful model's: the sequence it belongs to
     # its way through the batcher, time.monotonic() seconds (0.0: not reached)
     batched: float = 0.0  # left the queue in a batch
     computed: float = 0.0  # the model finished that batch

@@ -23,6 +23,7 @@ class ServingMetrics:
     load_seconds: Gauge
     warmup_seconds: Gauge
     model_ready: Gauge
+    sequences: Gauge  # a stateful model's live sequences
 
     @classmethod
     def create(cls, registry: Registry) -> ServingMetrics:
@@ -81,5 +82,10 @@ class ServingMetrics:
             ),
             model_ready=registry.gauge(
                 "lockgate_model_ready", "1 when the model version is ready to serve.", mv
+            ),
+            sequences=registry.gauge(
+                "lockgate_sequences_live",
+                "Live sequences of a stateful model (sequence_batching), idle ones freed.",
+                mv,
             ),
         )

@@ -7,6 +7,9 @@ repeated for every row of the sample. Synthetic text is three words; a text mode
 inputs can cost ten times as much, so a file of a typical input lets warmup measure T(B) as
 traffic will see it: the profile is measured on the first sample that gives a file, and on
 random data otherwise.
+
+A stateful model's batches also hold its control inputs and its implicit state, as rows that
+hold no request (`sequence_batcher.idle_inputs`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from lockgate.config import ModelConfig, TensorSpec, WarmupSample
+from lockgate.core.sequence_batcher import idle_inputs
 from lockgate.datatypes import Arrays, numpy_dtype
 from lockgate.errors import ConfigError
 
@@ -38,11 +42,12 @@ def synthetic_input(spec: TensorSpec, rows: int, batching: bool, kind: str = "ze
 
 
 def synthetic_batch(config: ModelConfig, rows: int, kind: str = "zero") -> Arrays:
-    return {
+    batch = {
         spec.name: synthetic_input(spec, rows, config.batching, kind)
         for spec in config.inputs
         if not spec.optional
     }
+    return {**batch, **idle_inputs(config, rows)}
 
 
 def sample_batch(config: ModelConfig, folder: Path, sample: WarmupSample, rows: int) -> Arrays:
@@ -58,7 +63,7 @@ def sample_batch(config: ModelConfig, folder: Path, sample: WarmupSample, rows: 
             batch[spec.name] = np.stack([row] * rows) if config.batching else row
         else:
             batch[spec.name] = synthetic_input(spec, rows, config.batching, kind)
-    return batch
+    return {**batch, **idle_inputs(config, rows)}
 
 
 def profile_sample(config: ModelConfig) -> WarmupSample | None:

@@ -24,6 +24,7 @@ from lockgate.core.batch_times import BatchTimes
 from lockgate.core.manager import ModelManager, ModelState, ServedVersion
 from lockgate.core.repository import model_names
 from lockgate.core.request import InferRequest
+from lockgate.core.sequences import SequenceFlags
 from lockgate.core.validate import validate_inputs, validate_outputs, validate_shapes
 from lockgate.datatypes import Arrays
 from lockgate.errors import BadRequest, Forbidden, NotFound, ServingError
@@ -174,6 +175,35 @@ def priority_of(parameters: dict[str, object]) -> int:
     return priority
 
 
+MAX_SEQUENCE_ID_CHARS = 128  # as Triton's string correlation ids
+
+
+def sequence_of(parameters: dict[str, object]) -> SequenceFlags | None:
+    """Triton's sequence parameters: `sequence_id` (an unsigned 64-bit integer, a negative
+    int64 read as its unsigned value as gRPC's int64_param carries it, or a string),
+    `sequence_start` and `sequence_end`; None when the request gives none of them."""
+    if not any(key in parameters for key in ("sequence_id", "sequence_start", "sequence_end")):
+        return None
+    sequence_id = parameters.get("sequence_id", 0)
+    if isinstance(sequence_id, bool) or not isinstance(sequence_id, int | str):
+        raise BadRequest("parameter 'sequence_id' must be an unsigned integer or a string")
+    if isinstance(sequence_id, int):
+        if not -(2**63) <= sequence_id < 2**64:
+            raise BadRequest("parameter 'sequence_id' must fit in an unsigned 64-bit integer")
+        sequence_id %= 2**64
+    elif len(sequence_id) > MAX_SEQUENCE_ID_CHARS:
+        raise BadRequest(
+            f"string correlation ID cannot be longer than {MAX_SEQUENCE_ID_CHARS} characters"
+        )
+    flags = {}
+    for key in ("sequence_start", "sequence_end"):
+        value = parameters.get(key, False)
+        if not isinstance(value, bool):
+            raise BadRequest(f"parameter '{key}' must be true or false")
+        flags[key] = value
+    return SequenceFlags(sequence_id, flags["sequence_start"], flags["sequence_end"])
+
+
 @dataclass(slots=True)
 class Checked:
     """A request's declared inputs, checked against `config`: its batch rows."""
@@ -254,6 +284,7 @@ class V2Service:
             rows=rows,
             arrival=time.monotonic() if arrival is None else arrival,
             trace_id=trace_id,
+            sequence=sequence_of(decoded.parameters),
         )
 
     async def infer(

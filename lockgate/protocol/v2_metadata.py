@@ -80,6 +80,8 @@ def model_config(config: ModelConfig, runtime: Runtime) -> Document:
     }
     if config.dynamic_batching is not None:
         doc["dynamic_batching"] = _dynamic_batching(config)
+    if config.sequence_batching is not None:
+        doc["sequence_batching"] = config.sequence_batching.document()
     if config.response_cache.enable:
         doc["response_cache"] = {"enable": True}
     if config.ensemble:

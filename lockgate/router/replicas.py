@@ -16,7 +16,8 @@ use), balanced one of two ways:
 `--replicas auto` (`auto_replicas`) is one replica per usable core when the repository holds
 classic models only, and one when it holds a language model that will be served: a language
 model's engine already spreads over the cores, and each replica would hold its own weights
-and KV cache.
+and KV cache. A stateful model (`sequence_batching`) also makes it one: a sequence lives in
+the replica that started it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from lockgate.config import ModelConfig
 
 log = logging.getLogger("lockgate.router")
 
@@ -98,22 +101,25 @@ def auto_replicas(
 ) -> int:
     """`--replicas auto`: `cores` replicas when `repository` holds classic models only; one
     when it holds a model of `llm_backend` that will be served (`language_models`, that is
-    without --no-llm). A model whose config cannot be read counts as classic: the replica
-    reports its error."""
-    if language_models and llm_backend in _backends(repository):
+    without --no-llm), or a stateful model. A model whose config cannot be read counts as
+    classic: the replica reports its error."""
+    configs = _configs(repository)
+    if language_models and any(config.backend == llm_backend for config in configs):
+        return 1
+    if any(config.sequence_batching is not None for config in configs):
         return 1
     return max(1, cores)
 
 
-def _backends(repository: Path) -> set[str]:
-    """The backends named by the model configs of a repository (unreadable ones left out)."""
+def _configs(repository: Path) -> list[ModelConfig]:
+    """The model configs of a repository (unreadable ones left out)."""
     from lockgate.core.config_files import load_model_config
 
-    found = set()
+    found = []
     for folder in repository.iterdir() if repository.is_dir() else ():
         if folder.is_dir() and not folder.name.startswith("."):
             try:
-                found.add(load_model_config(folder).backend)
+                found.append(load_model_config(folder))
             except Exception:  # unreadable: the replicas report it, as they start
                 continue
     return found

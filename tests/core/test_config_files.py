@@ -220,12 +220,62 @@ def test_instance_group_counts_are_summed() -> None:
         ),
         ("backend: python\ninstance_count: 1\ninstance_group: []", "instance_count", "not both"),
         ("- backend: python", "config", "mapping"),
+        (
+            "backend: python\nmax_batch_size: 4\ndynamic_batching: {}\nsequence_batching: {}",
+            "sequence_batching",
+            "not both",
+        ),
+        (
+            "backend: python\nsequence_batching: {oldest: {}, direct: {}}",
+            "sequence_batching",
+            "one strategy",
+        ),
+        (
+            "backend: python\nsequence_batching: {oldest: {max_candidate_sequences: -1}}",
+            "sequence_batching.oldest.max_candidate_sequences",
+            ">= 0",
+        ),
+        (
+            "backend: python\nsequence_batching: {control_input: [{name: S, control: "
+            "[{kind: CONTROL_SEQUENCE_BEGIN, int32_false_true: [0, 1]}]}]}",
+            "sequence_batching.control_input[0].control[0].kind",
+            "unknown kind",
+        ),
+        (
+            "backend: ensemble\nensemble: [{model: m, input_map: {a: a}, output_map: {b: b}}]\n"
+            "sequence_batching: {}",
+            "sequence_batching",
+            "ensemble",
+        ),
+        ("backend: sklearn\nsequence_batching: {}", "sequence_batching", "no control inputs"),
     ],
 )
 def test_yaml_errors_name_the_field(text: str, field: str, fragment: str) -> None:
     error = yaml_error(text)
     assert error.field == field
     assert fragment in error.problem
+
+
+def test_sequence_batching_in_yaml_takes_tritons_json_keys() -> None:
+    text = """
+backend: python
+max_batch_size: 8
+inputs: [{name: INPUT, datatype: INT32, dims: [1]}]
+sequence_batching:
+  max_sequence_idle_microseconds: 2000000
+  oldest: {max_candidate_sequences: 16, preferred_batch_size: [4]}
+  control_input:
+    - {name: START, control: [{kind: CONTROL_SEQUENCE_START, int32_false_true: [0, 1]}]}
+    - {name: ID, control: [{kind: CONTROL_SEQUENCE_CORRID, data_type: UINT64}]}
+  state:
+    - {input_name: S_IN, output_name: S_OUT, data_type: INT32, dims: [2]}
+"""
+    config = parse_yaml_config(text, path="c.yaml", folder="acc")
+    sequences = config.sequence_batching
+    assert sequences is not None and sequences.max_sequence_idle_us == 2_000_000
+    assert [c.name for c in sequences.controls] == ["START", "ID"]
+    assert sequences.states[0].initial_dims == (2,)
+    assert config.batcher.preferred_batch_sizes == (4,)
 
 
 def test_yaml_syntax_error_has_line() -> None:

@@ -13,7 +13,14 @@ from google.protobuf import text_format
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lockgate.config import DynamicBatching, TensorSpec
+from lockgate.config import (
+    DynamicBatching,
+    SequenceControl,
+    SequenceControlKind,
+    SequenceState,
+    SequenceStrategy,
+    TensorSpec,
+)
 from lockgate.core.config_reader import normalize_datatype
 from lockgate.core.config_triton import parse_pbtxt_config, read_pbtxt
 from lockgate.core.repository import scan_repository
@@ -221,16 +228,116 @@ def test_priorities_and_queue_policies(caplog: pytest.LogCaptureFixture) -> None
     assert "allow_timeout_override" not in ignored
 
 
-def test_sequence_batching_parses_and_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+def test_sequence_batching_reads_as_triton_defaults_it(caplog: pytest.LogCaptureFixture) -> None:
     message = read_pbtxt(SEQUENCE, path="c.pbtxt")
     assert message.WhichOneof("scheduling_choice") == "sequence_batching"
-    assert message.sequence_batching.control_input[1].name == "READY"
     with caplog.at_level(logging.WARNING):
         config = parse_pbtxt_config(SEQUENCE, path="c.pbtxt", folder="simple_sequence")
     assert config.inputs == (TensorSpec("INPUT", "INT32", (1,)),)
-    ignored = warnings_of(caplog)
-    assert "ignoring Triton field 'sequence_batching'" in ignored
-    assert "KIND_GPU" in ignored  # runs on the CPU, and says so
+    sequences = config.sequence_batching
+    assert sequences is not None
+    assert sequences.strategy is SequenceStrategy.DIRECT  # Triton's default strategy
+    assert sequences.max_sequence_idle_us == 1_000_000  # and its default idle time
+    assert sequences.controls == (
+        SequenceControl(SequenceControlKind.START, "START", "INT32", (0, 1)),
+        SequenceControl(SequenceControlKind.READY, "READY", "INT32", (0, 1)),
+    )
+    assert config.dynamic_batching is None and config.batcher.max_queue_delay_us == 0
+    warned = warnings_of(caplog)
+    assert "sequence_batching" not in warned
+    assert "KIND_GPU" in warned  # runs on the CPU, and says so
+
+
+STATEFUL = """
+name: "stateful"
+backend: "python"
+max_batch_size: 4
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
+sequence_batching {
+  max_sequence_idle_microseconds: 250000
+  oldest {
+    max_candidate_sequences: 6 preferred_batch_size: [ 2, 4 ] max_queue_delay_microseconds: 100
+  }
+  control_input [
+    { name: "END" control [ { kind: CONTROL_SEQUENCE_END fp32_false_true: [ 0, 1 ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY bool_false_true: [ false, true ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING } ] }
+  ]
+  state [ {
+    input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ -1 ]
+    initial_state { data_type: TYPE_FP32 dims: [ 3 ] zero_data: true name: "zeros" }
+  } ]
+}
+"""
+
+
+def test_the_oldest_strategy_controls_and_an_implicit_state() -> None:
+    config = parse_pbtxt_config(STATEFUL, path="s.pbtxt", folder="stateful")
+    sequences = config.sequence_batching
+    assert sequences is not None
+    assert sequences.strategy is SequenceStrategy.OLDEST
+    assert sequences.max_sequence_idle_us == 250_000
+    assert sequences.max_candidate_sequences == 6
+    assert config.batcher.preferred_batch_sizes == (2, 4)
+    assert config.batcher.max_queue_delay_us == 100
+    corrid = sequences.control(SequenceControlKind.CORRID)
+    assert corrid == SequenceControl(SequenceControlKind.CORRID, "CORRID", "BYTES")
+    ready = sequences.control(SequenceControlKind.READY)
+    assert ready is not None and ready.datatype == "BOOL" and ready.false_true == (0, 1)
+    (state,) = sequences.states
+    assert state == SequenceState("STATE_IN", "STATE_OUT", "FP32", (-1,), (3,))
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        (
+            ("fp32_false_true: [ 0, 1 ]", "fp32_false_true: [ 0, 1, 2 ]"),
+            "control_input[0].control[0].fp32_false_true",
+            "exactly 2 entries",
+        ),
+        (
+            ("fp32_false_true: [ 0, 1 ]", "data_type: TYPE_INT32"),
+            "control_input[0].control[0]",
+            "exactly one of int32_false_true",
+        ),
+        (("TYPE_STRING", "TYPE_FP32"), "control_input[2].control[0].data_type", "UINT64"),
+        (('name: "READY"', 'name: "INPUT"'), "control_input[1].name", "also a declared input"),
+        (('name: "CORRID"', 'name: "STATE_IN"'), "state[0].input_name", "filled in twice"),
+        (("zero_data: true", 'data_file: "s.bin"'), "initial_state[0].data_file", "zero_data"),
+        (("dims: [ 3 ] zero", "dims: [ -1 ] zero"), "initial_state[0].dims", "fixed"),
+        (("preferred_batch_size: [ 2, 4 ]", "preferred_batch_size: [ 8 ]"), "oldest", "exceeds"),
+        (
+            ("max_batch_size: 4", "max_batch_size: 4 dynamic_batching { }"),
+            "pbtxt",  # one of Triton's scheduling_choice
+            "dynamic_batching",
+        ),
+        (
+            ("max_batch_size: 4", "max_batch_size: 4 response_cache { enable: true }"),
+            "sequence_batching",
+            "response cache",
+        ),
+    ],
+)
+def test_a_bad_sequence_batching_names_its_field(
+    change: tuple[str, str], field: str, words: str
+) -> None:
+    text = STATEFUL.replace(*change)
+    assert text != STATEFUL
+    with pytest.raises(ConfigError) as caught:
+        parse_pbtxt_config(text, path="s.pbtxt", folder="stateful")
+    assert field in caught.value.field and words in str(caught.value), str(caught.value)
+
+
+def test_a_stateful_models_config_reads_back_from_the_config_lockgate_answers() -> None:
+    from lockgate.core.config_triton import parse_json_config
+    from lockgate.protocol import v2_metadata
+
+    config = parse_pbtxt_config(STATEFUL, path="s.pbtxt", folder="stateful")
+    document = v2_metadata.model_config(config, v2_metadata.Runtime("python"))
+    again = parse_json_config(v2_metadata.encode(document).decode(), path="s", folder="stateful")
+    assert again.sequence_batching == config.sequence_batching
 
 
 def test_int64_dims_and_versions_keep_their_width() -> None:

@@ -81,6 +81,13 @@ def test_auto_is_one_replica_with_a_language_model(with_llm: Path) -> None:
     assert auto_replicas(with_llm, cores=6, llm_backend=LLM_BACKEND, language_models=False) == 6
 
 
+def test_auto_is_one_replica_with_a_stateful_model(classic: Path) -> None:
+    """A sequence lives in the replica that started it: kernel-balanced replicas would send
+    its requests to others."""
+    model(classic, "acc", "backend: python\nsequence_batching: {}\n")
+    assert auto_replicas(classic, cores=6, llm_backend=LLM_BACKEND) == 1
+
+
 def serve_args(*flags: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--replicas", type=_replicas, default=1)
