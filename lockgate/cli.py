@@ -19,6 +19,17 @@ if TYPE_CHECKING:
     from lockgate.core.bare_model import BareModel
 
 
+METRICS_COMPAT = frozenset({"triton", "vllm"})
+
+
+def _metrics_compat(text: str) -> frozenset[str] | None:
+    """The names of --metrics-compat; None when one is unknown."""
+    names = frozenset(n.strip().lower() for n in text.split(",") if n.strip())
+    if names == {"none"}:
+        return frozenset()
+    return names if names and names <= METRICS_COMPAT else None
+
+
 def _env_keys(name: str) -> frozenset[str]:
     raw = os.environ.get(name, "")
     return frozenset(k.strip() for k in raw.split(",") if k.strip())
@@ -225,6 +236,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--metrics-public",
         action="store_true",
         help="serve /metrics without an API key even when LOCKGATE_API_KEYS is set",
+    )
+    p.add_argument(
+        "--metrics-compat",
+        default="triton,vllm",
+        metavar="NAMES",
+        help="other servers' metric names also on /metrics, comma-separated: 'triton' "
+        "(nv_inference_* of the classic models, labelled model and version), 'vllm' (vllm:* "
+        "of the language models, labelled model_name), or 'none' (default: triton,vllm)",
     )
     p.add_argument(
         "--access-log",
@@ -585,6 +604,14 @@ def _serve(args: argparse.Namespace) -> int:
     if args.compress_min_bytes < 0:
         print("lockgate: --compress-min-bytes must be 0 (off) or more", file=sys.stderr)
         return 2
+    metrics_compat = _metrics_compat(args.metrics_compat)
+    if metrics_compat is None:
+        print(
+            "lockgate: --metrics-compat takes 'none' or names among triton, vllm "
+            f"(comma-separated), not {args.metrics_compat!r}",
+            file=sys.stderr,
+        )
+        return 2
     http = ServerSettings(
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         body_timeout_s=args.body_timeout,
@@ -598,6 +625,7 @@ def _serve(args: argparse.Namespace) -> int:
         strict_readiness=args.strict_readiness,
         model_control=args.model_control_mode,
         metrics_public=args.metrics_public,
+        metrics_compat=metrics_compat,
         access_log=args.access_log,
         redis=_redis(args),
         otel_endpoint=args.otel_endpoint,

@@ -212,6 +212,10 @@ class Registry:
         """A scrape's body and content type: OpenMetrics when the `Accept` header lists it,
         else the text format 0.0.4."""
         if any(part.split(";")[0].strip() == OPENMETRICS for part in accept.split(",")):
-            body = openmetrics_exposition.generate_latest(self.collectors)
+            # names with ':' (vLLM's) as they are: the default escaping turns them into '_'
+            # in the samples and not in the family's HELP and TYPE lines
+            body = openmetrics_exposition.generate_latest(
+                self.collectors, escaping=openmetrics_exposition.ALLOWUTF8
+            )
             return body, openmetrics_exposition.CONTENT_TYPE_LATEST
         return prom.generate_latest(self.collectors), CONTENT_TYPE_PLAIN_0_0_4

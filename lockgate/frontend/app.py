@@ -23,6 +23,7 @@ from lockgate.backends.base import LLM_BACKEND
 from lockgate.cache.redis_tier import RedisSettings
 from lockgate.cache.response_cache import ResponseCache
 from lockgate.compose.executor import Executor
+from lockgate.core.compat_metrics import TritonMetrics
 from lockgate.core.manager import ModelManager, ServedVersion
 from lockgate.errors import (
     BadRequest,
@@ -142,6 +143,8 @@ class ServerSettings:
     strict_readiness: bool = False  # True: ready only when every model is ready
     model_control: str = "none"  # "explicit": POST .../load and .../unload are served
     metrics_public: bool = False  # True: /metrics needs no key even when keys are set
+    # other servers' metric names also exported on /metrics: "triton", "vllm"; empty: none
+    metrics_compat: frozenset[str] = frozenset({"triton", "vllm"})
     # keys that may ask a priority above the model's default; empty: any client may
     priority_keys: frozenset[str] = frozenset()
     repository: Path | None = None
@@ -215,6 +218,8 @@ class App:
         ).set_function((), lambda: float(self.in_flight))
         self.lane_answered = 0  # v2 inference requests answered from the protocol's lane
         models.registry.register(_LaneCount(self))
+        if "triton" in self.settings.metrics_compat:
+            models.registry.register(TritonMetrics(models))
         self.http_latency = models.registry.histogram(
             "lockgate_http_request_duration_seconds",
             "Time from the request's first byte to its response headers, by route kind and status.",

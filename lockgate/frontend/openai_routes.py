@@ -43,6 +43,7 @@ from lockgate.frontend.http import (
     respond_json,
     send_event,
 )
+from lockgate.llm.compat_metrics import VLLMMetrics
 from lockgate.llm.sequence import TokenLogprobs
 from lockgate.llm.service import LLMMetrics, LLMService
 from lockgate.protocol import openai as oa
@@ -65,6 +66,9 @@ class OpenAIRoutes:
     def __post_init__(self) -> None:
         self.pipeline = CompletionPipeline(self.app)
         self.metrics = LLMMetrics(self.app.models.registry, lambda: self.services.values())
+        if "vllm" in self.app.settings.metrics_compat:
+            vllm = VLLMMetrics(self.metrics.requests, lambda: self.services.values())
+            self.app.models.registry.register(vllm)
 
     @property
     def limits(self) -> oa.OpenAILimits:

@@ -1,0 +1,118 @@
+"""vLLM's metric names for the language models, computed at scrape time from lockgate's own.
+
+Routers (the Gateway API Inference Extension's endpoint picker, vLLM's production-stack
+router), autoscalers and dashboards written for vLLM read `vllm:*` series labelled
+`model_name`: above all `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`.
+`VLLMMetrics` reads them off each engine's stats snapshot and the request histograms the
+engines already observe (`LLMRequestMetrics`), under vLLM's names, when a scraper asks: the
+engine pays nothing for them. The histograms keep lockgate's buckets (`LATENCY_BUCKETS`,
+`TOKEN_BUCKETS`), not vLLM's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric as Family
+
+from lockgate.core.metrics import Histogram
+from lockgate.llm.metrics import EngineStats
+from lockgate.llm.service import LLMRequestMetrics, LLMService
+
+Read = Callable[[EngineStats], float]  # a value from an engine's stats snapshot
+_GAUGES: tuple[tuple[str, str, Read], ...] = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches.",
+     lambda s: s.num_running),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+     lambda s: s.num_waiting),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+     lambda s: s.kv_usage),
+    ("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name). 1 means 100 percent usage.",
+     lambda s: s.kv_usage),
+)  # fmt: skip
+_COUNTERS: tuple[tuple[str, str, Read], ...] = (
+    ("vllm:generation_tokens", "Number of generation tokens processed.",
+     lambda s: s.generation_tokens),
+    ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
+     lambda s: s.num_preemptions),
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+     lambda s: s.prefix_cache_queries),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+     lambda s: s.prefix_cache_hits),
+)  # fmt: skip
+
+
+class VLLMMetrics:
+    """The `vllm:*` series of every language model served, read at scrape time."""
+
+    def __init__(
+        self, requests: LLMRequestMetrics, services: Callable[[], Iterable[LLMService]]
+    ) -> None:
+        self.services = services  # the language models served now
+        self.histograms: tuple[tuple[str, str, Histogram], ...] = (
+            ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+             requests.ttft),
+            ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+             requests.itl),
+            ("vllm:time_per_output_token_seconds",
+             "Histogram of time per output token in seconds (vLLM's older name of the "
+             "inter-token latency).", requests.itl),
+            ("vllm:request_time_per_output_token_seconds",
+             "Histogram of time_per_output_token_seconds per request.", requests.tpot),
+            ("vllm:e2e_request_latency_seconds",
+             "Histogram of end to end request latency in seconds.", requests.e2e),
+            ("vllm:request_queue_time_seconds",
+             "Histogram of time spent in WAITING phase for request.", requests.queue),
+            ("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+             requests.prompt),
+            ("vllm:request_generation_tokens", "Number of generation tokens processed.",
+             requests.generation),
+        )  # fmt: skip
+        self.prompt = requests.prompt
+
+    def collect(self) -> Iterator[Family]:
+        m = ["model_name"]
+        gauges: list[tuple[GaugeMetricFamily | CounterMetricFamily, Read]] = [
+            (GaugeMetricFamily(n, text, labels=m), read) for n, text, read in _GAUGES
+        ]
+        counters: list[tuple[GaugeMetricFamily | CounterMetricFamily, Read]] = [
+            (CounterMetricFamily(n, text, labels=m), read) for n, text, read in _COUNTERS
+        ]
+        prompt = CounterMetricFamily(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels=m
+        )
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*m, "finished_reason"],
+        )
+        names = []
+        for service in list(self.services()):
+            names.append(service.name)
+            stats = service.engine.engine.stats()
+            for family, read in gauges + counters:
+                family.add_metric([service.name], read(stats))
+            # every prompt token of each finished request, prefix-cache hits included
+            prompt.add_metric([service.name], self.prompt.totals((service.name,))[1])
+            for reason, count in stats.finished_by_reason.items():
+                success.add_metric([service.name, reason], count)
+        if not names:
+            return
+        yield from (family for family, _ in gauges)
+        yield prompt
+        yield from (family for family, _ in counters)
+        yield success
+        for name, text, histogram in self.histograms:
+            yield renamed(histogram, name, text, set(names))
+
+
+def renamed(histogram: Histogram, name: str, text: str, models: set[str]) -> Family:
+    """The histogram's series of these models under another name (its `_created` left out)."""
+    (family,) = histogram.metric.collect()
+    out = Family(name, text, "histogram")
+    for sample in family.samples:
+        suffix = sample.name.removeprefix(family.name)
+        if suffix != "_created" and sample.labels.get("model_name") in models:
+            out.samples.append(sample._replace(name=name + suffix))
+    return out
