@@ -7,9 +7,19 @@ import httpx
 import openai
 import pytest
 
+from lockgate.cli import _metrics_compat, main
+from lockgate.config import ModelConfig
 from lockgate.core.compat_metrics import REASONS
+from lockgate.core.manager import ModelManager, ModelState, ServedModel, ServedVersion
+from lockgate.core.metrics import Registry
+from lockgate.frontend.app import App, ServerSettings
+from lockgate.frontend.openai_routes import OpenAIRoutes
+from lockgate.llm.async_engine import AsyncLLMEngine
 from tests.conftest import RunningServer, digits_rows
+from tests.core.test_compat_metrics import NOWHERE
 from tests.core.test_metrics import promtool_check
+from tests.llm.test_engine import make_engine
+from tests.llm.test_service import served
 
 MODEL = "SmolLM2-135M-Instruct"
 TEXTS = {"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["a cat"]}]}
@@ -170,3 +180,42 @@ def test_promtool_accepts_vllm_names(llm_server: RunningServer) -> None:
     open_text = httpx.get(llm_server.url + "/metrics", headers={"accept": accept}).text
     assert f'vllm:num_requests_waiting{{model_name="{MODEL}"}}' in open_text
     assert "vllm_" not in open_text  # ':' is kept, as vLLM writes it
+
+
+@pytest.mark.parametrize(
+    ("flag", "triton", "vllm"),
+    [("triton,vllm", True, True), ("vllm", False, True), ("none", False, False)],
+)
+def test_metrics_compat_chooses_the_names(flag: str, triton: bool, vllm: bool) -> None:
+    """--metrics-compat, in process: a classic model's Triton names and a language model's
+    vLLM names are on /metrics or not, as the flag says; lockgate's own always."""
+    models = ModelManager(Registry())
+    classic = ModelConfig("classic", "python")
+    models.models["classic"] = ServedModel("classic", NOWHERE, classic, {1: ready(classic)})
+    service = served(AsyncLLMEngine(make_engine()))
+    llm = ready(ModelConfig("fake", "llm"))
+    llm.service = service
+    models.models["fake"] = ServedModel("fake", NOWHERE, llm.config, {1: llm})
+    compat = _metrics_compat(flag)
+    assert compat is not None
+    app = App(models, ServerSettings(metrics_compat=compat))
+    OpenAIRoutes(app)
+    try:
+        text = models.registry.exposition()[0].decode()
+    finally:
+        service.close()
+    assert ('nv_inference_request_success{model="classic",version="1"}' in text) is triton
+    assert ('vllm:num_requests_waiting{model_name="fake"}' in text) is vllm
+    assert 'lockgate_llm_num_requests_waiting{model_name="fake"}' in text
+
+
+def test_metrics_compat_refuses_an_unknown_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--metrics-compat", "triton,prometheus"]) == 2
+    assert "--metrics-compat takes 'none' or names among triton, vllm" in capsys.readouterr().err
+    assert _metrics_compat("none") == frozenset()
+    assert _metrics_compat(" Triton ") == {"triton"}
+    assert _metrics_compat("") is None
+
+
+def ready(config: ModelConfig) -> ServedVersion:
+    return ServedVersion(config, 1, NOWHERE, NOWHERE, state=ModelState.READY)
