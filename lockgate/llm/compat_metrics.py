@@ -6,7 +6,8 @@ router), autoscalers and dashboards written for vLLM read `vllm:*` series labell
 `VLLMMetrics` reads them off each engine's stats snapshot and the request histograms the
 engines already observe (`LLMRequestMetrics`), under vLLM's names, when a scraper asks: the
 engine pays nothing for them. The histograms keep lockgate's buckets (`LATENCY_BUCKETS`,
-`TOKEN_BUCKETS`), not vLLM's.
+`TOKEN_BUCKETS`), not vLLM's. The names vLLM has dropped (`vllm:gpu_cache_usage_perc`,
+`vllm:time_per_output_token_seconds`) are not exported.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ _GAUGES: tuple[tuple[str, str, Read], ...] = (
     ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
      lambda s: s.num_waiting),
     ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-     lambda s: s.kv_usage),
-    ("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name). 1 means 100 percent usage.",
      lambda s: s.kv_usage),
 )  # fmt: skip
 _COUNTERS: tuple[tuple[str, str, Read], ...] = (
@@ -55,9 +54,6 @@ class VLLMMetrics:
              requests.ttft),
             ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
              requests.itl),
-            ("vllm:time_per_output_token_seconds",
-             "Histogram of time per output token in seconds (vLLM's older name of the "
-             "inter-token latency).", requests.itl),
             ("vllm:request_time_per_output_token_seconds",
              "Histogram of time_per_output_token_seconds per request.", requests.tpot),
             ("vllm:e2e_request_latency_seconds",
@@ -82,6 +78,12 @@ class VLLMMetrics:
         prompt = CounterMetricFamily(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", labels=m
         )
+        drafts = CounterMetricFamily(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels=m
+        )
+        accepted = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels=m
+        )
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -97,12 +99,16 @@ class VLLMMetrics:
             prompt.add_metric([service.name], self.prompt.totals((service.name,))[1])
             for reason, count in stats.finished_by_reason.items():
                 success.add_metric([service.name, reason], count)
+            if service.engine.engine.config.speculative != "none":
+                drafts.add_metric([service.name], stats.spec_draft_tokens)
+                accepted.add_metric([service.name], stats.spec_accepted_tokens)
         if not names:
             return
         yield from (family for family, _ in gauges)
         yield prompt
         yield from (family for family, _ in counters)
         yield success
+        yield from (family for family in (drafts, accepted) if family.samples)
         for name, text, histogram in self.histograms:
             yield renamed(histogram, name, text, set(names))
 

@@ -161,9 +161,7 @@ def test_vllm_gauges_during_a_stream(llm_server: RunningServer) -> None:
     assert during["vllm:num_requests_running" + labels] >= 1
     assert during["vllm:num_requests_waiting" + labels] >= 0
     assert 0 < during["vllm:kv_cache_usage_perc" + labels] <= 1
-    assert (
-        during["vllm:gpu_cache_usage_perc" + labels] == during["vllm:kv_cache_usage_perc" + labels]
-    )
+    assert not any(series.startswith("vllm:gpu_cache_usage_perc") for series in during)
     assert (
         during["vllm:num_requests_running" + labels]
         == during["lockgate_llm_num_requests_running" + labels]

@@ -9,10 +9,12 @@ import re
 from lockgate.core.metrics import Registry
 from lockgate.llm.async_engine import AsyncLLMEngine
 from lockgate.llm.compat_metrics import VLLMMetrics
+from lockgate.llm.sequence import SamplingParams
 from lockgate.llm.service import LLMMetrics
 from tests.core.test_metrics import promtool_check
 from tests.llm.test_engine import collect, make_engine
 from tests.llm.test_service import PARAMS, served, value
+from tests.llm.test_speculative import make_engine as speculative_engine
 
 
 def test_vllm_series_are_lockgate_series_renamed() -> None:
@@ -47,8 +49,8 @@ def test_vllm_series_are_lockgate_series_renamed() -> None:
         ),
         ("vllm:inter_token_latency_seconds_sum", "lockgate_llm_inter_token_latency_seconds_sum"),
         (
-            "vllm:time_per_output_token_seconds_count",
-            "lockgate_llm_inter_token_latency_seconds_count",
+            "vllm:request_time_per_output_token_seconds_count",
+            "lockgate_llm_request_time_per_output_token_seconds_count",
         ),
         ("vllm:e2e_request_latency_seconds_sum", "lockgate_llm_e2e_request_latency_seconds_sum"),
         ("vllm:request_generation_tokens_sum", "lockgate_llm_request_generation_tokens_sum"),
@@ -59,6 +61,7 @@ def test_vllm_series_are_lockgate_series_renamed() -> None:
     own = re.findall(r'^lockgate_llm_time_to_first_token_seconds_bucket\{le="([^"]+)"', text, re.M)
     assert buckets == own  # lockgate's buckets, not vLLM's: said in the docs
     assert "vllm:time_to_first_token_seconds_created" not in text
+    assert "vllm:spec_decode" not in text  # no speculative decoding: no series
     promtool_check(text)
     openmetrics = registry.exposition("application/openmetrics-text")[0].decode()
     assert f"vllm:generation_tokens_total{m} 24.0" in openmetrics
@@ -70,3 +73,27 @@ def test_nothing_without_a_language_model() -> None:
     metrics = LLMMetrics(registry, lambda: [])
     registry.register(VLLMMetrics(metrics.requests, lambda: []))
     assert "vllm:" not in registry.exposition()[0].decode()
+
+
+def test_speculative_decoding_counts_drafts_and_accepted_tokens() -> None:
+    registry = Registry()
+    # the copy model repeats its prompt: prompt lookup drafts, and they are accepted
+    service = served(AsyncLLMEngine(speculative_engine(True)))
+    metrics = LLMMetrics(registry, lambda: [service])
+    registry.register(VLLMMetrics(metrics.requests, lambda: [service]))
+
+    async def requests() -> None:
+        long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        streams = [service.engine.generate(list(range(1, 12)), long) for _ in range(2)]
+        await asyncio.gather(*(collect(s) for s in streams))
+
+    try:
+        asyncio.run(requests())
+    finally:
+        service.close()
+    text = registry.exposition()[0].decode()
+    m = '{model_name="fake"}'
+    for name in ("num_draft_tokens_total", "num_accepted_tokens_total"):
+        got = value(text, f"vllm:spec_decode_{name}{m}")
+        assert got == value(text, f"lockgate_llm_spec_decode_{name}{m}"), name
+    assert value(text, f"vllm:spec_decode_num_accepted_tokens_total{m}") > 0
