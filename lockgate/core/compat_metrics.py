@@ -3,7 +3,8 @@
 Dashboards, alerts and autoscalers written for Triton read `nv_inference_*` and `nv_cache_*`,
 labelled `model` and `version`. `TritonMetrics` reads them off what the classic-model path
 already counts (`ServingMetrics`, each batcher's phase times and queues) when a scraper asks:
-the request path pays nothing for them. A series lockgate has no data for is left out.
+the request path pays nothing for them. They are read from the totals that Triton's statistics
+extension reports (`ServingMetrics.totals`). A series lockgate has no data for is left out.
 
 Triton's names carry no `_total` suffix, which Prometheus' text format asks of a counter: they
 are exported untyped, with Triton's names and values; `rate()` and `increase()` read them as
@@ -46,46 +47,38 @@ class TritonMetrics:
         self.models = models
 
     def collect(self) -> Iterator[Family]:
-        mv = ["model", "version"]
-        families = _Families(mv)
-        failures = self.models.metrics.requests.values()
+        families = _Families(["model", "version"])
         for model in list(self.models.models.values()):
             for served in list(model.versions.values()):
                 if served.state is ModelState.READY and served.config.backend != LLM_BACKEND:
-                    self._add(families, served, failures)
+                    self._add(families, served)
         yield from families.all()
 
-    def _add(
-        self, f: _Families, served: ServedVersion, requests: dict[tuple[str, ...], float]
-    ) -> None:
-        m = self.models.metrics
-        labels = (served.config.name, str(served.version))
-        mv = list(labels)
+    def _add(self, f: _Families, served: ServedVersion) -> None:
+        mv = [served.config.name, str(served.version)]
+        t = self.models.metrics.totals((mv[0], mv[1]))
         by_reason = dict.fromkeys(REASONS, 0.0)
-        for (name, version, outcome), count in requests.items():
-            if (name, version) == labels and outcome != "success":
+        for outcome, count in t.outcomes.items():
+            if outcome != "success":
                 by_reason[failure_reason(outcome)] += count
-        f.success.add_metric(mv, requests.get((*labels, "success"), 0.0))
+        f.success.add_metric(mv, t.outcomes.get("success", 0.0))
         for reason, count in by_reason.items():
             f.failure.add_metric([*mv, reason], count)
-        executions, rows = m.batch_size.totals(labels)
-        f.inferences.add_metric(mv, rows)
-        f.executions.add_metric(mv, executions)
-        f.request_us.add_metric(mv, m.request_latency.totals(labels)[1] * US)
-        f.queue_us.add_metric(mv, m.queue_latency.totals(labels)[1] * US)
-        f.infer_us.add_metric(mv, m.compute_latency.totals(labels)[1] * US)
+        f.inferences.add_metric(mv, t.rows)
+        f.executions.add_metric(mv, t.executions)
+        f.request_us.add_metric(mv, t.answered.seconds * US)
+        f.queue_us.add_metric(mv, t.queued.seconds * US)
+        f.infer_us.add_metric(mv, t.computed.seconds * US)
         batcher = served.batcher
         if batcher is not None:
             f.input_us.add_metric(mv, batcher.times.input_seconds * US)
             f.output_us.add_metric(mv, batcher.times.output_seconds * US)
             f.pending.add_metric(mv, sum(len(queue) for queue in batcher.queues))
         if served.config.response_cache.enable:
-            hits, hit_seconds = m.cache_hit_latency.totals(labels)
-            misses, miss_seconds = m.cache_miss_latency.totals(labels)
-            f.cache_hits.add_metric(mv, hits)
-            f.cache_misses.add_metric(mv, misses)
-            f.cache_hit_us.add_metric(mv, hit_seconds * US)
-            f.cache_miss_us.add_metric(mv, miss_seconds * US)
+            f.cache_hits.add_metric(mv, t.cache_hits.count)
+            f.cache_misses.add_metric(mv, t.cache_misses.count)
+            f.cache_hit_us.add_metric(mv, t.cache_hits.seconds * US)
+            f.cache_miss_us.add_metric(mv, t.cache_misses.seconds * US)
 
 
 class _Families:

@@ -4,7 +4,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lockgate.core.metrics import BATCH_BUCKETS, Counter, Gauge, Histogram, Registry
+from lockgate.core.metrics import BATCH_BUCKETS, Counter, Gauge, Histogram, LabelValues, Registry
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """Events counted, and their seconds in all."""
+
+    count: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class VersionTotals:
+    """One model version's counts and times since it loaded, as Triton's statistics extension
+    and Triton's metric names report them: read from the series, never counted again."""
+
+    outcomes: dict[str, float]  # requests answered, by outcome (success or an error kind)
+    answered: Timed  # successful requests, admission to answer
+    queued: Timed  # requests that waited in the batcher queue
+    computed: Timed  # batches the batcher ran, and the model's time
+    executions: int  # executions: the batcher's batches, a composition's own runs
+    rows: int  # rows in those executions (response-cache hits excluded)
+    cache_hits: Timed
+    cache_misses: Timed
+
+    @property
+    def failures(self) -> float:
+        return sum(n for outcome, n in self.outcomes.items() if outcome != "success")
 
 
 @dataclass(slots=True)
@@ -24,6 +51,22 @@ class ServingMetrics:
     warmup_seconds: Gauge
     model_ready: Gauge
     sequences: Gauge  # a stateful model's live sequences
+
+    def totals(self, labels: LabelValues) -> VersionTotals:
+        """The totals of the version with these labels (model, version): for reports and
+        scrapes, not the request path."""
+        outcomes = {k[2]: n for k, n in self.requests.values().items() if k[:2] == labels}
+        executions, rows = self.batch_size.totals(labels)
+        return VersionTotals(
+            outcomes=outcomes,
+            answered=Timed(*self.request_latency.totals(labels)),
+            queued=Timed(*self.queue_latency.totals(labels)),
+            computed=Timed(*self.compute_latency.totals(labels)),
+            executions=executions,
+            rows=int(rows),
+            cache_hits=Timed(*self.cache_hit_latency.totals(labels)),
+            cache_misses=Timed(*self.cache_miss_latency.totals(labels)),
+        )
 
     @classmethod
     def create(cls, registry: Registry) -> ServingMetrics:

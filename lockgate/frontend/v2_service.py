@@ -25,6 +25,7 @@ from lockgate.core.manager import ModelManager, ModelState, ServedVersion
 from lockgate.core.repository import model_names
 from lockgate.core.request import InferRequest
 from lockgate.core.sequences import SequenceFlags
+from lockgate.core.serving_metrics import Timed
 from lockgate.core.validate import validate_inputs, validate_outputs, validate_shapes
 from lockgate.datatypes import Arrays
 from lockgate.errors import BadRequest, Forbidden, NotFound, ServingError
@@ -481,40 +482,39 @@ class V2Service:
         return self.trace.document(model)
 
     def _stats_of(self, served: ServedVersion) -> ModelStats:
-        m = self.models.metrics
         labels = (served.config.name, str(served.version))
         batcher = served.batcher
-        e2e = m.request_latency.totals(labels)
-        queue = m.queue_latency.totals(labels)
-        computes, compute_seconds = m.compute_latency.totals(labels)
-        executions, rows = m.batch_size.totals(labels)
-        failures = sum(
-            v for k, v in m.requests.values().items() if k[:2] == labels and k[2] != "success"
-        )
-        hits = m.cache_hit_latency.totals(labels)
+        t = self.models.metrics.totals(labels)
+        failures = int(t.failures)
+        queue = t.queued
         if served.service is not None:
             # a composition has no queue of its own (its steps wait in their models' queues,
             # counted there): each request passes it at once. Counted, as Triton counts an
             # ensemble's, so perf_analyzer finds the model's requests in its statistics
-            queue = (e2e[0] + int(failures), 0.0)
-        elif hits[0]:
+            queue = Timed(t.answered.count + failures, 0.0)
+        elif t.cache_hits.count:
             # as Triton counts them: a request answered from the cache passed the queue at
             # once (its queue time is the time before the lookup: none here)
-            queue = (queue[0] + hits[0], queue[1])
+            queue = Timed(queue.count + t.cache_hits.count, queue.seconds)
+        computes = t.computed.count
         return ModelStats(
             name=served.config.name,
             version=str(served.version),
             last_inference_ms=served.last_inference_ms,
-            inference_count=int(rows),
-            execution_count=executions,
-            success=_duration(*e2e),
-            fail=_duration(int(failures), 0.0),
-            queue=_duration(*queue),
-            compute_input=_duration(computes, batcher.times.input_seconds if batcher else 0.0),
-            compute_infer=_duration(computes, compute_seconds),
-            compute_output=_duration(computes, batcher.times.output_seconds if batcher else 0.0),
-            cache_hit=_duration(*hits),
-            cache_miss=_duration(*m.cache_miss_latency.totals(labels)),
+            inference_count=t.rows,
+            execution_count=t.executions,
+            success=_duration(t.answered),
+            fail=_duration(Timed(failures, 0.0)),
+            queue=_duration(queue),
+            compute_input=_duration(
+                Timed(computes, batcher.times.input_seconds if batcher else 0.0)
+            ),
+            compute_infer=_duration(t.computed),
+            compute_output=_duration(
+                Timed(computes, batcher.times.output_seconds if batcher else 0.0)
+            ),
+            cache_hit=_duration(t.cache_hits),
+            cache_miss=_duration(t.cache_misses),
             batch_stats=_batch_stats(batcher.times) if batcher else [],
         )
 
@@ -524,8 +524,8 @@ def _runtime(config: ModelConfig) -> Runtime:
     return Runtime(spec.name, spec.platform)
 
 
-def _duration(count: int, seconds: float) -> Duration:
-    return Duration(count=count, ns=int(seconds * 1e9))
+def _duration(timed: Timed) -> Duration:
+    return Duration(count=timed.count, ns=int(timed.seconds * 1e9))
 
 
 def _batch_stats(times: BatchTimes) -> list[BatchStats]:
@@ -533,9 +533,9 @@ def _batch_stats(times: BatchTimes) -> list[BatchStats]:
     return [
         BatchStats(
             batch_size=rows,
-            compute_input=_duration(phases.count, phases.input_seconds),
-            compute_infer=_duration(phases.count, phases.infer_seconds),
-            compute_output=_duration(phases.count, phases.output_seconds),
+            compute_input=_duration(Timed(phases.count, phases.input_seconds)),
+            compute_infer=_duration(Timed(phases.count, phases.infer_seconds)),
+            compute_output=_duration(Timed(phases.count, phases.output_seconds)),
         )
         for rows, phases in times.by_size()
     ]
