@@ -25,6 +25,7 @@ from typing import Any
 from lockgate.backends.response_stream import StreamedResponse
 from lockgate.cache.completion import Completion
 from lockgate.core.manager import ServedVersion
+from lockgate.core.validate import validate_outputs
 from lockgate.errors import BadRequest, ServingError
 from lockgate.frontend.completion_pipeline import (
     TEXT_COMPLETION,
@@ -125,6 +126,9 @@ class LanguageInfer:
         if not isinstance(service, LLMService):
             raise BadRequest(f"version {served.version} of '{served.config.name}' is not served")
         asked = llm_tensors.decode(decoded.inputs, decoded.parameters)
+        named = [o.name for o in decoded.outputs]  # an output asked by name is returned
+        validate_outputs(llm_tensors.interface(served.config), named)
+        asked = replace(asked, returns=asked.returns | (set(named) - {llm_tensors.TEXT_OUTPUT}))
         pipeline = self.pipeline
         view = _view(deadline.received)
         ids = await pipeline.tokenize(service, asked.text_input)

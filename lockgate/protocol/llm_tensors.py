@@ -4,8 +4,9 @@
              return_* flags, BOOL [1]; sampling_parameters BYTES [1], a JSON object of vLLM's
              SamplingParams fields (values may be strings: "0.1", "100", as vLLM's sample
              client sends them)
-    outputs  text_output BYTES; when their return_* flag is true: finish_reason BYTES,
-             cumulative_logprob FP32, num_input_tokens UINT32, num_output_tokens UINT32
+    outputs  text_output BYTES; when their return_* flag is true (or the request names them
+             among its outputs): finish_reason BYTES, cumulative_logprob FP32,
+             num_input_tokens UINT32, num_output_tokens UINT32
 
 The sampling fields come from `sampling_parameters` when it is given, else from the request's
 parameters (the names below only: the other parameters are the request's own, `timeout` and
