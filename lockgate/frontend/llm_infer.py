@@ -33,6 +33,7 @@ from lockgate.frontend.completion_pipeline import (
     Generation,
     PreparedCompletion,
 )
+from lockgate.frontend.generate_routes import DEFAULT_MAX_TOKENS
 from lockgate.frontend.http import Disconnect, HttpRequest
 from lockgate.frontend.v2_service import Deadline, InferResult
 from lockgate.llm.service import LLMService
@@ -40,8 +41,6 @@ from lockgate.protocol import llm_tensors
 from lockgate.protocol import openai as oa
 from lockgate.protocol.llm_tensors import Piece, TensorRequest
 from lockgate.protocol.v2_codec import V2InferRequest
-
-DEFAULT_MAX_TOKENS = 16  # as vLLM's SamplingParams, /v1/completions and generate
 
 
 @dataclass(slots=True)
@@ -65,9 +64,10 @@ class LanguageInfer:
     ) -> InferResult:
         """One response with the whole text (prompt first unless exclude_input_in_output)."""
         try:
-            started = await self._start(served, decoded, deadline, granted)
-            if started.asked.stream:
+            asked = _decode(served, decoded)
+            if asked.stream:
                 raise llm_tensors.stream_refused(served.config.name)
+            started = await self._start(served, asked, decoded, deadline, granted)
             piece = await self._whole(started)
         except ServingError as exc:
             self._count(served, deadline.received, exc.kind)
@@ -84,7 +84,8 @@ class LanguageInfer:
         the sequence (its KV blocks are freed)."""
         kind = "cancelled"  # until the final response
         try:
-            started = await self._start(served, decoded, deadline, granted)
+            asked = _decode(served, decoded)
+            started = await self._start(served, asked, decoded, deadline, granted)
             async for response in self._responses(started):
                 if response.final:
                     kind = "success" if response.error is None else response.error.kind
@@ -120,15 +121,17 @@ class LanguageInfer:
             served.last_inference_ms = int(time.time() * 1000)
 
     async def _start(
-        self, served: ServedVersion, decoded: V2InferRequest, deadline: Deadline, granted: bool
+        self,
+        served: ServedVersion,
+        asked: TensorRequest,
+        decoded: V2InferRequest,
+        deadline: Deadline,
+        granted: bool,
     ) -> _Started:
+        """Tokenize, check and submit (or find in the completion cache) a decoded request."""
         service = served.service
         if not isinstance(service, LLMService):
             raise BadRequest(f"version {served.version} of '{served.config.name}' is not served")
-        asked = llm_tensors.decode(decoded.inputs, decoded.parameters)
-        named = [o.name for o in decoded.outputs]  # an output asked by name is returned
-        validate_outputs(llm_tensors.interface(served.config), named)
-        asked = replace(asked, returns=asked.returns | (set(named) - {llm_tensors.TEXT_OUTPUT}))
         pipeline = self.pipeline
         view = _view(deadline.received)
         ids = await pipeline.tokenize(service, asked.text_input)
@@ -196,6 +199,14 @@ class LanguageInfer:
                 yield StreamedResponse(error=exc, final=True)
                 return
         self.pipeline.keep(started.prepared, "".join(texts), last)
+
+
+def _decode(served: ServedVersion, decoded: V2InferRequest) -> TensorRequest:
+    """The request's tensors read; an output it names among its outputs is returned too."""
+    asked = llm_tensors.decode(decoded.inputs, decoded.parameters)
+    named = [o.name for o in decoded.outputs]
+    validate_outputs(llm_tensors.interface(served.config), named)
+    return replace(asked, returns=asked.returns | (set(named) - {llm_tensors.TEXT_OUTPUT}))
 
 
 def _cached(hit: Completion) -> Piece:
