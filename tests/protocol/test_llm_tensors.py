@@ -62,7 +62,9 @@ def test_exclude_input_in_output_as_the_backend_decides() -> None:
         ('{"temperature": 0, "beam_width": 4}', "unknown sampling parameters: 'beam_width'"),
         ('{"max_tokens": "many"}', "max_tokens must be a number"),
         ('{"top_p": [1]}', "invalid sampling parameters"),
+        ('{"stop": "' + "x" * 70_000 + '"}', "sampling_parameters is over 65536 bytes"),
     ],
+    ids=["malformed", "not an object", "unknown", "not a number", "wrong type", "too long"],
 )
 def test_bad_sampling_parameters_are_named(sampling: str, message: str) -> None:
     inputs = {"text_input": text("Hi"), "sampling_parameters": text(sampling)}
