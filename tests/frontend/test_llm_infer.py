@@ -150,8 +150,8 @@ def test_two_requests_on_one_stream_get_their_own_answers(llm_server: RunningSer
 def test_a_request_not_streamed_answers_once_with_the_whole_text(
     llm_server: RunningServer,
 ) -> None:
-    expected = greedy(llm_server, PROMPT, 8).text
-    sampling = {"temperature": 0, "max_tokens": 8}
+    expected = greedy(llm_server, PROMPT, 4).text
+    sampling = {"temperature": 0, "max_tokens": 4}
     stream = Stream(llm_server)
     stream.send("whole", request(grpcclient, PROMPT, False, sampling), ("text_output",))
     (response,) = stream.until_final()["whole"]
@@ -171,7 +171,7 @@ def test_a_request_not_streamed_answers_once_with_the_whole_text(
         request(
             grpcclient, PROMPT, False, exclude_input_in_output=True, return_num_input_tokens=True
         ),
-        parameters={"temperature": 0, "max_tokens": 8},
+        parameters={"temperature": 0, "max_tokens": 4},
     )
     assert result.as_numpy("text_output")[0].decode() == expected
     assert int(result.as_numpy("num_input_tokens")[0]) > 3
