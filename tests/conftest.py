@@ -264,12 +264,13 @@ def llm_server(
     demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
     """One server for the whole session: SmolLM2 (small KV cache, 512-token context) and the
-    minilm embedding model."""
+    minilm embedding model, over HTTP and gRPC."""
     repo = tmp_path_factory.mktemp("llm-repo")
     shutil.copytree(demo_repo / "minilm", repo / "minilm")
     parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", "max_waiting": "256"}
     smollm2_repository(demo_repo, repo, {**parameters, "dtype": "float32", "quantization": "none"})
-    server = start_server(repo, tmp_path_factory.mktemp("llm-server"), ready_timeout=600)
+    tmp = tmp_path_factory.mktemp("llm-server")
+    server = start_server(repo, tmp, ready_timeout=600, grpc_port=free_port())
     yield server
     assert server.stop() == 0, server.log()[-2000:]
 

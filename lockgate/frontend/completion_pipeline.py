@@ -234,12 +234,15 @@ class CompletionPipeline:
         namespace: str,
         tools: oa.ToolUse | None = None,
         prompt_logprobs: int | None = None,
+        granted: bool | None = None,
     ) -> PreparedCompletion:
         """Check a completion against the model's context and the server's limits (400),
         and its priority against the client's key (403). `default_max` is the max_tokens of
         a request without one (None: the rest of the context); `namespace` is the cache's
         (TEXT_COMPLETION or CHAT_COMPLETION); `tools`, a chat's tools offered;
-        `prompt_logprobs`, the top tokens to report at each prompt token (None: none)."""
+        `prompt_logprobs`, the top tokens to report at each prompt token (None: none);
+        `granted`, whether the client may raise its priority when its transport has decided
+        it (None: by the request's bearer key)."""
         best_of = body.best_of if isinstance(body, oa.CompletionRequest) else None
         sequences = self.limits.sequences(body.n, best_of, body.stream)
         params = self.sampling(
@@ -247,7 +250,7 @@ class CompletionPipeline:
         )
         if prompt_logprobs is not None:
             params = replace(params, prompt_logprobs=prompt_logprobs)
-        priority = self.priority(request, service, body.priority)
+        priority = self.priority(request, service, body.priority, granted)
         key = self.cache_key(service, namespace, prompt_ids, params) if sequences == 1 else None
         if request.trace is not None and not request.trace.bound:  # /v2 routes know it
             request.trace.bind(service.name, service.config.name)
@@ -356,14 +359,19 @@ class CompletionPipeline:
                 )
             raise
 
-    def priority(self, request: HttpRequest, service: LLMService, asked: int) -> int:
-        """The engine priority of a request that asked `asked` (0: the model's default)."""
+    def priority(
+        self, request: HttpRequest, service: LLMService, asked: int, granted: bool | None = None
+    ) -> int:
+        """The engine priority of a request that asked `asked` (0: the model's default);
+        `granted` as `prepare` takes it."""
         if asked < 0:
             raise BadRequest("priority must be a non-negative integer (1 is the highest)")
         levels = max(1, service.config.batcher.priority_levels)
         default = service.config.batcher.default_priority_level or levels
         priority = min(asked or default, levels)
-        if priority < default and not self.app.priority_granted(request.bearer()):
+        if granted is None:
+            granted = self.app.priority_granted(request.bearer())
+        if priority < default and not granted:
             raise Forbidden(
                 f"priority {priority} is above the model's default ({default}): "
                 "it needs a key that grants it"
@@ -392,11 +400,18 @@ class CompletionPipeline:
             return None
         return await self.completions.get(prepared.key)
 
-    def submit(self, request: HttpRequest, batch: list[PreparedCompletion], rid: str) -> Generation:
+    def submit(
+        self,
+        request: HttpRequest,
+        batch: list[PreparedCompletion],
+        rid: str,
+        at: float | None = None,
+    ) -> Generation:
         """Hand the completions of a batch (one per prompt; one alone but for a batch of
         prompts) to the engine, whose admission refuses them all or none here (429, 503). The
         outputs' indexes run over the prompts in order, each prompt's `best_of` sequences in
-        turn."""
+        turn. The deadline is `at` (time.monotonic()) when given, else the Request-Timeout
+        header's."""
         if self.app.draining:
             raise Unavailable("server is shutting down", retry_after=1)
         service = batch[0].service
@@ -411,7 +426,11 @@ class CompletionPipeline:
         )
         try:
             outputs = service.engine.generate_choices(
-                prompts, candidates, ids, deadline(request), batch[0].priority
+                prompts,
+                candidates,
+                ids,
+                at if at is not None else deadline(request),
+                batch[0].priority,
             )
         except ServingError as exc:
             if service.engine.draining and self.superseded(service):

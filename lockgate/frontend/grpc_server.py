@@ -20,6 +20,9 @@ drain. A request reaches the batcher exactly as a REST one does; only the codec 
   (`triton_enable_empty_final_response`). At most `max_stream_inflight` such responses of a
   stream wait to be written; past that the request waits, and then the model's senders do.
   ModelInfer refuses a decoupled model, as Triton does.
+- A language model takes and gives the tensors of Triton's vLLM backend (`frontend/llm_infer.py`):
+  on the stream, a request with `stream` true is answered by a response per piece of text,
+  as a decoupled model's; ModelInfer answers one with `stream` false with the whole text.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from lockgate.core.manager import ModelManager, ServedVersion
 from lockgate.errors import Forbidden, NotFound, ServingError, Unauthorized
 from lockgate.frontend.app import App
 from lockgate.frontend.grpc_health import add_health_service
-from lockgate.frontend.v2_service import SERVER_METADATA, Deadline
+from lockgate.frontend.v2_service import SERVER_METADATA, Deadline, declared_config
 from lockgate.protocol.grpc import codec
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
@@ -367,14 +370,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             message.parameters[FINAL_RESPONSE].bool_param = True
             return pb.ModelStreamInferResponse(infer_response=message)
         outputs = response.outputs
+        config = declared_config(served.config)
         encoded = codec.encode_infer_response(
             model_name=request.model_name,
             model_version=str(served.version),
             request_id=decoded.id,
             outputs=outputs,
             requested=[o for o in decoded.outputs if o.name in outputs],
-            datatypes={s.name: s.datatype for s in served.config.outputs},
-            batched=served.config.batching,
+            datatypes={s.name: s.datatype for s in config.outputs},
+            batched=config.batching,
             parameters={FINAL_RESPONSE: response.final},
             shared_memory=self.v2.shared_memory,
             labels=served.labels,
@@ -498,7 +502,7 @@ class _Stream:
         traced = self.servicer._trace("ModelStreamInfer", request, self.context)
         try:
             served = self.servicer.v2.served(request.model_name, request.model_version)
-            if served.config.decoupled:
+            if self.servicer.v2.streams(served):  # decoupled, or a language model
                 await self.stream(request, served)
                 return
             response = await self.servicer._infer(request, self.context, traced)

@@ -13,10 +13,10 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from lockgate import __version__
-from lockgate.backends.base import spec_of
+from lockgate.backends.base import LLM_BACKEND, spec_of
 from lockgate.backends.response_stream import StreamedResponse
 from lockgate.compose.executor import Executor
 from lockgate.config import ModelConfig
@@ -30,7 +30,7 @@ from lockgate.core.validate import validate_inputs, validate_outputs, validate_s
 from lockgate.datatypes import Arrays
 from lockgate.errors import BadRequest, Forbidden, NotFound, ServingError
 from lockgate.frontend.server_log import ServerLog
-from lockgate.protocol import v2_metadata
+from lockgate.protocol import llm_tensors, v2_metadata
 from lockgate.protocol.log_settings import LogSettings
 from lockgate.protocol.predict import VersionStatus
 from lockgate.protocol.shared_memory import SharedMemory
@@ -86,6 +86,21 @@ class Deadline:
         default_us = served.config.batcher.default_timeout_us
         return self.received + default_us / 1e6 if default_us > 0 else None
 
+    def of(self, decoded: V2InferRequest) -> Deadline:
+        """This deadline with the request's `timeout` parameter (µs) too."""
+        timeout_us = timeout_parameter(decoded.parameters)
+        return Deadline(self.received, timeout_us, self.header_seconds, self.transport_seconds)
+
+
+def is_language_model(config: ModelConfig) -> bool:
+    return config.backend == LLM_BACKEND
+
+
+def declared_config(config: ModelConfig) -> ModelConfig:
+    """The config a model's v2 requests are checked against and its metadata declares: a
+    language model's is the tensors of Triton's vLLM backend (`protocol/llm_tensors.py`)."""
+    return llm_tensors.interface(config) if is_language_model(config) else config
+
 
 @dataclass(slots=True)
 class InferResult:
@@ -116,7 +131,7 @@ class InferResult:
 
     @property
     def output_datatypes(self) -> dict[str, str]:
-        return {s.name: s.datatype for s in self.served.config.outputs}
+        return {s.name: s.datatype for s in declared_config(self.served.config).outputs}
 
     @property
     def output_labels(self) -> dict[str, tuple[str, ...]]:
@@ -126,7 +141,7 @@ class InferResult:
     @property
     def batched(self) -> bool:
         """The model batches: the first dim of each output is the batch."""
-        return self.served.config.batching
+        return declared_config(self.served.config).batching
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +220,19 @@ def sequence_of(parameters: dict[str, object]) -> SequenceFlags | None:
     return SequenceFlags(sequence_id, flags["sequence_start"], flags["sequence_end"])
 
 
+class LanguageModels(Protocol):
+    """KServe v2 inference on language models (`frontend/llm_infer.py`), through the engine's
+    completion pipeline: `V2Service.infer` and `V2Service.stream` hand their requests to it."""
+
+    async def infer(
+        self, served: ServedVersion, decoded: V2InferRequest, deadline: Deadline, granted: bool
+    ) -> InferResult: ...
+
+    def stream(
+        self, served: ServedVersion, decoded: V2InferRequest, deadline: Deadline, granted: bool
+    ) -> AsyncGenerator[StreamedResponse]: ...
+
+
 @dataclass(slots=True)
 class Checked:
     """A request's declared inputs, checked against `config`: its batch rows."""
@@ -231,6 +259,7 @@ class V2Service:
         self.trace = trace or TraceSettings(TraceValues(), exporting=False)
         # the regions tensors may be passed in (0 regions: the extension is off)
         self.shared_memory = SharedMemory(shared_memory_regions, registry=shared_memory_registry)
+        self.language: LanguageModels | None = None  # set when language models are served
 
     # -- inference ---------------------------------------------------------------------
     def served(self, name: str, version_text: str | None) -> ServedVersion:
@@ -243,8 +272,9 @@ class V2Service:
         the request (`V2InferRequest.checked`): its arrays have the shapes checked here, so
         `core_request` need not check them again."""
         shapes = {d.name: d.shape for d in declared}
-        rows = validate_shapes(served.config, shapes, {d.name: d.datatype for d in declared})
-        return Checked(served.config, rows)
+        config = declared_config(served.config)
+        rows = validate_shapes(config, shapes, {d.name: d.datatype for d in declared})
+        return Checked(config, rows)
 
     def core_request(
         self,
@@ -301,7 +331,9 @@ class V2Service:
         """Check, admit, batch and run one request on `served` (from `served()`); its
         outputs, unencoded. A `trace_id` marks a traced request (see `frontend/otel.py`).
         A decoupled model is refused, as Triton refuses it on `endpoint`: it answers only
-        on a stream."""
+        on a stream. A language model answers here with its whole text (`stream` false)."""
+        if is_language_model(served.config):
+            return await self._language().infer(served, decoded, deadline, priority_granted)
         self.check_coupled(served, endpoint)
         request = self._request(name, served, decoded, deadline, priority_granted, trace_id)
         answer = await self.executor.infer(request, served)
@@ -329,9 +361,23 @@ class V2Service:
         priority_granted: bool = True,
     ) -> AsyncGenerator[StreamedResponse]:
         """The responses of a decoupled model to one checked request, as the model sends
-        them; closing the iterator before its final response cancels the request."""
+        them; closing the iterator before its final response cancels the request. A language
+        model streams its text (`stream` true) or answers once with the whole."""
+        if is_language_model(served.config):
+            return self._language().stream(served, decoded, deadline, priority_granted)
         request = self._request(name, served, decoded, deadline, priority_granted, "")
         return self.executor.stream(request, served, decoded.parameters)
+
+    @staticmethod
+    def streams(served: ServedVersion) -> bool:
+        """The model answers a request on a stream by `stream` (not by one answer): a
+        decoupled model, or a language model."""
+        return served.config.decoupled or is_language_model(served.config)
+
+    def _language(self) -> LanguageModels:
+        if self.language is None:
+            raise NotFound("this server runs without language models")
+        return self.language
 
     def _request(
         self,
@@ -342,12 +388,7 @@ class V2Service:
         priority_granted: bool,
         trace_id: str,
     ) -> InferRequest:
-        timed = Deadline(
-            deadline.received,
-            timeout_parameter(decoded.parameters),
-            deadline.header_seconds,
-            deadline.transport_seconds,
-        )
+        timed = deadline.of(decoded)
         try:
             return self.core_request(
                 name,
@@ -388,11 +429,17 @@ class V2Service:
         model = self.models.models[name]
         versions = [v for v, s in model.versions.items() if s.state is ModelState.READY]
         versions = sorted(versions) or [served.version]
-        return v2_metadata.model_metadata(served.config, versions, _runtime(served.config))
+        config = declared_config(served.config)
+        return v2_metadata.model_metadata(config, versions, _runtime(config))
 
     def model_config(self, name: str, version_text: str | None) -> Document:
+        """The model's config; a language model's declares its tensors and that it is
+        decoupled, as Triton's vLLM backend completes its config."""
         config = self.served(name, version_text).config
-        return v2_metadata.model_config(config, _runtime(config))
+        document = v2_metadata.model_config(declared_config(config), _runtime(config))
+        if is_language_model(config):
+            document["model_transaction_policy"] = {"decoupled": True}
+        return document
 
     def statistics(self, name: str | None, version_text: str | None) -> Document:
         """Every version of the model (`name`; None: of every model), or one version of it;

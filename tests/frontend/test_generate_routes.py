@@ -151,4 +151,4 @@ def test_generate_names_what_it_cannot_serve(server: RunningServer) -> None:
     version = httpx.post(f"{url}/smollm2/versions/9/generate", json={"text_input": "hi"})
     assert version.status_code == 404
     infer = httpx.post(f"{url}/smollm2/infer", json={"inputs": []}, timeout=30)
-    assert infer.status_code == 400 and "is a language model" in infer.json()["error"]
+    assert infer.status_code == 400 and "text_input" in infer.json()["error"]
