@@ -269,6 +269,8 @@ def chat_request(body: ResponsesRequest, history: list[oa.ChatMessage]) -> oa.Ch
         messages = []
     messages += history
     messages += input_messages(body)
+    if not messages:
+        raise BadRequest("input must not be an empty list", param="input")
     return oa.ChatRequest(
         model=body.model,
         messages=messages,

@@ -252,6 +252,7 @@ def test_bad_input_is_a_400_in_the_api_s_error_shape(llm_server: RunningServer) 
         ({"model": MODEL, "input": ASK, "max_output_tokens": 0}, "max_output_tokens"),
         ({"model": MODEL, "input": [{"role": "robot", "content": "hi"}]}, "input"),
         ({"model": MODEL}, "input"),
+        ({"model": MODEL, "input": []}, "input"),
         ({"model": MODEL, "input": "word " * 5000}, None),  # past the 512-token context
     ]
     for body, param in cases:
