@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import RunningServer
+from tests.conftest import CACHED_LLM, RunningServer
 
 MODEL = "SmolLM2-135M-Instruct"
 ASK = "What is the capital of France?"
@@ -210,6 +210,27 @@ def test_a_stored_response_is_retrieved_and_deleted(client: openai.OpenAI) -> No
     with pytest.raises(openai.NotFoundError) as caught:
         create(client, previous_response_id="resp_unknown")
     assert caught.value.body["param"] == "previous_response_id"
+
+
+def test_a_cached_answer_is_the_generated_one(cached_llm_server: RunningServer) -> None:
+    """On SmolLM2 with its response cache on: the same response, whole and streamed."""
+    client = cached_llm_server.openai_client()
+    asked: dict[str, Any] = {"model": CACHED_LLM, "input": "Name a planet.", "max_output_tokens": 8}
+    first = create(client, **asked)
+    again = client.responses.with_raw_response.create(temperature=0, **asked)
+    assert again.headers.get("x-lockgate-cache") == "hit"
+    hit = again.parse()
+    assert (hit.output_text, hit.status, hit.usage.output_tokens) == (
+        first.output_text,
+        first.status,
+        first.usage.output_tokens,
+    )
+    assert hit.usage.input_tokens == first.usage.input_tokens
+    streamed = client.responses.with_raw_response.create(temperature=0, stream=True, **asked)
+    assert streamed.headers.get("x-lockgate-cache") == "hit"
+    events = list(streamed.parse())
+    assert [e.delta for e in events if e.type == "response.output_text.delta"] == [hit.output_text]
+    assert events[-1].response.output_text == hit.output_text
 
 
 @pytest.mark.parametrize(
