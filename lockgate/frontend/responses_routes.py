@@ -22,6 +22,7 @@ from lockgate.frontend.completion_pipeline import (
     CHAT_COMPLETION,
     CompletionPipeline,
     Generation,
+    PreparedCompletion,
     check_message_count,
 )
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, check_method, respond_json
@@ -90,25 +91,8 @@ class ResponsesRoutes:
             )
         if body.store and not self.store.capacity:
             body = msgspec.structs.replace(body, store=False)  # the store is off: said so
-        service = self.openai._service(body.model, _version(request))
-        chat = rs.chat_request(body, history)
-        check_message_count(service, len(chat.messages))
-        tools = chat.tool_use(self.openai.limits)
-        takes_tools = service.tokenizer.takes_tools
-        messages = tool_calls.prompt_messages(chat.messages, tools, takes_tools)
-        definitions = tools.definitions() if tools is not None and takes_tools else None
-        prompt_ids = await self.pipeline.tokenize_chat(service, messages, definitions)
-        prepared = self.pipeline.prepare(
-            request,
-            service,
-            chat,
-            prompt_ids,
-            max_tokens=body.max_output_tokens,
-            default_max=None,
-            logprobs=None,
-            namespace=CHAT_COMPLETION,
-            tools=tools,
-        )
+        prepared, tools = await self._prepare(request, rs.chat_request(body, history))
+        service = prepared.service
         answer = _Answer(body, rs.new_id(rs.RESPONSE_ID_PREFIX), service.name, tools)
         hit = await self.pipeline.cached(prepared)
         outputs = None if hit is not None else self.pipeline.submit(request, [prepared], answer.rid)
@@ -125,6 +109,31 @@ class ResponsesRoutes:
                 *rs.conversation_of(response["output"]),
             )
             self.store.put(answer.rid, StoredResponse(response, conversation))
+
+    async def _prepare(
+        self, request: HttpRequest, chat: oa.ChatRequest
+    ) -> tuple[PreparedCompletion, oa.ToolUse | None]:
+        """The chat request checked, rendered and tokenized as /v1/chat/completions does it,
+        and the tools it offers."""
+        service = self.openai._service(chat.model, _version(request))
+        check_message_count(service, len(chat.messages))
+        tools = chat.tool_use(self.openai.limits)
+        takes_tools = service.tokenizer.takes_tools
+        messages = tool_calls.prompt_messages(chat.messages, tools, takes_tools)
+        definitions = tools.definitions() if tools is not None and takes_tools else None
+        prompt_ids = await self.pipeline.tokenize_chat(service, messages, definitions)
+        prepared = self.pipeline.prepare(
+            request,
+            service,
+            chat,
+            prompt_ids,
+            max_tokens=chat.max_tokens,
+            default_max=None,
+            logprobs=None,
+            namespace=CHAT_COMPLETION,
+            tools=tools,
+        )
+        return prepared, tools
 
     async def _whole(
         self,
