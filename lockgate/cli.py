@@ -93,6 +93,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "accepts it (Accept-Encoding; event streams never); 0: never compressed",
     )
     p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        help="responses of the OpenAI Responses API (/v1/responses) kept in this process's "
+        "memory for GET /v1/responses/{id} and previous_response_id, the least recently used "
+        "dropped first; each is bounded by its model's context; 0: none kept (store is "
+        "answered false)",
+    )
+    p.add_argument(
         "--shared-memory-regions",
         type=int,
         default=256,
@@ -612,10 +621,14 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.responses_store_size < 0:
+        print("lockgate: --responses-store-size must be 0 (off) or more", file=sys.stderr)
+        return 2
     http = ServerSettings(
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         body_timeout_s=args.body_timeout,
         compress_min_bytes=args.compress_min_bytes,
+        responses_store_size=args.responses_store_size,
         shared_memory_regions=args.shared_memory_regions,
         shared_memory_registry=args.shared_memory_registry,
         allowed_origins=args.allowed_origins,

@@ -117,6 +117,8 @@ class OpenAIHandler(Protocol):
         ...
 
 
+# the OpenAI Responses API (`frontend/responses_routes.py`): (request, path after /v1/responses)
+ResponsesHandler = Callable[[HttpRequest, list[str]], Awaitable[None]]
 # Triton's generate extension on a language model: (request, model, version, streamed)
 GenerateHandler = Callable[[HttpRequest, str, str | None, bool], Awaitable[None]]
 
@@ -154,6 +156,8 @@ class ServerSettings:
     # the trace settings at start-up (Triton's trace extension changes them at run time)
     trace: TraceValues = field(default_factory=TraceValues)
     openai: OpenAILimits = field(default_factory=OpenAILimits)  # what one OpenAI request may ask
+    # responses of /v1/responses kept in memory for GET and previous_response_id; 0: none
+    responses_store_size: int = 1024
     # answers of at least this many bytes go out gzip or deflate to a client that accepts it
     # (Accept-Encoding); 0: never compressed
     compress_min_bytes: int = 4096
@@ -200,6 +204,7 @@ class App:
         self.access = AccessLog(self.settings.access_log)
         self.openai = openai
         self.generate: GenerateHandler | None = None  # set with the OpenAI routes
+        self.responses: ResponsesHandler | None = None  # set with the OpenAI routes
         self.started = False  # set once the repository has been loaded
         self.draining = False
         self.closers: list[Callable[[], Awaitable[None]]] = [self.cache.close]  # at shutdown
@@ -532,6 +537,8 @@ class App:
             await predict_route(request, self.v2, *target, self._granted(request))
         elif (target := status_target(method, parts)) is not None and self._classic(target[0]):
             await status_route(request, self.v2, *target)
+        elif parts[:2] == ["v1", "responses"] and self.responses is not None:
+            await self.responses(request, parts[2:])
         elif parts and parts[0] == "v1" and self.openai is not None:
             await self.openai(request, parts[1:])
         elif path in TOKEN_PATHS and self.openai is not None:

@@ -1,11 +1,11 @@
 """The OpenAPI 3.1 document of lockgate's HTTP API, served at /openapi.json.
 
-Every route of `frontend/app.py`, `frontend/openai_routes.py` and `frontend/generate_routes.py`
-is here, with its answers and its errors. The schemas come from msgspec types
-(`msgspec.json.schema_components`): request bodies from the Structs that decode them
-(`protocol/v2_codec.py`, `protocol/openai.py`; Triton's generate body from the names
-`protocol/generate.py` takes, typed as the completion request they decode into), so the
-document cannot drift from what the server accepts, and answers from
+Every route of `frontend/app.py`, `frontend/openai_routes.py`, `frontend/responses_routes.py`
+and `frontend/generate_routes.py` is here, with its answers and its errors. The schemas come
+from msgspec types (`msgspec.json.schema_components`): request bodies from the Structs that
+decode them (`protocol/v2_codec.py`, `protocol/openai.py`, `protocol/responses.py`; Triton's
+generate body from the names `protocol/generate.py` takes, typed as the completion request
+they decode into), so the document cannot drift from what the server accepts, and answers from
 `frontend/openapi_schemas.py`, which the fuzz test holds a live server's answers to.
 """
 
@@ -22,6 +22,7 @@ from lockgate.frontend import openapi_schemas as out
 from lockgate.frontend.v2_service import IndexEntry
 from lockgate.protocol import generate, v2_codec
 from lockgate.protocol import openai as oa
+from lockgate.protocol import responses as rs
 from lockgate.protocol.predict import PredictIn
 from lockgate.protocol.shared_memory import RegisterRequest
 
@@ -42,6 +43,7 @@ _SCHEMA_TYPES = (
     oa.CompletionRequest,
     oa.ChatRequest,
     oa.EmbeddingRequest,
+    rs.ResponsesRequest,
     PredictIn,
 )
 # the v2 decoder's Structs are private to its module: their names in the document
@@ -320,6 +322,11 @@ _GENERATION_EXAMPLES = {
         "max_tokens": 8,
     },
 }
+_RESPONSE_EXAMPLE = {
+    "model": _LLM,
+    "input": "What is the capital of France?",
+    "max_output_tokens": 8,
+}
 _EMBEDDING_EXAMPLE = {"model": "minilm", "input": ["hello world"]}
 _GENERATE_EXAMPLE = {
     "text_input": "The capital of France is",
@@ -578,6 +585,66 @@ def _generation(operation_id: str, summary: str, request: str, answer: str) -> d
     return {"post": operation}
 
 
+def _responses_paths() -> dict[str, Any]:
+    """/v1/responses: a response whole, or its named server-sent events; and the stored ones."""
+    data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": _ref("ResponseStreamEvent"),
+    }
+    event = {
+        "type": "object",
+        "description": "`event: <type>` and `data: {ResponseStreamEvent}`, numbered by "
+        "sequence_number: response.created, response.in_progress, the items' events, then "
+        "response.completed or response.incomplete (an error once started: an error event "
+        "and response.failed)",
+        "properties": {"event": {"type": "string"}, "data": data},
+        "required": ["data"],
+    }
+    ok = {
+        "200": {
+            "description": "The response, or with stream: true its server-sent events",
+            "content": {
+                "application/json": {"schema": _ref("ResponseObject")},
+                "text/event-stream": {"schema": event},
+            },
+        }
+    }
+    streamed = {**_RESPONSE_EXAMPLE, "stream": True}
+    examples = {"whole": {"value": _RESPONSE_EXAMPLE}, "streamed": {"value": streamed}}
+    body = {"application/json": {"schema": _ref("ResponsesRequest"), "examples": examples}}
+    errors = (400, 403, 404, 408, 413, 415, 429, 503, 504)
+    create = _operation(
+        "responses",
+        "A response (the OpenAI Responses API), stored unless store is false",
+        ok,
+        errors,
+        tag="openai",
+        params=(_TIMEOUT,),
+        body=body,
+    )
+    rid = _parameter("id", "path", "a stored response's id", {"type": "string"}, "resp_0")
+    stored = {
+        "get": _operation(
+            "response",
+            "A stored response",
+            _ok("ResponseObject"),
+            (404,),
+            tag="openai",
+            params=(rid,),
+        ),
+        "delete": _operation(
+            "delete_response",
+            "Delete a stored response",
+            _ok("ResponseDeleted"),
+            (404,),
+            tag="openai",
+            params=(rid,),
+        ),
+    }
+    return {"/v1/responses": {"post": create}, "/v1/responses/{id}": stored}
+
+
 def _openai_paths() -> dict[str, Any]:
     embeddings = _operation(
         "embeddings",
@@ -602,6 +669,7 @@ def _openai_paths() -> dict[str, Any]:
             "chat_completions", "Chat completion", "ChatRequest", "ChatCompletion"
         ),
         "/v1/embeddings": {"post": embeddings},
+        **_responses_paths(),
         **{
             f"/{name}": {
                 "post": _operation(

@@ -379,6 +379,103 @@ class EmbeddingList(msgspec.Struct):
     usage: EmbeddingUsage
 
 
+# --- the Responses API ------------------------------------------------------------------------
+
+
+class ResponseUsageInput(msgspec.Struct):
+    cached_tokens: int
+
+
+class ResponseUsageOutput(msgspec.Struct):
+    reasoning_tokens: int
+
+
+class ResponseUsage(msgspec.Struct):
+    input_tokens: int
+    input_tokens_details: ResponseUsageInput
+    output_tokens: int
+    output_tokens_details: ResponseUsageOutput
+    total_tokens: int
+
+
+class OutputText(msgspec.Struct):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
+    id: str
+    status: Literal["in_progress", "completed"]
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as text (empty while in progress)
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(msgspec.Struct):
+    code: str
+    message: str
+
+
+class ResponseObject(msgspec.Struct):
+    """A response of /v1/responses, with the request's settings echoed."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[OutputMessage | OutputFunctionCall]
+    usage: ResponseUsage | None
+    incomplete_details: IncompleteDetails | None
+    error: ResponseError | None
+    instructions: str | None
+    max_output_tokens: int | None
+    metadata: dict[str, str]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    store: bool
+    temperature: float | None
+    top_p: float | None
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    truncation: Literal["disabled"]
+
+
+class ResponseStreamEvent(msgspec.Struct):
+    """One event of a streamed response: `type` names it (as the SSE `event:` field does);
+    the lifecycle events carry the response, the others an item, a part or a delta."""
+
+    type: str
+    sequence_number: int
+    response: ResponseObject | None = None
+    output_index: int | None = None
+    item_id: str | None = None
+    content_index: int | None = None
+    delta: str | None = None
+    text: str | None = None
+    arguments: str | None = None
+    message: str | None = None  # of an error event
+
+
+class ResponseDeleted(msgspec.Struct):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
 # --- KServe v1 / TensorFlow Serving predict --------------------------------------------------
 
 

@@ -881,12 +881,14 @@ def build_app(options: ServeOptions) -> App:
         from lockgate.frontend.generate_routes import GenerateRoutes
         from lockgate.frontend.llm_infer import LanguageInfer
         from lockgate.frontend.openai_routes import OpenAIRoutes
+        from lockgate.frontend.responses_routes import ResponsesRoutes
     except ImportError as exc:  # the language-model libraries are not installed
         log.info("OpenAI API off: %s", exc)
     else:
         app.openai = openai = OpenAIRoutes(app)
         app.generate = GenerateRoutes(openai)
         app.v2.language = LanguageInfer(openai.pipeline)
+        app.responses = ResponsesRoutes(openai, options.http.responses_store_size)
     return app
 
 

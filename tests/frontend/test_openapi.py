@@ -12,6 +12,7 @@ from openapi_spec_validator import validate
 from lockgate.frontend.openapi import openapi_document
 from lockgate.protocol import generate, v2_codec
 from lockgate.protocol import openai as oa
+from lockgate.protocol import responses as rs
 
 ROUTES = {
     ("get", "/v2"),
@@ -46,6 +47,9 @@ ROUTES = {
     ("post", "/v1/completions"),
     ("post", "/v1/chat/completions"),
     ("post", "/v1/embeddings"),
+    ("post", "/v1/responses"),
+    ("get", "/v1/responses/{id}"),
+    ("delete", "/v1/responses/{id}"),
     ("post", "/v1/models/{model}:predict"),
     ("post", "/v1/models/{model}/versions/{version}:predict"),
     ("post", "/tokenize"),
@@ -99,6 +103,7 @@ def test_the_examples_decode() -> None:
         "/v1/completions": oa.CompletionRequest,
         "/v1/chat/completions": oa.ChatRequest,
         "/v1/embeddings": oa.EmbeddingRequest,
+        "/v1/responses": rs.ResponsesRequest,
     }
     for path, kind in kinds.items():
         media = paths[path]["post"]["requestBody"]["content"]["application/json"]

@@ -21,12 +21,12 @@ from lockgate.demo.smollm2 import SERVED_NAME
 from lockgate.frontend.openapi import openapi_document
 from tests.conftest import RunningServer, smollm2_repository, start_server
 
-EXAMPLES = 10  # per operation (40 operations)
-LLM_EXAMPLES = 6  # per generating operation (6): each generates a few tokens
+EXAMPLES = 10  # per operation (42 operations)
+LLM_EXAMPLES = 6  # per generating operation (7): each generates a few tokens
 MAX_TOKENS = 3  # what a fuzzed completion may generate at most
 MODELS = ("echo", "digits_onnx", "minilm", "smollm2")  # half the cases aim at one of these
 SPARE = "spare"  # the only model the fuzzed load and unload calls aim at
-GENERATION = r"^/v1/(chat/)?completions$|/generate(_stream)?$"
+GENERATION = r"^/v1/(chat/)?completions$|^/v1/responses$|/generate(_stream)?$"
 LLM = "smollm2"  # the repository name, as the generate routes take it
 
 
@@ -98,7 +98,7 @@ def aim(case: schemathesis.Case) -> None:
         return
     if aimed and "model" in body:
         body["model"] = "minilm" if case.path == "/v1/embeddings" else SERVED_NAME
-    shorten(body, ("max_tokens", "max_completion_tokens"))
+    shorten(body, ("max_tokens", "max_completion_tokens", "max_output_tokens"))
 
 
 def shorten(fields: dict[str, Any], names: tuple[str, ...]) -> None:
@@ -116,9 +116,15 @@ def check(case: schemathesis.Case, response: Any) -> None:
     assert response.status_code != 500, (case.as_curl_command(), response.text[:500])
     assert response.status_code < 500 or response.status_code in (503, 504), response.text[:500]
     case.validate_response(response, checks=[status_code_conformance, response_schema_conformance])
-    if response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
-        last = "data: [DONE]\n\n" if case.path.startswith("/v1/") else "}\n\n"
-        assert response.text.endswith(last), response.text[-500:]
+    if not response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+        return
+    if case.path == "/v1/responses":  # named events, the last one ending the response
+        last = response.text.rpartition("event: ")[2]
+        ends = ("response.completed", "response.incomplete", "response.failed")
+        assert last.startswith(ends), response.text[-500:]
+        return
+    last = "data: [DONE]\n\n" if case.path.startswith("/v1/") else "}\n\n"
+    assert response.text.endswith(last), response.text[-500:]
 
 
 def fuzz(examples: int) -> settings:
