@@ -138,21 +138,18 @@ class OpenAIRoutes:
 
     # -- models ------------------------------------------------------------------------
     def _models(self) -> dict[str, Any]:
+        """vLLM's model cards: `root` is the repository model an entry is served from (its
+        id differs with `served_model_name`), `parent` the base model of an adapter (none
+        here), `max_model_len` the context (null for an embedding model, whose context
+        lockgate does not know), `permission` vLLM's one default entry."""
         data = [
             {
-                "id": s.name,
-                "object": "model",
-                "created": s.created,
-                "owned_by": "lockgate",
-                "max_model_len": s.engine_config.max_model_len,
+                **oa.model_card(s.name, s.created, s.config.name, s.engine_config.max_model_len),
                 "generation_defaults": s.generation.to_dict(),
             }
             for s in self.services.values()
         ]
-        data += [
-            {"id": name, "object": "model", "created": 0, "owned_by": "lockgate"}
-            for name in self._embedding_models()
-        ]
+        data += [oa.model_card(name, 0, name, None) for name in self._embedding_models()]
         return {"object": "list", "data": data}
 
     def _model(self, name: str) -> dict[str, Any]:
@@ -350,7 +347,7 @@ class OpenAIRoutes:
         else:
             delta = {"role": "assistant", "content": hit.text}
             if tools is not None:
-                parsed = tool_calls.parse(hit.text, tools)
+                parsed = tool_calls.parse(hit.text, tools, cut=reason == "length")
                 delta = {"role": "assistant", **_delta(parsed, 0)}
                 reason = _tool_reason(reason, len(parsed.calls))
             chunk = oa.chat_chunk(rid, service.name, delta, reason)
@@ -688,10 +685,11 @@ def _chat_answer(
     tools: oa.ToolUse | None,
 ) -> dict[str, Any]:
     """A chat response; offered tools, the output split into content and calls (an output
-    with no valid call is all content)."""
+    with no valid call is all content; one held to calls and cut short ends in the call it
+    was writing, as far as it got)."""
     if tools is None:
         return oa.chat_response(rid, model, text, reason, logprobs, usage)
-    parsed = tool_calls.parse(text, tools)
+    parsed = tool_calls.parse(text, tools, cut=reason == "length")
     if not parsed.calls:
         return oa.chat_response(rid, model, parsed.content, reason, logprobs, usage)
     reason = _tool_reason(reason, len(parsed.calls))
@@ -829,7 +827,7 @@ def _chat_piece(service: LLMService, tools: oa.ToolUse | None, echo: str = "") -
             made = parser.made
             parsed = parser.feed(text)
             if out.finish_reason is not None:
-                parsed.extend(parser.finish())
+                parsed.extend(parser.finish(cut=reason == "length"))
             delta = _delta(parsed, made)
             reason = _tool_reason(reason, parser.made)
             if delta == {"content": ""} and not (first or reason or out.logprobs):

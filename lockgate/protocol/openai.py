@@ -809,6 +809,35 @@ def message_text(message: ChatMessage) -> str:
     return "".join(texts)
 
 
+def model_card(name: str, created: int, root: str, max_model_len: int | None) -> dict[str, Any]:
+    """An entry of /v1/models as vLLM writes it (its ModelCard, with one default
+    ModelPermission): `root`, the model it is served from; no `parent` (not an adapter)."""
+    permission = {
+        "id": new_id("modelperm"),
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "lockgate",
+        "root": root,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [permission],
+    }
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

@@ -21,9 +21,21 @@ def client(llm_server: RunningServer) -> openai.OpenAI:
 
 
 def test_models_list(client: openai.OpenAI) -> None:
-    ids = [m.id for m in client.models.list()]
-    assert MODEL in ids
-    assert "minilm" in ids
+    """vLLM's model cards: root, parent, max_model_len (the context) and one permission."""
+    models = {m.id: m.model_dump() for m in client.models.list()}
+    llm, embedder = models[MODEL], models["minilm"]
+    assert llm["max_model_len"] == 512  # llm_server's context
+    assert (llm["root"], llm["parent"]) == ("smollm2", None)
+    assert (embedder["root"], embedder["parent"], embedder["max_model_len"]) == (
+        "minilm",
+        None,
+        None,
+    )
+    for card in (llm, embedder):
+        [permission] = card["permission"]
+        assert permission["object"] == "model_permission"
+        assert permission["id"].startswith("modelperm-") and permission["allow_sampling"]
+    assert client.models.retrieve(MODEL).model_dump()["max_model_len"] == 512
 
 
 def test_chat_completion_and_stream_agree(client: openai.OpenAI) -> None:
