@@ -261,8 +261,17 @@ class OpenAIRoutes:
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             namespace=CHAT.id_prefix,
             tools=tools,
+            prompt_logprobs=body.prompt_logprobs,
         )
-        await self._generate(request, [prepared], body, CHAT, tools, chat_echo=body.echoed)
+        await self._generate(
+            request,
+            [prepared],
+            body,
+            CHAT,
+            tools,
+            prompt_top=body.prompt_logprobs,
+            chat_echo=body.echoed,
+        )
 
     async def _generate(
         self,
@@ -584,7 +593,8 @@ def _answer(
 ) -> dict[str, Any]:
     """The response of a completion answered whole: one choice per collected, in order (`n`
     per prompt); with `echoes`, each text and its logprobs begin with its prompt's; with
-    `prompt_top`, each choice has its prompt's logprobs in vLLM's form."""
+    `prompt_top`, each choice has its prompt's logprobs in vLLM's form (a chat, whose choices
+    share one prompt: the response, as vLLM's)."""
     payloads = []
     for index, collected in enumerate(chosen):
         logprobs = None
@@ -606,7 +616,7 @@ def _answer(
             payload = _chat_answer(rid, service.name, text, reason, logprobs, usage, tools)
         if prompt_top is not None and collected.prompt_logprobs is not None:
             prompt = _prompt_logprobs(service, collected.prompt_logprobs, prompt_top)
-            payload["choices"][0]["prompt_logprobs"] = prompt
+            (payload["choices"][0] if kind.legacy else payload)["prompt_logprobs"] = prompt
         payloads.append(_as_choice(payload, index))
     return {**payloads[0], "choices": [p["choices"][0] for p in payloads]}
 

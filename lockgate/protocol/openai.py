@@ -41,6 +41,7 @@ class OpenAILimits:
     max_stop_chars: int = 256  # characters of one stop string
     max_stop_token_ids: int = 64
     max_logit_bias: int = 300  # entries of logit_bias, as the OpenAI API allows
+    max_bad_words: int = 64  # vLLM's bad_words of one request, each of at most max_stop_chars
     max_prompt_chars: int = 0  # 0: only the context's (max_model_len x longest token's chars)
     tokenize_threads: int = 2  # prompts tokenized at once, off the event loop
     tokenize_waiting: int = 64  # prompts waiting for a tokenizer thread; past it, 503
@@ -88,6 +89,23 @@ class OpenAILimits:
         except msgspec.ValidationError as exc:
             where = str(exc).replace("`$", "`$.logit_bias")
             raise BadRequest(f"invalid request: {where}") from None
+
+    def bad_words(self, words: list[str] | None) -> list[str]:
+        """vLLM's bad_words, within the limits: at most `max_bad_words`, each of at most
+        `max_stop_chars` characters, none empty or blank."""
+        words = words or []
+        if len(words) > self.max_bad_words:
+            raise BadRequest(
+                f"bad_words takes at most {self.max_bad_words} words", param="bad_words"
+            )
+        for word in words:
+            if not word.strip() or len(word) > self.max_stop_chars:
+                raise BadRequest(
+                    f"bad_words: {word[:40]!r} must be a word of 1 to {self.max_stop_chars} "
+                    "characters, not blank",
+                    param="bad_words",
+                )
+        return words
 
     def check_stop_token_ids(self, ids: list[int] | None, vocab_size: int) -> None:
         """At most `max_stop_token_ids` ids, each a token of the model's vocabulary."""
@@ -201,6 +219,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None  # the output is exactly one of these strings
     include_stop_str_in_output: bool = False  # vLLM's: a stop string ends the text, kept
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text
+    # vLLM's: the only tokens the output may take; words (strings) the output never ends with
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's: each prompt token's logprob, rank and this many most likely tokens at it
+    prompt_logprobs: int | None = None
     # known to the OpenAI API, not implemented by lockgate (or not on this route): refused
     # by name when given (`unsupported_fields`)
     best_of: Any = None
@@ -214,9 +237,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     # a request that counts on one is not answered as if it had been applied
     length_penalty: Any = None
     use_beam_search: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
-    prompt_logprobs: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
@@ -228,8 +248,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     unsupported_everywhere: ClassVar[tuple[str, ...]] = (
         "length_penalty",
         "use_beam_search",
-        "bad_words",
-        "allowed_token_ids",
         "guided_decoding_backend",
         "guided_whitespace_pattern",
         "structured_outputs",
@@ -298,7 +316,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
 _NO_EFFECT: dict[str, Any] = {
     "length_penalty": 1,
     "use_beam_search": False,
-    "bad_words": [],
     "spaces_between_special_tokens": True,
     "return_tokens_as_token_ids": False,
     "modalities": ["text"],
@@ -359,8 +376,6 @@ class CompletionRequest(_Sampling, kw_only=True):
     best_of: int | None = None  # candidates generated; the n of highest cumulative logprob win
     logprobs: int | None = None
     echo: bool = False
-    # vLLM's: each prompt token's logprob, rank and this many most likely tokens at it
-    prompt_logprobs: int | None = None  # type: ignore[assignment]
 
     @property
     def prompt_only(self) -> bool:
@@ -534,7 +549,6 @@ class ChatRequest(_Sampling, kw_only=True):
         "functions",
         "function_call",
         "suffix",
-        "prompt_logprobs",
         "chat_template",
         "audio",
         "modalities",
@@ -558,6 +572,12 @@ class ChatRequest(_Sampling, kw_only=True):
 
     def check_options(self) -> None:
         super().check_options()
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequest(
+                "prompt_logprobs cannot be streamed on chat completions (as vLLM): leave "
+                "stream out, or prompt_logprobs",
+                param="prompt_logprobs",
+            )
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")

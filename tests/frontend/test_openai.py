@@ -421,3 +421,74 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client: openai.Ope
         client.completions.create(
             model=MODEL, prompt="hi", max_tokens=1, extra_body={"truncate_prompt_tokens": 0}
         )
+
+
+def token_id(llm_server: RunningServer, text: str) -> int:
+    """The one token id of `text`."""
+    body = {"model": MODEL, "prompt": text, "add_special_tokens": False}
+    [token] = httpx.post(llm_server.url + "/tokenize", json=body, timeout=60).json()["tokens"]
+    return int(token)
+
+
+def test_allowed_token_ids_hold_every_token_to_them(
+    client: openai.OpenAI, llm_server: RunningServer
+) -> None:
+    """vLLM's allowed_token_ids: sampled at temperature 1, every token is one of them."""
+    words = [" cat", " dog", " fish"]
+    allowed = [token_id(llm_server, w) for w in words]
+    answer = client.completions.create(
+        model=MODEL,
+        prompt="My favourite animal is the",
+        max_tokens=12,
+        temperature=1.0,
+        seed=3,
+        logprobs=0,
+        extra_body={"allowed_token_ids": allowed},
+    )
+    choice = answer.choices[0]
+    assert choice.logprobs is not None and len(choice.logprobs.tokens or []) == 12
+    assert set(choice.logprobs.tokens or []) <= set(words), choice.logprobs.tokens
+    assert choice.finish_reason == "length"  # EOS is not among them
+
+
+def test_bad_words_keep_a_word_out_of_the_greedy_output(client: openai.OpenAI) -> None:
+    """vLLM's bad_words: the greedy answer that held the word no longer does."""
+
+    def capital(**extra: object) -> str:
+        answer = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24,
+            temperature=0,
+            extra_body=extra,
+        )
+        return answer.choices[0].message.content or ""
+
+    assert "Paris" in capital()
+    assert "Paris" not in capital(bad_words=["Paris"])
+    assert capital(bad_words=["Paris"]) == capital(bad_words=["  Paris"])  # leading space dropped
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"allowed_token_ids": [1, 10**9]}, "allowed_token_ids: 1000000000 is not a token id"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"bad_words": ["  "]}, "bad_words: '  ' must be a word"),
+        ({"bad_words": ["x"] * 65}, "bad_words takes at most 64 words"),
+        ({"bad_words": "Paris"}, "Expected `array | null`, got `str`"),
+    ],
+)
+def test_bad_allowed_token_ids_and_bad_words_are_400_naming_them(
+    llm_server: RunningServer, extra: dict[str, object], fragment: str
+) -> None:
+    asks: list[tuple[str, dict[str, object]]] = [
+        ("completions", {"prompt": "hi"}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]
+    for route, ask in asks:
+        body = {"model": MODEL, "max_tokens": 2, **ask, **extra}
+        answer = httpx.post(f"{llm_server.url}/v1/{route}", json=body, timeout=60)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert fragment in error["message"] and error["param"] == next(iter(extra))
