@@ -161,11 +161,14 @@ class CompletionPipeline:
         """The token ids of a prompt: a string, or token ids (checked against the vocabulary)."""
         return await self._off_loop(self._prompt_ids, service, prompt)
 
-    async def tokenize_all(self, service: LLMService, prompts: list[oa.Prompt]) -> list[list[int]]:
+    async def tokenize_all(
+        self, service: LLMService, prompts: list[oa.Prompt], add_special_tokens: bool = True
+    ) -> list[list[int]]:
         """The token ids of a batch's prompts, tokenized one after the other in one turn of a
-        tokenizer thread (a batch takes one place among those waiting)."""
+        tokenizer thread (a batch takes one place among those waiting); special tokens (BOS)
+        added to a text prompt unless not `add_special_tokens`."""
         return await self._off_loop(
-            lambda: [self._prompt_ids(service, prompt) for prompt in prompts]
+            lambda: [self._prompt_ids(service, prompt, add_special_tokens) for prompt in prompts]
         )
 
     async def tokenize_text(
@@ -210,10 +213,12 @@ class CompletionPipeline:
         finally:
             self.tokenizing -= 1
 
-    def _prompt_ids(self, service: LLMService, prompt: oa.Prompt) -> list[int]:
+    def _prompt_ids(
+        self, service: LLMService, prompt: oa.Prompt, add_special_tokens: bool = True
+    ) -> list[int]:
         if isinstance(prompt, str):
             check_length(service, len(prompt), self.limits.max_prompt_chars)
-            return service.tokenizer.encode(prompt, add_special_tokens=True)
+            return service.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         bad = [t for t in prompt if not 0 <= t < service.vocab_size]
         if bad:
             raise BadRequest(
@@ -308,6 +313,7 @@ class CompletionPipeline:
             allowed_token_ids=allowed_token_ids(body.allowed_token_ids, service.vocab_size),
             bad_words_token_ids=bad_words,
             grammar=self.grammar(service, body, tools),
+            cache_salt=self.limits.cache_salt(body.cache_salt),
         )
 
     def grammar(

@@ -190,7 +190,8 @@ class OpenAIRoutes:
         _check_supported(body)
         most_ids = service.engine_config.max_model_len
         prompts = oa.prompts_of(body.prompt, most_ids, self.limits.max_prompts)
-        ids = await self.pipeline.tokenize_all(service, prompts)
+        special = body.add_special_tokens is not False
+        ids = await self.pipeline.tokenize_all(service, prompts, special)
         keep = body.truncate_prompt_tokens
         ids = [truncated(service, prompt_ids, keep) for prompt_ids in ids]
         prompt_only = body.prompt_only
@@ -243,7 +244,7 @@ class OpenAIRoutes:
             definitions,
             generation_prompt=body.generation_prompt,
             continue_final=body.continue_final_message,
-            template_kwargs=body.chat_template_kwargs,
+            template_kwargs=body.template_kwargs,
         )
         prompt_ids = truncated(service, prompt_ids, body.truncate_prompt_tokens)
         limit = body.max_completion_tokens
@@ -288,26 +289,28 @@ class OpenAIRoutes:
         streamed, as one response whose choices run over the prompts in order, `n` each; a
         chat's output is split into content and calls when it was offered `tools`; with
         `prompt_top`, each choice carries its prompt's logprobs in vLLM's form; a chat's
-        `chat_echo` begins each choice's content."""
+        `chat_echo` begins each choice's content. The response's id is vLLM's `request_id`
+        after the route's prefix, when the request set one; the engine's are its own."""
         rid = oa.new_id(kind.id_prefix)
+        shown = self.limits.response_id(kind.id_prefix, body.request_id) or rid
         service = batch[0].service
         plain = echoes is None and prompt_top is None and not chat_echo
         alone = batch[0] if len(batch) == 1 and plain else None
         hit = await self.pipeline.cached(alone) if alone is not None else None
         if hit is not None:
-            await self._replay(request, hit, rid, service, body, kind, tools)
+            await self._replay(request, hit, shown, service, body, kind, tools)
             return
         outputs = self.pipeline.submit(request, batch, rid)
         per_prompt = batch[0].best_of
         if body.stream:
-            options = body.stream_options or oa.StreamOptions()
+            options = body.stream_options or oa.StreamOptions(include_usage=False)
             piece = kind.piece(service, tools)
             if echoes is not None or prompt_top is not None:
                 piece = _completion_piece(service, tools, echoes, per_prompt, prompt_top)
             elif chat_echo:
                 piece = _chat_piece(service, tools, chat_echo)
             text, last = await self._stream(
-                request, outputs, rid, service, kind.chunk_object, options, piece, per_prompt
+                request, outputs, shown, service, kind.chunk_object, options, piece, per_prompt
             )
         else:
             sequences = per_prompt * len(batch)
@@ -322,7 +325,7 @@ class OpenAIRoutes:
                     picked = [replace(c, text=chat_echo + c.text) for c in picked]
                 chosen += picked
             usage = _usage(dict(enumerate(c.last for c in candidates)), per_prompt)
-            answer = _answer(kind, service, rid, chosen, usage, tools, echoes, body.n, prompt_top)
+            answer = _answer(kind, service, shown, chosen, usage, tools, echoes, body.n, prompt_top)
             await respond_json(request.send, 200, answer)
             text, last = chosen[0].text, chosen[0].last
         if alone is not None:

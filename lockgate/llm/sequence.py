@@ -79,6 +79,9 @@ class SamplingParams:
     # last token of each is blocked where the output ends with the ones before it)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     grammar: Grammar | None = None  # what the output must match (guided decoding)
+    # vLLM's cache_salt: the prefix cache is shared only among sequences of the same salt
+    # (not sampling, but the request's, carried with it to the sequence's blocks)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -122,6 +125,8 @@ class SamplingParams:
              "allowed_token_ids must be a non-empty list of token ids"),
             (all(word and all(t >= 0 for t in word) for word in self.bad_words_token_ids),
              "bad_words_token_ids must be non-empty lists of token ids"),
+            (self.cache_salt is None or self.cache_salt != "",
+             "cache_salt must be a non-empty string"),
         ]  # fmt: skip
         return [message for ok, message in checks if not ok]
 
