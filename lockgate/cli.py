@@ -351,6 +351,11 @@ _OPENAI_LIMITS = {
     "max_stop_chars": "characters of one stop string (more: 400)",
     "max_stop_token_ids": "stop_token_ids of one request (more: 400)",
     "max_logit_bias": "logit_bias entries of one request (more: 400)",
+    "max_bad_words": "bad_words of one request, each of at most --max-stop-chars characters "
+    "(more: 400)",
+    "max_request_id_chars": "characters of vLLM's request_id, which the response's id "
+    "carries (more: 400)",
+    "max_cache_salt_chars": "characters of vLLM's cache_salt (more: 400)",
     "max_prompt_chars": "characters of a prompt (more: 400 before tokenizing; 0: "
     "max_model_len x the longest token's characters)",
     "tokenize_threads": "prompts tokenized at once, off the event loop",

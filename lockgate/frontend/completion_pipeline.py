@@ -160,11 +160,14 @@ class CompletionPipeline:
         """The token ids of a prompt: a string, or token ids (checked against the vocabulary)."""
         return await self._off_loop(self._prompt_ids, service, prompt)
 
-    async def tokenize_all(self, service: LLMService, prompts: list[oa.Prompt]) -> list[list[int]]:
+    async def tokenize_all(
+        self, service: LLMService, prompts: list[oa.Prompt], add_special_tokens: bool = True
+    ) -> list[list[int]]:
         """The token ids of a batch's prompts, tokenized one after the other in one turn of a
-        tokenizer thread (a batch takes one place among those waiting)."""
+        tokenizer thread (a batch takes one place among those waiting); special tokens (BOS)
+        added to a text prompt unless not `add_special_tokens`."""
         return await self._off_loop(
-            lambda: [self._prompt_ids(service, prompt) for prompt in prompts]
+            lambda: [self._prompt_ids(service, prompt, add_special_tokens) for prompt in prompts]
         )
 
     async def tokenize_text(
@@ -209,10 +212,12 @@ class CompletionPipeline:
         finally:
             self.tokenizing -= 1
 
-    def _prompt_ids(self, service: LLMService, prompt: oa.Prompt) -> list[int]:
+    def _prompt_ids(
+        self, service: LLMService, prompt: oa.Prompt, add_special_tokens: bool = True
+    ) -> list[int]:
         if isinstance(prompt, str):
             check_length(service, len(prompt), self.limits.max_prompt_chars)
-            return service.tokenizer.encode(prompt, add_special_tokens=True)
+            return service.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         bad = [t for t in prompt if not 0 <= t < service.vocab_size]
         if bad:
             raise BadRequest(
@@ -286,6 +291,7 @@ class CompletionPipeline:
             )
         stop = self.limits.stop_strings(body.stop)
         self.limits.check_stop_token_ids(body.stop_token_ids, service.vocab_size)
+        bad_words = bad_words_token_ids(service, self.limits.bad_words(body.bad_words))
         return SamplingParams(
             **service.generation.fill(
                 body.temperature, body.top_p, body.top_k, body.min_p, body.repetition_penalty
@@ -306,7 +312,10 @@ class CompletionPipeline:
                 service.vocab_size,
                 self.limits.max_logit_bias,
             ),
+            allowed_token_ids=allowed_token_ids(body.allowed_token_ids, service.vocab_size),
+            bad_words_token_ids=bad_words,
             grammar=self.grammar(service, body, tools),
+            cache_salt=self.limits.cache_salt(body.cache_salt),
         )
 
     def grammar(
@@ -605,6 +614,35 @@ def _seed(seed: int | None) -> int | None:
     if not -(2**63) <= seed < 2**63:
         raise BadRequest(f"seed must be a 64-bit integer, got {seed}", param="seed")
     return seed % 2**63
+
+
+def allowed_token_ids(ids: list[int] | None, vocab_size: int) -> tuple[int, ...] | None:
+    """vLLM's allowed_token_ids, checked: a non-empty list of token ids of the model."""
+    if ids is None:
+        return None
+    if not ids:
+        raise BadRequest("allowed_token_ids must not be empty", param="allowed_token_ids")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(
+            f"allowed_token_ids: {bad[0]} is not a token id of the model (0..{vocab_size - 1})",
+            param="allowed_token_ids",
+        )
+    return tuple(ids)
+
+
+def bad_words_token_ids(service: LLMService, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as the token sequences it blocks: each word as written (leading
+    whitespace dropped), and with a space in front when that tokenizes to as many tokens,
+    the first another (the word in the middle of a text)."""
+    found: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(service.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(service.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        found.append(alone)
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            found.append(spaced)
+    return tuple(found)
 
 
 def _logit_bias(

@@ -147,21 +147,18 @@ class OpenAIRoutes:
 
     # -- models ------------------------------------------------------------------------
     def _models(self) -> dict[str, Any]:
+        """vLLM's model cards: `root` is the repository model an entry is served from (its
+        id differs with `served_model_name`), `parent` the base model of an adapter (none
+        here), `max_model_len` the context (null for an embedding model, whose context
+        lockgate does not know), `permission` vLLM's one default entry."""
         data = [
             {
-                "id": s.name,
-                "object": "model",
-                "created": s.created,
-                "owned_by": "lockgate",
-                "max_model_len": s.engine_config.max_model_len,
+                **oa.model_card(s.name, s.created, s.config.name, s.engine_config.max_model_len),
                 "generation_defaults": s.generation.to_dict(),
             }
             for s in self.services.values()
         ]
-        data += [
-            {"id": name, "object": "model", "created": 0, "owned_by": "lockgate"}
-            for name in self._embedding_models()
-        ]
+        data += [oa.model_card(name, 0, name, None) for name in self._embedding_models()]
         return {"object": "list", "data": data}
 
     def serves(self, name: str) -> bool:
@@ -205,7 +202,8 @@ class OpenAIRoutes:
         _check_supported(body)
         most_ids = service.engine_config.max_model_len
         prompts = oa.prompts_of(body.prompt, most_ids, self.limits.max_prompts)
-        ids = await self.pipeline.tokenize_all(service, prompts)
+        special = body.add_special_tokens is not False
+        ids = await self.pipeline.tokenize_all(service, prompts, special)
         keep = body.truncate_prompt_tokens
         ids = [truncated(service, prompt_ids, keep) for prompt_ids in ids]
         prompt_only = body.prompt_only
@@ -258,7 +256,7 @@ class OpenAIRoutes:
             definitions,
             generation_prompt=body.generation_prompt,
             continue_final=body.continue_final_message,
-            template_kwargs=body.chat_template_kwargs,
+            template_kwargs=body.template_kwargs,
         )
         prompt_ids = truncated(service, prompt_ids, body.truncate_prompt_tokens)
         limit = body.max_completion_tokens
@@ -276,8 +274,17 @@ class OpenAIRoutes:
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             namespace=CHAT.id_prefix,
             tools=tools,
+            prompt_logprobs=body.prompt_logprobs,
         )
-        await self._generate(request, [prepared], body, CHAT, tools, chat_echo=body.echoed)
+        await self._generate(
+            request,
+            [prepared],
+            body,
+            CHAT,
+            tools,
+            prompt_top=body.prompt_logprobs,
+            chat_echo=body.echoed,
+        )
 
     async def _generate(
         self,
@@ -294,26 +301,28 @@ class OpenAIRoutes:
         streamed, as one response whose choices run over the prompts in order, `n` each; a
         chat's output is split into content and calls when it was offered `tools`; with
         `prompt_top`, each choice carries its prompt's logprobs in vLLM's form; a chat's
-        `chat_echo` begins each choice's content."""
+        `chat_echo` begins each choice's content. The response's id is vLLM's `request_id`
+        after the route's prefix, when the request set one; the engine's are its own."""
         rid = oa.new_id(kind.id_prefix)
+        shown = self.limits.response_id(kind.id_prefix, body.request_id) or rid
         service = batch[0].service
         plain = echoes is None and prompt_top is None and not chat_echo
         alone = batch[0] if len(batch) == 1 and plain else None
         hit = await self.pipeline.cached(alone) if alone is not None else None
         if hit is not None:
-            await self._replay(request, hit, rid, service, body, kind, tools)
+            await self._replay(request, hit, shown, service, body, kind, tools)
             return
         outputs = self.pipeline.submit(request, batch, rid)
         per_prompt = batch[0].best_of
         if body.stream:
-            options = body.stream_options or oa.StreamOptions()
+            options = body.stream_options or oa.StreamOptions(include_usage=False)
             piece = kind.piece(service, tools)
             if echoes is not None or prompt_top is not None:
                 piece = _completion_piece(service, tools, echoes, per_prompt, prompt_top)
             elif chat_echo:
                 piece = _chat_piece(service, tools, chat_echo)
             text, last = await self._stream(
-                request, outputs, rid, service, kind.chunk_object, options, piece, per_prompt
+                request, outputs, shown, service, kind.chunk_object, options, piece, per_prompt
             )
         else:
             sequences = per_prompt * len(batch)
@@ -328,7 +337,7 @@ class OpenAIRoutes:
                     picked = [replace(c, text=chat_echo + c.text) for c in picked]
                 chosen += picked
             usage = _usage(dict(enumerate(c.last for c in candidates)), per_prompt)
-            answer = _answer(kind, service, rid, chosen, usage, tools, echoes, body.n, prompt_top)
+            answer = _answer(kind, service, shown, chosen, usage, tools, echoes, body.n, prompt_top)
             await respond_json(request.send, 200, answer)
             text, last = chosen[0].text, chosen[0].last
         if alone is not None:
@@ -362,7 +371,7 @@ class OpenAIRoutes:
         else:
             delta = {"role": "assistant", "content": hit.text}
             if tools is not None:
-                parsed = tool_calls.parse(hit.text, tools)
+                parsed = tool_calls.parse(hit.text, tools, cut=reason == "length")
                 delta = {"role": "assistant", **_delta(parsed, 0)}
                 reason = _tool_reason(reason, len(parsed.calls))
             chunk = oa.chat_chunk(rid, service.name, delta, reason)
@@ -599,7 +608,8 @@ def _answer(
 ) -> dict[str, Any]:
     """The response of a completion answered whole: one choice per collected, in order (`n`
     per prompt); with `echoes`, each text and its logprobs begin with its prompt's; with
-    `prompt_top`, each choice has its prompt's logprobs in vLLM's form."""
+    `prompt_top`, each choice has its prompt's logprobs in vLLM's form (a chat, whose choices
+    share one prompt: the response, as vLLM's)."""
     payloads = []
     for index, collected in enumerate(chosen):
         logprobs = None
@@ -621,7 +631,7 @@ def _answer(
             payload = _chat_answer(rid, service.name, text, reason, logprobs, usage, tools)
         if prompt_top is not None and collected.prompt_logprobs is not None:
             prompt = _prompt_logprobs(service, collected.prompt_logprobs, prompt_top)
-            payload["choices"][0]["prompt_logprobs"] = prompt
+            (payload["choices"][0] if kind.legacy else payload)["prompt_logprobs"] = prompt
         payloads.append(_as_choice(payload, index))
     return {**payloads[0], "choices": [p["choices"][0] for p in payloads]}
 
@@ -700,10 +710,11 @@ def _chat_answer(
     tools: oa.ToolUse | None,
 ) -> dict[str, Any]:
     """A chat response; offered tools, the output split into content and calls (an output
-    with no valid call is all content)."""
+    with no valid call is all content; one held to calls and cut short ends in the call it
+    was writing, as far as it got)."""
     if tools is None:
         return oa.chat_response(rid, model, text, reason, logprobs, usage)
-    parsed = tool_calls.parse(text, tools)
+    parsed = tool_calls.parse(text, tools, cut=reason == "length")
     if not parsed.calls:
         return oa.chat_response(rid, model, parsed.content, reason, logprobs, usage)
     reason = _tool_reason(reason, len(parsed.calls))
@@ -841,7 +852,7 @@ def _chat_piece(service: LLMService, tools: oa.ToolUse | None, echo: str = "") -
             made = parser.made
             parsed = parser.feed(text)
             if out.finish_reason is not None:
-                parsed.extend(parser.finish())
+                parsed.extend(parser.finish(cut=reason == "length"))
             delta = _delta(parsed, made)
             reason = _tool_reason(reason, parser.made)
             if delta == {"content": ""} and not (first or reason or out.logprobs):

@@ -146,6 +146,14 @@ _HAND_CHECKED["ChatRequest", "modalities"] = {
     "anyOf": [{"type": "null"}, {"type": "array", "items": {"const": "text"}}],
     "description": 'only ["text"]: a text model answers no audio (other values: 400)',
 }
+_HAND_CHECKED["ChatRequest", "add_special_tokens"] = {
+    "anyOf": [{"type": "null"}, {"const": False}],
+    "description": "only false: the chat template adds the special tokens (true: 400)",
+}
+_HAND_CHECKED["ChatRequest", "include_reasoning"] = {
+    "anyOf": [{"type": "null"}, {"const": True}],
+    "description": "only true: without a reasoning parser the whole output is content (false: 400)",
+}
 
 
 def schema_components() -> dict[str, Any]:

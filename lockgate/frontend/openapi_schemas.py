@@ -242,12 +242,35 @@ class GenerateResponse(msgspec.Struct):
 # --- OpenAI API ---------------------------------------------------------------------------
 
 
+class ModelPermission(msgspec.Struct):
+    """vLLM's one default permission entry of a model card."""
+
+    id: str
+    object: Literal["model_permission"]
+    created: int
+    allow_create_engine: bool
+    allow_sampling: bool
+    allow_logprobs: bool
+    allow_search_indices: bool
+    allow_view: bool
+    allow_fine_tuning: bool
+    organization: str
+    group: str | None
+    is_blocking: bool
+
+
 class ModelCard(msgspec.Struct):
+    """vLLM's model card: `root` is the repository model it is served from, `parent` null
+    (no adapters), `max_model_len` the context (null for an embedding model)."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
-    max_model_len: int = 0  # language models only
+    root: str
+    parent: str | None
+    max_model_len: int | None
+    permission: list[ModelPermission]
 
 
 class ModelList(msgspec.Struct):

@@ -37,6 +37,15 @@ class Block:
     parent: bytes | None = None  # the hash of the block before it in its sequence
 
 
+def root_hash(seq: Sequence) -> bytes:
+    """The parent hash of a sequence's first block: one for all, or its cache salt's (vLLM's
+    cache_salt: only sequences of the same salt share cached blocks)."""
+    salt = seq.params.cache_salt
+    if salt is None:
+        return _ROOT_HASH
+    return hashlib.blake2b(_ROOT_HASH + b"\0" + salt.encode(), digest_size=16).digest()
+
+
 def chain_hash(parent_hash: bytes, token_ids: Iterable[int]) -> bytes:
     """BLAKE2b (16 bytes) of the parent block's hash and this block's token ids."""
     digest = hashlib.blake2b(parent_hash, digest_size=16)
@@ -142,7 +151,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and hashes[i] not in self.hash_to_block_id:
                 block.hash = hashes[i]
-                block.parent = hashes[i - 1] if i else _ROOT_HASH
+                block.parent = hashes[i - 1] if i else root_hash(seq)
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 self.hash_to_block_id[hashes[i]] = block.block_id
         seq.num_hashed_blocks = num_full
@@ -151,7 +160,7 @@ class BlockManager:
         """Chained hashes of the sequence's first `num_full` full blocks (memoized on it)."""
         hashes, bs = seq.block_hashes, self.block_size
         for i in range(len(hashes), num_full):
-            parent = hashes[i - 1] if i else _ROOT_HASH
+            parent = hashes[i - 1] if i else root_hash(seq)
             hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
@@ -161,7 +170,7 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent = _ROOT_HASH
+        parent = root_hash(seq)
         for i, h in enumerate(self._block_hashes(seq, seq.num_tokens // bs)):
             block_id = self.hash_to_block_id.get(h)
             if block_id is None:

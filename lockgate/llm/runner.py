@@ -185,7 +185,7 @@ def sampling_batch(rows: list[ScheduledSequence], vocab_size: int) -> SamplingBa
         for i in range(s.num_logits):
             params.append(seq.params)
             drafts = s.draft_token_ids[:i]
-            outputs.append(seq.output_token_ids + drafts if seq.params.has_penalties else [])
+            outputs.append(seq.output_token_ids + drafts if seq.params.reads_output else [])
             seen.append(seq.token_ids + drafts if seq.params.has_repetition_penalty else [])
             counts.append(seq.num_output_tokens + i)
             matchers.append(seq.matcher)

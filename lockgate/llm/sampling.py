@@ -19,7 +19,9 @@ whole row only when the nucleus is larger than that.
 
 Rows under a grammar (guided decoding) have the tokens it does not allow next set to -inf,
 after the logit biases and before temperature and the filters; a batch without such rows
-computes no mask.
+computes no mask. vLLM's `allowed_token_ids` is a mask of the same kind, after the grammar's;
+its `bad_words` set -inf, with the logit biases, on the last token of each word whose other
+tokens the output ends with.
 
 Logprobs are the model's own: the log_softmax of the raw logits, before penalties, biases,
 the grammar's mask, temperature and filters (as OpenAI's, and vLLM's default
@@ -72,16 +74,26 @@ class LogitBias:
 
     @classmethod
     def build(
-        cls, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
+        cls,
+        params: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+        output_token_ids: Sequence[list[int]] = (),
     ) -> LogitBias | None:
         """The requests' logit_bias, and -inf on the tokens a row short of its min_tokens
-        may not take (it has generated `num_output_tokens[row]`)."""
+        may not take (it has generated `num_output_tokens[row]`) and on those its bad words
+        block after `output_token_ids[row]`."""
         entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
         entries += [
             (row, t, -math.inf)
             for row, (p, n) in enumerate(zip(params, num_output_tokens, strict=True))
             if n < p.min_tokens
             for t in p.min_tokens_blocked
+        ]
+        entries += [
+            (row, t, -math.inf)
+            for row, (p, out) in enumerate(zip(params, output_token_ids, strict=False))
+            if p.bad_words_token_ids
+            for t in p.bad_words_blocked(out)
         ]
         if not entries:
             return None
@@ -127,6 +139,37 @@ class TokenMask:
         return logits.index_add(0, self.rows, blocked[:, :v].to(logits.dtype))
 
 
+@dataclass(slots=True)
+class AllowedTokens:
+    """vLLM's allowed_token_ids: the only tokens each such row may take; other rows are left
+    alone."""
+
+    rows: torch.Tensor  # [R] int64
+    allowed: torch.Tensor  # [R, V] bool
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], vocab_size: int) -> AllowedTokens | None:
+        limited = [
+            (row, p.allowed_token_ids)
+            for row, p in enumerate(params)
+            if p.allowed_token_ids is not None
+        ]
+        if not limited:
+            return None
+        ids = _padded([list(ids or ()) for _, ids in limited], vocab_size)  # [R, A], padded with V
+        allowed = torch.zeros(len(limited), vocab_size + 1, dtype=torch.bool)
+        allowed.scatter_(1, ids, True)
+        rows = torch.tensor([row for row, _ in limited], dtype=torch.int64)
+        return cls(rows, allowed[:, :vocab_size])
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [N, V] with the tokens a limited row may not take at -inf (a copy)."""
+        v = min(logits.shape[1], self.allowed.shape[1])
+        limited = torch.full((len(self.rows), logits.shape[1]), -math.inf, dtype=logits.dtype)
+        limited[:, :v] = logits[self.rows, :v].masked_fill(~self.allowed[:, :v], -math.inf)
+        return logits.index_copy(0, self.rows, limited)
+
+
 # byte value -> what its 8 tokens add to their logits: 0 where the bit is set, else -inf
 _BYTE_PENALTY = torch.where(
     (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1 == 1, 0.0, -math.inf
@@ -150,6 +193,7 @@ class SamplingBatch:
     seen_token_ids: torch.Tensor | None  # [N, S] int64, prompt and output, padded with V
     bias: LogitBias | None  # additions to chosen logits; None when no row has any
     mask: TokenMask | None  # tokens allowed by grammars; None when no row has one
+    allowed: AllowedTokens | None  # tokens allowed by allowed_token_ids; None: no row has any
     seeds: dict[int, int]  # row -> seed for this token
     num_logprobs: list[int | None]  # [N]
 
@@ -164,7 +208,8 @@ class SamplingBatch:
         seen_token_ids: Sequence[list[int]] = (),
     ) -> SamplingBatch:
         """Row i has generated `num_output_tokens[i]` tokens so far (seeds count them);
-        `output_token_ids[i]` lists them where the row has penalties (elsewhere unused);
+        `output_token_ids[i]` lists them where the row has penalties or bad words (elsewhere
+        unused);
         `matchers[i]` is its grammar's matcher, if any (none given: no row has one);
         `seen_token_ids[i]`, its prompt and output where it has a repetition penalty (none
         given: no row has one)."""
@@ -190,8 +235,9 @@ class SamplingBatch:
             repetition_penalty=_row_param([p.repetition_penalty for p in params], repeats,
                 torch.float32),
             seen_token_ids=_padded(seen_token_ids, vocab_size) if repeats else None,
-            bias=LogitBias.build(params, num_output_tokens),
+            bias=LogitBias.build(params, num_output_tokens, output_token_ids),
             mask=TokenMask.build(matchers),
+            allowed=AllowedTokens.build(params, vocab_size),
             seeds={i: _row_seed(p.seed, n) for i, (p, n) in enumerate(
                 zip(params, num_output_tokens, strict=True)) if p.seed is not None
                 and not p.is_greedy},
@@ -237,6 +283,8 @@ class Sampler:
             logits = batch.bias.apply(logits)
         if batch.mask is not None:
             logits = batch.mask.apply(logits)
+        if batch.allowed is not None:
+            logits = batch.allowed.apply(logits)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:

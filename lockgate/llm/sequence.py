@@ -73,13 +73,27 @@ class SamplingParams:
     # the completions API's `echo` with `logprobs`); None: none computed
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # vLLM's: the only tokens the output may take (None: any), in increasing order
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's bad_words as token ids: the output never ends with one of these sequences (the
+    # last token of each is blocked where the output ends with the ones before it)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     grammar: Grammar | None = None  # what the output must match (guided decoding)
+    # vLLM's cache_salt: the prefix cache is shared only among sequences of the same salt
+    # (not sampling, but the request's, carried with it to the sequence's blocks)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
         object.__setattr__(self, "min_tokens_blocked", tuple(self.min_tokens_blocked))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(
+                self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids)))
+            )
+        words = tuple(tuple(word) for word in self.bad_words_token_ids)
+        object.__setattr__(self, "bad_words_token_ids", words)
         problems = self._problems()
         if problems:  # each names its field first
             raise InvalidSamplingParams(
@@ -106,6 +120,13 @@ class SamplingParams:
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
             (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
              "logit_bias maps token ids to values in [-100, 100]"),
+            (self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
+                t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids must be a non-empty list of token ids"),
+            (all(word and all(t >= 0 for t in word) for word in self.bad_words_token_ids),
+             "bad_words_token_ids must be non-empty lists of token ids"),
+            (self.cache_salt is None or self.cache_salt != "",
+             "cache_salt must be a non-empty string"),
         ]  # fmt: skip
         return [message for ok, message in checks if not ok]
 
@@ -120,6 +141,24 @@ class SamplingParams:
     @property
     def has_repetition_penalty(self) -> bool:
         return self.repetition_penalty != 1.0
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether sampling reads the tokens output so far (penalties, bad words)."""
+        return self.has_penalties or bool(self.bad_words_token_ids)
+
+    def bad_words_blocked(self, output_token_ids: list[int]) -> list[int]:
+        """The tokens the bad words block next, after `output_token_ids` (vLLM's: a word's
+        last token, where the output ends with the tokens before it; a one-token word,
+        always)."""
+        blocked = []
+        for word in self.bad_words_token_ids:
+            prefix = len(word) - 1
+            if prefix > len(output_token_ids):
+                continue
+            if not prefix or tuple(output_token_ids[-prefix:]) == word[:-1]:
+                blocked.append(word[-1])
+        return blocked
 
 
 @dataclass(slots=True, eq=False)

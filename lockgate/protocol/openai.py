@@ -41,6 +41,9 @@ class OpenAILimits:
     max_stop_chars: int = 256  # characters of one stop string
     max_stop_token_ids: int = 64
     max_logit_bias: int = 300  # entries of logit_bias, as the OpenAI API allows
+    max_bad_words: int = 64  # vLLM's bad_words of one request, each of at most max_stop_chars
+    max_request_id_chars: int = 128  # vLLM's request_id, which every chunk's id carries
+    max_cache_salt_chars: int = 256  # vLLM's cache_salt
     max_prompt_chars: int = 0  # 0: only the context's (max_model_len x longest token's chars)
     tokenize_threads: int = 2  # prompts tokenized at once, off the event loop
     tokenize_waiting: int = 64  # prompts waiting for a tokenizer thread; past it, 503
@@ -88,6 +91,44 @@ class OpenAILimits:
         except msgspec.ValidationError as exc:
             where = str(exc).replace("`$", "`$.logit_bias")
             raise BadRequest(f"invalid request: {where}") from None
+
+    def bad_words(self, words: list[str] | None) -> list[str]:
+        """vLLM's bad_words, within the limits: at most `max_bad_words`, each of at most
+        `max_stop_chars` characters, none empty or blank."""
+        words = words or []
+        if len(words) > self.max_bad_words:
+            raise BadRequest(
+                f"bad_words takes at most {self.max_bad_words} words", param="bad_words"
+            )
+        for word in words:
+            if not word.strip() or len(word) > self.max_stop_chars:
+                raise BadRequest(
+                    f"bad_words: {word[:40]!r} must be a word of 1 to {self.max_stop_chars} "
+                    "characters, not blank",
+                    param="bad_words",
+                )
+        return words
+
+    def response_id(self, prefix: str, request_id: str | None) -> str | None:
+        """The id of a response to a request that set vLLM's request_id (`prefix`-request_id,
+        as vLLM's), within `max_request_id_chars`; None for one that did not."""
+        if request_id is None:
+            return None
+        if not 0 < len(request_id) <= self.max_request_id_chars or not request_id.isprintable():
+            raise BadRequest(
+                f"request_id must be 1 to {self.max_request_id_chars} printable characters",
+                param="request_id",
+            )
+        return f"{prefix}-{request_id}"
+
+    def cache_salt(self, salt: str | None) -> str | None:
+        """vLLM's cache_salt, checked: 1 to `max_cache_salt_chars` characters."""
+        if salt is not None and not 0 < len(salt) <= self.max_cache_salt_chars:
+            raise BadRequest(
+                f"cache_salt must be a string of 1 to {self.max_cache_salt_chars} characters",
+                param="cache_salt",
+            )
+        return salt
 
     def check_stop_token_ids(self, ids: list[int] | None, vocab_size: int) -> None:
         """At most `max_stop_token_ids` ids, each a token of the model's vocabulary."""
@@ -147,6 +188,8 @@ class OpenAILimits:
 _AT_LEAST_ONE = frozenset(
     {
         "max_stop_chars",
+        "max_request_id_chars",
+        "max_cache_salt_chars",
         "tokenize_threads",
         "max_embedding_inputs",
         "max_embedding_chars",
@@ -159,7 +202,8 @@ _AT_LEAST_ONE = frozenset(
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False  # a last chunk with no choices and the request's usage
+    # a last chunk with no choices and the request's usage (true unless set false, as vLLM's)
+    include_usage: bool = True
     # vLLM's: with include_usage, each chunk also carries its choice's usage so far
     continuous_usage_stats: bool = False
 
@@ -199,8 +243,20 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None  # the output is exactly one of these strings
+    structured_outputs: StructuredOutputs | None = None  # vLLM's newer spelling of guided_*
     include_stop_str_in_output: bool = False  # vLLM's: a stop string ends the text, kept
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text
+    # vLLM's: the only tokens the output may take; words (strings) the output never ends with
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's: each prompt token's logprob, rank and this many most likely tokens at it
+    prompt_logprobs: int | None = None
+    # vLLM's: the response's id is the route's prefix and this (the engine's stays its own)
+    request_id: str | None = None
+    # vLLM's: special tokens (BOS) added to a text prompt (None: the route's default)
+    add_special_tokens: bool | None = None
+    # vLLM's: the prefix cache is shared only among requests of the same salt
+    cache_salt: str | None = None
     # known to the OpenAI API, not implemented by lockgate (or not on this route): refused
     # by name when given (`unsupported_fields`)
     best_of: Any = None
@@ -214,29 +270,28 @@ class _Sampling(msgspec.Struct, kw_only=True):
     # a request that counts on one is not answered as if it had been applied
     length_penalty: Any = None
     use_beam_search: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
-    prompt_logprobs: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
     structural_tag: Any = None
     logits_processors: Any = None
     spaces_between_special_tokens: Any = None
     return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
     unsupported_fields: ClassVar[tuple[str, ...]] = ()
     unsupported_everywhere: ClassVar[tuple[str, ...]] = (
         "length_penalty",
         "use_beam_search",
-        "bad_words",
-        "allowed_token_ids",
         "guided_decoding_backend",
         "guided_whitespace_pattern",
-        "structured_outputs",
         "structural_tag",
         "logits_processors",
         "spaces_between_special_tokens",
         "return_tokens_as_token_ids",
+        "return_token_ids",
+        "kv_transfer_params",
+        "vllm_xargs",
     )
 
     def unsupported(self) -> str | None:
@@ -261,10 +316,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
         `max_grammar_chars`."""
         given = self._constraints()
         if len(given) > 1:
-            names = ", ".join(c.field.partition(".")[0] for c in given)
+            names = ", ".join(_constraint_name(c.field) for c in given)
             raise BadRequest(
                 "give one of response_format (json_object or json_schema), guided_json, "
-                f"guided_regex, guided_grammar and guided_choice, not several: {names}"
+                "guided_regex, guided_grammar, guided_choice and structured_outputs (one of "
+                f"its keys), not several: {names}"
             )
         if not given:
             return None
@@ -291,6 +347,42 @@ class _Sampling(msgspec.Struct, kw_only=True):
             found.append(OutputConstraint("guided_grammar", "lark", self.guided_grammar))
         if self.guided_choice is not None:
             found.append(OutputConstraint("guided_choice", "regex", _choices(self.guided_choice)))
+        if self.structured_outputs is not None:
+            found += self.structured_outputs.constraints()
+        return found
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's structured_outputs: what guided_json, guided_regex, guided_choice,
+    guided_grammar and response_format json_object ask, under other names. Its other keys
+    (structural_tag, backend and whitespace options) are refused by name."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's syntax), as guided_grammar
+    json_object: bool | None = None
+
+    def constraints(self) -> list[OutputConstraint]:
+        found = []
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else _json_text(self.json)
+            found.append(OutputConstraint("structured_outputs.json", "json_schema", text, False))
+        if self.regex is not None:
+            found.append(OutputConstraint("structured_outputs.regex", "regex", self.regex))
+        if self.choice is not None:
+            found.append(
+                OutputConstraint(
+                    "structured_outputs.choice",
+                    "regex",
+                    _choices(self.choice, "structured_outputs.choice"),
+                )
+            )
+        if self.grammar is not None:
+            found.append(OutputConstraint("structured_outputs.grammar", "lark", self.grammar))
+        if self.json_object:
+            field = "structured_outputs.json_object"
+            found.append(OutputConstraint(field, "json_schema", _ANY_OBJECT, False))
         return found
 
 
@@ -298,18 +390,25 @@ class _Sampling(msgspec.Struct, kw_only=True):
 _NO_EFFECT: dict[str, Any] = {
     "length_penalty": 1,
     "use_beam_search": False,
-    "bad_words": [],
     "spaces_between_special_tokens": True,
     "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
     "modalities": ["text"],
+    "add_special_tokens": False,  # on chat, the template adds them
+    "include_reasoning": True,  # a model without a reasoning parser: all of it is content
 }
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 
 
-def _choices(choices: list[str]) -> str:
+def _constraint_name(field: str) -> str:
+    """The request field a constraint came from (structured_outputs: with its key)."""
+    return field if field.startswith("structured_outputs.") else field.partition(".")[0]
+
+
+def _choices(choices: list[str], field: str = "guided_choice") -> str:
     """guided_choice as a regular expression: one of the strings, whole."""
     if not choices or not all(isinstance(c, str) and c for c in choices):
-        raise BadRequest("guided_choice must be a list of non-empty strings")
+        raise BadRequest(f"{field} must be a list of non-empty strings")
     escaped = ("".join("\\" + ch if ch in _REGEX_META else ch for ch in c) for c in choices)
     return "(" + "|".join(escaped) + ")"
 
@@ -359,8 +458,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     best_of: int | None = None  # candidates generated; the n of highest cumulative logprob win
     logprobs: int | None = None
     echo: bool = False
-    # vLLM's: each prompt token's logprob, rank and this many most likely tokens at it
-    prompt_logprobs: int | None = None  # type: ignore[assignment]
+    prompt_embeds: Any = None  # vLLM's: embeddings in place of the prompt's tokens: refused
 
     @property
     def prompt_only(self) -> bool:
@@ -383,6 +481,7 @@ class CompletionRequest(_Sampling, kw_only=True):
         "function_call",
         "suffix",
         "parallel_tool_calls",
+        "prompt_embeds",
     )
 
 
@@ -524,8 +623,13 @@ class ChatRequest(_Sampling, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    # vLLM's: documents for retrieval-augmented generation, the template's `documents`
+    documents: list[dict[str, str]] | None = None
     echo: bool = False  # vLLM's: the final message's content begins the answer's (`echoed`)
     chat_template: Any = None  # a client's own template: refused
+    mm_processor_kwargs: Any = None  # vLLM's, for multimodal processors: refused
+    reasoning_effort: Any = None  # OpenAI's, for reasoning models: refused
+    include_reasoning: Any = None  # vLLM's, with a reasoning parser: false refused
     # OpenAI's audio output: a text model answers text only (modalities ["text"] passes)
     audio: Any = None
     modalities: Any = None
@@ -534,15 +638,26 @@ class ChatRequest(_Sampling, kw_only=True):
         "functions",
         "function_call",
         "suffix",
-        "prompt_logprobs",
         "chat_template",
         "audio",
         "modalities",
+        "add_special_tokens",
+        "mm_processor_kwargs",
+        "reasoning_effort",
+        "include_reasoning",
     )
 
     @property
     def generation_prompt(self) -> bool:
         return generation_prompt(self.add_generation_prompt, self.continue_final_message)
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The template's variables from the request: chat_template_kwargs, and vLLM's
+        `documents` as the variable of that name."""
+        if self.documents is None:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "documents": self.documents}
 
     @property
     def echoed(self) -> str:
@@ -558,14 +673,20 @@ class ChatRequest(_Sampling, kw_only=True):
 
     def check_options(self) -> None:
         super().check_options()
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequest(
+                "prompt_logprobs cannot be streamed on chat completions (as vLLM): leave "
+                "stream out, or prompt_logprobs",
+                param="prompt_logprobs",
+            )
         if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
             if not 0 <= self.top_logprobs <= 20:
                 raise BadRequest(
                     f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
                     param="top_logprobs",
                 )
+            if self.top_logprobs and not self.logprobs:  # 0 alone asks nothing (as vLLM)
+                raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
 
     def tool_use(self, limits: OpenAILimits) -> ToolUse | None:
         """The tools the model is offered, checked (400 naming the problem), and how it may
@@ -807,6 +928,35 @@ def message_text(message: ChatMessage) -> str:
             raise BadRequest("only text content parts are supported")
         texts.append(part["text"])
     return "".join(texts)
+
+
+def model_card(name: str, created: int, root: str, max_model_len: int | None) -> dict[str, Any]:
+    """An entry of /v1/models as vLLM writes it (its ModelCard, with one default
+    ModelPermission): `root`, the model it is served from; no `parent` (not an adapter)."""
+    permission = {
+        "id": new_id("modelperm"),
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "lockgate",
+        "root": root,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [permission],
+    }
 
 
 def new_id(prefix: str) -> str:

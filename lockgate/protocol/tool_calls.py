@@ -17,6 +17,7 @@ these tags and tool results in `<tool_response>` tags.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,11 +193,20 @@ class ToolCallParser:
     stays text, and so does a call left open at the end: a model that writes no valid call
     answers its text as content, unchanged. Whitespace alone before, between and after valid
     calls is dropped; past `most_calls`, further calls are dropped. The whole output parsed at
-    once gives what its pieces give."""
+    once gives what its pieces give.
+
+    An output held to calls (a forced tool_choice) and cut short (max_tokens) ends, as vLLM's
+    does, in a call as far as it was written: its name (the one tool_choice names, or the one
+    function offered, until the output has written one) and as its arguments the text written
+    of them (not a whole JSON object); the format's own text before a name is known is no
+    content, and is dropped."""
 
     def __init__(self, use: oa.ToolUse) -> None:
         self.names = {f.name for f in use.callable}
         self.most_calls = use.most_calls
+        self.forced = use.forced
+        # the function a forced call is of before its name is written
+        self.known = use.function or (use.callable[0].name if len(use.callable) == 1 else None)
         self.made = 0  # calls given so far
         self._held = ""  # text not given yet: the open call's, or what may open one
         self._in_call = False
@@ -230,15 +240,39 @@ class ToolCallParser:
             self._held = self._held[start + len(OPEN) :]
             self._in_call = True
 
-    def finish(self) -> Parsed:
-        """The rest, at the end of the output."""
+    def finish(self, cut: bool = False) -> Parsed:
+        """The rest, at the end of the output; `cut`: the output was cut short (max_tokens)."""
         parsed = Parsed()
-        if self._in_call:
+        if cut and self.forced:
+            self._give_partial(parsed)
+        elif self._in_call:
             parsed.content = self._lead + OPEN + self._held
         else:
             self._give_text(parsed, final=True)
         self._held, self._in_call = "", False
         return parsed
+
+    def _give_partial(self, parsed: Parsed) -> None:
+        """A forced output cut short: the call it was writing, as far as it was written (the
+        first call of a named function, when none was opened yet)."""
+        if self._in_call:
+            call = self._call(self._held) or self._partial_call(self._held)
+        else:
+            call = _call_of(self.known, "") if self.made == 0 and self.known else None
+        if call is not None and (self.most_calls is None or self.made < self.most_calls):
+            parsed.calls.append(call)
+            self.made += 1
+
+    def _partial_call(self, body: str) -> dict[str, Any] | None:
+        """A call cut inside its JSON, laid out as `grammar` holds it: its name, when written
+        whole (else the one known), and its arguments' text so far."""
+        written = _PARTIAL.match(body)
+        name = self.known
+        arguments = ""
+        if written is not None:
+            name = written.group(1)
+            arguments = written.group(2) or ""
+        return _call_of(name, arguments) if name in self.names else None
 
     def _give_text(self, parsed: Parsed, final: bool) -> None:
         text = self._held
@@ -272,8 +306,17 @@ class ToolCallParser:
         name, arguments = value.get("name"), value.get("arguments", {})
         if not isinstance(name, str) or name not in self.names or not isinstance(arguments, dict):
             return None
-        function = {"name": name, "arguments": _json(arguments)}
-        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+        return _call_of(name, _json(arguments))
+
+
+def _call_of(name: str, arguments: str) -> dict[str, Any]:
+    """A call in OpenAI's form, `arguments` as text."""
+    function = {"name": name, "arguments": arguments}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+
+
+# a call cut short, as `grammar` lays it out: its name written whole, then its arguments so far
+_PARTIAL = re.compile(r'\s*\{"name": "((?:[^"\\]|\\.)*)"(?:, "arguments": (.*))?', re.DOTALL)
 
 
 def _open_prefix(text: str) -> int:
@@ -284,9 +327,9 @@ def _open_prefix(text: str) -> int:
     return 0
 
 
-def parse(text: str, use: oa.ToolUse) -> Parsed:
-    """A whole output, split into content and calls."""
+def parse(text: str, use: oa.ToolUse, cut: bool = False) -> Parsed:
+    """A whole output, split into content and calls; `cut`: it was cut short (max_tokens)."""
     parser = ToolCallParser(use)
     parsed = parser.feed(text)
-    parsed.extend(parser.finish())
+    parsed.extend(parser.finish(cut))
     return parsed

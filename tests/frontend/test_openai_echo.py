@@ -143,6 +143,28 @@ def test_vllm_prompt_logprobs_give_each_prompt_token_its_logprob_and_rank(
     streamed = httpx.post(url, json={**ask, "prompt_logprobs": 0, "stream": True}).text
     first = json.loads(streamed.split("\n\n")[0].removeprefix("data: "))
     assert len(first["choices"][0]["prompt_logprobs"]) == usage["prompt_tokens"]
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}
-    refused = httpx.post(llm_server.url + "/v1/chat/completions", json=chat)
-    assert refused.status_code == 400 and "prompt_logprobs" in refused.text
+
+
+def test_chat_prompt_logprobs_are_the_responses_and_not_streamed(
+    llm_server: RunningServer,
+) -> None:
+    """As vLLM's: the prompt's logprobs, one entry per token of the rendered chat (null for
+    the first), at the top of the response; streamed, a 400 naming them."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 2, "prompt_logprobs": 1}
+    answer = httpx.post(llm_server.url + "/v1/chat/completions", json=chat, timeout=60)
+    assert answer.status_code == 200, answer.text
+    prompt = answer.json()["prompt_logprobs"]
+    tokens = httpx.post(
+        llm_server.url + "/tokenize", json={"model": MODEL, "messages": messages}, timeout=60
+    ).json()["tokens"]
+    assert (
+        prompt[0] is None and len(prompt) == len(tokens) == answer.json()["usage"]["prompt_tokens"]
+    )
+    for token, entries in zip(tokens[1:], prompt[1:], strict=True):
+        assert str(token) in entries and 1 in {e["rank"] for e in entries.values()}
+    assert "prompt_logprobs" not in answer.json()["choices"][0]
+    refused = httpx.post(
+        llm_server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"

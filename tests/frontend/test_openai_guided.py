@@ -92,9 +92,38 @@ def test_guided_grammar_in_lark(client: openai.OpenAI) -> None:
     assert result.choices[0].message.content in {"yes.", "no.", "maybe."}
 
 
+def test_vllm_structured_outputs_are_the_guided_fields_under_other_names(
+    client: openai.OpenAI,
+) -> None:
+    """vLLM's structured_outputs: json, regex, choice, grammar and json_object hold the output
+    as guided_json, guided_regex, guided_choice, guided_grammar and json_object do."""
+
+    def complete(structured: dict[str, Any], tokens: int = 20) -> str:
+        result = client.completions.create(
+            model=MODEL,
+            prompt="Call me at",
+            max_tokens=tokens,
+            temperature=0.7,
+            seed=3,
+            extra_body={"structured_outputs": structured},
+        )
+        return result.choices[0].text
+
+    assert re.fullmatch(PHONE, complete({"regex": PHONE}))
+    assert complete({"choice": ["never", "tomorrow"]}) in {"never", "tomorrow"}
+    jsonschema.validate(json.loads(complete({"json": SCHEMA}, 40)), SCHEMA)
+    assert isinstance(json.loads(complete({"json_object": True}, 60)), dict)
+    grammar = 'start: "at " answer\nanswer: "noon" | "dawn"'
+    assert complete({"grammar": grammar}) in {"at noon", "at dawn"}
+
+
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
+        ({"structured_outputs": {"regex": "a+", "choice": ["b"]}}, r"not several: "
+            r"structured_outputs\.regex, structured_outputs\.choice"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, r"unknown field `structural_tag`"),
+        ({"structured_outputs": {"regex": "[0-9"}}, r"(?s)structured_outputs\.regex: .*unclosed"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {
                 "name": "x", "schema": {"type": "objekt"}}}},

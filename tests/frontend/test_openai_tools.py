@@ -152,6 +152,48 @@ def test_streamed_calls_reassemble_to_the_whole_answers_calls(client: openai.Ope
     assert chunks[0].choices[0].delta.role == "assistant"
 
 
+def raw_calls(chunks: list[Any]) -> tuple[list[tuple[str, str]], str | None, str]:
+    """A streamed choice's calls as (name, arguments text), its finish_reason and content."""
+    calls: dict[int, list[str]] = {}
+    reason, content = None, ""
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, ["", ""])
+                call[0] += delta.function.name or ""
+                call[1] += delta.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return [(name, arguments) for name, arguments in calls.values()], reason, content
+
+
+@pytest.mark.parametrize(
+    ("choice", "tools", "cut"),
+    [
+        ({"type": "function", "function": {"name": "get_time"}}, TOOLS, 5),
+        ({"type": "function", "function": {"name": "get_time"}}, TOOLS, 24),
+        ("required", TOOLS, 24),
+        ("required", [WEATHER], 3),
+    ],
+    ids=["named-5", "named-24", "required-24", "required-one-tool-3"],
+)
+def test_a_forced_call_cut_by_max_tokens_is_a_call_finished_by_length(
+    client: openai.OpenAI, choice: Any, tools: list[dict[str, Any]], cut: int
+) -> None:
+    """As vLLM's: the call it was writing, its arguments the text written of them (a prefix
+    of the whole call's), whole and streamed alike."""
+    asked: dict[str, Any] = {"tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
+    [(name, arguments)] = calls_of(chat(client, max_tokens=80, **asked).choices[0].message)
+    whole = json.dumps(arguments)
+    short = chat(client, max_tokens=cut, **asked).choices[0]
+    assert short.finish_reason == "length" and short.message.content is None
+    [call] = short.message.tool_calls or []
+    assert call.id.startswith("call_") and call.function.name == name
+    assert whole.startswith(call.function.arguments) and call.function.arguments != whole
+    calls, reason, content = raw_calls(list(chat(client, max_tokens=cut, stream=True, **asked)))
+    assert (calls, reason, content) == ([(name, call.function.arguments)], "length", "")
+
+
 # SmolLM2 writes no calls of itself with tool_choice auto; a grammar makes it write these
 # words, which the parser reads as it would a model's own.
 WRITTEN = (

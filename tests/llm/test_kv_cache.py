@@ -80,6 +80,24 @@ def test_same_tokens_after_a_different_prefix_do_not_hit() -> None:
     assert set(a.block_table).isdisjoint(b.block_table)
 
 
+def test_a_cache_salt_shares_cached_blocks_only_with_its_own() -> None:
+    """vLLM's cache_salt: the same prompt hits the blocks of its salt, never another's."""
+    bm = BlockManager(16, BS, enable_prefix_caching=True)
+    tokens = list(range(9))
+
+    def salted(salt: str | None, seq_id: str) -> Sequence:
+        params = SamplingParams(cache_salt=salt)
+        return Sequence.from_prompt(seq_id, tokens, params, arrival=0.0)
+
+    first = salted("alpha", "a")
+    bm.allocate(first)
+    computed(bm, first)
+    assert bm.num_cached_prefix_tokens(salted("alpha", "b")) == 8
+    assert bm.num_cached_prefix_tokens(salted("beta", "c")) == 0
+    assert bm.num_cached_prefix_tokens(salted(None, "d")) == 0
+    bm.check_invariants([first])
+
+
 def test_blocks_are_published_only_once_computed() -> None:
     bm = BlockManager(16, BS)
     a = make_seq(list(range(12)), "a")

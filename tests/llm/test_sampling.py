@@ -175,6 +175,9 @@ def test_a_token_of_no_chance_reports_a_finite_floor() -> None:
         {"logprobs": 21},
         {"stop": ("",)},
         {"seed": -1},
+        {"allowed_token_ids": ()},
+        {"allowed_token_ids": (3, -1)},
+        {"bad_words_token_ids": ((),)},
     ],
 )
 def test_invalid_params_raise_a_clear_400(kwargs: dict[str, object]) -> None:
@@ -211,3 +214,32 @@ def test_logit_bias_moves_the_chosen_logits_of_its_rows_only() -> None:
     assert out.token_ids == [int(expected_first.argmax()), 7, top[2]]
     with pytest.raises(BadRequest, match="logit_bias"):
         SamplingParams(logit_bias=((1, 101.0),))
+
+
+def test_allowed_token_ids_hold_their_rows_only_to_those_tokens() -> None:
+    logits = random_logits(3, seed=4)
+    top = logits.argmax(dim=-1).tolist()
+    allowed = sorted({(top[0] + 1) % V, (top[0] + 7) % V})
+    limited = SamplingParams(temperature=0.0, allowed_token_ids=tuple(allowed))
+    hot = SamplingParams(temperature=2.0, allowed_token_ids=(allowed[0],))
+    plain = SamplingParams(temperature=0.0)
+    out = Sampler(seed=1)(logits, batch_for([limited, hot, plain]))
+    best = max(allowed, key=lambda t: float(logits[0, t]))
+    assert out.token_ids == [best, allowed[0], top[2]]
+    many = random_logits(64, seed=5)
+    sampled = Sampler(seed=2)(many, batch_for([SamplingParams(allowed_token_ids=(1, 4))] * 64))
+    assert set(sampled.token_ids) <= {1, 4}
+
+
+def test_bad_words_block_a_words_last_token_after_the_rest_of_it() -> None:
+    params = SamplingParams(bad_words_token_ids=((9,), (3, 4, 5)))
+    assert params.bad_words_blocked([]) == [9]  # a one-token word: always
+    assert params.bad_words_blocked([1, 3]) == [9]
+    assert params.bad_words_blocked([1, 3, 4]) == [9, 5]
+    assert params.bad_words_blocked([3, 4, 1]) == [9]
+    logits = torch.zeros(2, V)
+    logits[:, 5] = 10.0
+    logits[:, 9] = 5.0
+    greedy = SamplingParams(temperature=0.0, bad_words_token_ids=((9,), (3, 4, 5)))
+    out = Sampler()(logits, batch_for([greedy, greedy], [[3, 4], [4, 3]]))
+    assert out.token_ids == [0, 5]  # after 3, 4: neither 5 nor 9; after 4, 3: 5

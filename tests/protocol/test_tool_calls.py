@@ -114,6 +114,37 @@ def test_a_named_choice_calls_that_function_alone() -> None:
     assert '("\\n" call)*' in tc.grammar(use_of(tool_choice="required").callable, None)
 
 
+def raw(parsed: tc.Parsed) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.calls]
+
+
+def test_a_forced_output_cut_short_ends_in_the_call_it_was_writing() -> None:
+    """As vLLM's: the name (written, or the one known) and the arguments' text so far."""
+    named = use_of(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    required = use_of(tool_choice="required")
+    whole = call("get_weather", {"city": "Oslo"})
+    inside = whole[: whole.index('"Oslo"') + 3]  # ends in the argument's value
+    cuts = {
+        "<tool_": ("", None),
+        whole[:20]: ("", None),  # inside the name
+        inside: ('{"city": "Os', "get_weather"),
+        whole[: -len(tc.CLOSE) - 1]: ('{"city": "Oslo"}', "get_weather"),
+    }
+    for text, (arguments, written) in cuts.items():
+        assert raw(tc.parse(text, named, cut=True)) == [("get_weather", arguments)], text
+        parsed = tc.parse(text, required, cut=True)
+        assert raw(parsed) == ([(written, arguments)] if written else []), text
+        assert parsed.content == "", text
+        assert raw(tc.parse(text, named)) == [] and tc.parse(text, named).content  # not cut
+    after_one = call("get_time", {}) + "\n" + inside
+    assert raw(tc.parse(after_one, required, cut=True)) == [
+        ("get_time", "{}"),
+        ("get_weather", '{"city": "Os'),
+    ]
+    auto = tc.parse(inside, use_of(tool_choice="auto"), cut=True)
+    assert (auto.calls, auto.content) == ([], inside)  # not forced: the text stays text
+
+
 def test_a_function_named_like_a_choice_is_still_a_function() -> None:
     tools = [{"type": "function", "function": {"name": "auto"}}]
     named = {"type": "function", "function": {"name": "auto"}}
