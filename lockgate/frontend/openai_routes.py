@@ -105,7 +105,7 @@ class OpenAIRoutes:
         engine would see them; `count` and the context they must fit."""
         check_method(request.method, request.path, ("POST",))
         body = oa.decode(await request.body(), oa.TokenizeRequest)
-        service = self._service(body.model, _version(request))
+        service = self.service(body.model, requested_version(request))
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give either prompt or messages")
         if body.prompt is not None:
@@ -135,7 +135,7 @@ class OpenAIRoutes:
         """Token ids back to text (special tokens kept), at most the model's context of them."""
         check_method(request.method, request.path, ("POST",))
         body = oa.decode(await request.body(), oa.DetokenizeRequest)
-        service = self._service(body.model, _version(request))
+        service = self.service(body.model, requested_version(request))
         tokens = oa.token_ids_of(body.tokens, service.engine_config.max_model_len)
         bad = [t for t in tokens if not 0 <= t < service.vocab_size]
         if bad:
@@ -171,7 +171,7 @@ class OpenAIRoutes:
                 return entry
         raise NotFound(f"the model '{name[:200]}' does not exist")
 
-    def _service(self, name: str, version: int | None) -> LLMService:
+    def service(self, name: str, version: int | None) -> LLMService:
         """The language model served as `name`, at `version` (None: its newest ready one)."""
         service = self.services.get(name)
         if service is None:
@@ -198,7 +198,7 @@ class OpenAIRoutes:
         """One prompt or a batch of them; with `echo`, each choice's text (and logprobs)
         begins with its prompt's, and max_tokens 0 answers the prompt alone (its tokens'
         logprobs, as an evaluation harness scores a text)."""
-        service = self._service(body.model, _version(request))
+        service = self.service(body.model, requested_version(request))
         _check_supported(body)
         most_ids = service.engine_config.max_model_len
         prompts = oa.prompts_of(body.prompt, most_ids, self.limits.max_prompts)
@@ -241,7 +241,7 @@ class OpenAIRoutes:
         await self.pipeline.resubmitted(lambda: self._chat_once(request, body))
 
     async def _chat_once(self, request: HttpRequest, body: oa.ChatRequest) -> None:
-        service = self._service(body.model, _version(request))
+        service = self.service(body.model, requested_version(request))
         _check_supported(body)
         if not body.messages:
             raise BadRequest("messages must not be empty")
@@ -450,7 +450,7 @@ class OpenAIRoutes:
                 f"(try: {', '.join(names) or 'none'})"
             )
         texts = oa.embedding_texts(body.input, self.limits)
-        served = self.app.models.get(name, _version(request))
+        served = self.app.models.get(name, requested_version(request))
         _check_dimensions(served.config, body.dimensions)
         if request.trace is not None:
             request.trace.bind(name)
@@ -528,7 +528,7 @@ class Embedded:
 TOKEN_COUNT = "token_count"
 
 
-def _version(request: HttpRequest) -> int | None:
+def requested_version(request: HttpRequest) -> int | None:
     """The version the request's `x-lockgate-model-version` header names (None: none)."""
     text = request.header(oa.MODEL_VERSION_HEADER)
     if text is None:

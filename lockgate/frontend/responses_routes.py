@@ -26,7 +26,7 @@ from lockgate.frontend.completion_pipeline import (
     check_message_count,
 )
 from lockgate.frontend.http import HttpRequest, cancel_on_disconnect, check_method, respond_json
-from lockgate.frontend.openai_routes import _version
+from lockgate.frontend.openai_routes import requested_version
 from lockgate.frontend.response_store import ResponseStore, StoredResponse
 from lockgate.protocol import openai as oa
 from lockgate.protocol import responses as rs
@@ -115,7 +115,7 @@ class ResponsesRoutes:
     ) -> tuple[PreparedCompletion, oa.ToolUse | None]:
         """The chat request checked, rendered and tokenized as /v1/chat/completions does it,
         and the tools it offers."""
-        service = self.openai._service(chat.model, _version(request))
+        service = self.openai.service(chat.model, requested_version(request))
         check_message_count(service, len(chat.messages))
         tools = chat.tool_use(self.openai.limits)
         takes_tools = service.tokenizer.takes_tools
