@@ -205,7 +205,8 @@ def _decode(served: ServedVersion, decoded: V2InferRequest) -> TensorRequest:
     """The request's tensors read; an output it names among its outputs is returned too."""
     asked = llm_tensors.decode(decoded.inputs, decoded.parameters)
     named = [o.name for o in decoded.outputs]
-    validate_outputs(llm_tensors.interface(served.config), named)
+    if named:  # most requests name none: no config view to build for them
+        validate_outputs(llm_tensors.interface(served.config), named)
     return replace(asked, returns=asked.returns | (set(named) - {llm_tensors.TEXT_OUTPUT}))
 
 
