@@ -10,10 +10,11 @@ goes to every replica, not to one, and a replica that joins later is sent what i
   that names each replica that failed and why. A request that some replica applied is
   remembered (`control_log.py`).
 - **Catching up.** A replica that was not told a request (it gave no answer, or the deadline
-  passed first) leaves the rotation, and so does one whose probe could not reach it (stopped,
-  or starting again with its start-up's models). When a probe says 200 again the pool asks
-  `join`: the remembered requests it lacks are replayed to it in order (all of them after a
-  probe could not reach it), and only then does it take traffic. A replayed request the
+  passed first) leaves the rotation, and so does one that started again with its start-up's
+  models (its health answer reports another boot id, or a probe could not reach one that
+  reports none: `pool.py`). When a probe says 200 again the pool asks `join`: the remembered
+  requests it lacks are replayed to it in order (all of them after it started again), and
+  only then does it take traffic. A replayed request the
   replica refuses is logged and counted, and the replica joins without it; one that gets no
   answer within `replay_timeout` keeps it out until a later probe.
 - One control request at a time: fan-outs and joins hold one lock, so every replica is told

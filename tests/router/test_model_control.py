@@ -311,3 +311,44 @@ def replica_pid(server: RunningServer, port: int) -> int:
         if b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
             return int(child)
     raise AssertionError(f"no replica on port {port} among {children}")
+
+
+def listed(router: RunningServer, url: str) -> dict[str, object]:
+    replicas = httpx.get(router.url + "/router/replicas").json()["replicas"]
+    return dict(next(r for r in replicas if r["url"] == url))
+
+
+def test_a_replica_started_again_between_two_probes_is_caught_up_by_its_boot_id(
+    tmp_path: Path,
+) -> None:
+    """A replica killed and started again on its port well within one probe interval is never
+    seen down; its health answer's boot id has changed, so the next probe has it sent the load
+    it lacks before it takes traffic again."""
+    interval = 5.0
+    replica = start_replica(tmp_path, 0, "--load-model", "who")
+    router = start_router(tmp_path, "--replica", replica.url, "--probe-interval", str(interval))
+    probed = time.monotonic()  # the router's first probe: the next one comes `interval` later
+    restarted: RunningServer | None = None
+    try:
+        http_client(router).load_model("extra")
+        boot = listed(router, replica.url)["boot"]
+        assert boot and http_client(replica).is_model_ready("extra")
+        replica.process.kill()
+        replica.process.wait()
+        restarted = start_replica(tmp_path, 0, "--load-model", "who", port=replica.port)
+        assert time.monotonic() - probed < interval - 1, "started again too slowly for the test"
+        assert not http_client(restarted).is_model_ready("extra")  # its start-up's models
+        assert listed(router, replica.url)["boot"] == boot  # no probe since
+        deadline = time.monotonic() + 2 * interval
+        while listed(router, replica.url)["boot"] == boot and time.monotonic() < deadline:
+            time.sleep(0.1)
+        wait_usable(router, replica.url)
+        assert http_client(restarted).is_model_ready("extra"), router.log()[-2000:]
+        replays = router.metric(
+            "lockgate_router_model_control_total", 'action="load",outcome="ok",way="replay"'
+        )
+        assert replays == 1
+    finally:
+        for server in (restarted, replica, router):
+            if server is not None:
+                server.stop()
