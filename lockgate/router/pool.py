@@ -47,6 +47,10 @@ class Joiner(Protocol):
     """Brings a replica up to date with the model control requests before it takes traffic."""
 
     def behind(self, replica: Replica) -> bool: ...
+    def told_before(self, replica: Replica, boot: bytes) -> int:
+        """What the process that reports `boot` was told before this router started."""
+        ...
+
     async def join(self, replica: Replica) -> bool:
         """False when it could not (the next probe tries again)."""
         ...
@@ -163,11 +167,14 @@ class ReplicaPool:
 
     def _booted(self, replica: Replica, boot: bytes) -> None:
         """A health answer reported a boot id other than the last one: another process,
-        told nothing yet (however soon after the last probe it started)."""
+        told nothing yet (however soon after the last probe it started). The first one read
+        may be a process the router before this one told requests (`--control-state`)."""
         if replica.boot is not None:
             self.on_change(replica, "started again (another boot id)")
+            replica.told = 0
+        else:
+            replica.told = 0 if self.joiner is None else self.joiner.told_before(replica, boot)
         replica.boot = boot
-        replica.told = 0
 
     async def _join(self, replica: Replica, joiner: Joiner) -> None:
         try:
