@@ -172,8 +172,8 @@ class ReplicaPool:
         if replica.boot is not None:
             self.on_change(replica, "started again (another boot id)")
             replica.told = 0
-        else:
-            replica.told = 0 if self.joiner is None else self.joiner.told_before(replica, boot)
+        elif self.joiner is not None:
+            replica.told = max(replica.told, self.joiner.told_before(replica, boot))
         replica.boot = boot
 
     async def _join(self, replica: Replica, joiner: Joiner) -> None:
