@@ -323,6 +323,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--model-control-mode explicit",
     )
     p.add_argument(
+        "--control-state",
+        metavar="PATH|off",
+        help="with --replicas behind the router: the file where the router keeps the model "
+        "loads and unloads it replays to a replica started again (see lockgate route "
+        "--control-state), read back by a run after this one was killed; default: one per "
+        "--port and repository in $XDG_RUNTIME_DIR/lockgate (else ~/.local/state/lockgate), "
+        "removed when this command stops its replicas itself; off: in memory only",
+    )
+    p.add_argument(
         "--replica-base-port",
         type=int,
         help="replica i also serves HTTP on this port + i, its own (kernel: on --host, for "
@@ -518,13 +527,26 @@ def _serve_shared_port(args: argparse.Namespace, repository: Path, count: int) -
 def _serve_replicas(args: argparse.Namespace, repository: Path, count: int) -> int:
     """The router on --port (and its gRPC front on --grpc-port), and `count` server
     processes behind it."""
+    from lockgate.router.replicas import control_state_path
+
+    if args.control_state is None:
+        state = control_state_path(args.port, repository)
+    else:
+        state = None if args.control_state == "off" else Path(args.control_state)
     with tempfile.TemporaryDirectory(prefix="lockgate-shm-") as registry:
-        return _serve_behind_router(args, _replica_serve_argv(args, repository, registry), count)
+        argv = _replica_serve_argv(args, repository, registry)
+        code = _serve_behind_router(args, argv, count, state)
+    if code == 0 and args.control_state is None and state is not None:
+        state.unlink(missing_ok=True)  # drained, its replicas with it: the next run starts anew
+    return code
 
 
-def _serve_behind_router(args: argparse.Namespace, argv: list[str], count: int) -> int:
+def _serve_behind_router(
+    args: argparse.Namespace, argv: list[str], count: int, state: Path | None
+) -> int:
     from lockgate.router.app import RouterSettings
     from lockgate.router.grpc_proxy import GrpcFrontSettings, ReplicaGrpcPort
+    from lockgate.router.model_control import ControlSettings
     from lockgate.router.pool import Discovery
     from lockgate.router.replica import HealthSettings
     from lockgate.router.replicas import Replicas
@@ -553,7 +575,8 @@ def _serve_behind_router(args: argparse.Namespace, argv: list[str], count: int) 
     replicas.start()
     try:
         urls = tuple(f"http://127.0.0.1:{port}" for port in ports)
-        app = build(Discovery(urls), HealthSettings(), RouterSettings())
+        control = ControlSettings(state=state)
+        app = build(Discovery(urls), HealthSettings(), RouterSettings(control=control))
         return run(app, args.host, args.port, grpc=grpc)
     finally:
         replicas.stop(args.drain_timeout + 5)

@@ -206,6 +206,7 @@ class App:
         self.generate: GenerateHandler | None = None  # set with the OpenAI routes
         self.responses: ResponsesHandler | None = None  # set with the OpenAI routes
         self.started = False  # set once the repository has been loaded
+        self.boot = readiness.boot_id()  # on every health answer: this process's start
         self.draining = False
         self.closers: list[Callable[[], Awaitable[None]]] = [self.cache.close]  # at shutdown
         self.background: list[asyncio.Task[None]] = []  # cancelled before the models close
@@ -547,7 +548,7 @@ class App:
             check_method(method, path, READ)
             await respond_json(request.send, 200, {"version": __version__})
         elif path in ("/v2/health/live", "/health"):
-            await respond_json(request.send, 200, {"live": True})
+            await respond_json(request.send, 200, {"live": True}, [self._boot])
         elif path == "/v2/health/ready":
             await self._ready(request)
         elif path == "/v2":
@@ -637,9 +638,13 @@ class App:
     async def _ready(self, request: HttpRequest) -> None:
         reason = self.not_ready()
         if reason is None:
-            await respond_json(request.send, 200, {"ready": True})
+            await respond_json(request.send, 200, {"ready": True}, [self._boot])
         else:
-            await respond_json(request.send, 503, {"ready": False, "error": reason})
+            await respond_json(request.send, 503, {"ready": False, "error": reason}, [self._boot])
+
+    @property
+    def _boot(self) -> tuple[bytes, bytes]:
+        return (readiness.BOOT_HEADER, self.boot)
 
     async def _repository(self, request: HttpRequest, rest: list[str]) -> None:
         control = len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload")

@@ -263,6 +263,7 @@ class RouterApp:
             "ready": r.ready,
             "joining": r.joining,
             "told": r.told,
+            "boot": None if r.boot is None else r.boot.decode(errors="replace"),
             "ejected_for_s": max(0.0, r.ejected_until - now),
             "full": r.full(now),
             "in_flight": r.in_flight,

@@ -118,6 +118,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "replicas that join; a request past it is not kept",
     )
     p.add_argument(
+        "--control-state",
+        type=Path,
+        metavar="PATH",
+        help="keep those requests, and what each replica was told, in this file across the "
+        "router's restarts: written after each load, unload and replay, read at start "
+        "(default: in memory only)",
+    )
+    p.add_argument(
         "--drain-delay",
         type=float,
         default=0.0,
@@ -168,7 +176,9 @@ def run(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         hedge=hedge,
         hedge_ratio=args.hedge_budget,
-        control=ControlSettings(args.control_replay_timeout, int(args.control_memory_mb * 2**20)),
+        control=ControlSettings(
+            args.control_replay_timeout, int(args.control_memory_mb * 2**20), args.control_state
+        ),
     )
     app = build(discovery, health, settings)
     return serve(app, args.host, args.port, args.drain_delay, grpc=grpc)

@@ -81,6 +81,16 @@ class ControlLog:
         if old is not None:
             self.size -= old.size
 
+    def restore(self, entry: Entry) -> bool:
+        """Keep `entry` under its own number, as a router before this one recorded it (each
+        model's once, oldest first, after `seq` is set); False when it would pass `max_bytes`
+        (then it is not kept)."""
+        if self.size + entry.size > self.max_bytes:
+            return False
+        self.entries[entry.control.model] = entry
+        self.size += entry.size
+        return True
+
     def since(self, told: int) -> list[Entry]:
         """What a replica told every request up to number `told` is sent, in order (0: all)."""
         return [entry for entry in self.entries.values() if entry.seq > told]

@@ -10,14 +10,18 @@ goes to every replica, not to one, and a replica that joins later is sent what i
   that names each replica that failed and why. A request that some replica applied is
   remembered (`control_log.py`).
 - **Catching up.** A replica that was not told a request (it gave no answer, or the deadline
-  passed first) leaves the rotation, and so does one whose probe could not reach it (stopped,
-  or starting again with its start-up's models). When a probe says 200 again the pool asks
-  `join`: the remembered requests it lacks are replayed to it in order (all of them after a
-  probe could not reach it), and only then does it take traffic. A replayed request the
+  passed first) leaves the rotation, and so does one that started again with its start-up's
+  models (its health answer reports another boot id, or a probe could not reach one that
+  reports none: `pool.py`). When a probe says 200 again the pool asks `join`: the remembered
+  requests it lacks are replayed to it in order (all of them after it started again), and
+  only then does it take traffic. A replayed request the
   replica refuses is logged and counted, and the replica joins without it; one that gets no
   answer within `replay_timeout` keeps it out until a later probe.
 - One control request at a time: fan-outs and joins hold one lock, so every replica is told
   the requests in the same order.
+- **Across restarts** (`--control-state`): the requests kept, and what each replica's process
+  was told, are written to a file after each fan-out and join, before its answer
+  (`control_state.py`), and read back when the router starts.
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
 from lockgate.core.metrics import Registry
+from lockgate.router import control_state
 from lockgate.router.control_log import Control, ControlLog, Entry
+from lockgate.router.control_state import ControlState, Known
 from lockgate.router.pool import ReplicaPool
 from lockgate.router.replica import Replica
 from lockgate.router.upstream import UpstreamError
@@ -48,6 +55,7 @@ _OWN_HEADERS = frozenset({b"request-timeout", b"accept-encoding"})
 class ControlSettings:
     replay_timeout: float = 600.0  # seconds for a replica that joins to apply one request
     max_remembered_bytes: int = 256 * 2**20  # bodies and headers kept to replay
+    state: Path | None = None  # the file they are kept in across restarts (None: none)
 
     def __post_init__(self) -> None:
         if not self.replay_timeout > 0:
@@ -116,7 +124,15 @@ class ModelControl:
     def __init__(self, pool: ReplicaPool, settings: ControlSettings, registry: Registry) -> None:
         self.pool = pool
         self.settings = settings
-        self.log = ControlLog(settings.max_remembered_bytes)
+        limit = settings.max_remembered_bytes
+        state = ControlState(ControlLog(limit))
+        if settings.state is not None:
+            state = control_state.read(settings.state, limit)
+        self.log = state.log
+        # replicas' processes that the router before this one told requests, by URL, until
+        # a probe reads a replica's boot id (`told_before`)
+        self.known = state.replicas
+        self.saved: tuple[int, dict[str, Known]] | None = None  # what the file holds
         self.lock = asyncio.Lock()
         pool.joiner = self
         self.sent = registry.counter(
@@ -135,6 +151,10 @@ class ModelControl:
             "Bytes of model control requests kept to replay to replicas that join.",
         )
         held.set_function((), lambda: float(self.log.size))
+        self.unsaved = registry.counter(
+            "lockgate_router_model_control_state_failures_total",
+            "Writes of --control-state that failed (the file keeps what it held before).",
+        )
 
     async def apply(
         self,
@@ -180,6 +200,7 @@ class ModelControl:
                 t.replica.ready = False
             elif t.replica.told == before:  # it was up to date, and is still
                 t.replica.told = self.log.seq
+        await self._save()
         return ControlAnswer.of(control, told)
 
     def _remember(self, control: Control, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
@@ -222,37 +243,70 @@ class ModelControl:
             replica.in_flight -= 1
         return Told(replica, response.status, data)
 
+    async def _save(self) -> None:
+        """Write the requests kept, and what each replica's process was told, to
+        `--control-state` when they changed since the last write."""
+        path = self.settings.state
+        if path is None:
+            return
+        replicas = dict(self.known)  # not seen by this router yet: as the one before left them
+        for r in self.pool.replicas:
+            if r.boot is not None and not r.removed:
+                replicas[r.url] = Known(r.boot, r.told)
+        if self.saved == (self.log.seq, replicas):
+            return
+        try:
+            await asyncio.to_thread(
+                control_state.write, path, control_state.saved(self.log, replicas)
+            )
+        except OSError as exc:
+            self.unsaved.inc()
+            log.warning("router: cannot write the model control state %s: %s", path, exc)
+            return
+        self.saved = (self.log.seq, replicas)
+
     def behind(self, replica: Replica) -> bool:
         return replica.told < self.log.seq
+
+    def told_before(self, replica: Replica, boot: bytes) -> int:
+        """What the process of `replica` that reports `boot` was told before this router
+        started, by the router before it (0: nothing known)."""
+        known = self.known.pop(replica.url, None)
+        return known.told if known is not None and known.boot == boot else 0
 
     async def join(self, replica: Replica) -> bool:
         """Replay the remembered control requests `replica` lacks to it; False when one got
         no answer (it stays out of traffic, and a later probe tries again)."""
         async with self.lock:
-            for entry in self.log.since(replica.told):
-                control = entry.control
-                deadline = time.monotonic() + self.settings.replay_timeout
-                told = await self._tell(replica, control, list(entry.headers), entry.body, deadline)
-                outcome = "ok" if told.status == 200 else "refused" if told.status else "unreached"
-                self.sent.inc((control.action, "replay", outcome))
-                if told.status == 0:
-                    log.warning(
-                        "router: %s joins later: %s got no answer (%s)",
-                        replica.url,
-                        control.path,
-                        told.why,
-                    )
-                    return False
-                if told.status != 200:
-                    log.warning(
-                        "router: %s refused %s replayed to it (%s): it joins without it",
-                        replica.url,
-                        control.path,
-                        told.reason,
-                    )
-                replica.told = entry.seq
-            replica.told = self.log.seq
-            return True
+            joined = await self._replay(replica)
+            await self._save()
+            return joined
+
+    async def _replay(self, replica: Replica) -> bool:
+        for entry in self.log.since(replica.told):
+            control = entry.control
+            deadline = time.monotonic() + self.settings.replay_timeout
+            told = await self._tell(replica, control, list(entry.headers), entry.body, deadline)
+            outcome = "ok" if told.status == 200 else "refused" if told.status else "unreached"
+            self.sent.inc((control.action, "replay", outcome))
+            if told.status == 0:
+                log.warning(
+                    "router: %s joins later: %s got no answer (%s)",
+                    replica.url,
+                    control.path,
+                    told.why,
+                )
+                return False
+            if told.status != 200:
+                log.warning(
+                    "router: %s refused %s replayed to it (%s): it joins without it",
+                    replica.url,
+                    control.path,
+                    told.reason,
+                )
+            replica.told = entry.seq
+        replica.told = self.log.seq
+        return True
 
 
 def _loop_time(deadline: float | None) -> float | None:

@@ -7,7 +7,8 @@ resolved again every `resolve_interval` seconds: new addresses join (once ready)
 ones take no new request and are closed when their requests have ended.
 
 A replica that may lack model control requests the others were told (new, not told one, or
-its probe could not reach it, as when it starts again) joins through the `Joiner` when a
+started again: its health answer reports a boot id other than the last one, or, from a
+replica that reports none, its probe could not reach it) joins through the `Joiner` when a
 probe finds it up (200, or 503 for a reason other than loading its start-up models or
 draining: in explicit model control mode a replica with no model loaded says 503): the router
 replays those requests to it (`model_control.py`), and only then is it ready.
@@ -46,6 +47,10 @@ class Joiner(Protocol):
     """Brings a replica up to date with the model control requests before it takes traffic."""
 
     def behind(self, replica: Replica) -> bool: ...
+    def told_before(self, replica: Replica, boot: bytes) -> int:
+        """What the process that reports `boot` was told before this router started."""
+        ...
+
     async def join(self, replica: Replica) -> bool:
         """False when it could not (the next probe tries again)."""
         ...
@@ -139,9 +144,13 @@ class ReplicaPool:
             reported = response.header(b"x-lockgate-inflight")
             if reported is not None and reported.isdigit():
                 replica.reported = max(0, int(reported) - 1)
+            boot = response.header(readiness.BOOT_HEADER)
+            if boot is not None and boot != replica.boot:
+                self._booted(replica, boot)
         except UpstreamError:  # not there: stopped, or starting again without what it was told
             ready = False
-            replica.told = 0
+            if replica.boot is None:  # no boot id tells whether it starts again: assume so
+                replica.told = 0
         except TimeoutError:  # there, but slow: what it was told still holds
             ready = False
         if up and self.joiner is not None and self.joiner.behind(replica):
@@ -155,6 +164,17 @@ class ReplicaPool:
         replica.ready = ready
         if ready != was:
             self.on_change(replica, "ready" if ready else "not ready")
+
+    def _booted(self, replica: Replica, boot: bytes) -> None:
+        """A health answer reported a boot id other than the last one: another process,
+        told nothing yet (however soon after the last probe it started). The first one read
+        may be a process the router before this one told requests (`--control-state`)."""
+        if replica.boot is not None:
+            self.on_change(replica, "started again (another boot id)")
+            replica.told = 0
+        elif self.joiner is not None:
+            replica.told = max(replica.told, self.joiner.told_before(replica, boot))
+        replica.boot = boot
 
     async def _join(self, replica: Replica, joiner: Joiner) -> None:
         try:

@@ -62,9 +62,11 @@ class Replica:
     answered: int = 0
     removed: bool = False  # gone from discovery: takes no new request
     # the model control requests (`ControlLog.seq`) it has been told up to, all in order; 0
-    # when new or when a probe could not reach it (it may have started again): a probe that
-    # says 200 while it is behind has them replayed to it first (`pool.py`)
+    # when new or started again (its health answers report another boot id, or, from one
+    # that reports none, a probe could not reach it): a probe that says 200 while it is
+    # behind has them replayed to it first (`pool.py`)
     told: int = 0
+    boot: bytes | None = None  # the boot id its last health answer reported (None: none yet)
     joining: bool = False  # being sent the model control requests it lacks: no traffic yet
 
     def usable(self, now: float) -> bool:

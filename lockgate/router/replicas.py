@@ -11,7 +11,12 @@ use), balanced one of two ways:
   address asked for. A signal to the router drains it; the replicas then get SIGTERM and
   drain in turn. A replica that exits on its own is started again after a second. The
   default with `--model-control-mode explicit`: the router sends each load and unload to
-  every replica, and to one started again before it takes traffic (`model_control.py`).
+  every replica, and to one started again before it takes traffic (`model_control.py`). The
+  router keeps those in a file (`control_state_path`, or `--control-state`) that a run after
+  this one reads back when this one was killed: the replicas it leaves behind, or those
+  started in their place, are then caught up as before. A run that stops its replicas
+  itself removes the default file, so the next run starts as its command line says, as
+  one process does.
 
 `--replicas auto` (`auto_replicas`) is one replica per usable core when the repository holds
 classic models only, and one when it holds a language model that will be served: a language
@@ -23,6 +28,7 @@ the replica that started it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -41,7 +47,7 @@ from lockgate.config import ModelConfig
 log = logging.getLogger("lockgate.router")
 
 # options of `lockgate serve` that each replica gets its own value for (with their values)
-_BALANCING = {"--replicas", "--replica-base-port", "--balance", "--private-port"}
+_BALANCING = {"--replicas", "--replica-base-port", "--balance", "--private-port", "--control-state"}
 _OWN = {"--host", "--port", "--grpc-port", *_BALANCING}
 _FLAGS = {"--reuse-port"}  # the same, without a value
 
@@ -66,6 +72,20 @@ def cannot_share(host: str, port: int) -> str | None:
     except OSError as exc:
         return f"cannot share {host}:{port}: {exc}"
     return None
+
+
+def control_state_path(port: int, repository: Path) -> Path | None:
+    """Where the router of `serve --replicas` keeps its model control state by default: a
+    directory of this user's ($XDG_RUNTIME_DIR/lockgate, which a reboot empties, else
+    $XDG_STATE_HOME/lockgate or ~/.local/state/lockgate), one file per router port and
+    repository; None when this user has no home to put it in."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    try:
+        base = Path(runtime or os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state")
+    except RuntimeError:  # no $HOME, and no home in the password database
+        return None
+    digest = hashlib.sha256(str(repository.resolve()).encode()).hexdigest()[:12]
+    return base / "lockgate" / f"router-{port}-{digest}.state"
 
 
 def pin_to_core(i: int) -> Callable[[], None]:

@@ -33,8 +33,15 @@ def post(server: RunningServer, path: str, payload: object, **kwargs: object) ->
 
 
 def test_health_and_server_metadata(server: RunningServer) -> None:
-    assert httpx.get(server.url + "/v2/health/live").status_code == 200
-    assert httpx.get(server.url + "/v2/health/ready").json() == {"ready": True}
+    live = httpx.get(server.url + "/v2/health/live")
+    assert live.status_code == 200
+    ready = httpx.get(server.url + "/v2/health/ready")
+    assert ready.json() == {"ready": True}
+    # the process's boot id, the same on every health answer of this process
+    boot = ready.headers["x-lockgate-boot"]
+    assert len(boot) == 16 and int(boot, 16) >= 0
+    assert live.headers["x-lockgate-boot"] == boot
+    assert httpx.get(server.url + "/health").headers["x-lockgate-boot"] == boot
     meta = httpx.get(server.url + "/v2").json()
     assert meta["name"] == "lockgate"
     assert "binary_tensor_data" in meta["extensions"]

@@ -19,6 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from lockgate.router import control_state
 from tests.conftest import RunningServer, free_port, start_server
 from tests.router.test_router import CONFIG, WHO, _free_pair, start_router, who
 
@@ -278,11 +279,13 @@ def test_serve_with_replicas_sends_a_load_to_each_and_to_one_started_again(
     killed and started again by the parent is sent it before it takes traffic."""
     base = _free_pair()
     repo = repository(tmp_path, 0, "who", "extra")
+    runtime = tmp_path / "run"
     server = start_server(
         repo,
         tmp_path,
         *EXPLICIT,
         *("--load-model", "who", "--replicas", "2", "--replica-base-port", str(base)),
+        env={"XDG_RUNTIME_DIR": str(runtime)},
     )
     ports = [base, base + 1]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
@@ -298,8 +301,14 @@ def test_serve_with_replicas_sends_a_load_to_each_and_to_one_started_again(
         assert [c.is_model_ready("extra") for c in direct] == [True, True]
         http_client(server).unload_model("extra")
         assert [c.is_model_ready("extra") for c in direct] == [False, False]
+        # the router keeps what it was told in this user's runtime directory, for a run
+        # after this one if this one is killed
+        (state,) = (runtime / "lockgate").iterdir()
+        assert state.name.startswith(f"router-{server.port}-")
+        assert control_state.read(state, 2**20).log.seq == 2
     finally:
         assert server.stop() == 0, server.log()[-2000:]
+    assert list((runtime / "lockgate").iterdir()) == []  # drained with its replicas: removed
 
 
 def replica_pid(server: RunningServer, port: int) -> int:
@@ -311,3 +320,99 @@ def replica_pid(server: RunningServer, port: int) -> int:
         if b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
             return int(child)
     raise AssertionError(f"no replica on port {port} among {children}")
+
+
+def listed(router: RunningServer, url: str) -> dict[str, object]:
+    replicas = httpx.get(router.url + "/router/replicas").json()["replicas"]
+    return dict(next(r for r in replicas if r["url"] == url))
+
+
+def test_a_replica_started_again_between_two_probes_is_caught_up_by_its_boot_id(
+    tmp_path: Path,
+) -> None:
+    """A replica killed and started again on its port well within one probe interval is never
+    seen down; its health answer's boot id has changed, so the next probe has it sent the load
+    it lacks before it takes traffic again."""
+    interval = 6.0
+    replica = start_replica(tmp_path, 0, "--load-model", "who")
+    router = start_router(tmp_path, "--replica", replica.url, "--probe-interval", str(interval))
+    restarted: RunningServer | None = None
+    try:
+        http_client(router).load_model("extra")
+        boot = listed(router, replica.url)["boot"]
+        assert boot and http_client(replica).is_model_ready("extra")
+        replica.process.kill()
+        replica.process.wait()
+        restarted = start_replica(tmp_path, 0, "--load-model", "who", port=replica.port)
+        assert "not ready" not in router.log(), "a probe found it down: start it again faster"
+        assert not http_client(restarted).is_model_ready("extra")  # its start-up's models
+        assert listed(router, replica.url)["boot"] == boot  # no probe since
+        deadline = time.monotonic() + 2 * interval
+        while listed(router, replica.url)["boot"] == boot and time.monotonic() < deadline:
+            time.sleep(0.1)
+        wait_usable(router, replica.url)
+        assert http_client(restarted).is_model_ready("extra"), router.log()[-2000:]
+        replays = router.metric(
+            "lockgate_router_model_control_total", 'action="load",outcome="ok",way="replay"'
+        )
+        assert replays == 1
+    finally:
+        for server in (restarted, replica, router):
+            if server is not None:
+                server.stop()
+
+
+def test_a_router_started_again_with_its_state_file_catches_up_a_replica_started_again(
+    replicas: list[RunningServer], tmp_path: Path
+) -> None:
+    """A load through a router with `--control-state`; that router stops and another starts
+    with the same file over the same replicas. It knows them for the processes the first one
+    told (nothing is replayed to them), and when one is killed and started again, the new
+    router sends it the load before it takes traffic."""
+    state = tmp_path / "state" / "control.state"
+    again = start_replica(tmp_path, 5, "--load-model", "who")
+    args = ["--replica", replicas[0].url, "--replica", again.url, "--control-state", str(state)]
+    first = start_router(tmp_path, *args)
+    restarted: RunningServer | None = None
+    second: RunningServer | None = None
+    try:
+        http_client(first).load_model("extra")
+        assert first.stop() == 0
+        assert state.stat().st_mode & 0o777 == 0o600
+        second = start_router(tmp_path, *args)
+        for url in (replicas[0].url, again.url):
+            assert listed(second, url)["told"] == 1 and listed(second, url)["usable"]
+        boot = listed(second, again.url)["boot"]
+        again.process.kill()
+        again.process.wait()
+        restarted = start_replica(tmp_path, 5, "--load-model", "who", port=again.port)
+        deadline = time.monotonic() + 10
+        while listed(second, again.url)["boot"] == boot and time.monotonic() < deadline:
+            time.sleep(0.05)  # until a probe finds it started again
+        wait_usable(second, again.url)
+        assert http_client(restarted).is_model_ready("extra")
+        replays = second.metric(
+            "lockgate_router_model_control_total", 'action="load",outcome="ok",way="replay"'
+        )
+        assert replays == 1  # to the replica started again alone
+    finally:
+        for server in (restarted, again, second):
+            if server is not None:
+                server.stop()
+        http_client(replicas[0]).unload_model("extra")
+
+
+def test_a_state_file_that_cannot_be_read_is_logged_and_replaced(
+    replicas: list[RunningServer], tmp_path: Path
+) -> None:
+    state = tmp_path / "control.state"
+    state.write_bytes(b"\x00 not a state")
+    router = start_router(tmp_path, "--replica", replicas[0].url, "--control-state", str(state))
+    try:
+        assert "is not a model control state" in router.log()  # and it serves all the same
+        http_client(router).load_model("extra")
+        kept = control_state.read(state, 2**20).log.since(0)
+        assert [(e.control.model, e.control.action) for e in kept] == [("extra", "load")]
+    finally:
+        router.stop()
+        http_client(replicas[0]).unload_model("extra")
