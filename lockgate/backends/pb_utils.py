@@ -548,6 +548,8 @@ def _code_of(exc: ServingError) -> int:
     """A lockgate error's status as the nearest TritonError code."""
     if exc.status == 404:
         return TritonError.NOT_FOUND
+    if exc.status == 501:
+        return TritonError.UNSUPPORTED
     if exc.status in (400, 413, 415):
         return TritonError.INVALID_ARG
     if exc.status in (429, 503, 504):
