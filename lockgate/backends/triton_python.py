@@ -14,15 +14,14 @@ A `model.py` under `backend: "python"` that defines `TritonPythonModel` (and no 
 - `initialize(args)` gets Triton's arguments: `model_config` (the config as Triton's JSON),
   `model_instance_kind` ("CPU"), `model_instance_name`, `model_instance_device_id`,
   `model_repository`, `model_version` and `model_name`.
-- `execute(requests)` gets one request per batch. The dynamic batcher has already merged the
-  requests it batched, so their rows arrive as one request whose tensors hold them all (with
-  `max_batch_size: 0`, one request as sent), and the one response's outputs are split back
-  to them by rows. A model that treats each request's rows on their own, as a batching model
-  must, answers the same as under Triton; request ids and parameters are the batch's, not
-  each client's.
-- An error response, or a `TritonError` raised, is the request's error: INVALID_ARG,
-  UNSUPPORTED and NOT_FOUND are 400, UNAVAILABLE 503, the rest 500, each with the model's
-  message. In a batch of several requests, each is then run alone, so only the one the
+- `execute(requests)` gets, as under Triton, one `InferenceRequest` per client request of
+  the batch (the batcher does not merge them: `per_request`), each with its own tensors, id,
+  parameters, requested outputs and sequence, and returns one `InferenceResponse` per
+  request, in their order; each client gets the response at its request's index.
+- An error response fails its request alone, with the model's message and Triton's status
+  for its code (`error_of`); a list of the wrong length fails every request of the call, an
+  item that is no response its own request. A `TritonError` raised has its code's status;
+  when `execute` raises on several requests, each is run again alone, so only the one the
   model refuses fails.
 - A model that calls other models (its file builds `pb_utils.InferenceRequest(...)`, or its
   `execute` is `async def`) runs as a composition instead (`TritonPythonComposition`): one

@@ -162,6 +162,37 @@ class TritonPythonModel:
         return responses
 """
 
+# a model that takes [2, 2] where clients send [4] (Triton's reshape), request by request
+TRANSPOSE_CONFIG = """
+name: "transpose"
+backend: "python"
+max_batch_size: 8
+input [{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] reshape: { shape: [ 2, 2 ] } }]
+output [
+  { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] reshape: { shape: [ 2, 2 ] } },
+  { name: "REQUESTS" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+dynamic_batching { max_queue_delay_microseconds: 100000 }
+"""
+
+TRANSPOSE_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()  # [1, 2, 2]
+            count = np.array([[len(requests)]], dtype=np.int32)
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("Y", np.ascontiguousarray(x.transpose(0, 2, 1))),
+                pb_utils.Tensor("REQUESTS", count),
+            ]))
+        return responses
+"""
+
 # a model that gets its responses wrong when a request asks it to
 SLOPPY_CONFIG = """
 name: "sloppy"
@@ -302,6 +333,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("auto", AUTO_CONFIG, AUTO_MODEL),
         ("per_request", PER_REQUEST_CONFIG, PER_REQUEST_MODEL),
         ("sloppy", SLOPPY_CONFIG, SLOPPY_MODEL),
+        ("transpose", TRANSPOSE_CONFIG, TRANSPOSE_MODEL),
     )
 
 
@@ -553,6 +585,24 @@ def test_a_wrong_count_of_responses_fails_the_batch_and_a_non_response_its_reque
         assert not isinstance(result, Exception), result
         np.testing.assert_allclose(result.as_numpy("Y"), [[1, 2]])
     np.testing.assert_allclose(sloppy(server)().as_numpy("Y"), [[1, 2]])  # the model serves on
+
+
+def test_a_reshaped_model_gets_each_request_in_its_own_shape(server: RunningServer) -> None:
+    """`reshape` applies to each request of a batch on its own: the model takes [1, 2, 2]
+    per request, and each client gets its own [1, 4] back."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}", concurrency=6)
+
+    def transpose(value: int) -> np.ndarray:
+        x = httpclient.InferInput("X", [1, 4], "FP32")
+        x.set_data_from_numpy(np.arange(4, dtype=np.float32)[None, :] + 10 * value)
+        result = client.infer("transpose", [x])
+        return np.concatenate([result.as_numpy("Y"), result.as_numpy("REQUESTS")], axis=1)
+
+    results = at_once([functools.partial(transpose, value) for value in range(6)])
+    for value, result in enumerate(results):
+        assert not isinstance(result, Exception), result
+        np.testing.assert_allclose(result[0, :4], np.array([0, 2, 1, 3]) + 10 * value)
+    assert max(int(result[0, 4]) for result in results) > 1  # type: ignore[index]
 
 
 def test_auto_complete_config_fills_the_config(server: RunningServer) -> None:
