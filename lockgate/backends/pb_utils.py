@@ -166,7 +166,7 @@ class InferenceRequest:
         if isinstance(parameters, str):
             self._parameters = parameters
         else:
-            self._parameters = json.dumps(parameters or {})
+            self._parameters = json.dumps(parameters) if parameters else "{}"
 
     def inputs(self) -> list[Tensor]:
         return list(self._inputs)

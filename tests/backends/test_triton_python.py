@@ -513,6 +513,8 @@ def test_each_request_of_a_batch_has_its_own_shape_parameters_id_and_error(
         assert seen == [f"r{n}", {"scale": n + 0.5}, n]  # its own id, parameters and shape
         batches.append(int(result.as_numpy("REQUESTS")[0, 0]))
     assert max(batches) > 1, batches  # requests of different shapes shared an execute()
+    config = httpclient.InferenceServerClient(server.address).get_model_config("per_request")
+    assert config["input"][0]["allow_ragged_batch"] is True
 
 
 def test_the_server_keeps_its_own_parameters_from_the_model(server: RunningServer) -> None:
