@@ -104,6 +104,11 @@ class InferContext(Protocol):
     """What a composition (an ensemble step, a cascade stage, a Python model that calls other
     models) uses to run a model: through that model's batcher, within the caller's deadline."""
 
+    @property
+    def request(self) -> BatchedRequest:
+        """The request the composition runs for: its id, parameters and sequence."""
+        ...
+
     async def infer(self, model: str, inputs: Arrays, version: int | None = None) -> Arrays: ...
 
 

@@ -52,6 +52,7 @@ from lockgate.backends.base import (
     Answer,
     BatchedRequest,
     InferContext,
+    RequestView,
     checked_outputs,
     model_file,
 )
@@ -282,7 +283,7 @@ class TritonPythonComposition:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-python")
 
     async def run(self, inputs: Arrays, ctx: InferContext) -> Arrays:
-        requests = [self._backend.request(inputs)]
+        requests = [self._backend.request_of(RequestView.of(ctx.request, inputs))]
         loop = asyncio.get_running_loop()
         token = pb_utils.CALLER.set(pb_utils.Caller(loop, ctx))
         try:

@@ -238,6 +238,7 @@ output [
 
 PIPELINE_MODEL = """
 import asyncio
+import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -245,7 +246,7 @@ import triton_python_backend_utils as pb_utils
 
 def calls(request):
     text = pb_utils.get_input_tensor_by_name(request, "TEXT")
-    model = "upper" if text.as_numpy()[0, 0] != b"missing" else "no_such_model"
+    model = json.loads(request.parameters()).get("call", "upper")  # the client's parameter
     rows = len(text.as_numpy())
     ones = pb_utils.Tensor("INPUT0", np.ones(4, dtype=np.float32) * rows)
     return (
@@ -405,7 +406,7 @@ def test_a_model_that_calls_other_models_gets_their_answers_and_their_errors(
 ) -> None:
     """Business logic scripting, synchronous (exec) and async (async_exec): each call goes
     through the called model; a called model's error comes back in its response, and the
-    model passes it on to its client."""
+    model passes it on to its client. The model reads its client's parameters."""
     http = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
     text = httpclient.InferInput("TEXT", [2, 1], "BYTES")
     text.set_data_from_numpy(np.array([[b"ab"], [b"cd"]], dtype=object))
@@ -413,9 +414,9 @@ def test_a_model_that_calls_other_models_gets_their_answers_and_their_errors(
     assert result.as_numpy("UPPER").tolist() == [[b"AB"], [b"CD"]]
     np.testing.assert_allclose(result.as_numpy("SUM"), np.full((2, 4), 2 + 2 + 0.5))
     text = httpclient.InferInput("TEXT", [1, 1], "BYTES")
-    text.set_data_from_numpy(np.array([[b"missing"]], dtype=object))
+    text.set_data_from_numpy(np.array([[b"ab"]], dtype=object))
     with pytest.raises(InferenceServerException) as caught:
-        http.infer(model, [text])
+        http.infer(model, [text], parameters={"call": "no_such_model"})
     assert caught.value.status() == "404", caught.value  # NOT_FOUND, as Triton answers it
     assert "no_such_model" in caught.value.message(), caught.value.message()
 
