@@ -128,14 +128,14 @@ class TritonPythonBackend:
         responses = self.execute(triton)
         if not isinstance(responses, list | tuple) or len(responses) != len(requests):
             count = (
-                f"{len(responses)} responses"
+                _counted(len(responses), "response")
                 if isinstance(responses, list | tuple)
                 else f"a {type(responses).__name__}"
             )
             error = BackendError(
-                f"model '{self._model}': execute() got {len(requests)} requests and returned "
-                f"{count}: it must return a list of one InferenceResponse per request, in "
-                "their order"
+                f"model '{self._model}': execute() got {_counted(len(requests), 'request')} "
+                f"and returned {count}: it must return a list of one InferenceResponse per "
+                "request, in their order"
             )
             return [error] * len(requests)
         return [
@@ -303,6 +303,10 @@ class TritonPythonComposition:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._backend.close()
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def calls_models(cls: type, source: str) -> bool:

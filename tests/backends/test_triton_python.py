@@ -578,7 +578,7 @@ def test_a_wrong_count_of_responses_fails_the_batch_and_a_non_response_its_reque
     with pytest.raises(InferenceServerException) as caught:
         sloppy(server, "twice")()
     assert caught.value.status() == "500", caught.value.message()
-    assert "got 1 requests and returned 2 responses" in caught.value.message()
+    assert "got 1 request and returned 2 responses" in caught.value.message()
     assert "one InferenceResponse per request" in caught.value.message()
     results = at_once([sloppy(server, "none" if i == 0 else "") for i in range(5)])
     missing = results[0]
