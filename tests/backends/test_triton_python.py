@@ -122,17 +122,18 @@ class TritonPythonModel:
 
 # requests of different lengths in one execute(): each scaled by its own parameter, refused
 # by it with the error code it names, and told how many requests shared its execute()
+# (`full_batch` waits up to a second for 8 requests: a batch leaves when they are all in)
 PER_REQUEST_CONFIG = """
-name: "per_request"
+name: "{name}"
 backend: "python"
 max_batch_size: 8
-input [{ name: "X" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true }]
+input [{{ name: "X" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true }}]
 output [
-  { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] },
-  { name: "REQUESTS" data_type: TYPE_INT32 dims: [ 1 ] },
-  { name: "SEEN" data_type: TYPE_STRING dims: [ 1 ] }
+  {{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }},
+  {{ name: "REQUESTS" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "SEEN" data_type: TYPE_STRING dims: [ 1 ] }}
 ]
-dynamic_batching { max_queue_delay_microseconds: 100000 }
+dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}
 """
 
 PER_REQUEST_MODEL = """
@@ -149,7 +150,8 @@ class TritonPythonModel:
             parameters = json.loads(request.parameters())
             if "fail" in parameters:
                 code = getattr(pb_utils.TritonError, parameters["fail"])
-                error = pb_utils.TritonError(f"request {request.request_id()} refused", code)
+                message = f"request {request.request_id()} refused, one of {len(requests)}"
+                error = pb_utils.TritonError(message, code)
                 responses.append(pb_utils.InferenceResponse(error=error))
                 continue
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
@@ -332,7 +334,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("pipeline", PIPELINE_CONFIG, PIPELINE_MODEL.replace("{execute}", SYNC_EXECUTE)),
         ("pipeline_async", PIPELINE_CONFIG, PIPELINE_MODEL.replace("{execute}", ASYNC_EXECUTE)),
         ("auto", AUTO_CONFIG, AUTO_MODEL),
-        ("per_request", PER_REQUEST_CONFIG, PER_REQUEST_MODEL),
+        ("per_request", PER_REQUEST_CONFIG.replace("{delay_us}", "100000"), PER_REQUEST_MODEL),
+        ("full_batch", PER_REQUEST_CONFIG.replace("{delay_us}", "1000000"), PER_REQUEST_MODEL),
         ("sloppy", SLOPPY_CONFIG, SLOPPY_MODEL),
         ("transpose", TRANSPOSE_CONFIG, TRANSPOSE_MODEL),
     )
@@ -480,30 +483,34 @@ def test_requests_batched_together_are_answered_each_and_a_refused_one_fails_alo
     assert {word: answer[0] for word, answer in answers.items()} == {w: w.upper() for w in words}
 
 
-def scaled(server: RunningServer, length: int, scale: float, fail: str = "") -> Callable[[], Any]:
-    """A call to `per_request` with `length` values, its own id and parameters."""
+def scaled(
+    server: RunningServer, length: int, scale: float, fail: str = "", model: str = "per_request"
+) -> Callable[[], Any]:
+    """A call to `model` with `length` values, its own id and parameters."""
     client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
     x = httpclient.InferInput("X", [1, length], "FP32")
     x.set_data_from_numpy(np.arange(1, length + 1, dtype=np.float32)[None, :])
     parameters: dict[str, Any] = {"scale": scale, **({"fail": fail} if fail else {})}
     return functools.partial(
-        client.infer, "per_request", [x], request_id=f"r{length}", parameters=parameters
+        client.infer, model, [x], request_id=f"r{length}", parameters=parameters
     )
 
 
 def test_each_request_of_a_batch_has_its_own_shape_parameters_id_and_error(
     server: RunningServer,
 ) -> None:
-    """Requests of different lengths (`allow_ragged_batch`) share execute() calls, each an
-    InferenceRequest with its own tensors, id and parameters, as under Triton; the one the
-    model answers with an error response gets that error, the others their outputs."""
+    """Eight requests of different lengths (`allow_ragged_batch`) in one execute() call, each
+    an InferenceRequest with its own tensors, id and parameters, as under Triton; the one the
+    model answers with an error response gets that error, the seven others their outputs."""
     lengths = range(1, 9)
-    calls = [scaled(server, n, n + 0.5, "INVALID_ARG" if n == 4 else "") for n in lengths]
+    calls = [
+        scaled(server, n, n + 0.5, "INVALID_ARG" if n == 4 else "", "full_batch") for n in lengths
+    ]
     results = at_once(calls)
     refused = results[3]
     assert isinstance(refused, InferenceServerException), refused
-    assert refused.status() == "400" and "request r4 refused" in refused.message()
-    batches = []
+    assert refused.status() == "400", refused.message()
+    assert "request r4 refused, one of 8" in refused.message()  # refused within the batch
     for n, result in zip(lengths, results, strict=True):
         if n == 4:
             continue
@@ -512,9 +519,8 @@ def test_each_request_of_a_batch_has_its_own_shape_parameters_id_and_error(
         np.testing.assert_allclose(result.as_numpy("Y"), expected)
         seen = json.loads(result.as_numpy("SEEN")[0, 0])
         assert seen == [f"r{n}", {"scale": n + 0.5}, n]  # its own id, parameters and shape
-        batches.append(int(result.as_numpy("REQUESTS")[0, 0]))
-    assert max(batches) > 1, batches  # requests of different shapes shared an execute()
-    config = httpclient.InferenceServerClient(server.address).get_model_config("per_request")
+        assert int(result.as_numpy("REQUESTS")[0, 0]) == 8  # the batch of eight
+    config = httpclient.InferenceServerClient(server.address).get_model_config("full_batch")
     assert config["input"][0]["allow_ragged_batch"] is True
 
 
