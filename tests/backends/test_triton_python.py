@@ -195,29 +195,36 @@ class TritonPythonModel:
         return responses
 """
 
-# a model that gets its responses wrong when a request asks it to
+# a model that gets its responses wrong when a request asks it to; a batch leaves when it
+# holds 4 requests (or after a second)
 SLOPPY_CONFIG = """
 name: "sloppy"
 backend: "python"
-max_batch_size: 8
+max_batch_size: 4
 input [{ name: "X" data_type: TYPE_FP32 dims: [ 2 ] }]
-output [{ name: "Y" data_type: TYPE_FP32 dims: [ 2 ] }]
-dynamic_batching { max_queue_delay_microseconds: 100000 }
+output [
+  { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] },
+  { name: "REQUESTS" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+dynamic_batching { max_queue_delay_microseconds: 1000000 }
 """
 
 SLOPPY_MODEL = """
 import json
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
     def execute(self, requests):
         asked = [json.loads(request.parameters()).get("answer") for request in requests]
+        count = pb_utils.Tensor("REQUESTS", np.array([[len(requests)]], dtype=np.int32))
         responses = [
-            None if answer == "none" else pb_utils.InferenceResponse(
-                [pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(request, "X").as_numpy())]
-            )
+            None if answer == "none" else pb_utils.InferenceResponse([
+                pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(request, "X").as_numpy()),
+                count,
+            ])
             for request, answer in zip(requests, asked)
         ]
         if "twice" in asked:
@@ -578,22 +585,23 @@ def sloppy(server: RunningServer, answer: str = "") -> Callable[[], Any]:
 def test_a_wrong_count_of_responses_fails_the_batch_and_a_non_response_its_request(
     server: RunningServer,
 ) -> None:
-    """One response too many: the requests of that execute() get a 500 that says what the
-    model must return. None in place of a response: that request alone gets a 500; the
-    others batched with it are answered."""
-    with pytest.raises(InferenceServerException) as caught:
-        sloppy(server, "twice")()
-    assert caught.value.status() == "500", caught.value.message()
-    assert "got 1 request and returned 2 responses" in caught.value.message()
-    assert "one InferenceResponse per request" in caught.value.message()
-    results = at_once([sloppy(server, "none" if i == 0 else "") for i in range(5)])
+    """Four requests in one execute(). One response too many: the four get a 500 that says
+    what the model must return. None in place of a response: that request alone gets a 500;
+    the three others batched with it are answered."""
+    results = at_once([sloppy(server, "twice" if i == 0 else "") for i in range(4)])
+    for result in results:
+        assert isinstance(result, InferenceServerException), result
+        assert result.status() == "500", result.message()
+        assert "got 4 requests and returned 5 responses" in result.message()
+        assert "one InferenceResponse per request" in result.message()
+    results = at_once([sloppy(server, "none" if i == 0 else "") for i in range(4)])
     missing = results[0]
     assert isinstance(missing, InferenceServerException), missing
     assert missing.status() == "500" and "returned a NoneType for request" in missing.message()
     for result in results[1:]:
         assert not isinstance(result, Exception), result
         np.testing.assert_allclose(result.as_numpy("Y"), [[1, 2]])
-    np.testing.assert_allclose(sloppy(server)().as_numpy("Y"), [[1, 2]])  # the model serves on
+        assert result.as_numpy("REQUESTS")[0, 0] == 4  # batched with the one that failed
 
 
 def test_a_reshaped_model_gets_each_request_in_its_own_shape(server: RunningServer) -> None:
