@@ -44,6 +44,9 @@ class TensorSpec:
     optional: bool = False
     reshape: tuple[int, ...] | None = None
     label_filename: str = ""  # an output's class names, a line each, in the model folder
+    # an input whose shape may differ between the requests of a batch (Triton's), for a
+    # model that takes each request on its own: a Triton Python model
+    allow_ragged_batch: bool = False
 
 
 @dataclass(frozen=True, slots=True)

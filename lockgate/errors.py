@@ -90,6 +90,13 @@ class BackendError(ServingError):
     kind = "backend_error"
 
 
+class Unsupported(ServingError):
+    """What the model does not do (a Triton Python model's `TritonError.UNSUPPORTED`)."""
+
+    status = 501
+    kind = "unsupported"
+
+
 class Unavailable(ServingError):
     status = 503
     kind = "unavailable"

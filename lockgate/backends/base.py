@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -12,7 +12,7 @@ import numpy as np
 
 from lockgate.config import ModelConfig
 from lockgate.datatypes import Arrays
-from lockgate.errors import BackendError, ConfigError
+from lockgate.errors import BackendError, ConfigError, ServingError
 from lockgate.extras import import_for
 
 
@@ -24,6 +24,67 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class BatchedRequest(Protocol):
+    """One client's request in a batch, as a backend that takes each request on its own
+    reads it (core's `InferRequest` is one)."""
+
+    @property
+    def inputs(self) -> Arrays: ...
+    @property
+    def id(self) -> str: ...
+    @property
+    def parameters(self) -> Mapping[str, object]: ...
+    @property
+    def outputs(self) -> tuple[str, ...] | None:  # the outputs it asks for; None: all
+        ...
+    @property
+    def correlation_id(self) -> int | str:  # its sequence's id; 0: none
+        ...
+    @property
+    def flags(self) -> int:  # Triton's sequence start (1) and end (2) flags
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """A `BatchedRequest` with other inputs (the model's shapes, where the client's differ)."""
+
+    inputs: Arrays
+    id: str
+    parameters: Mapping[str, object]
+    outputs: tuple[str, ...] | None
+    correlation_id: int | str
+    flags: int
+
+    @staticmethod
+    def of(request: BatchedRequest, inputs: Arrays) -> RequestView:
+        return RequestView(
+            inputs,
+            request.id,
+            request.parameters,
+            request.outputs,
+            request.correlation_id,
+            request.flags,
+        )
+
+
+Answer = Arrays | ServingError
+"""What a backend gives one request of a batch: its outputs, or its own error."""
+
+
+class RequestBackend(Backend, Protocol):
+    """A backend that takes a batch as its client requests, each with its own tensors and
+    parameters, and answers each on its own (a Triton Python model's `execute(requests)`),
+    rather than as one set of merged arrays. It says so with `per_request = True`; the
+    batcher then hands it the requests and never merges or splits their tensors."""
+
+    per_request: bool
+
+    def infer_requests(self, requests: Sequence[BatchedRequest]) -> list[Answer]:
+        """One answer per request, in order; an error fails only its own request."""
+        ...
 
 
 class ModelService(Protocol):
@@ -42,6 +103,11 @@ class ModelService(Protocol):
 class InferContext(Protocol):
     """What a composition (an ensemble step, a cascade stage, a Python model that calls other
     models) uses to run a model: through that model's batcher, within the caller's deadline."""
+
+    @property
+    def request(self) -> BatchedRequest:
+        """The request the composition runs for: its id, parameters and sequence."""
+        ...
 
     async def infer(self, model: str, inputs: Arrays, version: int | None = None) -> Arrays: ...
 

@@ -166,7 +166,7 @@ class InferenceRequest:
         if isinstance(parameters, str):
             self._parameters = parameters
         else:
-            self._parameters = json.dumps(parameters or {})
+            self._parameters = json.dumps(parameters) if parameters else "{}"
 
     def inputs(self) -> list[Tensor]:
         return list(self._inputs)
@@ -548,6 +548,8 @@ def _code_of(exc: ServingError) -> int:
     """A lockgate error's status as the nearest TritonError code."""
     if exc.status == 404:
         return TritonError.NOT_FOUND
+    if exc.status == 501:
+        return TritonError.UNSUPPORTED
     if exc.status in (400, 413, 415):
         return TritonError.INVALID_ARG
     if exc.status in (429, 503, 504):

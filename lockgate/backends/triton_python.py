@@ -14,15 +14,14 @@ A `model.py` under `backend: "python"` that defines `TritonPythonModel` (and no 
 - `initialize(args)` gets Triton's arguments: `model_config` (the config as Triton's JSON),
   `model_instance_kind` ("CPU"), `model_instance_name`, `model_instance_device_id`,
   `model_repository`, `model_version` and `model_name`.
-- `execute(requests)` gets one request per batch. The dynamic batcher has already merged the
-  requests it batched, so their rows arrive as one request whose tensors hold them all (with
-  `max_batch_size: 0`, one request as sent), and the one response's outputs are split back
-  to them by rows. A model that treats each request's rows on their own, as a batching model
-  must, answers the same as under Triton; request ids and parameters are the batch's, not
-  each client's.
-- An error response, or a `TritonError` raised, is the request's error: INVALID_ARG,
-  UNSUPPORTED and NOT_FOUND are 400, UNAVAILABLE 503, the rest 500, each with the model's
-  message. In a batch of several requests, each is then run alone, so only the one the
+- `execute(requests)` gets, as under Triton, one `InferenceRequest` per client request of
+  the batch (the batcher does not merge them: `per_request`), each with its own tensors, id,
+  parameters, requested outputs and sequence, and returns one `InferenceResponse` per
+  request, in their order; each client gets the response at its request's index.
+- An error response fails its request alone, with the model's message and Triton's status
+  for its code (`error_of`); a list of the wrong length fails every request of the call, an
+  item that is no response its own request. A `TritonError` raised has its code's status;
+  when `execute` raises on several requests, each is run again alone, so only the one the
   model refuses fails.
 - A model that calls other models (its file builds `pb_utils.InferenceRequest(...)`, or its
   `execute` is `async def`) runs as a composition instead (`TritonPythonComposition`): one
@@ -42,32 +41,67 @@ import itertools
 import json
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from lockgate.backends import pb_utils
-from lockgate.backends.base import InferContext, checked_outputs, model_file
+from lockgate.backends.base import (
+    Answer,
+    BatchedRequest,
+    InferContext,
+    RequestView,
+    checked_outputs,
+    model_file,
+)
 from lockgate.backends.user_module import import_file
 from lockgate.config import DynamicBatching, ModelConfig, TensorSpec
 from lockgate.datatypes import Arrays, config_datatype, normalize_datatype
-from lockgate.errors import BackendError, BadRequest, ConfigError, ServingError, Unavailable
+from lockgate.errors import (
+    BackendError,
+    BadRequest,
+    ConfigError,
+    NotFound,
+    ServingError,
+    Unavailable,
+    Unsupported,
+)
 
 CLASS_NAME = "TritonPythonModel"
 _autocompletes = itertools.count(1)
-_CLIENT_ERRORS = (
-    pb_utils.TritonError.INVALID_ARG,
-    pb_utils.TritonError.UNSUPPORTED,
-    pb_utils.TritonError.NOT_FOUND,
+# a TritonError's code -> the error its client gets: Triton's HTTP status for each code
+_ERRORS: dict[int, type[ServingError]] = {
+    pb_utils.TritonError.INTERNAL: BackendError,  # 500
+    pb_utils.TritonError.NOT_FOUND: NotFound,  # 404
+    pb_utils.TritonError.UNAVAILABLE: Unavailable,  # 503
+    pb_utils.TritonError.UNSUPPORTED: Unsupported,  # 501
+}  # the rest (UNKNOWN, INVALID_ARG, ALREADY_EXISTS, CANCELLED): 400
+# request parameters the server takes for itself, not passed on to the model (Triton's)
+_RESERVED_PARAMETERS = frozenset(
+    {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "binary_data_output"}
 )
 
 
+def model_parameters(parameters: Mapping[str, object]) -> dict[str, object]:
+    """A client's request parameters as the model sees them in `request.parameters()`: as
+    in Triton, without those the server takes (sequence, priority, timeout, binary output,
+    `triton_*`)."""
+    return {
+        key: value
+        for key, value in parameters.items()
+        if key not in _RESERVED_PARAMETERS and not key.startswith("triton_")
+    }
+
+
 class TritonPythonBackend:
-    """An instance of the model's `TritonPythonModel`: each batch one `execute` call."""
+    """An instance of the model's `TritonPythonModel`: each batch one `execute` call, with
+    an `InferenceRequest` per client request (`per_request`: the batcher does not merge them)."""
 
     __slots__ = ("_expected", "_instance", "_model", "_outputs", "_version", "module_name")
+
+    per_request = True
 
     def __init__(self, instance: Any, config: ModelConfig, version: int) -> None:
         self._instance = instance
@@ -82,22 +116,67 @@ class TritonPythonBackend:
         return self._instance
 
     def infer(self, inputs: Arrays) -> Arrays:
+        """One request alone (warmup, profiling)."""
         return self.outputs_of(self.execute([self.request(inputs)]))
+
+    def infer_requests(self, requests: Sequence[BatchedRequest]) -> list[Answer]:
+        """One `execute` call for the batch, an `InferenceRequest` per client request; the
+        response at each request's index is its answer. A wrong count of responses fails
+        them all; a response that is not one, or holds an error, fails its request alone.
+        What `execute` raises is raised (the batcher runs the requests again, each alone)."""
+        triton = [self.request_of(request) for request in requests]
+        responses = self.execute(triton)
+        if not isinstance(responses, list | tuple) or len(responses) != len(requests):
+            count = (
+                _counted(len(responses), "response")
+                if isinstance(responses, list | tuple)
+                else f"a {type(responses).__name__}"
+            )
+            error = BackendError(
+                f"model '{self._model}': execute() got {_counted(len(requests), 'request')} "
+                f"and returned {count}: it must return a list of one InferenceResponse per "
+                "request, in their order"
+            )
+            return [error] * len(requests)
+        return [
+            self.answer_of(response, index, request)
+            for index, (response, request) in enumerate(zip(responses, requests, strict=True))
+        ]
 
     @property
     def model(self) -> str:
         return self._model
 
     def request(
-        self, inputs: Arrays, request_id: str = "", parameters: Mapping[str, object] | None = None
+        self,
+        inputs: Arrays,
+        request_id: str = "",
+        parameters: Mapping[str, object] | None = None,
+        outputs: Sequence[str] | None = None,
+        correlation_id: int | str = 0,
+        flags: int = 0,
     ) -> pb_utils.InferenceRequest:
+        """The `InferenceRequest` `execute` gets for a client's request: its tensors, id,
+        parameters, requested outputs (all when it names none) and sequence."""
         return pb_utils.InferenceRequest(
             model_name=self._model,
-            requested_output_names=self._outputs,
+            requested_output_names=outputs or self._outputs,
             inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
             request_id=request_id,
+            correlation_id=correlation_id,
             model_version=self._version,
-            parameters=dict(parameters or {}),
+            flags=flags,
+            parameters=model_parameters(parameters or {}),
+        )
+
+    def request_of(self, request: BatchedRequest) -> pb_utils.InferenceRequest:
+        return self.request(
+            request.inputs,
+            request.id,
+            request.parameters,
+            request.outputs,
+            request.correlation_id,
+            request.flags,
         )
 
     def execute(self, requests: list[pb_utils.InferenceRequest]) -> Any:
@@ -120,19 +199,45 @@ class TritonPythonBackend:
         return BackendError(f"model '{self._model}': {type(exc).__name__}: {exc}")
 
     def outputs_of(self, responses: Any) -> Arrays:
+        """The outputs of the one response to one request; raises its error."""
         if not isinstance(responses, list | tuple) or len(responses) != 1:
             count = len(responses) if isinstance(responses, list | tuple) else type(responses)
             raise BackendError(
                 f"model '{self._model}': execute() answered 1 request with {count} responses"
             )
-        response = responses[0]
+        answer = self.answer_of(responses[0], 0, None)
+        if isinstance(answer, ServingError):
+            raise answer
+        return answer
+
+    def answer_of(
+        self, response: Any, index: int, request: BatchedRequest | None
+    ) -> Arrays | ServingError:
+        """What the response at `index` answers its request: the outputs it asked for (all
+        when it named none), or an error."""
         if not isinstance(response, pb_utils.InferenceResponse):
             kind = type(response).__name__
-            raise BackendError(f"model '{self._model}': execute() returned a {kind}")
+            return BackendError(
+                f"model '{self._model}': execute() returned a {kind} for request {index}, not "
+                "an InferenceResponse"
+            )
         error = response.error()
         if error is not None:
-            raise self.error_of(error)
-        return checked_outputs(self.tensors_of(response), self._model, self._expected)
+            return self.error_of(error)
+        try:
+            outputs = self.tensors_of(response)
+        except BackendError as exc:
+            return exc
+        wanted = request.outputs if request is not None else None
+        if wanted:  # as Triton, only the outputs it asked for
+            outputs = {name: array for name, array in outputs.items() if name in wanted}
+            expected = [name for name in self._expected if name in wanted]
+        else:
+            expected = self._expected
+        try:
+            return checked_outputs(outputs, self._model, expected)
+        except BackendError as exc:
+            return exc
 
     def tensors_of(self, response: pb_utils.InferenceResponse) -> Arrays:
         """A response's output tensors as named arrays; BackendError for one not a Tensor."""
@@ -145,12 +250,13 @@ class TritonPythonBackend:
         return outputs
 
     def error_of(self, error: pb_utils.TritonError) -> ServingError:
+        """A model's error as its client gets it: its message, with Triton's status for its
+        code (INTERNAL 500, NOT_FOUND 404, UNAVAILABLE 503, UNSUPPORTED 501, the rest 400)."""
         message = f"model '{self._model}': {error.message()}"
-        if error.code() in _CLIENT_ERRORS:
-            return BadRequest(message)
-        if error.code() == pb_utils.TritonError.UNAVAILABLE:
+        kind = _ERRORS.get(error.code(), BadRequest)
+        if kind is Unavailable:
             return Unavailable(message, retry_after=1)
-        return BackendError(message)
+        return kind(message)
 
     def close(self) -> None:
         finalize = getattr(self._instance, "finalize", None)
@@ -177,7 +283,7 @@ class TritonPythonComposition:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-python")
 
     async def run(self, inputs: Arrays, ctx: InferContext) -> Arrays:
-        requests = [self._backend.request(inputs)]
+        requests = [self._backend.request_of(RequestView.of(ctx.request, inputs))]
         loop = asyncio.get_running_loop()
         token = pb_utils.CALLER.set(pb_utils.Caller(loop, ctx))
         try:
@@ -197,6 +303,10 @@ class TritonPythonComposition:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._backend.close()
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def calls_models(cls: type, source: str) -> bool:
@@ -315,4 +425,6 @@ def _tensor(spec: TensorSpec) -> dict[str, Any]:
     doc: dict[str, Any] = {"name": spec.name, "data_type": data_type, "dims": list(spec.dims)}
     if spec.optional:
         doc["optional"] = True
+    if spec.allow_ragged_batch:
+        doc["allow_ragged_batch"] = True
     return doc

@@ -290,6 +290,10 @@ class Context:
         self.parent = parent
         self.depth = depth
 
+    @property
+    def request(self) -> InferRequest:
+        return self.parent
+
     async def infer(self, model: str, inputs: Arrays, version: int | None = None) -> Arrays:
         served = self.executor.models.get(model, version)
         datatypes = {name: datatype_of(array) for name, array in inputs.items()}

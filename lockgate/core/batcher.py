@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from lockgate.backends.base import Answer
 from lockgate.config import ModelConfig
 from lockgate.core.admission import Admission, AdmissionSettings, QueueState
 from lockgate.core.batch_times import BatchTimes
@@ -39,12 +40,22 @@ log = logging.getLogger("lockgate.batcher")
 Signature = tuple[tuple[str, tuple[int, ...], str], ...]
 
 
-def signature(request: InferRequest, batching: bool) -> Signature:
-    """Requests with equal signatures can share a batch: same inputs, same non-batch shapes.
-    A request that must run alone has a signature of its own."""
+def signature(
+    request: InferRequest, batching: bool, ragged: frozenset[str] = frozenset()
+) -> Signature:
+    """Requests with equal signatures can share a batch: same inputs, same non-batch shapes
+    but for the `ragged` inputs (Triton's `allow_ragged_batch`, for a model that takes each
+    request on its own). A request that must run alone has a signature of its own."""
     if request.alone:
         return ((f"#alone-{request.seq}", (), ""),)
     skip = 1 if batching else 0
+    if ragged:
+        return tuple(
+            sorted(
+                (name, () if name in ragged else tuple(a.shape[skip:]), a.dtype.str)
+                for name, a in request.inputs.items()
+            )
+        )
     return tuple(
         sorted((name, tuple(a.shape[skip:]), a.dtype.str) for name, a in request.inputs.items())
     )
@@ -74,6 +85,15 @@ class Batch:
             return first
         # [sum(rows), ...] per input, in request order
         return {name: np.concatenate([r.inputs[name] for r in self.requests]) for name in first}
+
+    def matched(self, answers: list[Answer]) -> list[Answer]:
+        """The answers of a backend that took the batch request by request, one each."""
+        if len(answers) != len(self.requests):
+            raise BackendError(
+                f"model answered a batch of {len(self.requests)} requests with "
+                f"{len(answers)} answers"
+            )
+        return answers
 
     def split(self, outputs: Arrays, batching: bool) -> list[Arrays]:
         if len(self.requests) == 1:
@@ -234,6 +254,12 @@ class Batcher:
         self.queues: list[deque[InferRequest]] = [deque() for _ in range(self.levels)]
         self.queued_rows = 0
         self.max_queue_rows = settings.max_queue_size
+        # inputs whose shapes may differ within a batch: for a model that takes each request
+        # on its own (a Triton Python model), those with Triton's `allow_ragged_batch`
+        per_request = any(i.per_request for i in instances)
+        self.ragged = frozenset(
+            s.name for s in config.inputs if s.allow_ragged_batch and per_request
+        )
         self.free: deque[Instance] = deque(instances)
         self.running: dict[Instance, Batch] = {}  # the batch each busy instance runs
         self._back_to_back: dict[Instance, tuple[float, int]] = {}  # start, rows of last batch
@@ -605,7 +631,7 @@ class Batcher:
                     self.queued_rows -= request.rows
                     self._expire(request)
                     continue
-                request_sig = signature(request, batching)
+                request_sig = signature(request, batching, self.ragged)
                 fits = rows + request.rows <= cap or not chosen
                 if sig is None or (request_sig == sig and fits):
                     sig = request_sig
@@ -657,33 +683,43 @@ class Batcher:
     async def _run(self, instance: Instance, batch: Batch) -> None:
         """Run a batch on the instance's thread and answer its requests."""
         start = self._begin(instance, batch)
+        inputs: Arrays | None = None
+        gathered = start
+        result: Arrays | list[Answer]
         try:
-            inputs = batch.inputs(self.config.batching)
-            gathered = time.monotonic()
-            outputs = await instance.infer(inputs)
+            if instance.per_request:  # the model takes the requests as they are: no merging
+                result = await instance.infer_requests(batch.requests)
+            else:
+                inputs = batch.inputs(self.config.batching)
+                gathered = time.monotonic()
+                result = await instance.infer(inputs)
         except BaseException as exc:
             self._end(instance, batch, start, exc)
             if isinstance(exc, Exception):
                 return
             raise
-        self._end(instance, batch, start, outputs, gathered - start)
-        if instance.inline_safe and instance.last_seconds <= self.inline_seconds:
-            size = batch_bytes(
-                inputs
-            )  # timed on the thread and cheap: inputs this big may run inline
+        self._end(instance, batch, start, result, gathered - start)
+        cheap = instance.inline_safe and instance.last_seconds <= self.inline_seconds
+        if inputs is not None and cheap:  # timed on the thread: inputs this big may run inline
+            size = batch_bytes(inputs)
             self.inline_bytes[batch.rows] = max(self.inline_bytes.get(batch.rows, 0), size)
 
     def _run_inline(self, instance: Instance, batch: Batch) -> None:
         """Run a cheap batch on the event loop: no thread handoff, no task."""
         start = self._begin(instance, batch)
+        gathered = start
+        result: Arrays | list[Answer]
         try:
-            inputs = batch.inputs(self.config.batching)
-            gathered = time.monotonic()
-            outputs = instance.infer_sync(inputs)
+            if instance.per_request:
+                result = instance.infer_requests_sync(batch.requests)
+            else:
+                inputs = batch.inputs(self.config.batching)
+                gathered = time.monotonic()
+                result = instance.infer_sync(inputs)
         except Exception as exc:
             self._end(instance, batch, start, exc)
             return
-        self._end(instance, batch, start, outputs, gathered - start)
+        self._end(instance, batch, start, result, gathered - start)
 
     def _begin(self, instance: Instance, batch: Batch) -> float:
         start = time.monotonic()
@@ -704,18 +740,23 @@ class Batcher:
         instance: Instance,
         batch: Batch,
         start: float,
-        result: Arrays | BaseException,
+        result: Arrays | list[Answer] | BaseException,
         gather: float = 0.0,
     ) -> None:
-        """Release the instance, record the batch, split its outputs or fail its requests."""
+        """Release the instance, record the batch, split its outputs (or match a per-request
+        model's answers) to its requests, or fail them."""
         self._release(instance)
         if isinstance(result, BaseException):
             if not self._retry_alone(batch, result):
                 self._fail(batch, self._as_serving_error(batch, result))
             return
         split_start = time.monotonic()
+        parts: list[Answer] | list[Arrays]
         try:
-            parts = batch.split(result, self.config.batching)
+            if isinstance(result, list):  # a per-request model's: an answer each
+                parts = batch.matched(result)
+            else:
+                parts = batch.split(result, self.config.batching)
         except ServingError as exc:
             self._fail(batch, exc)
             return
@@ -742,7 +783,11 @@ class Batcher:
         for request, part in zip(batch.requests, parts, strict=True):
             request.computed, request.compute_seconds = instance.last_finished, compute
             request.batch_rows = batch.rows
-            if request.future is not None and not request.future.done():
+            if request.future is None or request.future.done():
+                continue
+            if isinstance(part, ServingError):  # the model's error for this request alone
+                request.future.set_exception(part)
+            else:
                 request.future.set_result(part)
 
     def _as_serving_error(self, batch: Batch, exc: BaseException) -> ServingError:

@@ -111,7 +111,16 @@ _TOP_LEVEL = frozenset(
     }
 )
 _TENSOR_KEYS = frozenset(
-    {"name", "datatype", "data_type", "dims", "optional", "reshape", "label_filename"}
+    {
+        "name",
+        "datatype",
+        "data_type",
+        "dims",
+        "optional",
+        "reshape",
+        "label_filename",
+        "allow_ragged_batch",
+    }
 )
 _BATCHING_KEYS = frozenset(
     {
@@ -343,6 +352,9 @@ class _Reader:
             reshape=None if reshape is None else self.reshape(reshape, dims, f"{field}.reshape"),
             label_filename=self.label_filename(
                 raw.get("label_filename"), f"{field}.label_filename"
+            ),
+            allow_ragged_batch=self.boolean(
+                raw.get("allow_ragged_batch", False), f"{field}.allow_ragged_batch"
             ),
         )
 

@@ -30,8 +30,10 @@ from lockgate.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _PLATFORMS = platforms()  # Triton's `platform` names for the runtimes lockgate has
-_TENSOR_FIELDS = frozenset({"name", "data_type", "dims", "optional", "reshape", "label_filename"})
-_TENSOR_IGNORED_QUIETLY = frozenset({"format", "is_shape_tensor", "allow_ragged_batch"})
+_TENSOR_FIELDS = frozenset(
+    {"name", "data_type", "dims", "optional", "reshape", "label_filename", "allow_ragged_batch"}
+)
+_TENSOR_IGNORED_QUIETLY = frozenset({"format", "is_shape_tensor"})
 _BATCHING_FIELDS = frozenset(
     {
         "preferred_batch_size",
@@ -301,6 +303,8 @@ class _TritonTranslator:
         }
         if isinstance(tensor, pb.ModelInput) and tensor.optional:
             spec["optional"] = True
+        if isinstance(tensor, pb.ModelInput) and tensor.allow_ragged_batch:
+            spec["allow_ragged_batch"] = True
         if tensor.HasField("reshape"):
             spec["reshape"] = list(tensor.reshape.shape)
         if isinstance(tensor, pb.ModelOutput) and tensor.label_filename:

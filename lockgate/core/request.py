@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lockgate.core.sequences import SequenceFlags
@@ -18,7 +19,8 @@ class InferRequest:
     """One client request to a classic model.
 
     `inputs` hold numpy arrays; BYTES tensors are object arrays of `bytes`. When the model
-    batches, every input has the batch dimension first and `rows` is its length.
+    batches, every input has the batch dimension first and `rows` is its length. It is the
+    `BatchedRequest` a backend that takes each request on its own reads (`backends/base.py`).
     """
 
     model: str
@@ -31,6 +33,7 @@ class InferRequest:
     soft_deadline: bool = False
     priority: int = 0  # 0: the model's default; 1 is the highest
     id: str = ""
+    parameters: Mapping[str, object] = field(default_factory=dict)  # as the client sent them
     arrival: float = field(default_factory=time.monotonic)
     rows: int = 1
     future: asyncio.Future[Arrays] | None = None
@@ -49,6 +52,18 @@ class InferRequest:
     # The model raised on a batch this request shared: it runs again in a batch of its own,
     # so a request the model cannot take fails alone, not the requests batched with it.
     alone: bool = False
+
+    @property
+    def correlation_id(self) -> int | str:
+        """Its sequence's id (Triton's correlation id); 0 when it belongs to none."""
+        return self.sequence.id if self.sequence is not None else 0
+
+    @property
+    def flags(self) -> int:
+        """Triton's request flags: 1 when it starts its sequence, 2 when it ends it."""
+        if self.sequence is None:
+            return 0
+        return int(self.sequence.start) | (int(self.sequence.end) << 1)
 
     def expired(self, now: float | None = None) -> bool:
         return self.deadline is not None and (now or time.monotonic()) >= self.deadline

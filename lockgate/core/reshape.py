@@ -9,12 +9,15 @@ concatenates and splits rows in the clients' shapes, and the model never sees th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import numpy as np
 
-from lockgate.backends.base import Backend
+from lockgate.backends.base import Answer, Backend, BatchedRequest, RequestBackend, RequestView
 from lockgate.config import ModelConfig
 from lockgate.datatypes import Arrays
-from lockgate.errors import BackendError, BadRequest
+from lockgate.errors import BackendError, BadRequest, ServingError
 
 
 class Reshaped:
@@ -36,15 +39,49 @@ class Reshaped:
     def inline_safe(self) -> bool:
         return bool(getattr(self._backend, "inline_safe", False))
 
+    @property
+    def per_request(self) -> bool:
+        return bool(getattr(self._backend, "per_request", False))
+
     def infer(self, inputs: Arrays) -> Arrays:
+        return self._given(self._backend.infer(self._taken(inputs)))
+
+    def infer_requests(self, requests: Sequence[BatchedRequest]) -> list[Answer]:
+        """Each request reshaped on its own, for a backend that takes them so."""
+        backend = cast(RequestBackend, self._backend)
+        shaped: list[BatchedRequest] = []
+        refused: dict[int, ServingError] = {}
+        for index, request in enumerate(requests):
+            try:
+                shaped.append(RequestView.of(request, self._taken(request.inputs)))
+            except BadRequest as exc:
+                refused[index] = exc
+        answers = iter(backend.infer_requests(shaped) if shaped else [])
+        given: list[Answer] = []
+        for index in range(len(requests)):
+            answer = refused.get(index) or next(answers)
+            if not isinstance(answer, ServingError):
+                try:
+                    answer = self._given(answer)
+                except BackendError as exc:
+                    answer = exc
+            given.append(answer)
+        return given
+
+    def _taken(self, inputs: Arrays) -> Arrays:
+        """The inputs in the model's shapes; BadRequest for one that has too few elements."""
         shaped = {}
         for name, array in inputs.items():
             try:
                 shaped[name] = self._shaped(array, self._inputs.get(name))
             except ValueError:
                 raise BadRequest(self._problem("input", name, array)) from None
+        return shaped
+
+    def _given(self, outputs: Arrays) -> Arrays:
+        """The outputs in the clients' shapes."""
         given = {}
-        for name, array in self._backend.infer(shaped).items():
+        for name, array in outputs.items():
             try:
                 given[name] = self._shaped(array, self._outputs.get(name))
             except ValueError:

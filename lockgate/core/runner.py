@@ -14,11 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar, cast
 
-from lockgate.backends.base import Arrays, Backend
+from lockgate.backends.base import Answer, Arrays, Backend, BatchedRequest, RequestBackend
 from lockgate.errors import Unavailable
+
+T = TypeVar("T")
 
 log = logging.getLogger("lockgate.runner")
 
@@ -51,6 +54,8 @@ class Instance:
         self.healthy = True
         # Native runtimes (onnxruntime, scikit-learn) may run tiny batches on the event loop.
         self.inline_safe = bool(getattr(backend, "inline_safe", False))
+        # A Triton Python model takes a batch as its requests (`RequestBackend`), unmerged.
+        self.per_request = bool(getattr(backend, "per_request", False))
         self.restarts = 0
         self.last_seconds = 0.0
         self.last_finished = 0.0  # time.monotonic() at the end of the last batch
@@ -68,11 +73,28 @@ class Instance:
         self.last_finished = time.monotonic()
         return outputs
 
+    def infer_requests_sync(self, requests: Sequence[BatchedRequest]) -> list[Answer]:
+        """Run a batch given as its requests (a `RequestBackend`) on the calling thread."""
+        start = time.perf_counter()
+        answers = cast(RequestBackend, self.backend).infer_requests(requests)
+        self.last_seconds = time.perf_counter() - start
+        self.last_finished = time.monotonic()
+        return answers
+
     async def infer(self, inputs: Arrays) -> Arrays:
         """Run a batch on the instance's thread. `last_seconds` is timed on that thread, so
         it holds the model's time alone, not the handoff between threads."""
         loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self.executor, self.infer_sync, inputs)
+        return await self._answered(loop.run_in_executor(self.executor, self.infer_sync, inputs))
+
+    async def infer_requests(self, requests: Sequence[BatchedRequest]) -> list[Answer]:
+        """Run a batch given as its requests on the instance's thread: one answer each."""
+        loop = asyncio.get_running_loop()
+        call = self.infer_requests_sync
+        return await self._answered(loop.run_in_executor(self.executor, call, requests))
+
+    async def _answered(self, work: asyncio.Future[T]) -> T:
+        """What the instance's thread returns, or Unavailable past `hang_timeout`."""
         if self.hang_timeout is None:
             return await work
         try:

@@ -312,6 +312,7 @@ class V2Service:
             deadline=deadline,
             priority=priority,
             id=decoded.id,
+            parameters=decoded.parameters,
             rows=rows,
             arrival=time.monotonic() if arrival is None else arrival,
             trace_id=trace_id,

@@ -125,7 +125,7 @@ def _config_input(spec: TensorSpec) -> dict[str, Any]:
         "dims": list(spec.dims),
         **_reshape(spec),
         "is_shape_tensor": False,
-        "allow_ragged_batch": False,
+        "allow_ragged_batch": spec.allow_ragged_batch,
         "optional": spec.optional,
     }
 

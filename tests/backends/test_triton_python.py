@@ -4,11 +4,13 @@ and gRPC."""
 
 from __future__ import annotations
 
+import functools
 import json
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -19,6 +21,8 @@ from tritonclient.utils import InferenceServerException
 
 from lockgate.backends import pb_utils
 from tests.conftest import RunningServer, free_port, start_server
+
+T = TypeVar("T")
 
 # Triton's own example (python_backend/examples/add_sub), unchanged but for the marker files
 ADD_SUB_CONFIG = """
@@ -82,7 +86,7 @@ class TritonPythonModel:
         (self.marks / "finalize").write_text("cleaned up")
 """
 
-# a batching model on text, its batch counted in a second output
+# a batching model on text, the requests of its execute() counted in a second output
 UPPER_CONFIG = """
 name: "upper"
 backend: "python"
@@ -90,7 +94,7 @@ max_batch_size: 16
 input [{ name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] }]
 output [
   { name: "UPPER" data_type: TYPE_STRING dims: [ 1 ] },
-  { name: "ROWS" data_type: TYPE_INT32 dims: [ 1 ] }
+  { name: "REQUESTS" data_type: TYPE_INT32 dims: [ 1 ] }
 ]
 dynamic_batching { max_queue_delay_microseconds: 20000 }
 """
@@ -110,9 +114,121 @@ class TritonPythonModel:
                     "this text is refused", pb_utils.TritonError.INVALID_ARG
                 )
             upper = np.array([[item.upper()] for item in text[:, 0]], dtype=object)
-            rows = np.full((len(text), 1), len(text), dtype=np.int32)
+            count = np.full((len(text), 1), len(requests), dtype=np.int32)
             responses.append(pb_utils.InferenceResponse(
-                [pb_utils.Tensor("UPPER", upper), pb_utils.Tensor("ROWS", rows)]))
+                [pb_utils.Tensor("UPPER", upper), pb_utils.Tensor("REQUESTS", count)]))
+        return responses
+"""
+
+# requests of different lengths in one execute(): each scaled by its own parameter, refused
+# by it with the error code it names, and told how many requests shared its execute()
+# (`full_batch` waits up to a second for 8 requests: a batch leaves when they are all in)
+PER_REQUEST_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 8
+input [{{ name: "X" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true }}]
+output [
+  {{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }},
+  {{ name: "REQUESTS" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "SEEN" data_type: TYPE_STRING dims: [ 1 ] }}
+]
+dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}
+"""
+
+PER_REQUEST_MODEL = """
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            parameters = json.loads(request.parameters())
+            if "fail" in parameters:
+                code = getattr(pb_utils.TritonError, parameters["fail"])
+                message = f"request {request.request_id()} refused, one of {len(requests)}"
+                error = pb_utils.TritonError(message, code)
+                responses.append(pb_utils.InferenceResponse(error=error))
+                continue
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            seen = json.dumps([request.request_id(), parameters, x.shape[1]], sort_keys=True)
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("Y", x * parameters.get("scale", 1.0)),
+                pb_utils.Tensor("REQUESTS", np.array([[len(requests)]], dtype=np.int32)),
+                pb_utils.Tensor("SEEN", np.array([[seen.encode()]], dtype=object)),
+            ]))
+        return responses
+"""
+
+# a model that takes [2, 2] where clients send [4] (Triton's reshape), request by request
+TRANSPOSE_CONFIG = """
+name: "transpose"
+backend: "python"
+max_batch_size: 8
+input [{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] reshape: { shape: [ 2, 2 ] } }]
+output [
+  { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] reshape: { shape: [ 2, 2 ] } },
+  { name: "REQUESTS" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+dynamic_batching { max_queue_delay_microseconds: 100000 }
+"""
+
+TRANSPOSE_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()  # [1, 2, 2]
+            count = np.array([[len(requests)]], dtype=np.int32)
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("Y", np.ascontiguousarray(x.transpose(0, 2, 1))),
+                pb_utils.Tensor("REQUESTS", count),
+            ]))
+        return responses
+"""
+
+# a model that gets its responses wrong when a request asks it to; a batch leaves when it
+# holds 4 requests (or after a second)
+SLOPPY_CONFIG = """
+name: "sloppy"
+backend: "python"
+max_batch_size: 4
+input [{ name: "X" data_type: TYPE_FP32 dims: [ 2 ] }]
+output [
+  { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] },
+  { name: "REQUESTS" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+dynamic_batching { max_queue_delay_microseconds: 1000000 }
+"""
+
+SLOPPY_MODEL = """
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        asked = [json.loads(request.parameters()).get("answer") for request in requests]
+        count = pb_utils.Tensor("REQUESTS", np.array([[len(requests)]], dtype=np.int32))
+        responses = [
+            None if answer == "none" else pb_utils.InferenceResponse([
+                pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(request, "X").as_numpy()),
+                count,
+            ])
+            for request, answer in zip(requests, asked)
+        ]
+        if "twice" in asked:
+            responses.append(responses[-1])
         return responses
 """
 
@@ -131,6 +247,7 @@ output [
 
 PIPELINE_MODEL = """
 import asyncio
+import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -138,7 +255,7 @@ import triton_python_backend_utils as pb_utils
 
 def calls(request):
     text = pb_utils.get_input_tensor_by_name(request, "TEXT")
-    model = "upper" if text.as_numpy()[0, 0] != b"missing" else "no_such_model"
+    model = json.loads(request.parameters()).get("call", "upper")  # the client's parameter
     rows = len(text.as_numpy())
     ones = pb_utils.Tensor("INPUT0", np.ones(4, dtype=np.float32) * rows)
     return (
@@ -224,6 +341,10 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("pipeline", PIPELINE_CONFIG, PIPELINE_MODEL.replace("{execute}", SYNC_EXECUTE)),
         ("pipeline_async", PIPELINE_CONFIG, PIPELINE_MODEL.replace("{execute}", ASYNC_EXECUTE)),
         ("auto", AUTO_CONFIG, AUTO_MODEL),
+        ("per_request", PER_REQUEST_CONFIG.replace("{delay_us}", "100000"), PER_REQUEST_MODEL),
+        ("full_batch", PER_REQUEST_CONFIG.replace("{delay_us}", "1000000"), PER_REQUEST_MODEL),
+        ("sloppy", SLOPPY_CONFIG, SLOPPY_MODEL),
+        ("transpose", TRANSPOSE_CONFIG, TRANSPOSE_MODEL),
     )
 
 
@@ -295,7 +416,7 @@ def test_a_model_that_calls_other_models_gets_their_answers_and_their_errors(
 ) -> None:
     """Business logic scripting, synchronous (exec) and async (async_exec): each call goes
     through the called model; a called model's error comes back in its response, and the
-    model passes it on to its client."""
+    model passes it on to its client. The model reads its client's parameters."""
     http = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
     text = httpclient.InferInput("TEXT", [2, 1], "BYTES")
     text.set_data_from_numpy(np.array([[b"ab"], [b"cd"]], dtype=object))
@@ -303,55 +424,202 @@ def test_a_model_that_calls_other_models_gets_their_answers_and_their_errors(
     assert result.as_numpy("UPPER").tolist() == [[b"AB"], [b"CD"]]
     np.testing.assert_allclose(result.as_numpy("SUM"), np.full((2, 4), 2 + 2 + 0.5))
     text = httpclient.InferInput("TEXT", [1, 1], "BYTES")
-    text.set_data_from_numpy(np.array([[b"missing"]], dtype=object))
+    text.set_data_from_numpy(np.array([[b"ab"]], dtype=object))
     with pytest.raises(InferenceServerException) as caught:
-        http.infer(model, [text])
-    assert caught.value.status() == "400", caught.value
+        http.infer(model, [text], parameters={"call": "no_such_model"})
+    assert caught.value.status() == "404", caught.value  # NOT_FOUND, as Triton answers it
     assert "no_such_model" in caught.value.message(), caught.value.message()
+
+
+def at_once(calls: list[Callable[[], T]]) -> list[T | InferenceServerException]:
+    """Each call on a thread of its own, all started together: its result or its error."""
+    results: list[T | InferenceServerException] = [InferenceServerException("no answer")] * len(
+        calls
+    )
+    start = threading.Barrier(len(calls))
+
+    def run(index: int) -> None:
+        start.wait()
+        try:
+            results[index] = calls[index]()
+        except InferenceServerException as exc:
+            results[index] = exc
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
 
 
 def upper_at_once(
     server: RunningServer, words: list[bytes]
 ) -> dict[bytes, tuple[bytes, int] | str]:
-    """Each word from a client of its own, all sent at once: (UPPER, ROWS) or the error."""
-    answers: dict[bytes, tuple[bytes, int] | str] = {}
-    start = threading.Barrier(len(words))
+    """Each word from a client of its own, all sent at once: (UPPER, REQUESTS) or the error."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}", concurrency=len(words))
 
-    def call(word: bytes) -> None:
-        client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    def call(word: bytes) -> tuple[bytes, int]:
         text = httpclient.InferInput("TEXT", [1, 1], "BYTES")
         text.set_data_from_numpy(np.array([[word]], dtype=object))
-        start.wait()
-        try:
-            result = client.infer("upper", [text])
-        except InferenceServerException as exc:
-            answers[word] = f"{exc.status()} {exc.message()}"
-            return
-        answers[word] = (result.as_numpy("UPPER")[0, 0], int(result.as_numpy("ROWS")[0, 0]))
+        result = client.infer("upper", [text])
+        return result.as_numpy("UPPER")[0, 0], int(result.as_numpy("REQUESTS")[0, 0])
 
-    threads = [threading.Thread(target=call, args=(word,)) for word in words]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return answers
+    results = at_once([functools.partial(call, word) for word in words])
+    return {
+        word: f"{got.status()} {got.message()}" if isinstance(got, Exception) else got
+        for word, got in zip(words, results, strict=True)
+    }
 
 
-def test_requests_batched_together_are_split_back_and_a_refused_one_fails_alone(
+def test_requests_batched_together_are_answered_each_and_a_refused_one_fails_alone(
     server: RunningServer,
 ) -> None:
-    """Clients at once: the batcher merges their rows into one execute() call (ROWS counts the
-    rows it saw), and each gets its own rows back. When the model refuses a batch, each of
-    its requests runs alone: the one it refuses gets 400, the others their answers."""
+    """Clients at once: the batcher gives their requests to one execute() call, each its own
+    InferenceRequest (REQUESTS counts them), and each client gets its own response. When the
+    model raises on a batch, each of its requests runs alone: the one it refuses gets 400,
+    the others their answers."""
     words = [f"word{i}".encode() for i in range(12)]
     answers = upper_at_once(server, words)
     assert {word: answer[0] for word, answer in answers.items()} == {w: w.upper() for w in words}
-    assert max(answer[1] for answer in answers.values()) > 1  # merged into batches
+    assert max(answer[1] for answer in answers.values()) > 1  # several requests an execute()
     answers = upper_at_once(server, [*words, b"refuse"])
     refused = answers.pop(b"refuse")
     assert isinstance(refused, str) and refused.startswith("400"), refused
     assert "this text is refused" in refused
     assert {word: answer[0] for word, answer in answers.items()} == {w: w.upper() for w in words}
+
+
+def scaled(
+    server: RunningServer, length: int, scale: float, fail: str = "", model: str = "per_request"
+) -> Callable[[], Any]:
+    """A call to `model` with `length` values, its own id and parameters."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    x = httpclient.InferInput("X", [1, length], "FP32")
+    x.set_data_from_numpy(np.arange(1, length + 1, dtype=np.float32)[None, :])
+    parameters: dict[str, Any] = {"scale": scale, **({"fail": fail} if fail else {})}
+    return functools.partial(
+        client.infer, model, [x], request_id=f"r{length}", parameters=parameters
+    )
+
+
+def test_each_request_of_a_batch_has_its_own_shape_parameters_id_and_error(
+    server: RunningServer,
+) -> None:
+    """Eight requests of different lengths (`allow_ragged_batch`) in one execute() call, each
+    an InferenceRequest with its own tensors, id and parameters, as under Triton; the one the
+    model answers with an error response gets that error, the seven others their outputs."""
+    lengths = range(1, 9)
+    calls = [
+        scaled(server, n, n + 0.5, "INVALID_ARG" if n == 4 else "", "full_batch") for n in lengths
+    ]
+    results = at_once(calls)
+    refused = results[3]
+    assert isinstance(refused, InferenceServerException), refused
+    assert refused.status() == "400", refused.message()
+    assert "request r4 refused, one of 8" in refused.message()  # refused within the batch
+    for n, result in zip(lengths, results, strict=True):
+        if n == 4:
+            continue
+        assert not isinstance(result, Exception), (n, result)
+        expected = np.arange(1, n + 1, dtype=np.float32)[None, :] * (n + 0.5)
+        np.testing.assert_allclose(result.as_numpy("Y"), expected)
+        seen = json.loads(result.as_numpy("SEEN")[0, 0])
+        assert seen == [f"r{n}", {"scale": n + 0.5}, n]  # its own id, parameters and shape
+        assert int(result.as_numpy("REQUESTS")[0, 0]) == 8  # the batch of eight
+    config = httpclient.InferenceServerClient(server.address).get_model_config("full_batch")
+    assert config["input"][0]["allow_ragged_batch"] is True
+
+
+def test_the_server_keeps_its_own_parameters_from_the_model(server: RunningServer) -> None:
+    """`request.parameters()` holds the client's parameters but those the server acts on
+    (priority, timeout, sequence), as in Triton."""
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    x = grpcclient.InferInput("X", [1, 3], "FP32")
+    x.set_data_from_numpy(np.ones((1, 3), dtype=np.float32))
+    result = grpc.infer(
+        "per_request",
+        [x],
+        request_id="g",
+        priority=1,
+        timeout=10_000_000,
+        parameters={"scale": 2.0, "note": "kept"},
+    )
+    assert json.loads(result.as_numpy("SEEN")[0, 0]) == ["g", {"note": "kept", "scale": 2.0}, 3]
+    np.testing.assert_allclose(result.as_numpy("Y"), np.full((1, 3), 2.0))
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "grpc_status"),
+    [
+        ("INVALID_ARG", "400", "INVALID_ARGUMENT"),
+        ("UNKNOWN", "400", "INVALID_ARGUMENT"),
+        ("NOT_FOUND", "404", "NOT_FOUND"),
+        ("INTERNAL", "500", "INTERNAL"),
+        ("UNSUPPORTED", "501", "UNIMPLEMENTED"),
+        ("UNAVAILABLE", "503", "UNAVAILABLE"),
+    ],
+)
+def test_an_error_response_has_tritons_status_for_its_code(
+    server: RunningServer, code: str, status: str, grpc_status: str
+) -> None:
+    with pytest.raises(InferenceServerException) as caught:
+        scaled(server, 2, 1.0, code)()
+    assert caught.value.status() == status and "request r2 refused" in caught.value.message()
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    x = grpcclient.InferInput("X", [1, 2], "FP32")
+    x.set_data_from_numpy(np.ones((1, 2), dtype=np.float32))
+    with pytest.raises(InferenceServerException) as caught:
+        grpc.infer("per_request", [x], request_id="r2", parameters={"fail": code})
+    assert caught.value.status() == f"StatusCode.{grpc_status}", caught.value
+
+
+def sloppy(server: RunningServer, answer: str = "") -> Callable[[], Any]:
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    x = httpclient.InferInput("X", [1, 2], "FP32")
+    x.set_data_from_numpy(np.array([[1, 2]], dtype=np.float32))
+    parameters = {"answer": answer} if answer else None
+    return functools.partial(client.infer, "sloppy", [x], parameters=parameters)
+
+
+def test_a_wrong_count_of_responses_fails_the_batch_and_a_non_response_its_request(
+    server: RunningServer,
+) -> None:
+    """Four requests in one execute(). One response too many: the four get a 500 that says
+    what the model must return. None in place of a response: that request alone gets a 500;
+    the three others batched with it are answered."""
+    results = at_once([sloppy(server, "twice" if i == 0 else "") for i in range(4)])
+    for result in results:
+        assert isinstance(result, InferenceServerException), result
+        assert result.status() == "500", result.message()
+        assert "got 4 requests and returned 5 responses" in result.message()
+        assert "one InferenceResponse per request" in result.message()
+    results = at_once([sloppy(server, "none" if i == 0 else "") for i in range(4)])
+    missing = results[0]
+    assert isinstance(missing, InferenceServerException), missing
+    assert missing.status() == "500" and "returned a NoneType for request" in missing.message()
+    for result in results[1:]:
+        assert not isinstance(result, Exception), result
+        np.testing.assert_allclose(result.as_numpy("Y"), [[1, 2]])
+        assert result.as_numpy("REQUESTS")[0, 0] == 4  # batched with the one that failed
+
+
+def test_a_reshaped_model_gets_each_request_in_its_own_shape(server: RunningServer) -> None:
+    """`reshape` applies to each request of a batch on its own: the model takes [1, 2, 2]
+    per request, and each client gets its own [1, 4] back."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}", concurrency=6)
+
+    def transpose(value: int) -> np.ndarray:
+        x = httpclient.InferInput("X", [1, 4], "FP32")
+        x.set_data_from_numpy(np.arange(4, dtype=np.float32)[None, :] + 10 * value)
+        result = client.infer("transpose", [x])
+        return np.concatenate([result.as_numpy("Y"), result.as_numpy("REQUESTS")], axis=1)
+
+    results = at_once([functools.partial(transpose, value) for value in range(6)])
+    for value, result in enumerate(results):
+        assert not isinstance(result, Exception), result
+        np.testing.assert_allclose(result[0, :4], np.array([0, 2, 1, 3]) + 10 * value)
+    assert max(int(result[0, 4]) for result in results) > 1  # type: ignore[index]
 
 
 def test_auto_complete_config_fills_the_config(server: RunningServer) -> None:

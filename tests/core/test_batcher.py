@@ -14,7 +14,7 @@ import pytest
 from lockgate.backends.base import Arrays
 from lockgate.config import DynamicBatching, ModelConfig, TensorSpec
 from lockgate.core.admission import AdmissionSettings
-from lockgate.core.batcher import Batcher, NextTurn
+from lockgate.core.batcher import Batcher, NextTurn, signature
 from lockgate.core.metrics import Registry
 from lockgate.core.request import InferRequest
 from lockgate.core.runner import Instance
@@ -197,6 +197,17 @@ def test_only_same_shape_requests_share_a_batch() -> None:
         assert shapes == [(1, 5), (2, 3), (3, 2)]
 
     run(lambda: closing(batcher, body))
+
+
+def test_ragged_inputs_leave_their_shapes_out_of_a_signature() -> None:
+    """For a model that takes each request on its own, an input with `allow_ragged_batch` may
+    differ in shape within a batch; its datatype, and every other input's shape, may not."""
+    narrow, wide = request(1.0, width=2), request(2.0, width=5)
+    assert signature(narrow, True) != signature(wide, True)
+    assert signature(narrow, True, frozenset({"x"})) == signature(wide, True, frozenset({"x"}))
+    assert signature(narrow, True, frozenset({"other"})) != signature(wide, True)
+    ints = InferRequest(model="m", inputs={"x": np.zeros((1, 2), dtype=np.int32)})
+    assert signature(ints, True, frozenset({"x"})) != signature(narrow, True, frozenset({"x"}))
 
 
 def test_higher_priority_runs_first() -> None:

@@ -21,7 +21,7 @@ from lockgate.config import (
     SequenceStrategy,
     TensorSpec,
 )
-from lockgate.core.config_reader import normalize_datatype
+from lockgate.core.config_reader import config_from_dict, normalize_datatype
 from lockgate.core.config_triton import parse_pbtxt_config, read_pbtxt
 from lockgate.core.repository import scan_repository
 from lockgate.core.triton import model_config_pb2 as pb
@@ -205,6 +205,27 @@ def test_python_model_with_repeated_lists_and_parameters() -> None:
     assert [spec.name for spec in config.outputs] == ["OUTPUT0", "OUTPUT1"]
     assert config.instance_count == 1  # an unset count is one instance, as in Triton
     assert config.parameters == {"EXECUTION_ENV_PATH": "$$TRITON_MODEL_DIRECTORY/env"}
+
+
+def test_allow_ragged_batch_is_read_from_pbtxt_and_yaml() -> None:
+    text = """
+name: "ragged"
+backend: "python"
+max_batch_size: 4
+input [
+  { name: "TOKENS" data_type: TYPE_INT64 dims: [ -1 ] allow_ragged_batch: true },
+  { name: "MASK" data_type: TYPE_INT64 dims: [ -1 ] }
+]
+output [{ name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] }]
+"""
+    config = parse_pbtxt_config(text, path="c.pbtxt", folder="ragged")
+    assert [spec.allow_ragged_batch for spec in config.inputs] == [True, False]
+    raw = {
+        "backend": "python",
+        "inputs": [{"name": "T", "datatype": "INT64", "dims": [-1], "allow_ragged_batch": "yes"}],
+    }
+    with pytest.raises(ConfigError, match="allow_ragged_batch"):
+        config_from_dict(raw, path="config.yaml", folder="ragged")
 
 
 def test_priorities_and_queue_policies(caplog: pytest.LogCaptureFixture) -> None:

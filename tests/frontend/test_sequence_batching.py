@@ -22,8 +22,8 @@ from tests.backends.test_triton_python import triton_repository
 from tests.conftest import PERF_ANALYZER, RunningServer, free_port, start_server
 
 # an accumulator: OUTPUT = state + INPUT, the new state; it also answers what the sequence
-# batcher gave it: the control inputs, the rows of its batch, and how many rows of the batch
-# belong to the row's own sequence
+# batcher gave it: the control inputs, the requests of its execute(), and how many of them
+# belong to the request's own sequence (by its correlation id)
 ACCUMULATOR = """
 import time
 
@@ -33,6 +33,8 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
+        ids = [request.correlation_id() for request in requests]
+        time.sleep(0.01)  # batches long enough for requests of other sequences to gather
         responses = []
         for request in requests:
             def get(name):
@@ -40,14 +42,11 @@ class TritonPythonModel:
 
             corrid = get("CORRID")
             total = get("STATE_IN") + get("INPUT")
-            ids = corrid.reshape(-1).tolist()
-            shared = np.array([ids.count(i) for i in ids], dtype=np.int32).reshape(corrid.shape)
-            time.sleep(0.01)  # batches long enough for requests of other sequences to gather
             outputs = {
                 "OUTPUT": total,
                 "STATE_OUT": total,
-                "ROWS": np.full(corrid.shape, len(ids), dtype=np.int32),
-                "SHARED": shared,
+                "ROWS": np.full(corrid.shape, len(requests), dtype=np.int32),
+                "SHARED": np.full(corrid.shape, ids.count(ids[len(responses)]), dtype=np.int32),
             }
             for name in ("START", "END", "READY", "CORRID"):
                 outputs[name + "_OUT"] = get(name)
@@ -200,7 +199,8 @@ def run_sequence(
 def test_interleaved_sequences_keep_their_own_running_sums(server: RunningServer) -> None:
     """Three sequences over HTTP and three over gRPC at once: each gets the running sum of its
     own values in order, the controls of its place in the sequence, and its id; sequences
-    share batches, never two rows of one sequence in a batch; the state stays inside."""
+    share execute() calls (a request each), never two requests of one sequence in a call (by
+    their correlation ids); the state stays inside."""
     values = {sequence_id: [sequence_id % 7 + k for k in range(5)] for sequence_id in range(1, 7)}
     values[2**63 + 5] = [3, 1, 4, 1, 5]  # an id past int64, over HTTP
     seen: list[dict[str, Any]] = []
@@ -228,7 +228,7 @@ def test_interleaved_sequences_keep_their_own_running_sums(server: RunningServer
         start, end = float(index == 0), float(index == len(own) - 1)
         assert answer["controls"] == (start, end, True), answer
         assert answer["corrid"] == answer["id"]
-        assert answer["shared"] == 1  # one row per sequence in any batch
+        assert answer["shared"] == 1  # one request per sequence in any execute()
         assert answer["state"] is None  # the state output is not the client's
     assert max(answer["rows"] for answer in seen) > 1  # sequences shared batches
 
