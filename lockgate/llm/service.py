@@ -38,7 +38,7 @@ VLLM_TOKEN_LATENCY_BUCKETS = (  # inter-token latency, time per output token
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0,
 )  # fmt: skip
-VLLM_REQUEST_LATENCY_BUCKETS = (  # end to end, queue time
+VLLM_REQUEST_LATENCY_BUCKETS = (  # end to end, queue, prefill, decode and inference time
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
@@ -118,6 +118,24 @@ class LLMRequestMetrics:
             m,
             REQUEST_LATENCY_BUCKETS,
         )
+        self.prefill = registry.histogram(
+            "lockgate_llm_request_prefill_time_seconds",
+            "Time from a request's first scheduling to its first token (prefill).",
+            m,
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode = registry.histogram(
+            "lockgate_llm_request_decode_time_seconds",
+            "Time from a request's first token to its last (decode).",
+            m,
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference = registry.histogram(
+            "lockgate_llm_request_inference_time_seconds",
+            "Time from a request's first scheduling to its last token (prefill and decode).",
+            m,
+            REQUEST_LATENCY_BUCKETS,
+        )
         self.prompt = registry.histogram(
             "lockgate_llm_request_prompt_tokens",
             "Prompt tokens per request.",
@@ -158,6 +176,9 @@ class _ModelObserver:
         self.tpot = metrics.tpot.labels(labels)
         self.e2e = metrics.e2e.labels(labels)
         self.queue = metrics.queue.labels(labels)
+        self.prefill = metrics.prefill.labels(labels)
+        self.decode = metrics.decode.labels(labels)
+        self.inference = metrics.inference.labels(labels)
         self.prompt = metrics.prompt.labels(labels)
         self.generation = metrics.generation.labels(labels)
         self.predicted_ttft = metrics.predicted_ttft.labels(labels)
@@ -178,6 +199,9 @@ class _ModelObserver:
             (self.e2e, timings.e2e),
             (self.queue, timings.queue_time),
             (self.tpot, timings.tpot),
+            (self.prefill, timings.prefill_time),
+            (self.decode, timings.decode_time),
+            (self.inference, timings.inference_time),
         ):
             if value is not None:
                 histogram.observe(value)

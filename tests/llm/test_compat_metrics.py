@@ -8,6 +8,7 @@ import asyncio
 import math
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lockgate.core.metrics import Registry
@@ -25,6 +26,7 @@ TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2
         10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
 PER_TOKEN = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
              10.0, 20.0, 40.0, 80.0]  # fmt: skip
+PHASES = ("prefill", "decode", "inference")
 REQUEST = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 
@@ -162,6 +164,9 @@ def test_vllm_histograms_have_vllm_s_buckets_and_count_every_request() -> None:
             ),
             ("e2e_request_latency_seconds", "e2e_request_latency_seconds", REQUEST, 7),
             ("request_queue_time_seconds", "request_queue_time_seconds", REQUEST, 7),
+            ("request_prefill_time_seconds", "request_prefill_time_seconds", REQUEST, 7),
+            ("request_decode_time_seconds", "request_decode_time_seconds", REQUEST, 7),
+            ("request_inference_time_seconds", "request_inference_time_seconds", REQUEST, 7),
             ("request_prompt_tokens", "request_prompt_tokens", context_buckets, 7),
             ("request_generation_tokens", "request_generation_tokens", context_buckets, 7),
         ):
@@ -172,6 +177,10 @@ def test_vllm_histograms_have_vllm_s_buckets_and_count_every_request() -> None:
             # each bucket is lockgate's own count at that bound: nothing lost, nothing twice
             assert all(vllm["buckets"][le] == lockgate["buckets"][le] for le in vllm["buckets"])
         assert found[("vllm:request_prompt_tokens", model)]["_sum"] == 7 * 5
+        sums = {n: found[(f"vllm:request_{n}_time_seconds", model)]["_sum"] for n in PHASES}
+        assert sums["prefill"] + sums["decode"] == pytest.approx(sums["inference"])
+        e2e = found[("vllm:e2e_request_latency_seconds", model)]["_sum"]
+        assert min(sums["prefill"], sums["decode"]) > 0 and sums["inference"] <= e2e
         assert found[("vllm:request_generation_tokens", model)]["_sum"] == 7 * 4
         prompts = found[("vllm:request_prompt_tokens", model)]["buckets"]
         assert (prompts[2.0], prompts[5.0]) == (0, 7)  # 5 tokens each: in le="5.0", not below
