@@ -17,6 +17,7 @@ Unknown fields are ignored, as OpenAI does; fields lockgate cannot honour (built
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.parse
 import uuid
@@ -609,7 +610,7 @@ class InputItemsQuery:
         if order not in ("asc", "desc"):
             raise BadRequest(f"order must be 'asc' or 'desc', not {order[:20]!r}", param="order")
         limit = query.get("limit", "20")
-        if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
+        if not re.fullmatch("[0-9]{1,3}", limit) or not 1 <= int(limit) <= MAX_PAGE:
             raise BadRequest(
                 f"limit must be an integer from 1 to {MAX_PAGE}, not {limit[:20]!r}", param="limit"
             )
