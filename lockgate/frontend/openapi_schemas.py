@@ -517,7 +517,7 @@ class ItemFunctionCallOutput(msgspec.Struct, tag_field="type", tag="function_cal
     id: str
     status: Literal["completed"]
     call_id: str
-    output: str | list[ItemText]
+    output: str | list[ItemText]  # text parts, as input_text
 
 
 class InputItemList(msgspec.Struct):

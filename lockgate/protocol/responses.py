@@ -269,7 +269,7 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's `input` as the API lists its items: each with an id (one of its own) and
     a status, a message's content as parts. Call after `input_messages` has checked it."""
     if isinstance(body.input, str):
-        return [_message_item("user", [{"type": "input_text", "text": body.input}])]
+        return [_message_item("user", [body.input])]
     return [_input_item(item) for item in body.input]
 
 
@@ -281,7 +281,7 @@ def _input_item(item: dict[str, Any]) -> dict[str, Any]:
     if kind == "function_call_output":
         output = item["output"]
         if not isinstance(output, str):
-            output = [{"type": p["type"], "text": p["text"]} for p in output]
+            output = [{"type": "input_text", "text": p["text"]} for p in output]
         return {
             "id": new_id("fco_"),
             "type": kind,
@@ -289,16 +289,20 @@ def _input_item(item: dict[str, Any]) -> dict[str, Any]:
             "call_id": item["call_id"],
             "output": output,
         }
-    role, content = item["role"], item["content"]
-    if isinstance(content, str):
-        kind = "output_text" if role == "assistant" else "input_text"
-        return _message_item(role, [{"type": kind, "text": content}])
-    return _message_item(role, [{"type": p["type"], "text": p["text"]} for p in content])
+    content = item["content"]
+    texts = [content] if isinstance(content, str) else [p["text"] for p in content]
+    return _message_item(item["role"], texts)
 
 
-def _message_item(role: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
-    if role == "assistant":  # an output message, as the response that made it gave it
-        parts = [{**p, "annotations": [], "logprobs": []} for p in parts]
+def _message_item(role: str, texts: list[str]) -> dict[str, Any]:
+    """A message item, its texts as parts: an assistant's `output_text` (as the response that
+    made it gave them), the others' `input_text`."""
+    if role == "assistant":
+        parts = [
+            {"type": "output_text", "text": t, "annotations": [], "logprobs": []} for t in texts
+        ]
+    else:
+        parts = [{"type": "input_text", "text": t} for t in texts]
     return {
         "id": new_id("msg_"),
         "type": "message",
