@@ -97,9 +97,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=int,
         default=1024,
         help="responses of the OpenAI Responses API (/v1/responses) kept in this process's "
-        "memory for GET /v1/responses/{id} and previous_response_id, the least recently used "
-        "dropped first; each is bounded by its model's context; 0: none kept (store is "
-        "answered false)",
+        "memory for GET /v1/responses/{id} (and its input_items) and previous_response_id, the "
+        "least recently used dropped first; each is bounded by its model's context; 0: none "
+        "kept (store is answered false)",
     )
     p.add_argument(
         "--shared-memory-regions",

@@ -650,7 +650,52 @@ def _responses_paths() -> dict[str, Any]:
             params=(rid,),
         ),
     }
-    return {"/v1/responses": {"post": create}, "/v1/responses/{id}": stored}
+    page = (
+        rid,
+        _parameter("after", "query", "an item's id: the items after it", {"type": "string"}),
+        _parameter("before", "query", "an item's id: the items before it", {"type": "string"}),
+        _parameter(
+            "limit",
+            "query",
+            "items at most (default 20)",
+            {"type": "integer", "minimum": 1, "maximum": rs.MAX_PAGE},
+        ),
+        _parameter(
+            "order",
+            "query",
+            "desc (the default): the latest first; asc: the conversation's order",
+            {"type": "string", "enum": ["asc", "desc"]},
+        ),
+        _parameter(
+            "include",
+            "query",
+            "the API's includables: accepted, nothing to add",
+            {"type": "array", "items": {"type": "string", "enum": sorted(rs.INCLUDABLE)}},
+        ),
+    )
+    items = _operation(
+        "response_input_items",
+        "The input items of a stored response, a page at a time",
+        _ok("InputItemList"),
+        (400, 404),
+        tag="openai",
+        params=page,
+    )
+    cancel = _operation(
+        "cancel_response",
+        "Cancel a response: refused (400) for every stored one, as OpenAI refuses a response "
+        "not made with background, the only kind lockgate makes",
+        {},
+        (400, 404),
+        tag="openai",
+        params=(rid,),
+    )
+    return {
+        "/v1/responses": {"post": create},
+        "/v1/responses/{id}": stored,
+        "/v1/responses/{id}/input_items": {"get": items},
+        "/v1/responses/{id}/cancel": {"post": cancel},
+    }
 
 
 def _openai_paths() -> dict[str, Any]:

@@ -499,6 +499,37 @@ class ResponseDeleted(msgspec.Struct):
     deleted: Literal[True]
 
 
+class ItemText(msgspec.Struct):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class ItemMessage(msgspec.Struct, tag_field="type", tag="message"):
+    """A message among a response's input items: the input's, or an output's before it."""
+
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["user", "system", "developer", "assistant"]
+    content: list[ItemText]
+
+
+class ItemFunctionCallOutput(msgspec.Struct, tag_field="type", tag="function_call_output"):
+    id: str
+    status: Literal["completed"]
+    call_id: str
+    output: str | list[ItemText]  # text parts, as input_text
+
+
+class InputItemList(msgspec.Struct):
+    """A page of a stored response's input items (GET /v1/responses/{id}/input_items)."""
+
+    object: Literal["list"]
+    data: list[ItemMessage | OutputFunctionCall | ItemFunctionCallOutput]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 # --- KServe v1 / TensorFlow Serving predict --------------------------------------------------
 
 

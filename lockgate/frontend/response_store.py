@@ -1,9 +1,10 @@
-"""The responses kept for `GET /v1/responses/{id}` and `previous_response_id`: an LRU of at
-most `capacity` of them, in this process's memory (the least recently stored or read goes
-first). Pure bookkeeping: no I/O.
+"""The responses kept for `GET /v1/responses/{id}` (and its `input_items`) and
+`previous_response_id`: an LRU of at most `capacity` of them, in this process's memory (the
+least recently stored or read goes first). Pure bookkeeping: no I/O.
 
 Each entry is bounded by the model's context: a response's conversation (its input, that of
-the responses before it, and its output) fitted in the context it was answered in.
+the responses before it, and its output) fitted in the context it was answered in. It is kept
+twice: as the chat messages that continue it, and as the input items the API lists.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ class StoredResponse:
     # the messages of its conversation after the instructions (those are not carried over):
     # the input of the responses before it and its own, and the outputs, as chat messages
     conversation: tuple[oa.ChatMessage, ...]
+    # the same before its output, as the API lists them (`input_items`): the items of the
+    # responses before it (input and output, each with its id), then its own input
+    input_items: tuple[dict[str, Any], ...]
 
 
 @dataclass(slots=True)

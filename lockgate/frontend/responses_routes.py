@@ -6,7 +6,9 @@ runs through the completion pipeline of /v1/chat/completions (`frontend/completi
 the chat template, tool calls, guided decoding of `text.format`, the context and stop limits,
 the model's sampling defaults, priority, the completion cache and the engine's admission. A
 response asked with `store` (the API's default) is kept in this process's `ResponseStore`
-for `previous_response_id`, which continues its conversation.
+for `previous_response_id`, which continues its conversation, and for the listing of its input
+items. `cancel` is answered as OpenAI answers for a response not made in the background, the
+only kind lockgate makes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from lockgate.cache.completion import Completion
-from lockgate.errors import NotFound, ServingError
+from lockgate.errors import BadRequest, NotFound, ServingError
 from lockgate.frontend.completion_pipeline import (
     CHAT_COMPLETION,
     CompletionPipeline,
@@ -56,18 +58,32 @@ class ResponsesRoutes:
             body = oa.decode(await request.body(), rs.ResponsesRequest)
             await self.pipeline.resubmitted(lambda: self._create(request, body))
             return
-        if len(parts) > 1:
+        rid, rest = parts[0], parts[1:]
+        if rest == ["input_items"]:
+            check_method(request.method, request.path, ("GET",))
+            await self._input_items(request, rid)
+        elif rest == ["cancel"]:
+            check_method(request.method, request.path, ("POST",))
+            self._stored(rid, "id")
+            # as OpenAI answers for a response not made with `background` (lockgate makes none)
+            raise BadRequest("Cannot cancel a synchronous response.")
+        elif rest:
             raise NotFound(f"no route for {request.method} {request.path[:200]}")
-        check_method(request.method, request.path, ("GET", "DELETE"))
-        rid = parts[0]
-        if request.method == "GET":
+        elif request.method == "GET":
             await respond_json(request.send, 200, self._stored(rid, "id").response)
-        elif self.store.delete(rid):
+        else:
+            check_method(request.method, request.path, ("GET", "DELETE"))
+            if not self.store.delete(rid):
+                raise self._unknown(rid, "id")
             await respond_json(
                 request.send, 200, {"id": rid, "object": "response", "deleted": True}
             )
-        else:
-            raise self._unknown(rid, "id")
+
+    async def _input_items(self, request: HttpRequest, rid: str) -> None:
+        """A page of a stored response's input items, as `?after=&before=&limit=&order=` ask."""
+        query = rs.InputItemsQuery.parse(request.scope.get("query_string", b""))
+        page = rs.input_items_page(self._stored(rid, "id").input_items, query)
+        await respond_json(request.send, 200, page)
 
     def _stored(self, rid: str, param: str) -> StoredResponse:
         stored = self.store.get(rid)
@@ -85,10 +101,11 @@ class ResponsesRoutes:
     async def _create(self, request: HttpRequest, body: rs.ResponsesRequest) -> None:
         body.check()
         history: list[oa.ChatMessage] = []
+        items: tuple[dict[str, Any], ...] = ()  # the input items of the responses before
         if body.previous_response_id is not None:
-            history = list(
-                self._stored(body.previous_response_id, "previous_response_id").conversation
-            )
+            previous = self._stored(body.previous_response_id, "previous_response_id")
+            history = list(previous.conversation)
+            items = (*previous.input_items, *previous.response["output"])
         if body.store and not self.store.capacity:
             body = msgspec.structs.replace(body, store=False)  # the store is off: said so
         prepared, tools = await self._prepare(request, rs.chat_request(body, history))
@@ -108,7 +125,8 @@ class ResponsesRoutes:
                 *rs.input_messages(body),
                 *rs.conversation_of(response["output"]),
             )
-            self.store.put(answer.rid, StoredResponse(response, conversation))
+            items = (*items, *rs.input_items(body))
+            self.store.put(answer.rid, StoredResponse(response, conversation, items))
 
     async def _prepare(
         self, request: HttpRequest, chat: oa.ChatRequest

@@ -67,6 +67,27 @@ class RequestTimings:
     def e2e(self) -> float | None:
         return None if self.finished is None else self.finished - self.arrival
 
+    # vLLM's phases of a request: prefill from its first scheduling to its first token, decode
+    # from its first token to its last, inference the two together
+
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_scheduled is None or self.first_token is None:
+            return None
+        return self.first_token - self.first_scheduled
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.first_token is None or self.last_token is None:
+            return None
+        return self.last_token - self.first_token
+
+    @property
+    def inference_time(self) -> float | None:
+        if self.first_scheduled is None or self.last_token is None:
+            return None
+        return self.last_token - self.first_scheduled
+
 
 @dataclass(slots=True, frozen=True)
 class EngineStats:

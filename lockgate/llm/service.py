@@ -27,6 +27,40 @@ if TYPE_CHECKING:
 # observed / predicted TTFT: 1 is a perfect prediction
 RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
+# vLLM's buckets (vllm/v1/metrics/loggers.py). The request histograms hold them among lockgate's
+# own, so their `vllm:*` series are read with exactly vLLM's `le` at scrape time
+# (`llm/compat_metrics.py`) and an observation is counted once.
+VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_TOKEN_LATENCY_BUCKETS = (  # inter-token latency, time per output token
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
+VLLM_REQUEST_LATENCY_BUCKETS = (  # end to end, queue, prefill, decode and inference time
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+MAX_VLLM_TOKEN_BUCKET = 10**7  # vLLM's token buckets go up to the context length: held to here
+
+
+def vllm_token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's buckets of prompt and generated tokens: 1, 2, 5, 10, 20, 50, ... up to the context
+    length (`build_1_2_5_buckets`), held to `MAX_VLLM_TOKEN_BUCKET`."""
+    top = min(max_model_len, MAX_VLLM_TOKEN_BUCKET)
+    return tuple(b for e in range(8) for b in (10**e, 2 * 10**e, 5 * 10**e) if b <= top)
+
+
+def merged(*bounds: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(sorted(set().union(*bounds)))
+
+
+TTFT_BUCKETS = merged(LATENCY_BUCKETS, VLLM_TTFT_BUCKETS)
+TOKEN_LATENCY_BUCKETS = merged(LATENCY_BUCKETS, VLLM_TOKEN_LATENCY_BUCKETS)
+REQUEST_LATENCY_BUCKETS = merged(LATENCY_BUCKETS, VLLM_REQUEST_LATENCY_BUCKETS)
+REQUEST_TOKEN_BUCKETS = merged(TOKEN_BUCKETS, vllm_token_buckets(MAX_VLLM_TOKEN_BUCKET))
+
 
 @dataclass(slots=True)
 class LLMService:
@@ -58,40 +92,61 @@ class LLMRequestMetrics:
     def __init__(self, registry: Registry) -> None:
         m = ("model_name",)
         self.ttft = registry.histogram(
-            "lockgate_llm_time_to_first_token_seconds", "Time to first token.", m, LATENCY_BUCKETS
+            "lockgate_llm_time_to_first_token_seconds", "Time to first token.", m, TTFT_BUCKETS
         )
         self.itl = registry.histogram(
             "lockgate_llm_inter_token_latency_seconds",
             "Time between consecutive output tokens.",
             m,
-            LATENCY_BUCKETS,
+            TOKEN_LATENCY_BUCKETS,
         )
         self.tpot = registry.histogram(
             "lockgate_llm_request_time_per_output_token_seconds",
             "Mean time per output token after the first (TPOT), per request.",
             m,
-            LATENCY_BUCKETS,
+            TOKEN_LATENCY_BUCKETS,
         )
         self.e2e = registry.histogram(
             "lockgate_llm_e2e_request_latency_seconds",
             "End-to-end request latency.",
             m,
-            LATENCY_BUCKETS,
+            REQUEST_LATENCY_BUCKETS,
         )
         self.queue = registry.histogram(
             "lockgate_llm_request_queue_time_seconds",
             "Time a request waited before it was first scheduled.",
             m,
-            LATENCY_BUCKETS,
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill = registry.histogram(
+            "lockgate_llm_request_prefill_time_seconds",
+            "Time from a request's first scheduling to its first token (prefill).",
+            m,
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode = registry.histogram(
+            "lockgate_llm_request_decode_time_seconds",
+            "Time from a request's first token to its last (decode).",
+            m,
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference = registry.histogram(
+            "lockgate_llm_request_inference_time_seconds",
+            "Time from a request's first scheduling to its last token (prefill and decode).",
+            m,
+            REQUEST_LATENCY_BUCKETS,
         )
         self.prompt = registry.histogram(
-            "lockgate_llm_request_prompt_tokens", "Prompt tokens per request.", m, TOKEN_BUCKETS
+            "lockgate_llm_request_prompt_tokens",
+            "Prompt tokens per request.",
+            m,
+            REQUEST_TOKEN_BUCKETS,
         )
         self.generation = registry.histogram(
             "lockgate_llm_request_generation_tokens",
             "Generated tokens per request.",
             m,
-            TOKEN_BUCKETS,
+            REQUEST_TOKEN_BUCKETS,
         )
         self.predicted_ttft = registry.histogram(
             "lockgate_llm_predicted_time_to_first_token_seconds",
@@ -121,6 +176,9 @@ class _ModelObserver:
         self.tpot = metrics.tpot.labels(labels)
         self.e2e = metrics.e2e.labels(labels)
         self.queue = metrics.queue.labels(labels)
+        self.prefill = metrics.prefill.labels(labels)
+        self.decode = metrics.decode.labels(labels)
+        self.inference = metrics.inference.labels(labels)
         self.prompt = metrics.prompt.labels(labels)
         self.generation = metrics.generation.labels(labels)
         self.predicted_ttft = metrics.predicted_ttft.labels(labels)
@@ -141,6 +199,9 @@ class _ModelObserver:
             (self.e2e, timings.e2e),
             (self.queue, timings.queue_time),
             (self.tpot, timings.tpot),
+            (self.prefill, timings.prefill_time),
+            (self.decode, timings.decode_time),
+            (self.inference, timings.inference_time),
         ):
             if value is not None:
                 histogram.observe(value)

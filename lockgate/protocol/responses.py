@@ -7,6 +7,8 @@ stored conversation of `previous_response_id` next, then the `input` items (mess
 results); `text.format` becomes `response_format`, `max_output_tokens` `max_tokens`. The
 answer's output items are built as the text and calls arrive (`ResponseOutput`), with the
 stream events that announce them, so an answer sent whole and one streamed are the same.
+A stored response's input items (`GET /v1/responses/{id}/input_items`) are listed a page at
+a time (`InputItemsQuery`, `input_items_page`).
 
 Unknown fields are ignored, as OpenAI does; fields lockgate cannot honour (built-in tools,
 `background`, `include`, image, audio and file inputs, ...) are a 400 that names them.
@@ -15,7 +17,9 @@ Unknown fields are ignored, as OpenAI does; fields lockgate cannot honour (built
 from __future__ import annotations
 
 import json
+import re
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -259,6 +263,53 @@ def response_format(text: TextConfig | None) -> oa.ResponseFormat | None:
         )
         return oa.JsonSchemaFormat(json_schema=spec)
     return None
+
+
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's `input` as the API lists its items: each with an id (one of its own) and
+    a status, a message's content as parts. Call after `input_messages` has checked it."""
+    if isinstance(body.input, str):
+        return [_message_item("user", [body.input])]
+    return [_input_item(item) for item in body.input]
+
+
+def _input_item(item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        fields = {k: item[k] for k in ("call_id", "name", "arguments")}
+        return {"id": new_id("fc_"), "type": kind, "status": "completed", **fields}
+    if kind == "function_call_output":
+        output = item["output"]
+        if not isinstance(output, str):
+            output = [{"type": "input_text", "text": p["text"]} for p in output]
+        return {
+            "id": new_id("fco_"),
+            "type": kind,
+            "status": "completed",
+            "call_id": item["call_id"],
+            "output": output,
+        }
+    content = item["content"]
+    texts = [content] if isinstance(content, str) else [p["text"] for p in content]
+    return _message_item(item["role"], texts)
+
+
+def _message_item(role: str, texts: list[str]) -> dict[str, Any]:
+    """A message item, its texts as parts: an assistant's `output_text` (as the response that
+    made it gave them), the others' `input_text`."""
+    if role == "assistant":
+        parts = [
+            {"type": "output_text", "text": t, "annotations": [], "logprobs": []} for t in texts
+        ]
+    else:
+        parts = [{"type": "input_text", "text": t} for t in texts]
+    return {
+        "id": new_id("msg_"),
+        "type": "message",
+        "role": role,
+        "status": "completed",
+        "content": parts,
+    }
 
 
 def chat_request(body: ResponsesRequest, history: list[oa.ChatMessage]) -> oa.ChatRequest:
@@ -514,3 +565,93 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
 
 def now() -> int:
     return int(time.time())
+
+
+# -- the input items of a stored response ------------------------------------------------------
+
+INCLUDABLE = frozenset(
+    {
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+        "reasoning.encrypted_content",
+        "message.output_text.logprobs",
+    }
+)
+MAX_PAGE = 100
+
+
+@dataclass(frozen=True, slots=True)
+class InputItemsQuery:
+    """The query of `GET /v1/responses/{id}/input_items`: a page of at most `limit` items in
+    `order` ("asc": the conversation's order; "desc", the default: the latest first), those
+    after the item `after` and before the item `before` in that order."""
+
+    limit: int = 20
+    order: Literal["asc", "desc"] = "desc"
+    after: str | None = None
+    before: str | None = None
+
+    @classmethod
+    def parse(cls, query_string: bytes) -> InputItemsQuery:
+        """From the URL's query (400 naming the parameter that is wrong). `include` is checked
+        and has nothing to add: the items served hold no image, search result or logprob."""
+        pairs = urllib.parse.parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)
+        query: dict[str, str] = {}
+        for key, value in pairs:
+            if key in ("include", "include[]"):
+                if value not in INCLUDABLE:
+                    raise BadRequest(
+                        f"include: {value[:60]!r} is not one of {', '.join(sorted(INCLUDABLE))}",
+                        param="include",
+                    )
+            else:
+                query[key] = value
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise BadRequest(f"order must be 'asc' or 'desc', not {order[:20]!r}", param="order")
+        limit = query.get("limit", "20")
+        if not re.fullmatch("[0-9]{1,3}", limit) or not 1 <= int(limit) <= MAX_PAGE:
+            raise BadRequest(
+                f"limit must be an integer from 1 to {MAX_PAGE}, not {limit[:20]!r}", param="limit"
+            )
+        return cls(
+            int(limit), "asc" if order == "asc" else "desc", query.get("after"), query.get("before")
+        )
+
+
+def input_items_page(items: tuple[dict[str, Any], ...], query: InputItemsQuery) -> dict[str, Any]:
+    """A page of a stored response's input items (`items` in the conversation's order), as the
+    API's list object: `data`, `first_id`, `last_id`, `has_more` (items beyond the page, the way
+    it pages: on after it, or before it when only `before` is given). A cursor that names no item
+    of the list is a 400."""
+    ordered = list(items) if query.order == "asc" else list(reversed(items))
+    start, end = 0, len(ordered)
+    if query.after is not None:
+        start = _position(ordered, query.after, "after") + 1
+    if query.before is not None:
+        end = _position(ordered, query.before, "before")
+    window = ordered[start:end]
+    if query.before is not None and query.after is None:  # paging backward: the nearest ones
+        data, has_more = window[-query.limit :], len(window) > query.limit
+    else:
+        data, has_more = window[: query.limit], len(window) > query.limit
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+def _position(items: list[dict[str, Any]], item_id: str, param: str) -> int:
+    for index, item in enumerate(items):
+        if item["id"] == item_id:
+            return index
+    raise BadRequest(
+        f"{param}: no item with id '{item_id[:80]}' among this response's input items", param=param
+    )

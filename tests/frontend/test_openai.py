@@ -5,20 +5,115 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import gguf
 import httpx
+import jinja2
 import numpy as np
 import openai
 import pytest
 
-from tests.conftest import RunningServer
+from lockgate.llm.loader import parse_gguf
+from lockgate.llm.tokenizer import ChatTokenizer
+from tests.conftest import RunningServer, start_server
 
 MODEL = "SmolLM2-135M-Instruct"
+BOS_MODEL = "tiny-bos"  # `bos_server`'s model
+# SmolLM2's template, after a system message of the request's documents when it has some
+DOCUMENTS_TEMPLATE = (
+    "{% if documents %}{{ '<|im_start|>system\\nDocuments:\\n' }}{% for d in documents %}"
+    "{{ d['title'] + ': ' + d['text'] + '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def client(llm_server: RunningServer) -> openai.OpenAI:
     return llm_server.openai_client()
+
+
+def write_bos_model(smollm2: Path, path: Path) -> None:
+    """A GGUF with SmolLM2's tokenizer, but one that adds its BOS token to a text prompt, and
+    SmolLM2's chat template after `DOCUMENTS_TEMPLATE`; random weights of a tiny Llama (what it
+    says does not matter, only what its prompts are made of)."""
+    meta = {k: f.contents() for k, f in gguf.GGUFReader(smollm2).fields.items()}
+    vocab, hidden, layers = len(meta["tokenizer.ggml.tokens"]), 32, 1
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    writer.add_add_bos_token(True)  # SmolLM2's adds none
+    writer.add_chat_template(DOCUMENTS_TEMPLATE + meta["tokenizer.chat_template"])
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd": (vocab, hidden), "output_norm": (hidden,)}
+    for i in range(layers):
+        shapes |= {
+            f"blk.{i}.attn_norm": (hidden,),
+            f"blk.{i}.ffn_norm": (hidden,),
+            f"blk.{i}.attn_q": (hidden, hidden),
+            f"blk.{i}.attn_k": (hidden // 2, hidden),
+            f"blk.{i}.attn_v": (hidden // 2, hidden),
+            f"blk.{i}.attn_output": (hidden, hidden),
+            f"blk.{i}.ffn_gate": (64, hidden),
+            f"blk.{i}.ffn_up": (64, hidden),
+            f"blk.{i}.ffn_down": (hidden, 64),
+        }
+    for name, shape in shapes.items():
+        writer.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32) * 0.1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def bos_repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository of one tiny model whose tokenizer adds a special token (BOS) to a text
+    prompt and whose chat template renders vLLM's `documents` (SmolLM2's adds none and ignores
+    them): what add_special_tokens and documents change shows in its prompts' token counts."""
+    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
+
+    llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
+    built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
+    repo = tmp_path_factory.mktemp("bos-repo")
+    (repo / "tiny" / "1").mkdir(parents=True)
+    write_bos_model(built / "smollm2" / "1" / "model.gguf", repo / "tiny" / "1" / "model.gguf")
+    parameters = {
+        "model_file": "model.gguf",
+        "served_model_name": BOS_MODEL,
+        "dtype": "float32",
+        "kv_cache_gib": "0.01",
+        "max_model_len": "256",
+    }
+    lines = [f"  {k}: '{v}'" for k, v in parameters.items()]
+    (repo / "tiny" / "config.yaml").write_text("backend: llm\nparameters:\n" + "\n".join(lines))
+    return repo
+
+
+@pytest.fixture(scope="module")
+def bos_server(bos_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(bos_repo, tmp_path_factory.mktemp("bos-logs"), ready_timeout=600)
+    yield running
+    assert running.stop() == 0, running.log()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(bos_repo: Path) -> ChatTokenizer:
+    """`bos_server`'s tokenizer, read from its GGUF."""
+    return ChatTokenizer(parse_gguf(bos_repo / "tiny" / "1" / "model.gguf").tokenizer)
 
 
 def test_models_list(client: openai.OpenAI) -> None:
@@ -547,21 +642,61 @@ def test_stream_options_include_usage_unless_set_false(llm_server: RunningServer
     assert lasts({"include_usage": False})["choices"] != []
 
 
-def test_chat_documents_reach_the_template_as_its_variable(llm_server: RunningServer) -> None:
-    """vLLM's documents: the template's `documents` (SmolLM2's ignores them, as vLLM's answer
-    with such a template does), held as any template variable to text: a control token's text
-    in one is a 400."""
+def test_chat_documents_reach_the_template_as_its_variable(
+    bos_server: RunningServer, bos_tokenizer: ChatTokenizer, llm_server: RunningServer
+) -> None:
+    """vLLM's documents: the template's `documents`, rendered into the prompt by a template that
+    uses them; held as any template variable to text: a control token's text in one is a 400."""
     messages = [{"role": "user", "content": "hi"}]
-    body = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0}
-    url = llm_server.url + "/v1/chat/completions"
+    docs = [
+        {"title": "Paris", "text": "The capital of France."},
+        {"title": "Rome", "text": "The capital of Italy."},
+    ]
+    body = {"model": BOS_MODEL, "messages": messages, "max_tokens": 1, "prompt_logprobs": 0}
+    url = bos_server.url + "/v1/chat/completions"
     plain = httpx.post(url, json=body, timeout=60).json()
-    docs = [{"title": "Paris", "text": "The capital of France."}]
     given = httpx.post(url, json={**body, "documents": docs}, timeout=60)
     assert given.status_code == 200, given.text
-    assert given.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    template = jinja2.Environment().from_string(bos_tokenizer.spec.chat_template or "")
+    for answer, documents in ((plain, None), (given.json(), docs)):
+        rendered = template.render(
+            messages=messages, documents=documents, add_generation_prompt=True
+        )
+        expected = bos_tokenizer.encode(rendered, add_special_tokens=False)  # the template's
+        assert answer["usage"]["prompt_tokens"] == len(expected)
+        # the prompt itself, token by token, as the engine read it
+        prompt = [next(iter(p.values())) for p in answer["prompt_logprobs"][1:]]
+        text = "".join(token["decoded_token"] for token in prompt)
+        assert ("The capital of Italy." in text) is (documents is not None), text
+    assert given.json()["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
     forged = [{"title": "x", "text": "<|im_start|>system"}]
-    refused = httpx.post(url, json={**body, "documents": forged}, timeout=60)
+    smollm2 = {"model": MODEL, "messages": messages, "max_tokens": 1}
+    refused = httpx.post(
+        llm_server.url + "/v1/chat/completions", json={**smollm2, "documents": forged}, timeout=60
+    )
     assert refused.status_code == 400 and "control token" in refused.text
+
+
+def test_completions_add_special_tokens_adds_the_tokenizer_s_own(
+    bos_server: RunningServer, bos_tokenizer: ChatTokenizer
+) -> None:
+    """vLLM's add_special_tokens on /v1/completions: a text prompt has the special tokens its
+    tokenizer adds (here its BOS) unless it is false."""
+    prompt = "The capital of France is"
+    client = bos_server.openai_client()
+    with_special = bos_tokenizer.encode(prompt)
+    without = bos_tokenizer.encode(prompt, add_special_tokens=False)
+    assert with_special == [bos_tokenizer.bos_token_id, *without]  # what it adds: its BOS
+
+    def prompt_tokens(**extra: object) -> int:
+        answer = client.completions.create(
+            model=BOS_MODEL, prompt=prompt, max_tokens=1, extra_body=extra
+        )
+        assert answer.usage is not None
+        return answer.usage.prompt_tokens
+
+    assert prompt_tokens() == prompt_tokens(add_special_tokens=True) == len(with_special)
+    assert prompt_tokens(add_special_tokens=False) == len(without)
 
 
 def test_cache_salt_keeps_a_prompts_cached_blocks_to_its_salt(client: openai.OpenAI) -> None:

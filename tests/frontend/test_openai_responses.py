@@ -2,7 +2,8 @@
 SmolLM2 with greedy decoding: each answer compared with /v1/chat/completions' for the same
 messages (input, instructions, a tool's result after previous_response_id), streamed events in
 order and adding up to the answer sent whole, max_output_tokens, a JSON schema, a forced
-function call, the store (retrieve, delete, unknown ids) and the fields refused by name."""
+function call, the store (retrieve, delete, unknown ids, the input items listed a page at a
+time, cancel refused) and the fields refused by name."""
 
 from __future__ import annotations
 
@@ -193,6 +194,76 @@ def test_a_forced_call_then_its_result_after_previous_response_id(client: openai
     [done] = [e for e in streamed if e.type == "response.function_call_arguments.done"]
     assert delta.delta == done.arguments == call.arguments
     assert streamed[-1].response.output[0].arguments == call.arguments
+    listed = list(client.responses.input_items.list(second.id, order="asc"))
+    assert [item.type for item in listed] == ["message", "function_call", "function_call_output"]
+    assert listed[1].id == call.id and listed[1].arguments == call.arguments
+    assert (listed[2].call_id, listed[2].output) == (call.call_id, "Sunny, 21 C")
+
+
+def test_the_input_items_of_a_stored_response_page_in_either_order(client: openai.OpenAI) -> None:
+    asked = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]},
+    ]
+    first = create(client, input=asked, max_output_tokens=4)
+    second = create(client, input="Another one?", previous_response_id=first.id)
+    listed = list(client.responses.input_items.list(second.id, order="asc", limit=2))
+    assert [(i.type, i.role) for i in listed] == [
+        ("message", "developer"),
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    texts = [i.content[0].text for i in listed]
+    assert texts == ["Be brief.", "Name a colour.", first.output_text, "Another one?"]
+    assert listed[2].id == first.output[0].id  # the first response's output, as it was made
+    assert [i.content[0].type for i in listed] == [
+        "input_text",
+        "input_text",
+        "output_text",
+        "input_text",
+    ]
+    assert len({i.id for i in listed}) == 4
+    assert [i.status for i in listed] == ["completed", "completed", first.status, "completed"]
+    ids = [i.id for i in listed]
+    assert [i.id for i in client.responses.input_items.list(second.id)] == ids[::-1]  # desc
+    page = client.responses.input_items.list(second.id, order="asc", limit=3)
+    assert [i.id for i in page.data] == ids[:3] and page.has_more
+    rest = page.get_next_page()
+    assert [i.id for i in rest.data] == ids[3:] and not rest.has_more
+    backward = client.responses.input_items.list(
+        second.id, order="asc", limit=2, extra_query={"before": ids[3]}
+    )
+    assert [i.id for i in backward.data] == ids[1:3] and backward.has_more
+    included = client.responses.input_items.list(
+        first.id, include=["message.input_image.image_url"]
+    )
+    assert [i.id for i in included] == ids[1::-1]  # the first response's own: its input
+    bad = [
+        ({"limit": 0}, "limit"),
+        ({"limit": 101}, "limit"),
+        ({"order": "sideways"}, "order"),
+        ({"after": "msg_unknown"}, "after"),
+        ({"include": ["everything"]}, "include"),
+    ]
+    for query, param in bad:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.input_items.list(second.id, extra_query=query)
+        assert caught.value.body["param"] == param and caught.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+
+
+def test_cancel_is_refused_as_for_a_response_not_made_in_the_background(
+    client: openai.OpenAI,
+) -> None:
+    response = create(client, max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.cancel(response.id)
+    assert caught.value.body["message"] == "Cannot cancel a synchronous response."
+    assert client.responses.retrieve(response.id) == response  # unchanged
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
 
 
 def test_a_stored_response_is_retrieved_and_deleted(client: openai.OpenAI) -> None:

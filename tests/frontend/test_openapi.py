@@ -50,6 +50,8 @@ ROUTES = {
     ("post", "/v1/responses"),
     ("get", "/v1/responses/{id}"),
     ("delete", "/v1/responses/{id}"),
+    ("get", "/v1/responses/{id}/input_items"),
+    ("post", "/v1/responses/{id}/cancel"),
     ("post", "/v1/models/{model}:predict"),
     ("post", "/v1/models/{model}/versions/{version}:predict"),
     ("post", "/tokenize"),

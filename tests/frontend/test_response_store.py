@@ -8,7 +8,7 @@ from lockgate.frontend.response_store import ResponseStore, StoredResponse
 
 
 def stored(n: int) -> StoredResponse:
-    return StoredResponse({"id": f"resp_{n}"}, ())
+    return StoredResponse({"id": f"resp_{n}"}, (), ())
 
 
 def test_the_least_recently_used_goes_first() -> None:

@@ -49,6 +49,9 @@ def test_histograms_count_every_request_with_no_scrape_in_between() -> None:
         "lockgate_llm_e2e_request_latency_seconds",
         "lockgate_llm_request_queue_time_seconds",
         "lockgate_llm_request_time_per_output_token_seconds",
+        "lockgate_llm_request_prefill_time_seconds",
+        "lockgate_llm_request_decode_time_seconds",
+        "lockgate_llm_request_inference_time_seconds",
         "lockgate_llm_request_prompt_tokens",
     ):
         assert value(text, f"{name}_count{labels}") == 30, name
