@@ -9,17 +9,21 @@ For each request, in order:
 3. Routing: a canary may send the request to a version (a v2 path's, or for the OpenAI routes
    the header `x-lockgate-model-version`) or a replica group (`canary.py`); replicas labelled
    `URL#group` take only their group's traffic (`groups.py`).
-4. Balancing, over the usable replicas of the request's group: a sticky session's replica
-   (`sticky.py`); for a completion request, the least loaded replica or the one its prompt's
-   prefix prefers (`llm_routing.py`); otherwise power of two choices on load (`balancer.py`).
+4. Balancing, over the usable replicas of the request's group: a stateful model's sequence's
+   replica (`sequence_affinity.py`), for KServe v2 inference that names a `sequence_id`; a
+   sticky session's replica (`sticky.py`); for a completion request, the least loaded
+   replica or the one its prompt's prefix prefers (`llm_routing.py`); otherwise power of two
+   choices on load (`balancer.py`).
    Replicas report their requests in progress in the `x-lockgate-inflight` header of every
    answer.
 5. Hedging, for KServe v2 inference (`POST /v2/models/.../infer`, idempotent) only: when no
    answer has come after the model's recent 95th-percentile latency, a second copy goes to
    another replica within the hedge budget; the first answer wins and the other copy's
-   connection is closed, so its replica drops the work. Streams are never hedged.
+   connection is closed, so its replica drops the work. Streams are never hedged, nor is a
+   request of a sequence.
 6. Retries: an attempt that got no answer (connection refused or broken) or a 503 goes to
-   another replica, within the retry budget (10% of requests by default). Nothing is
+   another replica, within the retry budget (10% of requests by default); a request of a
+   sequence never does (its state lives on one replica). Nothing is
    retried once a byte of the answer has gone to the client.
 7. Deadlines: a `request-timeout` header (seconds) is passed on less the time already
    spent in the router; past it, 504 at once.
@@ -29,9 +33,9 @@ Model control (`POST /v2/repository/models/{m}/load` and `/unload`) takes none o
 (`model_control.py`).
 
 The KServe v2 inference requests that need none of 1, 3 (a canary) or the shadow below, nor a
-sticky session, take the lane (`lane.py`): passed to the replica and back from the
-connections' own callbacks, below ASGI, and hedged there as in 5; an attempt there that gets
-no answer or a 503 comes back to this path for its retries (6).
+sticky session, nor name a sequence, take the lane (`lane.py`): passed to the replica and back
+from the connections' own callbacks, below ASGI, and hedged there as in 5; an attempt there
+that gets no answer or a 503 comes back to this path for its retries (6).
 
 Answers, server-sent events included, are passed through as they arrive. A shadow
 (`shadow.py`) may copy a v2 inference request to a candidate beside it; the client's answer is
@@ -77,6 +81,7 @@ from lockgate.router.pool import ReplicaPool
 from lockgate.router.rate_limits import RateLimiter, RateLimitSettings, Refusal
 from lockgate.router.replica import Replica
 from lockgate.router.route import Route
+from lockgate.router.sequence_affinity import SequenceGone, SequenceRequest, SequenceTable
 from lockgate.router.shadow import Mirror, Shadow, ShadowSettings
 from lockgate.router.sticky import Sticky
 from lockgate.router.tally import Tally
@@ -112,6 +117,7 @@ class RouterSettings:
     canary: tuple[CanaryRule, ...] = ()
     shadow: ShadowSettings = field(default_factory=ShadowSettings)
     sticky_header: str | None = None  # requests with the same value go to the same replica
+    sequence_table_size: int = 65536  # sequences pinned to their replica (`sequence_affinity`)
     rate_limits: RateLimitSettings | None = None
     llm_routing: LLMRoutingSettings = field(default_factory=LLMRoutingSettings)
     max_model_series: int = 1000  # model names with request counters of their own
@@ -148,6 +154,7 @@ class RouterApp:
         self.shadow = Shadow(settings.shadow, registry, self._pick_in)
         header = settings.sticky_header
         self.sticky = Sticky(header.lower().encode()) if header else None
+        self.sequences = SequenceTable(settings.sequence_table_size)
         limits = settings.rate_limits
         self.limits = RateLimiter(limits) if limits is not None and limits.enabled else None
         self.llm_routing = LLMRouting(settings.llm_routing, registry)
@@ -314,6 +321,8 @@ class RouterApp:
             except ServingError as exc:
                 return await _error(send, exc.status, exc.message, path=path)
         route = self._route(scope, headers, body)
+        if route.target is not None and route.target.verb == "infer":
+            route.sequence = await self._sequence_of(headers, body)
         if route.pin is not None:
             headers = [*headers, (MODEL_VERSION_HEADER, route.pin.encode())]
         metered: Metered | None = None
@@ -326,7 +335,7 @@ class RouterApp:
         mirror: Mirror | None = None
         status = 0
         try:
-            if route.target is not None and route.target.verb == "infer":
+            if route.target is not None and route.target.verb == "infer" and not route.sequence:
                 mirror = self.shadow.mirror(
                     route.target.model, scope["method"], route.original, headers, body
                 )
@@ -400,6 +409,8 @@ class RouterApp:
         (`lane.py`), as it came; None when it takes this app's path instead."""
         if self.draining or self.limits is not None or self.sticky is not None:
             return None
+        if b'"sequence_id"' in request:  # a stateful model's sequence: the app's path
+            return None
         target = self.lane_targets.get(head.path)
         if target is None:
             target = ModelPath.parse("POST", head.path)
@@ -470,6 +481,19 @@ class RouterApp:
         self.model_counts.count(call.model, call.version, MAIN, status)
         self.lane_outcomes.inc(_ANSWERED)
 
+    async def _sequence_of(
+        self, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> SequenceRequest | None:
+        """The sequence a v2 inference request names, read off its body (inflated to look, when
+        compressed; sent on as it came)."""
+        coding = coding_of(_header(headers, b"content-encoding"))
+        if coding is not None:
+            try:
+                body = await inflate(body, coding, self.settings.max_body_bytes)
+            except ServingError:
+                return None  # the replica answers it
+        return SequenceRequest.of_json(headers, body)
+
     async def _inflated(
         self, body: bytes, headers: list[tuple[bytes, bytes]]
     ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
@@ -522,6 +546,8 @@ class RouterApp:
         for r in self.groups.members(self.pool.replicas, route.group):
             if r.usable(now) and r not in exclude:
                 (full if r.full(now) else choices).append(r)
+        if route.sequence is not None:  # never moved for load: full replicas count
+            return self.sequences.pick(route.sequence, [*choices, *full])
         choices = choices or full
         if not choices:
             return None
@@ -560,18 +586,24 @@ class RouterApp:
         lane, which gave none)."""
         tried: list[Replica] = list(lane.tried) if lane is not None else []
         last = lane.refused if lane is not None else None
-        for attempt in range(len(tried), self.settings.max_attempts):
+        # a sequence's state lives on one replica: one try, never hedged
+        attempts = 1 if route.sequence is not None else self.settings.max_attempts
+        hedged = model is not None and route.sequence is None
+        for attempt in range(len(tried), attempts):
             now = time.monotonic()
             if attempt and not self.retries.try_spend(now):
                 self.retries_denied.inc()
                 break
-            replica = self._pick(route, now, tried)
+            try:
+                replica = self._pick(route, now, tried)
+            except SequenceGone as exc:
+                raise Failure(str(exc), 503) from None
             if replica is None:
                 break
             if attempt:
                 self.retried.inc()
             sent = _with_deadline(headers, timeout, arrived)
-            delay = self.settings.hedge.delay(model) if model is not None else None
+            delay = self.settings.hedge.delay(model) if hedged and model is not None else None
             if delay is not None and not self.has_other(route.group, now, [*tried, replica]):
                 delay = None  # no other replica could take a second copy: no hedge to time
             try:

@@ -1,6 +1,6 @@
 """Where one request goes, as the router decided before sending it: the path (a version canary
 rewrites it, or for an OpenAI request names the version in `x-lockgate-model-version`), the
-replica group, and what balancing reads (a sticky session, a prompt prefix)."""
+replica group, and what balancing reads (a sequence, a sticky session, a prompt prefix)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from lockgate.router.groups import MAIN
 from lockgate.router.llm_request import LLMRequest
 from lockgate.router.model_path import ModelPath
+from lockgate.router.sequence_affinity import SequenceRequest
 
 
 @dataclass(slots=True)
@@ -21,6 +22,7 @@ class Route:
     pin: str | None = None  # an OpenAI request's version canary: sent in a header
     group: str = MAIN  # the replicas that may take it
     session: bytes | None = None  # its sticky session key
+    sequence: SequenceRequest | None = None  # a stateful model's sequence it belongs to
 
     @property
     def model(self) -> str | None:
