@@ -20,10 +20,12 @@ For each request, in order:
    answer has come after the model's recent 95th-percentile latency, a second copy goes to
    another replica within the hedge budget; the first answer wins and the other copy's
    connection is closed, so its replica drops the work. Streams are never hedged, nor is a
-   request of a sequence.
+   request of a sequence, nor of a model not seen to answer as a classic model
+   (`model_kinds.py`: a language model's answers say so).
 6. Retries: an attempt that got no answer (connection refused or broken) or a 503 goes to
    another replica, within the retry budget (10% of requests by default); a request of a
-   sequence never does (its state lives on one replica). Nothing is
+   sequence never does (its state lives on one replica), nor a language model's once it
+   was sent (only a 503 or a connection refused: a generation is not run twice). Nothing is
    retried once a byte of the answer has gone to the client.
 7. Deadlines: a `request-timeout` header (seconds) is passed on less the time already
    spent in the router; past it, 504 at once.
@@ -62,6 +64,7 @@ from lockgate.core.heap import freeze_heap
 from lockgate.core.metrics import Registry
 from lockgate.errors import ServingError
 from lockgate.protocol.content_coding import coding_of, inflate
+from lockgate.protocol.llm_tensors import LANGUAGE_KIND, MODEL_KIND_HEADER
 from lockgate.protocol.openai import MODEL_VERSION_HEADER, error_body, openai_path
 from lockgate.router import replica_settings
 from lockgate.router.balancer import Balancer
@@ -76,6 +79,7 @@ from lockgate.router.llm_request import EMBEDDINGS_PATH, OPENAI_PATHS, LLMReques
 from lockgate.router.llm_routing import LLMRouting, LLMRoutingSettings
 from lockgate.router.model_control import ControlSettings, ModelControl
 from lockgate.router.model_counts import ModelCounts
+from lockgate.router.model_kinds import ModelKinds
 from lockgate.router.model_path import ModelPath
 from lockgate.router.pool import ReplicaPool
 from lockgate.router.rate_limits import RateLimiter, RateLimitSettings, Refusal
@@ -135,9 +139,10 @@ class Tap(Protocol):
 class Failure(Exception):
     """An attempt that ended without an answer worth passing on."""
 
-    def __init__(self, message: str, status: int = 502) -> None:
+    def __init__(self, message: str, status: int = 502, sent: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.sent = sent  # the request may have reached the replica
 
 
 class RouterApp:
@@ -155,6 +160,7 @@ class RouterApp:
         header = settings.sticky_header
         self.sticky = Sticky(header.lower().encode()) if header else None
         self.sequences = SequenceTable(settings.sequence_table_size)
+        self.kinds = ModelKinds()  # which models may be sent twice
         limits = settings.rate_limits
         self.limits = RateLimiter(limits) if limits is not None and limits.enabled else None
         self.llm_routing = LLMRouting(settings.llm_routing, registry)
@@ -419,7 +425,7 @@ class RouterApp:
             if len(self.lane_targets) < _LANE_TARGETS:
                 self.lane_targets[head.path] = target
         model = target.model
-        if head.length > self.settings.max_body_bytes:
+        if head.length > self.settings.max_body_bytes or model in self.kinds.language:
             return None
         if model in self.canary.rules or model in self.shadow.rules:
             return None
@@ -432,7 +438,8 @@ class RouterApp:
         if replica is None:
             return None
         hedge = self.settings.hedge
-        delay = hedge.delay(model) if hedge.enabled else None
+        # a model not seen to answer as a classic model yet is not sent twice (`model_kinds`)
+        delay = hedge.delay(model) if hedge.enabled and self.kinds.repeatable(model) else None
         if delay is not None and not self.has_other(MAIN, now, (replica,)):
             delay = None  # no other replica could take a second copy: no hedge to time
         # passed as it came: its request-timeout less nothing but this parse
@@ -455,6 +462,7 @@ class RouterApp:
             self._failed(replica)
             return False
         self._answered_by(replica, response, now)
+        self._learn(call.model, response)
         if response.status == 503:
             return False
         if response.status == 200 and self.settings.hedge.enabled:
@@ -588,7 +596,14 @@ class RouterApp:
         last = lane.refused if lane is not None else None
         # a sequence's state lives on one replica: one try, never hedged
         attempts = 1 if route.sequence is not None else self.settings.max_attempts
-        hedged = model is not None and route.sequence is None
+        # a language model's (or one not seen to answer yet) is never sent twice: no hedge,
+        # no retry once sent
+        once = route.llm.generates if route.llm is not None else False
+        if model is not None:
+            once = not self.kinds.repeatable(model)
+        hedged = not once and route.sequence is None
+        if once and lane is not None and lane.broken:  # it may have reached the replica
+            raise Failure(f"{lane.replica.url} broke off before answering (not sent again)")
         for attempt in range(len(tried), attempts):
             now = time.monotonic()
             if attempt and not self.retries.try_spend(now):
@@ -613,8 +628,14 @@ class RouterApp:
                     )
                 else:
                     response = await self._attempt(replica, method, route.path, sent, body)
-            except Failure:
+            except Failure as exc:
                 tried.append(replica)
+                if once and exc.sent:  # it may have reached the replica: not run twice
+                    message = (
+                        f"{exc} (not sent again: a language model's request, or one of a "
+                        "model not seen to answer yet)"
+                    )
+                    raise Failure(message, exc.status) from None
                 continue
             if response.status == 503:  # that replica's admission refused: try another
                 tried.append(replica)
@@ -622,8 +643,10 @@ class RouterApp:
                     last[0].abort()
                 last = (response, replica)
                 continue
-            if model is not None and response.status == 200 and self.settings.hedge.enabled:
-                self.settings.hedge.observe(model, time.monotonic() - arrived)
+            if model is not None:
+                self._learn(model, response)
+                if response.status == 200 and self.settings.hedge.enabled and not once:
+                    self.settings.hedge.observe(model, time.monotonic() - arrived)
             if last is not None:
                 last[0].abort()
             return response, replica
@@ -659,11 +682,16 @@ class RouterApp:
             except UpstreamError as exc:
                 self.attempts.inc((replica.url, "error"))
                 self._failed(replica)
-                raise Failure(str(exc)) from exc
+                raise Failure(str(exc), sent=exc.sent) from exc
         finally:
             replica.in_flight -= 1
         self._answered_by(replica, response, time.monotonic())
         return response
+
+    def _learn(self, model: str, response: Response) -> None:
+        """What an answer says of its model: a language model's, or a classic one."""
+        language = response.header(MODEL_KIND_HEADER) == LANGUAGE_KIND
+        self.kinds.learn(model, response.status, language)
 
     def _answered_by(self, replica: Replica, response: Response, now: float) -> None:
         """Count an answer of `replica` and what it says of the replica: full (503),

@@ -12,7 +12,10 @@ code, message and trailing metadata, come back unchanged. One channel per replic
   for HTTP and gRPC). The client's deadline is passed on less the time spent in the router;
   once it is spent, DEADLINE_EXCEEDED. When every usable replica is full, UNAVAILABLE at once
   with `retry-after`. Other codes (NOT_FOUND, INVALID_ARGUMENT, ...) are the replica's answer.
-- ModelInfer is hedged as v2 inference over HTTP is, by the same policy, budget and metrics:
+- ModelInfer is hedged as v2 inference over HTTP is, by the same policy, budget and metrics
+  (and, as there, only for a model seen to answer as a classic one: a language model's
+  answers carry the trailing metadata `x-lockgate-model-kind: language`, and its requests
+  are never hedged nor retried but after a refusal, `model_kinds.py`):
   when a call has not ended after its model's delay (`HedgePolicy`: the model's recent 95th
   percentile latency, over HTTP and gRPC answers alike), a second copy goes to another replica
   within the hedge budget; the first to end with an answer or a status other than UNAVAILABLE
@@ -58,6 +61,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc.status import STATUS_CODES, cancelled_code
+from lockgate.protocol.llm_tensors import LANGUAGE_KIND, MODEL_KIND_HEADER
 from lockgate.router import replica_settings
 from lockgate.router.app import RouterApp
 from lockgate.router.control_log import Control
@@ -91,6 +95,7 @@ CONTROL: dict[str, tuple[str, Any]] = {
     PREFIX + "RepositoryModelUnload": ("unload", pb.RepositoryModelUnloadRequest),
 }
 CONTROL_CODES = {**STATUS_CODES, 502: grpc.StatusCode.UNAVAILABLE}  # 502: a replica not reached
+_KIND_KEY, _LANGUAGE = MODEL_KIND_HEADER.decode(), LANGUAGE_KIND.decode()
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 WATCH_INTERVAL_S = 0.5
 Metadata = tuple[tuple[str, str | bytes], ...]
@@ -198,6 +203,7 @@ class _Call:
     request: bytes
     metadata: Metadata
     context: Context
+    model: str | None = None  # a ModelInfer's: its answers tell the model's kind
 
 
 class _Retry(Exception):
@@ -375,7 +381,7 @@ class GrpcFront:
         self._admit()
         router = self.router
         model = model_of(request) if method == MODEL_INFER else None
-        call = _Call(method, request, metadata, context)
+        call = _Call(method, request, metadata, context, model)
         sequence = sequence_of(request) if method == MODEL_INFER else None
         if sequence is not None:
             return await self._in_sequence(call, sequence)
@@ -392,7 +398,9 @@ class GrpcFront:
                 break
             if attempt:
                 router.retried.inc()
-            delay = router.settings.hedge.delay(model) if model is not None else None
+            # a language model's (or one not seen to answer yet) is never sent twice
+            once = model is not None and not router.kinds.repeatable(model)
+            delay = router.settings.hedge.delay(model) if model is not None and not once else None
             if delay is not None and not router.has_other(MAIN, now, [*tried, replica]):
                 delay = None  # no other replica could take a second copy: no hedge to time
             try:
@@ -402,9 +410,11 @@ class GrpcFront:
                     response = await self._hedged(replica, call, delay, tried)
             except _Retry as retry:
                 tried.append(replica)
+                if once and not retry.status.refusal:
+                    raise retry.status from None  # it may have reached the replica
                 refusal = retry.status if retry.status.refusal else refusal
                 continue
-            if model is not None:
+            if model is not None and not once:
                 router.settings.hedge.observe(model, time.monotonic() - arrived)
             return response
         if refusal is not None:
@@ -454,8 +464,13 @@ class GrpcFront:
         send = self.links.get(replica, self.router.pool.replicas).unary(call.method)
         replica.in_flight += 1
         try:
-            response = await send(call.request, timeout=timeout, metadata=call.metadata)
+            sent = send(call.request, timeout=timeout, metadata=call.metadata)
+            response = await sent
+            if call.model is not None:
+                self._learn(call.model, grpc.StatusCode.OK, await sent.trailing_metadata())
         except grpc.aio.AioRpcError as error:
+            if call.model is not None:
+                self._learn(call.model, error.code(), error.trailing_metadata())
             raise self._failed(replica, _Status.of(error)) from None
         finally:
             replica.in_flight -= 1
@@ -500,6 +515,11 @@ class GrpcFront:
                     task.cancel()  # the copy still running: its call is cancelled
                 elif not task.cancelled():
                     task.exception()  # a copy that ended unread: its end is no news
+
+    def _learn(self, model: str, code: grpc.StatusCode, trailing: Any) -> None:
+        """What a ModelInfer's end says of its model (`model_kinds.py`)."""
+        language = any(key == _KIND_KEY and value == _LANGUAGE for key, value in trailing or ())
+        self.router.kinds.learn(model, 200 if code == grpc.StatusCode.OK else 500, language)
 
     def _failed(self, replica: Replica, status: _Status) -> Exception:
         """What an attempt that ended with `status` raises; the replica's books updated."""
