@@ -10,7 +10,9 @@ For each request, in order:
    the header `x-lockgate-model-version`) or a replica group (`canary.py`); replicas labelled
    `URL#group` take only their group's traffic (`groups.py`).
 4. Balancing, over the usable replicas of the request's group: a stateful model's sequence's
-   replica (`sequence_affinity.py`), for KServe v2 inference that names a `sequence_id`; a
+   replica (`sequence_affinity.py`), for KServe v2 inference that names a `sequence_id`; the
+   replica that stored a response of the OpenAI Responses API, for a request that reads,
+   deletes or continues it (`response_homes.py`); a
    sticky session's replica (`sticky.py`); for a completion request, the least loaded
    replica or the one its prompt's prefix prefers (`llm_routing.py`); otherwise power of two
    choices on load (`balancer.py`).
@@ -54,6 +56,7 @@ import contextlib
 import logging
 import math
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Collection, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -66,6 +69,7 @@ from lockgate.errors import ServingError
 from lockgate.protocol.content_coding import coding_of, inflate
 from lockgate.protocol.llm_tensors import LANGUAGE_KIND, MODEL_KIND_HEADER
 from lockgate.protocol.openai import MODEL_VERSION_HEADER, error_body, openai_path
+from lockgate.protocol.responses import RESPONSE_ID_HEADER
 from lockgate.router import replica_settings
 from lockgate.router.balancer import Balancer
 from lockgate.router.budget import Budget
@@ -84,6 +88,11 @@ from lockgate.router.model_path import ModelPath
 from lockgate.router.pool import ReplicaPool
 from lockgate.router.rate_limits import RateLimiter, RateLimitSettings, Refusal
 from lockgate.router.replica import Replica
+from lockgate.router.response_homes import (
+    RESPONSES_PATH,
+    ResponseHomes,
+    ResponseRequest,
+)
 from lockgate.router.route import Route
 from lockgate.router.sequence_affinity import SequenceGone, SequenceRequest, SequenceTable
 from lockgate.router.shadow import Mirror, Shadow, ShadowSettings
@@ -122,6 +131,7 @@ class RouterSettings:
     shadow: ShadowSettings = field(default_factory=ShadowSettings)
     sticky_header: str | None = None  # requests with the same value go to the same replica
     sequence_table_size: int = 65536  # sequences pinned to their replica (`sequence_affinity`)
+    responses_table_size: int = 65536  # stored responses whose replica is known
     rate_limits: RateLimitSettings | None = None
     llm_routing: LLMRoutingSettings = field(default_factory=LLMRoutingSettings)
     max_model_series: int = 1000  # model names with request counters of their own
@@ -161,6 +171,7 @@ class RouterApp:
         self.sticky = Sticky(header.lower().encode()) if header else None
         self.sequences = SequenceTable(settings.sequence_table_size)
         self.kinds = ModelKinds()  # which models may be sent twice
+        self.response_homes = ResponseHomes(settings.responses_table_size)
         limits = settings.rate_limits
         self.limits = RateLimiter(limits) if limits is not None and limits.enabled else None
         self.llm_routing = LLMRouting(settings.llm_routing, registry)
@@ -320,7 +331,7 @@ class RouterApp:
             answer = await self.control.apply(control, headers, body, deadline)
             await _respond(send, answer.status, answer.body, b"application/json")
             return answer.status
-        if scope["method"] == "POST" and path in OPENAI_PATHS:
+        if scope["method"] == "POST" and (path in OPENAI_PATHS or path == RESPONSES_PATH):
             # read for routing, metering and shadows: a compressed body goes on inflated
             try:
                 body, headers = await self._inflated(body, headers)
@@ -329,6 +340,8 @@ class RouterApp:
         route = self._route(scope, headers, body)
         if route.target is not None and route.target.verb == "infer":
             route.sequence = await self._sequence_of(headers, body)
+        elif path.startswith(RESPONSES_PATH):
+            route.responses = ResponseRequest.parse(scope["method"], path, body)
         if route.pin is not None:
             headers = [*headers, (MODEL_VERSION_HEADER, route.pin.encode())]
         metered: Metered | None = None
@@ -399,9 +412,13 @@ class RouterApp:
             return await _error(send, 503, "every replica is full: retry later", retry, path)
         model = route.target.model if route.target and route.target.verb == "infer" else None
         try:
+            if route.responses is not None and route.responses.rid is not None:
+                route.home = await self._home(route.responses.rid, route.group, headers)
             response, replica = await self._answer(
                 method, route, headers, body, arrived, timeout, model, lane
             )
+            if route.responses is not None:
+                self._stored(route.responses, response, replica)
         except Failure as exc:
             wait = 1 if exc.status == 503 else None
             return await _error(send, exc.status, str(exc), wait, path)
@@ -554,6 +571,8 @@ class RouterApp:
         for r in self.groups.members(self.pool.replicas, route.group):
             if r.usable(now) and r not in exclude:
                 (full if r.full(now) else choices).append(r)
+        if route.home is not None:  # a stored response's replica, or none
+            return route.home if route.home in choices or route.home in full else None
         if route.sequence is not None:  # never moved for load: full replicas count
             return self.sequences.pick(route.sequence, [*choices, *full])
         choices = choices or full
@@ -594,11 +613,12 @@ class RouterApp:
         lane, which gave none)."""
         tried: list[Replica] = list(lane.tried) if lane is not None else []
         last = lane.refused if lane is not None else None
-        # a sequence's state lives on one replica: one try, never hedged
-        attempts = 1 if route.sequence is not None else self.settings.max_attempts
+        # a sequence's state, a stored response, live on one replica: one try, never hedged
+        pinned = route.sequence is not None or route.home is not None
+        attempts = 1 if pinned else self.settings.max_attempts
         # a language model's (or one not seen to answer yet) is never sent twice: no hedge,
         # no retry once sent
-        once = route.llm.generates if route.llm is not None else False
+        once = route.generates
         if model is not None:
             once = not self.kinds.repeatable(model)
         hedged = not once and route.sequence is None
@@ -687,6 +707,50 @@ class RouterApp:
             replica.in_flight -= 1
         self._answered_by(replica, response, time.monotonic())
         return response
+
+    async def _home(self, rid: str, group: str, headers: list[tuple[bytes, bytes]]) -> Replica:
+        """The replica that stored response `rid` (`response_homes.py`): the one the table
+        names, else the one of the usable replicas of `group`, asked at once, that holds it;
+        Failure (503: not usable, 404: none holds it) otherwise."""
+        now = time.monotonic()
+        members = [r for r in self.groups.members(self.pool.replicas, group) if r.usable(now)]
+        url = self.response_homes.home(rid)
+        if url is not None:
+            home = next((r for r in members if r.url == url), None)
+            if home is None:
+                message = f"response '{rid[:80]}' is stored on replica {url}, not usable now"
+                raise Failure(message, 503)
+            return home
+        path = f"{RESPONSES_PATH}/{urllib.parse.quote(rid, safe='')}"
+        asked = [(k, v) for k, v in headers if not k.startswith(b"content-")]
+        held = await asyncio.gather(*(self._holds(r, path, asked) for r in members))
+        for replica, holds in zip(members, held, strict=True):
+            if holds:
+                self.response_homes.keep(rid, replica.url)
+                return replica
+        message = (
+            f"no replica stores a response with id '{rid[:80]}' (each replica keeps the "
+            "responses it answered, in memory)"
+        )
+        raise Failure(message, 404)
+
+    async def _holds(self, replica: Replica, path: str, headers: list[tuple[bytes, bytes]]) -> bool:
+        try:
+            response = await self._attempt(replica, "GET", path, headers, b"", whole=True)
+        except Failure:
+            return False
+        return response.status == 200
+
+    def _stored(self, asked: ResponseRequest, response: Response, replica: Replica) -> None:
+        """What an answer of the Responses API says of where responses are stored."""
+        if response.status != 200:
+            return
+        if asked.creates:
+            rid = response.header(RESPONSE_ID_HEADER)
+            if rid:
+                self.response_homes.keep(rid.decode("latin-1"), replica.url)
+        elif asked.deletes and asked.rid is not None:
+            self.response_homes.forget(asked.rid)
 
     def _learn(self, model: str, response: Response) -> None:
         """What an answer says of its model: a language model's, or a classic one."""
@@ -900,6 +964,7 @@ async def _error(
 # the error types of the router's own answers on the OpenAI API, by status
 _KINDS = {
     400: "invalid_request",
+    404: "not_found",
     413: "payload_too_large",
     429: "rate_limited",
     502: "bad_gateway",

@@ -1,6 +1,7 @@
 """A language model behind `lockgate route` over two real SmolLM2 replicas (the session's and
 one more): its KServe v2 inference, REST and gRPC, is sent to one replica only, even with
-hedging on after 1 ms."""
+hedging on after 1 ms; the OpenAI Responses API's stored responses, each on one replica, are
+retrieved, continued and deleted through the router with the `openai` client."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from lockgate.demo.smollm2 import SERVED_NAME
 from tests.conftest import RunningServer, free_port, smollm2_repository, start_server
 from tests.frontend.test_llm_infer import MODEL, request
 from tests.router.test_grpc_proxy import GrpcRouter, start_grpc_router
@@ -86,3 +89,41 @@ def test_a_language_models_v2_infer_is_sent_to_one_replica_only(
         timeout=60,
     )
     assert answer.status_code == 200 and answer.headers["x-lockgate-model-kind"] == "language"
+
+
+def holders(replicas: list[RunningServer], rid: str) -> list[int]:
+    """The replicas (their index) that store response `rid`, asked directly."""
+    return [
+        i
+        for i, r in enumerate(replicas)
+        if httpx.get(f"{r.url}/v1/responses/{rid}", timeout=30).status_code == 200
+    ]
+
+
+def test_stored_responses_are_reached_through_the_router(
+    front: GrpcRouter, replicas: list[RunningServer]
+) -> None:
+    """Responses created through the router (whole and streamed) are each stored on one
+    replica; retrieving, continuing (`previous_response_id`) and deleting each reach that
+    replica; one stored behind the router's back is found by asking the replicas."""
+    client = openai.OpenAI(base_url=front.router.url + "/v1", api_key="k", max_retries=0)
+    ask = {"model": SERVED_NAME, "temperature": 0, "max_output_tokens": 4}
+    created = [client.responses.create(input=f"Name a colour, {i}.", **ask) for i in range(4)]
+    *_, last = client.responses.create(input="Name a fruit.", stream=True, **ask)
+    created.append(last.response)  # incomplete (max_output_tokens): stored all the same
+    homes = {}
+    for response in created:
+        [homes[response.id]] = holders(replicas, response.id)
+        assert client.responses.retrieve(response.id).output_text == response.output_text
+    for response in created:
+        follow = client.responses.create(
+            input="And another?", previous_response_id=response.id, **ask
+        )
+        assert holders(replicas, follow.id) == [homes[response.id]]  # continued at home
+    for response in created:
+        assert client.responses.delete(response.id) is None
+        with pytest.raises(openai.NotFoundError, match="no replica stores a response"):
+            client.responses.retrieve(response.id)
+    # stored on a replica directly: the router finds it
+    direct = replicas[1].openai_client().responses.create(input="Name a tree.", **ask)
+    assert client.responses.retrieve(direct.id).output_text == direct.output_text
