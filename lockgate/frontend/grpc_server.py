@@ -22,7 +22,9 @@ drain. A request reaches the batcher exactly as a REST one does; only the codec 
   ModelInfer refuses a decoupled model, as Triton does.
 - A language model takes and gives the tensors of Triton's vLLM backend (`frontend/llm_infer.py`):
   on the stream, a request with `stream` true is answered by a response per piece of text,
-  as a decoupled model's; ModelInfer answers one with `stream` false with the whole text.
+  as a decoupled model's; ModelInfer answers one with `stream` false with the whole text,
+  with the trailing metadata `x-lockgate-model-kind: language` (the REST answer's header),
+  by which a router knows never to hedge nor retry it once sent.
 """
 
 from __future__ import annotations
@@ -51,11 +53,17 @@ from lockgate.core.manager import ModelManager, ServedVersion
 from lockgate.errors import Forbidden, NotFound, ServingError, Unauthorized
 from lockgate.frontend.app import App
 from lockgate.frontend.grpc_health import add_health_service
-from lockgate.frontend.v2_service import SERVER_METADATA, Deadline, declared_config
+from lockgate.frontend.v2_service import (
+    SERVER_METADATA,
+    Deadline,
+    declared_config,
+    is_language_model,
+)
 from lockgate.protocol.grpc import codec
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
 from lockgate.protocol.grpc.status import STATUS_CODES, cancelled_code
+from lockgate.protocol.llm_tensors import LANGUAGE_KIND, MODEL_KIND_HEADER
 from lockgate.protocol.repository_control import load_request, unload_request
 from lockgate.protocol.v2_codec import V2InferRequest
 
@@ -103,6 +111,7 @@ def status_code(error: ServingError) -> grpc.StatusCode:
 # its metadata limit (8 KiB by default): past that the client would see RESOURCE_EXHAUSTED
 # instead of the status, so a message that echoes a long name from the request is cut.
 MAX_STATUS_MESSAGE_CHARS = 1024
+_LANGUAGE_KIND = ((MODEL_KIND_HEADER.decode(), LANGUAGE_KIND.decode()),)  # trailing metadata
 
 
 def status_message(message: str) -> str:
@@ -321,6 +330,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         received = traced.received if traced is not None else time.monotonic()
         name = request.model_name
         served = self.v2.served(name, request.model_version)
+        if is_language_model(served.config):  # a router never sends it twice
+            context.set_trailing_metadata(_LANGUAGE_KIND)
         decoded = self._decode(request, served)
         deadline = Deadline(received, transport_seconds=context.time_remaining())
         granted = self.app.priority_granted(_bearer(context))

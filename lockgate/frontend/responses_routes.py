@@ -8,7 +8,9 @@ the model's sampling defaults, priority, the completion cache and the engine's a
 response asked with `store` (the API's default) is kept in this process's `ResponseStore`
 for `previous_response_id`, which continues its conversation, and for the listing of its input
 items. `cancel` is answered as OpenAI answers for a response not made in the background, the
-only kind lockgate makes.
+only kind lockgate makes. The answer's head names the response's id (`x-lockgate-response-id`),
+whole or streamed, so that a router in front of several servers sends the requests that need it
+here.
 """
 
 from __future__ import annotations
@@ -171,7 +173,9 @@ class ResponsesRoutes:
             usage = _usage(last)
         answer.feed(text, True)
         _, response = answer.finish(reason, usage)
-        marked = [(b"x-lockgate-cache", b"hit")] if hit is not None else None
+        marked = [(rs.RESPONSE_ID_HEADER, answer.rid.encode())]
+        if hit is not None:
+            marked.append((b"x-lockgate-cache", b"hit"))
         await respond_json(request.send, 200, response, marked)
         return response, text, last
 
@@ -274,7 +278,10 @@ class _Answer:
 async def _start(
     send: Send, answer: _Answer, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    await send({"type": "http.response.start", "status": 200, "headers": SSE + (headers or [])})
+    named = [(rs.RESPONSE_ID_HEADER, answer.rid.encode())]
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": SSE + named + (headers or [])}
+    )
     snapshot = answer.response("in_progress")
     output = answer.output
     await _emit(

@@ -123,6 +123,8 @@ class InferResult:
 
     @property
     def headers(self) -> list[tuple[bytes, bytes]]:
+        if is_language_model(self.served.config):  # a router never sends it twice
+            return [(llm_tensors.MODEL_KIND_HEADER, llm_tensors.LANGUAGE_KIND)]
         if self.source == "cache":
             return [(b"x-lockgate-cache", b"hit")]
         if self.source.startswith("fallback:"):

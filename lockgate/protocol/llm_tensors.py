@@ -38,6 +38,10 @@ STREAM = "stream"
 SAMPLING_PARAMETERS = "sampling_parameters"
 EXCLUDE_INPUT = "exclude_input_in_output"
 TEXT_OUTPUT = "text_output"
+# on every answer of a language model's v2 inference (REST header, gRPC trailing metadata):
+# a router sends its requests once, never a hedge's second copy nor a retry once sent
+MODEL_KIND_HEADER = b"x-lockgate-model-kind"
+LANGUAGE_KIND = b"language"
 # a return_* input -> the output it adds to each response
 RETURNS = {
     "return_finish_reason": "finish_reason",

@@ -30,6 +30,9 @@ from lockgate.errors import BadRequest
 from lockgate.protocol import openai as oa
 
 RESPONSE_ID_PREFIX = "resp_"
+# on the answer to POST /v1/responses (whole or streamed, in its head): the response's id, by
+# which a router sends its GET, DELETE and previous_response_id to the replica that stored it
+RESPONSE_ID_HEADER = b"x-lockgate-response-id"
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = frozenset({"input_text", "output_text"})
 

@@ -9,17 +9,25 @@ For each request, in order:
 3. Routing: a canary may send the request to a version (a v2 path's, or for the OpenAI routes
    the header `x-lockgate-model-version`) or a replica group (`canary.py`); replicas labelled
    `URL#group` take only their group's traffic (`groups.py`).
-4. Balancing, over the usable replicas of the request's group: a sticky session's replica
-   (`sticky.py`); for a completion request, the least loaded replica or the one its prompt's
-   prefix prefers (`llm_routing.py`); otherwise power of two choices on load (`balancer.py`).
+4. Balancing, over the usable replicas of the request's group: a stateful model's sequence's
+   replica (`sequence_affinity.py`), for KServe v2 inference that names a `sequence_id`; the
+   replica that stored a response of the OpenAI Responses API, for a request that reads,
+   deletes or continues it (`response_homes.py`); a
+   sticky session's replica (`sticky.py`); for a completion request, the least loaded
+   replica or the one its prompt's prefix prefers (`llm_routing.py`); otherwise power of two
+   choices on load (`balancer.py`).
    Replicas report their requests in progress in the `x-lockgate-inflight` header of every
    answer.
 5. Hedging, for KServe v2 inference (`POST /v2/models/.../infer`, idempotent) only: when no
    answer has come after the model's recent 95th-percentile latency, a second copy goes to
    another replica within the hedge budget; the first answer wins and the other copy's
-   connection is closed, so its replica drops the work. Streams are never hedged.
+   connection is closed, so its replica drops the work. Streams are never hedged, nor is a
+   request of a sequence, nor of a model not seen to answer as a classic model
+   (`model_kinds.py`: a language model's answers say so).
 6. Retries: an attempt that got no answer (connection refused or broken) or a 503 goes to
-   another replica, within the retry budget (10% of requests by default). Nothing is
+   another replica, within the retry budget (10% of requests by default); a request of a
+   sequence never does (its state lives on one replica), nor a language model's once it
+   was sent (only a 503 or a connection refused: a generation is not run twice). Nothing is
    retried once a byte of the answer has gone to the client.
 7. Deadlines: a `request-timeout` header (seconds) is passed on less the time already
    spent in the router; past it, 504 at once.
@@ -29,9 +37,9 @@ Model control (`POST /v2/repository/models/{m}/load` and `/unload`) takes none o
 (`model_control.py`).
 
 The KServe v2 inference requests that need none of 1, 3 (a canary) or the shadow below, nor a
-sticky session, take the lane (`lane.py`): passed to the replica and back from the
-connections' own callbacks, below ASGI, and hedged there as in 5; an attempt there that gets
-no answer or a 503 comes back to this path for its retries (6).
+sticky session, nor name a sequence, take the lane (`lane.py`): passed to the replica and back
+from the connections' own callbacks, below ASGI, and hedged there as in 5; an attempt there
+that gets no answer or a 503 comes back to this path for its retries (6).
 
 Answers, server-sent events included, are passed through as they arrive. A shadow
 (`shadow.py`) may copy a v2 inference request to a candidate beside it; the client's answer is
@@ -48,6 +56,7 @@ import contextlib
 import logging
 import math
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Collection, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -58,7 +67,9 @@ from lockgate.core.heap import freeze_heap
 from lockgate.core.metrics import Registry
 from lockgate.errors import ServingError
 from lockgate.protocol.content_coding import coding_of, inflate
+from lockgate.protocol.llm_tensors import LANGUAGE_KIND, MODEL_KIND_HEADER
 from lockgate.protocol.openai import MODEL_VERSION_HEADER, error_body, openai_path
+from lockgate.protocol.responses import RESPONSE_ID_HEADER
 from lockgate.router import replica_settings
 from lockgate.router.balancer import Balancer
 from lockgate.router.budget import Budget
@@ -72,11 +83,18 @@ from lockgate.router.llm_request import EMBEDDINGS_PATH, OPENAI_PATHS, LLMReques
 from lockgate.router.llm_routing import LLMRouting, LLMRoutingSettings
 from lockgate.router.model_control import ControlSettings, ModelControl
 from lockgate.router.model_counts import ModelCounts
+from lockgate.router.model_kinds import ModelKinds
 from lockgate.router.model_path import ModelPath
 from lockgate.router.pool import ReplicaPool
 from lockgate.router.rate_limits import RateLimiter, RateLimitSettings, Refusal
 from lockgate.router.replica import Replica
+from lockgate.router.response_homes import (
+    RESPONSES_PATH,
+    ResponseHomes,
+    ResponseRequest,
+)
 from lockgate.router.route import Route
+from lockgate.router.sequence_affinity import SequenceGone, SequenceRequest, SequenceTable
 from lockgate.router.shadow import Mirror, Shadow, ShadowSettings
 from lockgate.router.sticky import Sticky
 from lockgate.router.tally import Tally
@@ -112,6 +130,8 @@ class RouterSettings:
     canary: tuple[CanaryRule, ...] = ()
     shadow: ShadowSettings = field(default_factory=ShadowSettings)
     sticky_header: str | None = None  # requests with the same value go to the same replica
+    sequence_table_size: int = 65536  # sequences pinned to their replica (`sequence_affinity`)
+    responses_table_size: int = 65536  # stored responses whose replica is known
     rate_limits: RateLimitSettings | None = None
     llm_routing: LLMRoutingSettings = field(default_factory=LLMRoutingSettings)
     max_model_series: int = 1000  # model names with request counters of their own
@@ -129,9 +149,10 @@ class Tap(Protocol):
 class Failure(Exception):
     """An attempt that ended without an answer worth passing on."""
 
-    def __init__(self, message: str, status: int = 502) -> None:
+    def __init__(self, message: str, status: int = 502, sent: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.sent = sent  # the request may have reached the replica
 
 
 class RouterApp:
@@ -148,6 +169,9 @@ class RouterApp:
         self.shadow = Shadow(settings.shadow, registry, self._pick_in)
         header = settings.sticky_header
         self.sticky = Sticky(header.lower().encode()) if header else None
+        self.sequences = SequenceTable(settings.sequence_table_size)
+        self.kinds = ModelKinds()  # which models may be sent twice
+        self.response_homes = ResponseHomes(settings.responses_table_size)
         limits = settings.rate_limits
         self.limits = RateLimiter(limits) if limits is not None and limits.enabled else None
         self.llm_routing = LLMRouting(settings.llm_routing, registry)
@@ -308,13 +332,17 @@ class RouterApp:
             answer = await self.control.apply(control, headers, body, deadline)
             await _respond(send, answer.status, answer.body, b"application/json")
             return answer.status
-        if scope["method"] == "POST" and path in OPENAI_PATHS:
+        if scope["method"] == "POST" and (path in OPENAI_PATHS or path == RESPONSES_PATH):
             # read for routing, metering and shadows: a compressed body goes on inflated
             try:
                 body, headers = await self._inflated(body, headers)
             except ServingError as exc:
                 return await _error(send, exc.status, exc.message, path=path)
         route = self._route(scope, headers, body)
+        if route.target is not None and route.target.verb == "infer":
+            route.sequence = await self._sequence_of(headers, body)
+        elif path.startswith(RESPONSES_PATH):
+            route.responses = ResponseRequest.parse(scope["method"], path, body)
         if route.pin is not None:
             headers = [*headers, (MODEL_VERSION_HEADER, route.pin.encode())]
         metered: Metered | None = None
@@ -327,7 +355,7 @@ class RouterApp:
         mirror: Mirror | None = None
         status = 0
         try:
-            if route.target is not None and route.target.verb == "infer":
+            if route.target is not None and route.target.verb == "infer" and not route.sequence:
                 mirror = self.shadow.mirror(
                     route.target.model, scope["method"], route.original, headers, body
                 )
@@ -385,9 +413,13 @@ class RouterApp:
             return await _error(send, 503, "every replica is full: retry later", retry, path)
         model = route.target.model if route.target and route.target.verb == "infer" else None
         try:
+            if route.responses is not None and route.responses.rid is not None:
+                route.home = await self._home(route.responses.rid, route.group, headers)
             response, replica = await self._answer(
                 method, route, headers, body, arrived, timeout, model, lane
             )
+            if route.responses is not None:
+                self._stored(route.responses, response, replica)
         except Failure as exc:
             wait = 1 if exc.status == 503 else None
             return await _error(send, exc.status, str(exc), wait, path)
@@ -401,6 +433,8 @@ class RouterApp:
         (`lane.py`), as it came; None when it takes this app's path instead."""
         if self.draining or self.limits is not None or self.sticky is not None:
             return None
+        if b'"sequence_id"' in request:  # a stateful model's sequence: the app's path
+            return None
         target = self.lane_targets.get(head.path)
         if target is None:
             target = ModelPath.parse("POST", head.path)
@@ -409,7 +443,7 @@ class RouterApp:
             if len(self.lane_targets) < _LANE_TARGETS:
                 self.lane_targets[head.path] = target
         model = target.model
-        if head.length > self.settings.max_body_bytes:
+        if head.length > self.settings.max_body_bytes or model in self.kinds.language:
             return None
         if model in self.canary.rules or model in self.shadow.rules:
             return None
@@ -422,7 +456,8 @@ class RouterApp:
         if replica is None:
             return None
         hedge = self.settings.hedge
-        delay = hedge.delay(model) if hedge.enabled else None
+        # a model not seen to answer as a classic model yet is not sent twice (`model_kinds`)
+        delay = hedge.delay(model) if hedge.enabled and self.kinds.repeatable(model) else None
         if delay is not None and not self.has_other(MAIN, now, (replica,)):
             delay = None  # no other replica could take a second copy: no hedge to time
         # passed as it came: its request-timeout less nothing but this parse
@@ -445,6 +480,7 @@ class RouterApp:
             self._failed(replica)
             return False
         self._answered_by(replica, response, now)
+        self._learn(call.model, response)
         if response.status == 503:
             return False
         if response.status == 200 and self.settings.hedge.enabled:
@@ -470,6 +506,19 @@ class RouterApp:
         self.latency.observe(labels, now - call.arrived)
         self.model_counts.count(call.model, call.version, MAIN, status)
         self.lane_outcomes.inc(_ANSWERED)
+
+    async def _sequence_of(
+        self, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> SequenceRequest | None:
+        """The sequence a v2 inference request names, read off its body (inflated to look, when
+        compressed; sent on as it came)."""
+        coding = coding_of(_header(headers, b"content-encoding"))
+        if coding is not None:
+            try:
+                body = await inflate(body, coding, self.settings.max_body_bytes)
+            except ServingError:
+                return None  # the replica answers it
+        return SequenceRequest.of_json(headers, body)
 
     async def _inflated(
         self, body: bytes, headers: list[tuple[bytes, bytes]]
@@ -523,6 +572,10 @@ class RouterApp:
         for r in self.groups.members(self.pool.replicas, route.group):
             if r.usable(now) and r not in exclude:
                 (full if r.full(now) else choices).append(r)
+        if route.home is not None:  # a stored response's replica, or none
+            return route.home if route.home in choices or route.home in full else None
+        if route.sequence is not None:  # never moved for load: full replicas count
+            return self.sequences.pick(route.sequence, [*choices, *full])
         choices = choices or full
         if not choices:
             return None
@@ -561,18 +614,32 @@ class RouterApp:
         lane, which gave none)."""
         tried: list[Replica] = list(lane.tried) if lane is not None else []
         last = lane.refused if lane is not None else None
-        for attempt in range(len(tried), self.settings.max_attempts):
+        # a sequence's state, a stored response, live on one replica: one try, never hedged
+        pinned = route.sequence is not None or route.home is not None
+        attempts = 1 if pinned else self.settings.max_attempts
+        # a language model's (or one not seen to answer yet) is never sent twice: no hedge,
+        # no retry once sent
+        once = route.generates
+        if model is not None:
+            once = not self.kinds.repeatable(model)
+        hedged = not once and route.sequence is None
+        if once and lane is not None and lane.broken:  # it may have reached the replica
+            raise Failure(f"{lane.replica.url} broke off before answering (not sent again)")
+        for attempt in range(len(tried), attempts):
             now = time.monotonic()
             if attempt and not self.retries.try_spend(now):
                 self.retries_denied.inc()
                 break
-            replica = self._pick(route, now, tried)
+            try:
+                replica = self._pick(route, now, tried)
+            except SequenceGone as exc:
+                raise Failure(str(exc), 503) from None
             if replica is None:
                 break
             if attempt:
                 self.retried.inc()
             sent = _with_deadline(headers, timeout, arrived)
-            delay = self.settings.hedge.delay(model) if model is not None else None
+            delay = self.settings.hedge.delay(model) if hedged and model is not None else None
             if delay is not None and not self.has_other(route.group, now, [*tried, replica]):
                 delay = None  # no other replica could take a second copy: no hedge to time
             try:
@@ -582,8 +649,14 @@ class RouterApp:
                     )
                 else:
                     response = await self._attempt(replica, method, route.path, sent, body)
-            except Failure:
+            except Failure as exc:
                 tried.append(replica)
+                if once and exc.sent:  # it may have reached the replica: not run twice
+                    message = (
+                        f"{exc} (not sent again: a language model's request, or one of a "
+                        "model not seen to answer yet)"
+                    )
+                    raise Failure(message, exc.status) from None
                 continue
             if response.status == 503:  # that replica's admission refused: try another
                 tried.append(replica)
@@ -591,8 +664,10 @@ class RouterApp:
                     last[0].abort()
                 last = (response, replica)
                 continue
-            if model is not None and response.status == 200 and self.settings.hedge.enabled:
-                self.settings.hedge.observe(model, time.monotonic() - arrived)
+            if model is not None:
+                self._learn(model, response)
+                if response.status == 200 and self.settings.hedge.enabled and not once:
+                    self.settings.hedge.observe(model, time.monotonic() - arrived)
             if last is not None:
                 last[0].abort()
             return response, replica
@@ -628,11 +703,60 @@ class RouterApp:
             except UpstreamError as exc:
                 self.attempts.inc((replica.url, "error"))
                 self._failed(replica)
-                raise Failure(str(exc)) from exc
+                raise Failure(str(exc), sent=exc.sent) from exc
         finally:
             replica.in_flight -= 1
         self._answered_by(replica, response, time.monotonic())
         return response
+
+    async def _home(self, rid: str, group: str, headers: list[tuple[bytes, bytes]]) -> Replica:
+        """The replica that stored response `rid` (`response_homes.py`): the one the table
+        names, else the one of the usable replicas of `group`, asked at once, that holds it;
+        Failure (503: not usable, 404: none holds it) otherwise."""
+        now = time.monotonic()
+        members = [r for r in self.groups.members(self.pool.replicas, group) if r.usable(now)]
+        url = self.response_homes.home(rid)
+        if url is not None:
+            home = next((r for r in members if r.url == url), None)
+            if home is None:
+                message = f"response '{rid[:80]}' is stored on replica {url}, not usable now"
+                raise Failure(message, 503)
+            return home
+        path = f"{RESPONSES_PATH}/{urllib.parse.quote(rid, safe='')}"
+        asked = [(k, v) for k, v in headers if not k.startswith(b"content-")]
+        held = await asyncio.gather(*(self._holds(r, path, asked) for r in members))
+        for replica, holds in zip(members, held, strict=True):
+            if holds:
+                self.response_homes.keep(rid, replica.url)
+                return replica
+        message = (
+            f"no replica stores a response with id '{rid[:80]}' (each replica keeps the "
+            "responses it answered, in memory)"
+        )
+        raise Failure(message, 404)
+
+    async def _holds(self, replica: Replica, path: str, headers: list[tuple[bytes, bytes]]) -> bool:
+        try:
+            response = await self._attempt(replica, "GET", path, headers, b"", whole=True)
+        except Failure:
+            return False
+        return response.status == 200
+
+    def _stored(self, asked: ResponseRequest, response: Response, replica: Replica) -> None:
+        """What an answer of the Responses API says of where responses are stored."""
+        if response.status != 200:
+            return
+        if asked.creates:
+            rid = response.header(RESPONSE_ID_HEADER)
+            if rid:
+                self.response_homes.keep(rid.decode("latin-1"), replica.url)
+        elif asked.deletes and asked.rid is not None:
+            self.response_homes.forget(asked.rid)
+
+    def _learn(self, model: str, response: Response) -> None:
+        """What an answer says of its model: a language model's, or a classic one."""
+        language = response.header(MODEL_KIND_HEADER) == LANGUAGE_KIND
+        self.kinds.learn(model, response.status, language)
 
     def _answered_by(self, replica: Replica, response: Response, now: float) -> None:
         """Count an answer of `replica` and what it says of the replica: full (503),
@@ -841,6 +965,7 @@ async def _error(
 # the error types of the router's own answers on the OpenAI API, by status
 _KINDS = {
     400: "invalid_request",
+    404: "not_found",
     413: "payload_too_large",
     429: "rate_limited",
     502: "bad_gateway",

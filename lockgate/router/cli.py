@@ -273,6 +273,21 @@ def _rollout_arguments(p: argparse.ArgumentParser) -> None:
         help="requests with the same value of this header go to the same replica (default off)",
     )
     g.add_argument(
+        "--sequence-table-size",
+        type=int,
+        default=65536,
+        help="sequences of stateful models pinned to their replica (least recently used "
+        "forgotten first; 0: none pinned, rendezvous hashing alone)",
+    )
+    g.add_argument(
+        "--responses-table-size",
+        type=int,
+        default=65536,
+        help="stored responses (OpenAI Responses API) whose replica the router remembers, for "
+        "GET, DELETE and previous_response_id (least recently used forgotten first; an id not "
+        "remembered is asked of every replica)",
+    )
+    g.add_argument(
         "--rate-limit-rps", type=float, default=0.0, help="requests/s per API key (0: none)"
     )
     g.add_argument(
@@ -353,10 +368,16 @@ def _rollout(args: argparse.Namespace) -> RouterSettings:
     )
     if args.max_model_series < 1:
         raise ValueError("--max-model-series must be at least 1")
+    if args.sequence_table_size < 0:
+        raise ValueError("--sequence-table-size must be 0 or more")
+    if args.responses_table_size < 0:
+        raise ValueError("--responses-table-size must be 0 or more")
     return RouterSettings(
         canary=canary,
         shadow=shadow,
         sticky_header=args.sticky_header or None,
+        sequence_table_size=args.sequence_table_size,
+        responses_table_size=args.responses_table_size,
         rate_limits=limits,
         llm_routing=LLMRoutingSettings(
             args.llm_routing, args.prefix_chars, args.prefix_load_margin

@@ -12,16 +12,25 @@ code, message and trailing metadata, come back unchanged. One channel per replic
   for HTTP and gRPC). The client's deadline is passed on less the time spent in the router;
   once it is spent, DEADLINE_EXCEEDED. When every usable replica is full, UNAVAILABLE at once
   with `retry-after`. Other codes (NOT_FOUND, INVALID_ARGUMENT, ...) are the replica's answer.
-- ModelInfer is hedged as v2 inference over HTTP is, by the same policy, budget and metrics:
+- ModelInfer is hedged as v2 inference over HTTP is, by the same policy, budget and metrics
+  (and, as there, only for a model seen to answer as a classic one: a language model's
+  answers carry the trailing metadata `x-lockgate-model-kind: language`, and its requests
+  are never hedged nor retried but after a refusal, `model_kinds.py`):
   when a call has not ended after its model's delay (`HedgePolicy`: the model's recent 95th
   percentile latency, over HTTP and gRPC answers alike), a second copy goes to another replica
   within the hedge budget; the first to end with an answer or a status other than UNAVAILABLE
   wins, and the other copy's call is cancelled, so its replica drops the work. The model is
   read off the request's bytes (`grpc_model.py`); the tensors are not decoded.
-- ModelStreamInfer: one bidirectional stream pinned to one replica, never retried nor hedged.
-  At most `max_stream_inflight` messages are passed to the replica and not yet answered back
-  to the client; past that the router stops reading the client's side, so a client that
-  writes and never reads holds bounded memory (HTTP/2 flow control then holds its writes).
+- A ModelInfer of a stateful model's sequence (its parameters name a `sequence_id`) goes to
+  the sequence's replica (`sequence_affinity.py`, one table for HTTP and gRPC), once: never
+  hedged nor retried; when that replica is not usable, UNAVAILABLE with a message naming it.
+- ModelStreamInfer: one bidirectional stream pinned to one replica, never retried nor hedged,
+  but for the requests of a sequence, each of which goes to its sequence's replica on a call
+  of the stream's own there (`_Spread`; a sequence whose replica is not usable gets an error
+  answer in the stream, which goes on). At most `max_stream_inflight` messages are passed to
+  each replica and not yet answered back to the client; past that the router stops reading
+  the client's side, so a client that writes and never reads holds bounded memory (HTTP/2
+  flow control then holds its writes).
 - RepositoryModelLoad and RepositoryModelUnload go to every replica, as their HTTP routes do
   (`model_control.py`): the request is read and sent on to each replica's HTTP port as the
   same load or unload (a parameter's bytes in base64, metadata as headers); OK when every
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import time
 import urllib.parse
@@ -51,14 +61,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc.status import STATUS_CODES, cancelled_code
+from lockgate.protocol.llm_tensors import LANGUAGE_KIND, MODEL_KIND_HEADER
 from lockgate.router import replica_settings
 from lockgate.router.app import RouterApp
 from lockgate.router.control_log import Control
 from lockgate.router.groups import MAIN
-from lockgate.router.grpc_model import model_of
+from lockgate.router.grpc_model import model_of, sequence_of
 from lockgate.router.hedge import finished_within
 from lockgate.router.pool import split_url
 from lockgate.router.replica import Replica
+from lockgate.router.sequence_affinity import SequenceGone, SequenceRequest
 
 log = logging.getLogger("lockgate.router")
 
@@ -68,6 +80,7 @@ _DESCRIBED = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods
 KNOWN = frozenset(PREFIX + m.name for m in _DESCRIBED)
 STREAMS = frozenset(PREFIX + m.name for m in _DESCRIBED if m.client_streaming)
 MODEL_INFER = PREFIX + "ModelInfer"  # idempotent: hedged
+STREAM_INFER = PREFIX + "ModelStreamInfer"
 SERVER_READY = PREFIX + "ServerReady"  # answered not ready by the router itself when it is not
 NOT_READY = b""  # a ServerReadyResponse with ready false (proto3 leaves a false bool out)
 SERVER_LIVE = PREFIX + "ServerLive"  # the router's own liveness, as REST's /v2/health/live
@@ -82,6 +95,7 @@ CONTROL: dict[str, tuple[str, Any]] = {
     PREFIX + "RepositoryModelUnload": ("unload", pb.RepositoryModelUnloadRequest),
 }
 CONTROL_CODES = {**STATUS_CODES, 502: grpc.StatusCode.UNAVAILABLE}  # 502: a replica not reached
+_KIND_KEY, _LANGUAGE = MODEL_KIND_HEADER.decode(), LANGUAGE_KIND.decode()
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 WATCH_INTERVAL_S = 0.5
 Metadata = tuple[tuple[str, str | bytes], ...]
@@ -189,6 +203,7 @@ class _Call:
     request: bytes
     metadata: Metadata
     context: Context
+    model: str | None = None  # a ModelInfer's: its answers tell the model's kind
 
 
 class _Retry(Exception):
@@ -366,7 +381,10 @@ class GrpcFront:
         self._admit()
         router = self.router
         model = model_of(request) if method == MODEL_INFER else None
-        call = _Call(method, request, metadata, context)
+        call = _Call(method, request, metadata, context, model)
+        sequence = sequence_of(request) if method == MODEL_INFER else None
+        if sequence is not None:
+            return await self._in_sequence(call, sequence)
         tried: list[Replica] = []
         refusal: _Status | None = None
         for attempt in range(router.settings.max_attempts):
@@ -380,7 +398,9 @@ class GrpcFront:
                 break
             if attempt:
                 router.retried.inc()
-            delay = router.settings.hedge.delay(model) if model is not None else None
+            # a language model's (or one not seen to answer yet) is never sent twice
+            once = model is not None and not router.kinds.repeatable(model)
+            delay = router.settings.hedge.delay(model) if model is not None and not once else None
             if delay is not None and not router.has_other(MAIN, now, [*tried, replica]):
                 delay = None  # no other replica could take a second copy: no hedge to time
             try:
@@ -390,14 +410,29 @@ class GrpcFront:
                     response = await self._hedged(replica, call, delay, tried)
             except _Retry as retry:
                 tried.append(replica)
+                if once and not retry.status.refusal:
+                    raise retry.status from None  # it may have reached the replica
                 refusal = retry.status if retry.status.refusal else refusal
                 continue
-            if model is not None:
+            if model is not None and not once:
                 router.settings.hedge.observe(model, time.monotonic() - arrived)
             return response
         if refusal is not None:
             raise refusal  # every replica tried refused: pass the last refusal on
         raise self._unanswered()
+
+    async def _in_sequence(self, call: _Call, sequence: SequenceRequest) -> bytes:
+        """A request of a sequence: to the replica that holds it, once."""
+        try:
+            replica = self.router.sequences.pick(sequence, self._usable())
+        except SequenceGone as exc:
+            raise _Status(grpc.StatusCode.UNAVAILABLE, str(exc), _retry_after()) from None
+        if replica is None:
+            raise self._unanswered()
+        try:
+            return await self._attempt(replica, call)
+        except _Retry as retry:
+            raise retry.status from None
 
     async def _control(self, method: str, request: bytes, context: Context) -> bytes:
         """A load or unload, sent to every replica (`model_control.py`) as its HTTP route."""
@@ -429,8 +464,13 @@ class GrpcFront:
         send = self.links.get(replica, self.router.pool.replicas).unary(call.method)
         replica.in_flight += 1
         try:
-            response = await send(call.request, timeout=timeout, metadata=call.metadata)
+            sent = send(call.request, timeout=timeout, metadata=call.metadata)
+            response = await sent
+            if call.model is not None:
+                self._learn(call.model, grpc.StatusCode.OK, await sent.trailing_metadata())
         except grpc.aio.AioRpcError as error:
+            if call.model is not None:
+                self._learn(call.model, error.code(), error.trailing_metadata())
             raise self._failed(replica, _Status.of(error)) from None
         finally:
             replica.in_flight -= 1
@@ -475,6 +515,11 @@ class GrpcFront:
                     task.cancel()  # the copy still running: its call is cancelled
                 elif not task.cancelled():
                     task.exception()  # a copy that ended unread: its end is no news
+
+    def _learn(self, model: str, code: grpc.StatusCode, trailing: Any) -> None:
+        """What a ModelInfer's end says of its model (`model_kinds.py`)."""
+        language = any(key == _KIND_KEY and value == _LANGUAGE for key, value in trailing or ())
+        self.router.kinds.learn(model, 200 if code == grpc.StatusCode.OK else 500, language)
 
     def _failed(self, replica: Replica, status: _Status) -> Exception:
         """What an attempt that ended with `status` raises; the replica's books updated."""
@@ -533,30 +578,42 @@ class GrpcFront:
         replica = self.router.balancer.pick(main, now, _out(self.router, now))
         if replica is None:
             raise self._unanswered()
-        link = self.links.get(replica, self.router.pool.replicas)
-        call = link.stream(method)(timeout=_time_left(context), metadata=metadata)
-        window = _Window(self.settings.max_stream_inflight, replica)
-        sender = asyncio.get_running_loop().create_task(_send(requests, call, window))
+        spread = _Spread(self, method, metadata, _time_left(context), context)
+        spread.leg(replica)
+        sender = asyncio.get_running_loop().create_task(self._send(spread, requests, replica))
         try:
-            while (message := await call.read()) is not grpc.aio.EOF:
-                await context.write(message)  # resumes once the client can take more
-                window.release()
-            code = await call.code()
-        except grpc.aio.AioRpcError as error:
-            raise self._failed_stream(replica, _Status.of(error)) from None
+            status = await spread.ended(sender)
         finally:
             sender.cancel()
-            call.cancel()
             await asyncio.wait({sender})
             if not sender.cancelled():
                 sender.exception()  # a write to a call that had ended: its end is the answer
-            window.close()
-        if code != grpc.StatusCode.OK:
-            details = await call.details()
-            trailing = _forwarded(await call.trailing_metadata())
-            raise self._failed_stream(replica, _Status(code, details or "", trailing))
-        self.router.attempts.inc((replica.url, "OK"))
-        replica.succeeded(None, grpc=True)
+            await spread.close()
+        if status is not None:
+            raise status
+
+    async def _send(self, spread: _Spread, requests: AsyncIterator[bytes], own: Replica) -> None:
+        """The client's messages, each to the stream's `own` replica or, for a request of a
+        sequence, to the sequence's; at most the window's bound unanswered on each."""
+        async for message in requests:
+            replica = own
+            sequence = sequence_of(message) if spread.method == STREAM_INFER else None
+            if sequence is not None:
+                try:
+                    replica = self.router.sequences.pick(sequence, self._usable()) or own
+                except SequenceGone as exc:
+                    await spread.answer(_stream_error(message, str(exc)))
+                    continue
+            leg = spread.leg(replica)
+            await leg.window.acquire()
+            await leg.call.write(message)
+
+    def _usable(self) -> list[Replica]:
+        """The main group's replicas that may take a gRPC call now."""
+        router, now = self.router, time.monotonic()
+        out = _out(router, now)
+        main = router.groups.members(router.pool.replicas, MAIN)
+        return [r for r in main if r.usable(now) and r not in out]
 
     def _failed_stream(self, replica: Replica, status: _Status) -> _Status:
         """A stream is never sent again: whatever it ended with is passed on."""
@@ -586,12 +643,112 @@ class GrpcFront:
         return answer.status
 
 
-async def _send(requests: AsyncIterator[bytes], call: Any, window: _Window) -> None:
-    """The client's messages to the replica, at most the window's bound unanswered."""
-    async for message in requests:
-        await window.acquire()
-        await call.write(message)
-    await call.done_writing()
+@dataclass(slots=True)
+class _Leg:
+    """A client stream's call on one replica."""
+
+    call: Any  # grpc.aio.StreamStreamCall
+    window: _Window
+    reader: asyncio.Task[None] | None = None
+
+
+class _Spread:
+    """One client stream over the replicas its messages go to: a call on each, opened when its
+    first message goes there (all of them go to one replica but a sequence's, which go to the
+    sequence's), and every call's answers back on the client's stream. The first call to end
+    other than OK ends the stream with its status."""
+
+    def __init__(
+        self,
+        front: GrpcFront,
+        method: str,
+        metadata: Metadata,
+        timeout: float | None,
+        context: Context,
+    ) -> None:
+        self.front, self.method, self.metadata = front, method, metadata
+        self.timeout, self.context = timeout, context
+        self.legs: dict[str, _Leg] = {}  # by replica URL
+        self.failure: asyncio.Future[_Status] = asyncio.get_running_loop().create_future()
+        self.writing = asyncio.Lock()  # one write to the client at a time
+
+    def leg(self, replica: Replica) -> _Leg:
+        leg = self.legs.get(replica.url)
+        if leg is None:
+            link = self.front.links.get(replica, self.front.router.pool.replicas)
+            call = link.stream(self.method)(timeout=self.timeout, metadata=self.metadata)
+            window = _Window(self.front.settings.max_stream_inflight, replica)
+            leg = self.legs[replica.url] = _Leg(call, window)
+            leg.reader = asyncio.get_running_loop().create_task(self._read(leg))
+        return leg
+
+    async def answer(self, message: bytes) -> None:
+        async with self.writing:
+            await self.context.write(message)  # resumes once the client can take more
+
+    async def _read(self, leg: _Leg) -> None:
+        call, replica = leg.call, leg.window.replica
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                await self.answer(message)
+                leg.window.release()
+            code = await call.code()
+            if code != grpc.StatusCode.OK:
+                details = await call.details()
+                trailing = _forwarded(await call.trailing_metadata())
+                raise _Status(code, details or "", trailing)
+        except grpc.aio.AioRpcError as error:
+            self._fail(self.front._failed_stream(replica, _Status.of(error)))
+        except _Status as status:
+            self._fail(self.front._failed_stream(replica, status))
+        else:
+            self.front.router.attempts.inc((replica.url, "OK"))
+            replica.succeeded(None, grpc=True)
+
+    def _fail(self, status: _Status) -> None:
+        if not self.failure.done():
+            self.failure.set_result(status)
+
+    async def ended(self, sender: asyncio.Task[None]) -> _Status | None:
+        """When every call has ended: None when all ended OK, else the first one's status."""
+        waits: set[asyncio.Future[Any]] = {sender, self.failure}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if self.failure.done():
+            return self.failure.result()
+        for leg in self.legs.values():  # the client is done writing (or a write failed)
+            with contextlib.suppress(Exception):
+                await leg.call.done_writing()
+        readers: set[asyncio.Future[Any]] = {
+            leg.reader for leg in self.legs.values() if leg.reader is not None
+        }
+        while readers and not self.failure.done():
+            await asyncio.wait({*readers, self.failure}, return_when=asyncio.FIRST_COMPLETED)
+            readers = {reader for reader in readers if not reader.done()}
+        return self.failure.result() if self.failure.done() else None
+
+    async def close(self) -> None:
+        for leg in self.legs.values():
+            leg.call.cancel()
+            if leg.reader is not None:
+                leg.reader.cancel()
+        readers = [leg.reader for leg in self.legs.values() if leg.reader is not None]
+        await asyncio.gather(*readers, return_exceptions=True)
+        for leg in self.legs.values():
+            leg.window.close()
+
+
+def _stream_error(message: bytes, error: str) -> bytes:
+    """A stream's answer that a request failed (its id and model, when they can be read)."""
+    try:
+        request = pb.ModelInferRequest.FromString(message)
+    except DecodeError:
+        request = pb.ModelInferRequest()
+    answer = pb.ModelInferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id
+    )
+    return pb.ModelStreamInferResponse(
+        error_message=error, infer_response=answer
+    ).SerializeToString()
 
 
 class _Method:

@@ -166,6 +166,7 @@ class LaneCall:
     __slots__ = (
         "app",
         "arrived",
+        "broken",
         "client",
         "copies",
         "done",
@@ -209,6 +210,7 @@ class LaneCall:
         self.done = False  # answered, or handed to the app's path
         self.hedged = False  # a second copy was sent
         self.gone = False  # the client left: nothing more is written to it
+        self.broken = False  # a copy's connection broke once the request was sent
 
     def send(self, delay: float | None) -> bool:
         """Send to the replica on an idle connection, and time a hedge after `delay` seconds
@@ -279,6 +281,7 @@ class LaneCall:
         else:
             self.app.lane_attempt(self, copy.replica, None, time.monotonic())
             self.tried.append(copy.replica)
+            self.broken = True
         self._failed()
 
     def _failed(self) -> None:

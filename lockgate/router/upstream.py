@@ -57,7 +57,12 @@ STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}  # w
 
 
 class UpstreamError(Exception):
-    """The replica could not be reached, or its connection broke before the answer ended."""
+    """The replica could not be reached, or its connection broke before the answer ended;
+    `sent`: the request may have reached the replica (False: it could not be connected)."""
+
+    def __init__(self, message: str, sent: bool = True) -> None:
+        super().__init__(message)
+        self.sent = sent
 
 
 class Listener(Protocol):
@@ -302,7 +307,7 @@ class Upstream:
                     lambda: _Connection(self), self.host, self.port
                 )
         except (OSError, TimeoutError) as exc:
-            raise UpstreamError(f"cannot connect to {self.name}: {exc}") from exc
+            raise UpstreamError(f"cannot connect to {self.name}: {exc}", sent=False) from exc
         return connection
 
     def release(self, connection: _Connection) -> None:

@@ -89,6 +89,7 @@ def test_a_stream_is_never_hedged(
         finally:
             client.stop_stream()
         streamed = metric(front.router.url, "lockgate_router_hedges_total")
+        infer(client, "slow", 1.0)  # unary: the model's first answer says it is no LLM
         infer(client, "slow", 1000.0)  # the same call, unary: hedged
         unary = metric(front.router.url, "lockgate_router_hedges_total")
     finally:
