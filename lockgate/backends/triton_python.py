@@ -99,7 +99,15 @@ class TritonPythonBackend:
     """An instance of the model's `TritonPythonModel`: each batch one `execute` call, with
     an `InferenceRequest` per client request (`per_request`: the batcher does not merge them)."""
 
-    __slots__ = ("_expected", "_instance", "_model", "_outputs", "_version", "module_name")
+    __slots__ = (
+        "_expected",
+        "_instance",
+        "_model",
+        "_outputs",
+        "_states",
+        "_version",
+        "module_name",
+    )
 
     per_request = True
 
@@ -109,6 +117,11 @@ class TritonPythonBackend:
         self._version = version
         self._outputs = [spec.name for spec in config.outputs]
         self._expected = [spec.name for spec in config.outputs if not spec.optional]
+        # a stateful model's state outputs go back to the sequence batcher, asked or not
+        batching = config.sequence_batching
+        self._states = (
+            frozenset(s.output_name for s in batching.states) if batching else frozenset()
+        )
         self.module_name = ""  # the user's module, dropped from sys.modules on close
 
     @property
@@ -230,7 +243,11 @@ class TritonPythonBackend:
             return exc
         wanted = request.outputs if request is not None else None
         if wanted:  # as Triton, only the outputs it asked for
-            outputs = {name: array for name, array in outputs.items() if name in wanted}
+            outputs = {
+                name: array
+                for name, array in outputs.items()
+                if name in wanted or name in self._states
+            }
             expected = [name for name in self._expected if name in wanted]
         else:
             expected = self._expected
