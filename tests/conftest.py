@@ -24,53 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PERF_ANALYZER = ROOT / ".venv-perf" / "bin" / "perf_analyzer_wrapped"  # install-perf-analyzer.sh
 
 
-# Modules that measure time, rates or CPU, or drive load on purpose. `make test` runs them
-# one at a time after the rest, which it runs on TEST_WORKERS processes (pytest-xdist, one
-# module per process at a time): a neighbour's load would change what these measure.
-SERIAL_MODULES = frozenset(
-    {
-        "tests/bench/test_bench_live.py",
-        "tests/bench/test_loadgen.py",
-        "tests/bench/test_raw_load.py",
-        "tests/core/test_batcher.py",
-        "tests/frontend/test_arrival_refusal.py",
-        "tests/frontend/test_dashboard.py",
-        "tests/frontend/test_disconnect_storm.py",
-        "tests/frontend/test_gate.py",
-        "tests/frontend/test_grpc.py",
-        "tests/frontend/test_hostile_input.py",
-        "tests/frontend/test_hostile_limits.py",
-        "tests/frontend/test_lane.py",
-        "tests/frontend/test_lifecycle.py",
-        "tests/frontend/test_llm_lifecycle.py",
-        "tests/frontend/test_llm_overload.py",
-        "tests/frontend/test_metrics_scrape.py",
-        "tests/frontend/test_overload.py",
-        "tests/frontend/test_perf_analyzer.py",
-        "tests/frontend/test_slow_clients.py",
-        "tests/frontend/test_triton_clients.py",
-        "tests/llm/test_engine.py",
-        "tests/llm/test_openmp.py",
-        "tests/llm/test_quantization.py",
-        "tests/plan/test_profile_live.py",
-        "tests/router/test_grpc_hedge.py",
-        "tests/router/test_grpc_proxy.py",
-        "tests/router/test_lane.py",
-        "tests/router/test_replicas.py",
-        "tests/router/test_rollout.py",
-        "tests/router/test_router.py",
-        "tests/router/test_token_quota.py",
-    }
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the tests of SERIAL_MODULES `serial`."""
-    for item in items:
-        if item.path.relative_to(ROOT).as_posix() in SERIAL_MODULES:
-            item.add_marker(pytest.mark.serial)
-
-
 def http_post(path: str, body: bytes, port: int) -> bytes:
     """A raw HTTP/1.1 POST of a JSON `body` to `path`, kept alive."""
     head = (
