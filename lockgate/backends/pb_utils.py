@@ -13,7 +13,9 @@ in a model that lockgate runs as a composition (`backends/triton_python.py`): ea
 through the called model's own batcher, within the calling request's deadline and at its
 priority. A request to a decoupled model (`model_transaction_policy { decoupled: true }`)
 has a `ResponseSender` (`request.get_response_sender()`) that sends its responses as they
-come, from `execute` or from any thread, and `is_cancelled()` once its client has gone. What
+come, from `execute` or from any thread, and `is_cancelled()` once its client has gone. A
+request to a default (non-decoupled) model has one too, for its one response (`SentResponse`),
+sent before `execute` returns. What
 lockgate does not give a Python model is refused by a clear error when used, rather than
 faked: decoupled calls to other models (`exec(decoupled=True)`) and tensors on a GPU.
 """
@@ -163,6 +165,7 @@ class InferenceRequest:
         self._flags = flags
         self._timeout = timeout
         self._responses: _Responses | None = None  # a decoupled model's request: its stream
+        self._sent: SentResponse | None = None  # a default model's request: its one response
         if isinstance(parameters, str):
             self._parameters = parameters
         else:
@@ -202,14 +205,15 @@ class InferenceRequest:
         return self._responses is not None and self._responses.stream.cancelled
 
     def get_response_sender(self) -> ResponseSender:
-        """The sender of this request's responses, in a decoupled model."""
-        if self._responses is None:
-            raise TritonModelException(
-                "get_response_sender() is for a decoupled model: set model_transaction_policy "
-                "{ decoupled: true } in its config, or return one InferenceResponse per request "
-                "from execute()"
-            )
-        return ResponseSender(self._responses)
+        """The sender of this request's responses: a stream of them in a decoupled model, the
+        one response in a default model."""
+        if self._responses is not None:
+            return ResponseSender(self._responses)
+        if self._sent is not None:
+            return ResponseSender(self._sent)
+        raise TritonModelException(
+            "get_response_sender() is for a request that execute() received, not one it builds"
+        )
 
     def exec(self, decoupled: bool = False) -> InferenceResponse:
         """Run this request on its model, from a thread executing a request: the answer, or
@@ -314,6 +318,10 @@ class _Responses:
         )
         self.stream.send(streamed)
 
+    @property
+    def cancelled(self) -> bool:
+        return self.stream.cancelled
+
     def __del__(self) -> None:
         if not self.closed and not self.stream.ended:
             log.warning(
@@ -335,23 +343,73 @@ def attach_responses(
     request._responses = _Responses(stream, convert, model)
 
 
+class SentResponse:
+    """The one response a request to a default (non-decoupled) model may send through its
+    sender instead of `execute` returning it, as Triton allows: one `InferenceResponse` with
+    the final flag, or followed by the flag alone, before `execute` returns. A second
+    response, or the flag before any response, raises Triton's error in the model."""
+
+    __slots__ = ("final", "response", "returned")
+
+    def __init__(self) -> None:
+        self.response: InferenceResponse | None = None
+        self.final = False  # the model sent TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self.returned = False  # execute() has returned: the request is answered or failed
+
+    @property
+    def cancelled(self) -> bool:
+        return False  # a default model's client waits for its answer
+
+    def send(self, response: InferenceResponse | None, flags: int) -> None:
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is None and not final:
+            raise TritonModelException(
+                "send() needs a response unless flags is TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+            )
+        if response is not None and not isinstance(response, InferenceResponse):
+            kind = type(response).__name__
+            raise TritonModelException(f"send() takes an InferenceResponse, not a {kind}")
+        if response is not None and self.response is not None:
+            raise TritonModelException("Non-decoupled model cannot send more than one response.")
+        if response is None and self.response is None:
+            raise TritonModelException(
+                "Non-decoupled model cannot send complete final before sending a response."
+            )
+        if self.final:
+            raise TritonModelException("Unable to send response. Response sender has been closed.")
+        if self.returned:
+            raise TritonModelException(
+                "Unable to send response: execute() has returned, and a non-decoupled model's "
+                "request is answered then; send before returning, or make the model decoupled"
+            )
+        self.response = response or self.response
+        self.final = final
+
+
+def attach_sent(request: InferenceRequest) -> SentResponse:
+    """Give `request`, to a default model, a sender for its one response: what it holds."""
+    request._sent = SentResponse()
+    return request._sent
+
+
 class ResponseSender:
     """Triton's response sender: sends a decoupled model's responses for one request, from
     `execute` or from any thread, then the final flag (alone, or with the last response).
     While `max_buffered_responses` wait for a slow client, a send from a thread waits (an
     async `execute` waits at its next `await`); after the client has gone, sends are dropped
-    without an error."""
+    without an error. In a default model it sends the request's one response
+    (`SentResponse`)."""
 
     __slots__ = ("_responses",)
 
-    def __init__(self, responses: _Responses) -> None:
+    def __init__(self, responses: _Responses | SentResponse) -> None:
         self._responses = responses
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         self._responses.send(response, flags)
 
     def is_cancelled(self) -> bool:
-        return self._responses.stream.cancelled
+        return self._responses.cancelled
 
 
 class ModelConfig:

@@ -18,6 +18,12 @@ A `model.py` under `backend: "python"` that defines `TritonPythonModel` (and no 
   the batch (the batcher does not merge them: `per_request`), each with its own tensors, id,
   parameters, requested outputs and sequence, and returns one `InferenceResponse` per
   request, in their order; each client gets the response at its request's index.
+- Instead of returning a request's response, `execute` may send it through the request's
+  sender, as Triton allows since 24.06: `request.get_response_sender().send(response,
+  flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)` (or the response, then the flag
+  alone), and return None, or None at that request's index. A request neither answered nor
+  sent a response by the time `execute` returns fails with a message that says so; a second
+  response, or the flag before any response, raises Triton's error in the model.
 - An error response fails its request alone, with the model's message and Triton's status
   for its code (`error_of`); a list of the wrong length fails every request of the call, an
   item that is no response its own request. A `TritonError` raised has its code's status;
@@ -130,31 +136,87 @@ class TritonPythonBackend:
 
     def infer(self, inputs: Arrays) -> Arrays:
         """One request alone (warmup, profiling)."""
-        return self.outputs_of(self.execute([self.request(inputs)]))
+        triton = [self.request(inputs)]
+        sent = [pb_utils.attach_sent(triton[0])]
+        try:
+            returned: Any = self.execute(triton)
+        except ServingError as exc:
+            returned = exc
+        return self.outputs_of(self.answers_of(returned, sent, [None]))
 
     def infer_requests(self, requests: Sequence[BatchedRequest]) -> list[Answer]:
         """One `execute` call for the batch, an `InferenceRequest` per client request; the
-        response at each request's index is its answer. A wrong count of responses fails
-        them all; a response that is not one, or holds an error, fails its request alone.
-        What `execute` raises is raised (the batcher runs the requests again, each alone)."""
+        response at each request's index, or the one it sent, is its answer. A wrong count
+        of responses fails them all but those sent; a response that is not one, or holds an
+        error, fails its request alone. What `execute` raises is raised (the batcher runs the
+        requests again, each alone), unless a request has sent its response: the others
+        then fail with it."""
         triton = [self.request_of(request) for request in requests]
-        responses = self.execute(triton)
-        if not isinstance(responses, list | tuple) or len(responses) != len(requests):
+        sent = [pb_utils.attach_sent(request) for request in triton]
+        try:
+            returned: Any = self.execute(triton)
+        except ServingError as exc:
+            if not any(one.response for one in sent):
+                raise
+            returned = exc
+        return self.answers_of(returned, sent, requests)
+
+    def answers_of(
+        self,
+        returned: Any,
+        sent: Sequence[pb_utils.SentResponse],
+        requests: Sequence[BatchedRequest | None],
+    ) -> list[Answer]:
+        """Each request's answer once `execute` has returned (or raised `returned`): the
+        response it sent through its sender, else the one returned at its index."""
+        for one in sent:
+            one.returned = True  # what the model sends from now on raises
+        if isinstance(returned, ServingError):
+            fallback: list[Answer] = [returned] * len(requests)
+        elif returned is None:
+            fallback = [self._unanswered(index, "returned None") for index in range(len(sent))]
+        elif not isinstance(returned, list | tuple) or len(returned) != len(requests):
             count = (
-                _counted(len(responses), "response")
-                if isinstance(responses, list | tuple)
-                else f"a {type(responses).__name__}"
+                _counted(len(returned), "response")
+                if isinstance(returned, list | tuple)
+                else f"a {type(returned).__name__}"
             )
             error = BackendError(
                 f"model '{self._model}': execute() got {_counted(len(requests), 'request')} "
                 f"and returned {count}: it must return a list of one InferenceResponse per "
-                "request, in their order"
+                "request, in their order (or None, having sent each its response)"
             )
-            return [error] * len(requests)
+            fallback = [error] * len(requests)
+        else:
+            fallback = [
+                self._unanswered(index, f"returned None for request {index}")
+                if response is None
+                else self.answer_of(response, index, request)
+                for index, (response, request) in enumerate(zip(returned, requests, strict=True))
+            ]
         return [
-            self.answer_of(response, index, request)
-            for index, (response, request) in enumerate(zip(responses, requests, strict=True))
+            self._sent_answer(one, index, request) if one.response is not None else fallback[index]
+            for index, (one, request) in enumerate(zip(sent, requests, strict=True))
         ]
+
+    def _sent_answer(
+        self, sent: pb_utils.SentResponse, index: int, request: BatchedRequest | None
+    ) -> Answer:
+        if not sent.final:
+            return BackendError(
+                f"model '{self._model}': execute() sent request {index} a response without "
+                "TRITONSERVER_RESPONSE_COMPLETE_FINAL: send it with "
+                "flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL, or send the flag after it"
+            )
+        return self.answer_of(sent.response, index, request)
+
+    def _unanswered(self, index: int, returned: str) -> BackendError:
+        return BackendError(
+            f"model '{self._model}': execute() {returned} and sent request {index} no "
+            "response: return one InferenceResponse per request, or send each request's "
+            "response with request.get_response_sender().send(response, "
+            "flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL) before returning"
+        )
 
     @property
     def model(self) -> str:
@@ -211,14 +273,9 @@ class TritonPythonBackend:
             return self.error_of(exc)
         return BackendError(f"model '{self._model}': {type(exc).__name__}: {exc}")
 
-    def outputs_of(self, responses: Any) -> Arrays:
-        """The outputs of the one response to one request; raises its error."""
-        if not isinstance(responses, list | tuple) or len(responses) != 1:
-            count = len(responses) if isinstance(responses, list | tuple) else type(responses)
-            raise BackendError(
-                f"model '{self._model}': execute() answered 1 request with {count} responses"
-            )
-        answer = self.answer_of(responses[0], 0, None)
+    def outputs_of(self, answers: list[Answer]) -> Arrays:
+        """The outputs of the one answer to one request; raises its error."""
+        (answer,) = answers
         if isinstance(answer, ServingError):
             raise answer
         return answer
@@ -301,8 +358,10 @@ class TritonPythonComposition:
 
     async def run(self, inputs: Arrays, ctx: InferContext) -> Arrays:
         requests = [self._backend.request_of(RequestView.of(ctx.request, inputs))]
+        sent = [pb_utils.attach_sent(requests[0])]
         loop = asyncio.get_running_loop()
         token = pb_utils.CALLER.set(pb_utils.Caller(loop, ctx))
+        responses: Any
         try:
             if self._async:
                 responses = await self._backend.execute_async(requests)
@@ -310,9 +369,11 @@ class TritonPythonComposition:
                 context = contextvars.copy_context()  # the thread sees the caller
                 call = functools.partial(context.run, self._backend.execute, requests)
                 responses = await loop.run_in_executor(self._pool, call)
+        except ServingError as exc:
+            responses = exc
         finally:
             pb_utils.CALLER.reset(token)
-        return self._backend.outputs_of(responses)
+        return self._backend.outputs_of(self._backend.answers_of(responses, sent, [None]))
 
     async def drain(self, timeout: float) -> bool:
         return True  # its requests wait in the models it calls, which drain them

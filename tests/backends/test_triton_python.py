@@ -232,6 +232,45 @@ class TritonPythonModel:
         return responses
 """
 
+# a default (non-decoupled) model that answers through each request's response sender, as the
+# request's parameter "how" says; a batch leaves when it holds 4 requests (or after a second)
+SENDER_CONFIG = SLOPPY_CONFIG.replace('"sloppy"', '"sender"')
+
+SENDER_MODEL = """
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        hows = [json.loads(request.parameters()).get("how", "send") for request in requests]
+        count = pb_utils.Tensor("REQUESTS", np.array([[len(requests)]], dtype=np.int32))
+        returned, late = [], []
+        for request, how in zip(requests, hows):
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            response = pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2), count])
+            sender = request.get_response_sender()
+            returned.append(response if how == "return" else None)
+            if how in ("send", "twice"):
+                sender.send(response, flags=FINAL)
+            elif how == "then_final":
+                sender.send(response)
+                sender.send(flags=FINAL)
+            elif how == "no_final":
+                sender.send(response)
+            if how == "twice":
+                late.append(lambda sender=sender, response=response: sender.send(response))
+            elif how == "final_first":
+                late.append(lambda sender=sender: sender.send(flags=FINAL))
+        for send in late:  # after the others are answered: raises Triton's error
+            send()
+        return returned if "return" in hows else None
+"""
+
 # Triton's business logic scripting: a model that calls two others for each request, from
 # a synchronous execute (exec) and from an async one (async_exec, both calls at once)
 PIPELINE_CONFIG = """
@@ -345,6 +384,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("full_batch", PER_REQUEST_CONFIG.replace("{delay_us}", "1000000"), PER_REQUEST_MODEL),
         ("sloppy", SLOPPY_CONFIG, SLOPPY_MODEL),
         ("transpose", TRANSPOSE_CONFIG, TRANSPOSE_MODEL),
+        ("sender", SENDER_CONFIG, SENDER_MODEL),
     )
 
 
@@ -597,11 +637,64 @@ def test_a_wrong_count_of_responses_fails_the_batch_and_a_non_response_its_reque
     results = at_once([sloppy(server, "none" if i == 0 else "") for i in range(4)])
     missing = results[0]
     assert isinstance(missing, InferenceServerException), missing
-    assert missing.status() == "500" and "returned a NoneType for request" in missing.message()
+    assert missing.status() == "500" and "returned None for request" in missing.message()
+    assert "sent request" in missing.message() and "no response" in missing.message()
     for result in results[1:]:
         assert not isinstance(result, Exception), result
         np.testing.assert_allclose(result.as_numpy("Y"), [[1, 2]])
         assert result.as_numpy("REQUESTS")[0, 0] == 4  # batched with the one that failed
+
+
+def sent(server: RunningServer, hows: list[str]) -> list[Any]:
+    """A request of each `how` to the sender model, all at once (one batch of 4): each
+    client's Y (X * 2) with the batch's REQUESTS, or its error as 'status message'."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}", concurrency=4)
+
+    def call(index: int, how: str) -> tuple[list[float], int]:
+        x = httpclient.InferInput("X", [1, 2], "FP32")
+        x.set_data_from_numpy(np.array([[index, 1]], dtype=np.float32))
+        result = client.infer("sender", [x], parameters={"how": how})
+        return result.as_numpy("Y").tolist()[0], int(result.as_numpy("REQUESTS")[0, 0])
+
+    results = at_once([functools.partial(call, i, how) for i, how in enumerate(hows)])
+    return [f"{r.status()} {r.message()}" if isinstance(r, Exception) else r for r in results]
+
+
+def test_a_default_model_may_answer_through_each_requests_response_sender(
+    server: RunningServer,
+) -> None:
+    """Four requests in one execute() of a non-decoupled model: two send their response with
+    the final flag, one the response then the flag alone, one is returned at its index (None
+    at the others'); each client gets its own answer. All sent: execute() returns None."""
+    hows = ["send", "then_final", "return", "send"]
+    assert sent(server, hows) == [([2.0 * i, 2.0], 4) for i in range(4)]
+    assert sent(server, ["send", "then_final", "send", "send"]) == [
+        ([2.0 * i, 2.0], 4) for i in range(4)
+    ]
+
+
+def test_a_request_unanswered_or_answered_twice_by_a_default_model_gets_an_error(
+    server: RunningServer,
+) -> None:
+    """A request neither returned nor sent a response, or sent one without the final flag,
+    fails with a 500 that says so; the requests batched with it are answered. A second
+    response, or the final flag before any response, raises Triton's error in the model:
+    the requests not yet answered fail with it, the others keep their answers."""
+    results = sent(server, ["none", "no_final", "send", "send"])
+    assert isinstance(results[0], str) and results[0].startswith("500"), results[0]
+    assert "returned None and sent request" in results[0] and "no response" in results[0]
+    assert isinstance(results[1], str) and results[1].startswith("500"), results[1]
+    assert "without TRITONSERVER_RESPONSE_COMPLETE_FINAL" in results[1]
+    assert results[2:] == [([4.0, 2.0], 4), ([6.0, 2.0], 4)]
+    results = sent(server, ["twice", "send", "return", "send"])
+    assert results[:2] == [([0.0, 2.0], 4), ([2.0, 2.0], 4)]  # its first response stands
+    assert isinstance(results[2], str) and results[2].startswith("500"), results[2]
+    assert "Non-decoupled model cannot send more than one response" in results[2]
+    assert results[3] == ([6.0, 2.0], 4)
+    results = sent(server, ["send", "final_first", "send", "send"])
+    assert isinstance(results[1], str), results[1]
+    assert "cannot send complete final before sending a response" in results[1]
+    assert [results[0], *results[2:]] == [([0.0, 2.0], 4), ([4.0, 2.0], 4), ([6.0, 2.0], 4)]
 
 
 def test_a_reshaped_model_gets_each_request_in_its_own_shape(server: RunningServer) -> None:

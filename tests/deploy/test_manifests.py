@@ -321,6 +321,27 @@ def test_router_discovers_the_ready_server_pods_through_the_headless_service(
 
 
 @pytest.mark.parametrize("directory", SERVER_OVERLAYS)
+def test_router_keeps_its_model_control_state_on_a_pod_volume(directory: str) -> None:
+    """`--control-state` names a file on an emptyDir mounted in the router's container (its
+    root filesystem is read-only), so a restart of the container reads the state back."""
+    router = one(render(directory), "Deployment", "lockgate-router")
+    (container,) = containers(router)
+    state = flag(container["args"], "--control-state")
+    assert state is not None and state != "off", container["args"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = [
+        m
+        for m in container["volumeMounts"]
+        if Path(state).parent.is_relative_to(m["mountPath"]) and not m.get("readOnly", False)
+    ]
+    assert mounts, f"{state} is on no writable mount of the router"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))  # the innermost
+    volumes = {v["name"]: v for v in router["spec"]["template"]["spec"]["volumes"]}
+    assert "emptyDir" in volumes[mount["name"]], volumes[mount["name"]]
+    assert volumes[mount["name"]]["emptyDir"].get("medium") != "Memory"
+
+
+@pytest.mark.parametrize("directory", SERVER_OVERLAYS)
 def test_services_and_budgets_select_the_pods_they_are_for(directory: str) -> None:
     objects = render(directory)
     server = one(objects, "Deployment", "lockgate")
