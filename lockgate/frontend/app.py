@@ -338,15 +338,23 @@ class App:
                 return accepted_coding(value)
         return None
 
-    def probe_reply(self, probe: Probe) -> Reply | None:
-        """The answer to a health probe read by the protocol (`frontend/probe.py`), as the
-        ASGI routes answer it; None when the ASGI path must answer it: while the access log
-        is on, for a browser's cross-origin probe while CORS is on, or when a key is asked."""
+    def probe_open(self, probe: Probe) -> bool:
+        """Whether a health probe may be answered below ASGI (`frontend/probe.py`): not while
+        the access log is on, nor a browser's cross-origin probe while CORS is on, nor one
+        a key is asked of (the ASGI path answers those). Reads only settings fixed at start:
+        the accepting thread asks it too (`frontend/acceptor.py`)."""
         if self.access.enabled or (self.cors is not None and origin_of(probe.headers)):
-            return None
+            return False
         try:
             self.authenticate("GET", probe.path, lambda: bearer_of(probe.header(b"authorization")))
         except ServingError:
+            return False
+        return True
+
+    def probe_reply(self, probe: Probe) -> Reply | None:
+        """The answer to a health probe read by the protocol (`frontend/probe.py`), as the
+        ASGI routes answer it; None when the ASGI path must answer it (`probe_open`)."""
+        if not self.probe_open(probe):
             return None
         if probe.path == "/v2/health/ready":
             reason = self.not_ready()

@@ -147,9 +147,14 @@ class HealthPort:
 
     @staticmethod
     def _send(conn: socket.socket, status: int, body: bytes, method: str) -> None:
-        reason = _REASONS.get(status, b"Bad Request" if status == 400 else b"Error")
-        head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n" % (status, reason)
-        head += b"content-length: %d\r\nconnection: close\r\n" % len(body)
-        if status == 405:
-            head += b"allow: GET, HEAD\r\n"
-        conn.sendall(head + b"\r\n" + (b"" if method == "HEAD" else body))
+        conn.sendall(response_bytes(status, body, method))
+
+
+def response_bytes(status: int, body: bytes, method: str) -> bytes:
+    """A probe's whole answer, closing its connection (no body for HEAD)."""
+    reason = _REASONS.get(status, b"Bad Request" if status == 400 else b"Error")
+    head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n" % (status, reason)
+    head += b"content-length: %d\r\nconnection: close\r\n" % len(body)
+    if status == 405:
+        head += b"allow: GET, HEAD\r\n"
+    return head + b"\r\n" + (b"" if method == "HEAD" else body)

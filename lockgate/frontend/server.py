@@ -59,10 +59,10 @@ from lockgate.frontend.access_log import request_id
 from lockgate.frontend.app import App, ServerSettings
 from lockgate.frontend.cors import origin_of
 from lockgate.frontend.gate import Gate, GateSettings
-from lockgate.frontend.health_port import HealthPort, HealthState
+from lockgate.frontend.health_port import HealthPort, HealthState, response_bytes
 from lockgate.frontend.http import Disconnect, compressed
 from lockgate.frontend.lane import BodiesArriving, Lane, LaneRequest, lane_target, reply_bytes
-from lockgate.frontend.probe import probe_of
+from lockgate.frontend.probe import Probe, probe_of
 from lockgate.protocol.openai import error_body, openai_path
 from lockgate.protocol.v2_codec import encode_error
 
@@ -819,10 +819,12 @@ class _Server(uvicorn.Server):
         drain_timeout: float,
         grpc_server: Any = None,
         accept_per_turn: int = 128,
+        health: HealthState | None = None,
     ) -> None:
         super().__init__(config)
         self.lockgate_app = app
         self.accept_per_turn = accept_per_turn
+        self.health = health or HealthState()  # what probes answered off the loop say
         self.acceptors: list[Acceptor] = []
         self.drain_timeout = drain_timeout
         self.grpc_server = grpc_server  # grpc.aio.Server, or None
@@ -844,15 +846,17 @@ class _Server(uvicorn.Server):
             self.joining = asyncio.get_running_loop().create_task(self._join(self.loading))
 
     def _listen(self, sock: socket.socket) -> None:
-        """Accept `sock`'s connections in batches (`frontend/acceptor.py`), each served by a
-        protocol made as uvicorn's own start-up makes them."""
+        """Accept `sock`'s connections on a thread (`frontend/acceptor.py`), each served by
+        a protocol made as uvicorn's own start-up makes them."""
         factory = functools.partial(
             self.config.http_protocol_class,  # type: ignore[call-arg]
             config=self.config,
             server_state=self.server_state,
             app_state=self.lifespan.state,
         )
-        acceptor = Acceptor(sock, factory, self.accept_per_turn, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        answer = functools.partial(_probe_answer, self.lockgate_app, self.health, loop)
+        acceptor = Acceptor(sock, factory, self.accept_per_turn, loop, answer)
         acceptor.start(self.config.backlog)
         self.acceptors.append(acceptor)
 
@@ -919,6 +923,21 @@ class _Server(uvicorn.Server):
         left = self.drain_timeout - (time.monotonic() - start)
         self.config.timeout_graceful_shutdown = max(1, int(left))  # for responses being written
         self.should_exit = True
+
+
+def _probe_answer(
+    app: App, health: HealthState, loop: asyncio.AbstractEventLoop, probe: Probe
+) -> bytes | None:
+    """On the accepting thread: a probe's answer as the health port gives it (the loop's
+    heartbeat, its last readiness), or None when the loop must answer it (`App.probe_open`).
+    The latency histogram counts it, on the loop."""
+    if not app.probe_open(probe):
+        return None
+    method = "HEAD" if probe.head else "GET"
+    status, body = health.answer(method, probe.path, time.monotonic())
+    elapsed = time.monotonic() - probe.received
+    loop.call_soon_threadsafe(app.http_latency.observe, ("health", str(status)), elapsed)
+    return response_bytes(status, body, method)
 
 
 def build_app(options: ServeOptions) -> App:
@@ -1028,7 +1047,9 @@ async def serve(options: ServeOptions) -> int:
     except OSError as exc:
         log.error("%s", exc)
         return 1
-    server = _Server(config, app, options.drain_timeout, grpc_server, options.accept_per_turn)
+    server = _Server(
+        config, app, options.drain_timeout, grpc_server, options.accept_per_turn, health
+    )
     loader = asyncio.get_running_loop().create_task(load(app, options))
     server.shared, server.loading = shared, loader
     log.info("lockgate listening on http://%s:%d", options.host, options.port)
