@@ -16,6 +16,10 @@ The request head (request line and headers) is bounded by `max_head_bytes`: past
 client gets 431 and the connection closes, so a header flood cannot grow memory. Requests
 the HTTP parser rejects get a JSON 400 like every other error.
 
+Connections are accepted on a thread of their own (`frontend/acceptor.py`), which answers the
+kubelet's health probes there and hands the rest to the loop; a probe on a kept-alive
+connection is answered by the protocol in the read that brings it (`frontend/probe.py`).
+
 A POST whose head arrives whole is judged on arrival, from its raw bytes, by the connection
 gate and its model's admission (`_Protocol.data_received`): a refusal is a split of the head
 and a canned 503, with no parser callback, no scope and no task, and the body is dropped as it
