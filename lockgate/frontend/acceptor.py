@@ -46,6 +46,7 @@ RETRY_S = 1.0  # out of file descriptors or memory: accept again after this
 PEEK_BYTES = 8192  # a probe's head is read from at most this much
 FIRST_BYTES_S = 0.05  # a new connection silent this long goes to the loop, which waits for it
 ANSWER_TIMEOUT_S = 0.5  # for a probe's answer to be taken
+ACCEPT_BATCH = 256  # connections accepted in a row before the thread looks at the others
 
 
 class Acceptor:
@@ -124,17 +125,33 @@ class Acceptor:
                 conn.close()
 
     def _accept(self, selector: selectors.BaseSelector, silent: dict[socket.socket, float]) -> None:
-        try:
-            conn, _ = self.sock.accept()
-        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-            return  # taken already, or the client gave up while queued
-        except OSError as exc:
-            if not self.closed.is_set():
-                self._wait_out(exc)
-            return
-        conn.setblocking(False)
-        selector.register(conn, selectors.EVENT_READ)
-        silent[conn] = time.monotonic() + FIRST_BYTES_S
+        """Every connection waiting, up to ACCEPT_BATCH: one whose first bytes are in is
+        decided at once, the others are watched."""
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _ = self.sock.accept()
+            except ConnectionAbortedError:
+                continue  # the client gave up while queued
+            except (BlockingIOError, InterruptedError):
+                return  # none left
+            except OSError as exc:
+                if not self.closed.is_set():
+                    self._wait_out(exc)
+                return
+            conn.setblocking(False)
+            try:
+                sent = conn.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                selector.register(conn, selectors.EVENT_READ)
+                silent[conn] = time.monotonic() + FIRST_BYTES_S
+                continue
+            except OSError:
+                conn.close()
+                continue
+            if sent:
+                self._first_bytes(conn)
+            else:
+                conn.close()  # closed before it sent anything
 
     def _first_bytes(self, conn: socket.socket) -> None:
         try:

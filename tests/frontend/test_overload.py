@@ -596,7 +596,7 @@ def probed_digits(
 def test_liveness_on_the_main_port_answers_within_50_ms_under_overload(
     probed_digits: tuple[RunningServer, int],
 ) -> None:
-    """An open loop of 5,000 requests a second on digits_onnx, from a client that opens up to
+    """An open loop of 10,000 requests a second on digits_onnx, from a client that opens up to
     512 connections as its requests wait: liveness probes on new connections, sent as the
     load starts and every 20 ms after, are answered on the main port within 50 ms.
 
@@ -608,7 +608,7 @@ def test_liveness_on_the_main_port_answers_within_50_ms_under_overload(
     server, health_port = probed_digits
     for attempt in (1, 2):
         load = subprocess.Popen(
-            [sys.executable, "-c", OPEN_LOOP, str(server.port), "5000", "2.5"],
+            [sys.executable, "-c", OPEN_LOOP, str(server.port), "10000", "2.5"],
             stdout=subprocess.PIPE,
             cwd=Path(__file__).resolve().parents[2],
         )
