@@ -206,9 +206,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--accepts-per-turn",
         type=_positive_int,
         default=128,
-        help="new HTTP connections accepted per turn of the event loop: every one waiting, up "
-        "to this many, so a new connection (a liveness probe's) never queues behind others "
-        "accepted one a turn",
+        help="new HTTP connections the event loop opens per turn; a thread accepts them as "
+        "they come, and answers the kubelet's probes (Connection: close) itself",
     )
     p.add_argument(
         "--max-connections-per-client",

@@ -83,7 +83,7 @@ class ServeOptions:
     port: int = 8000
     drain_timeout: float = 30.0
     backlog: int = 2048
-    accept_per_turn: int = 128  # connections accepted per turn of the loop (frontend/acceptor.py)
+    accept_per_turn: int = 128  # new connections the loop opens per turn (frontend/acceptor.py)
     max_head_bytes: int = 64 * 1024  # request line and headers, as nginx's 4 x 8 KiB and more
     # idle seconds before a kept-alive connection closes: longer than the idle timeout of the
     # proxies in front (60 s on AWS ALB and nginx), so they never reuse a connection this end
