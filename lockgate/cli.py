@@ -203,6 +203,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--max-connections", type=int, default=16384, help="open HTTP connections in all"
     )
     p.add_argument(
+        "--accepts-per-turn",
+        type=_positive_int,
+        default=128,
+        help="new HTTP connections the event loop opens per turn; a thread accepts them as "
+        "they come, and answers the kubelet's probes (Connection: close) itself",
+    )
+    p.add_argument(
         "--max-connections-per-client",
         type=int,
         default=1024,
@@ -719,6 +726,7 @@ def _serve(args: argparse.Namespace) -> int:
         private_port=args.private_port,
         health_port=args.health_port,
         health_stale_s=args.health_stale_s,
+        accept_per_turn=args.accepts_per_turn,
     )
     return run(options)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from lockgate import __version__
@@ -65,6 +66,7 @@ from lockgate.frontend.predict_routes import (
     status_route,
     status_target,
 )
+from lockgate.frontend.probe import Probe
 from lockgate.frontend.v2_service import V2Service
 from lockgate.protocol import readiness
 from lockgate.protocol.content_coding import accepted_coding
@@ -91,6 +93,7 @@ READ_ONLY_PATHS = frozenset(
     }
 )
 READ = ("GET", "HEAD")  # the methods of a route that only reads
+LIVE = msgspec.json.encode({"live": True})
 
 WRITE = ("POST",)
 # the methods of each route under /v2/models/{m}[/versions/{v}], by its last segment
@@ -336,6 +339,39 @@ class App:
                 return accepted_coding(value)
         return None
 
+    def probe_open(self, probe: Probe) -> bool:
+        """Whether a health probe may be answered below ASGI (`frontend/probe.py`): not while
+        the access log is on, nor a browser's cross-origin probe while CORS is on, nor one
+        a key is asked of (the ASGI path answers those). Reads only settings fixed at start:
+        the accepting thread asks it too (`frontend/acceptor.py`)."""
+        if self.access.enabled or (self.cors is not None and origin_of(probe.headers)):
+            return False
+        try:
+            self.authenticate("GET", probe.path, lambda: bearer_of(probe.header(b"authorization")))
+        except ServingError:
+            return False
+        return True
+
+    def probe_reply(self, probe: Probe) -> Reply | None:
+        """The answer to a health probe read by the protocol (`frontend/probe.py`), as the
+        ASGI routes answer it; None when the ASGI path must answer it (`probe_open`)."""
+        if not self.probe_open(probe):
+            return None
+        if probe.path == "/v2/health/ready":
+            reason = self.not_ready()
+            ready = {"ready": True} if reason is None else {"ready": False, "error": reason}
+            reply = Reply(200 if reason is None else 503, msgspec.json.encode(ready))
+        else:
+            reply = Reply(200, LIVE)
+        self.http_latency.observe(("health", str(reply.status)), time.monotonic() - probe.received)
+        load = b"%d" % self.in_flight
+        reply.headers += [
+            (b"x-request-id", request_id(probe.headers)),
+            (b"x-lockgate-inflight", load),
+            self._boot,
+        ]
+        return reply
+
     @property
     def lane_open(self) -> bool:
         """Whether v2 inference requests may be answered from the protocol's lane
@@ -548,7 +584,7 @@ class App:
             check_method(method, path, READ)
             await respond_json(request.send, 200, {"version": __version__})
         elif path in ("/v2/health/live", "/health"):
-            await respond_json(request.send, 200, {"live": True}, [self._boot])
+            await respond(request.send, 200, LIVE, headers=[self._boot])
         elif path == "/v2/health/ready":
             await self._ready(request)
         elif path == "/v2":

@@ -1,11 +1,11 @@
 """Liveness and readiness on a port of their own (`--health-port`), answered from a thread.
 
-On the main port a probe is one more connection for the event loop to accept, read and
-answer; under heavy overload a new connection there can wait hundreds of milliseconds before
-it is accepted, and an orchestrator that times probes out restarts a server that is only
-busy. Here a thread owns its own listening socket and answers `GET` or `HEAD` of
-`/v2/health/live`, `/health` and `/v2/health/ready` with the same JSON as the main port,
-whatever the loop is doing: it needs only the interpreter lock, which the loop's thread
+On the main port a probe that closes its connection (the kubelet's) is answered the same way
+by the thread that accepts connections (`acceptor.py`), but its connection waits in the same
+kernel accept queue as every client's, and one kept alive is answered by the event loop,
+after the turn in progress. Here a thread owns its own listening socket and answers `GET` or
+`HEAD` of `/v2/health/live`, `/health` and `/v2/health/ready` with the same JSON as the main
+port, whatever the loop is doing: it needs only the interpreter lock, which the loop's thread
 yields within the switch interval (5 ms).
 
 What it answers is still the loop's state, so a wedged loop is not reported healthy:
@@ -147,9 +147,16 @@ class HealthPort:
 
     @staticmethod
     def _send(conn: socket.socket, status: int, body: bytes, method: str) -> None:
-        reason = _REASONS.get(status, b"Bad Request" if status == 400 else b"Error")
-        head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n" % (status, reason)
-        head += b"content-length: %d\r\nconnection: close\r\n" % len(body)
-        if status == 405:
-            head += b"allow: GET, HEAD\r\n"
-        conn.sendall(head + b"\r\n" + (b"" if method == "HEAD" else body))
+        conn.sendall(response_bytes(status, body, method))
+
+
+def response_bytes(status: int, body: bytes, method: str, extra: bytes = b"") -> bytes:
+    """A probe's whole answer, closing its connection (no body for HEAD); `extra`: header
+    lines to add, each ending in CRLF."""
+    reason = _REASONS.get(status, b"Bad Request" if status == 400 else b"Error")
+    head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n" % (status, reason)
+    head += b"content-length: %d\r\nconnection: close\r\n" % len(body)
+    if status == 405:
+        head += b"allow: GET, HEAD\r\n"
+    head += extra
+    return head + b"\r\n" + (b"" if method == "HEAD" else body)

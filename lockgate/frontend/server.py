@@ -16,6 +16,10 @@ The request head (request line and headers) is bounded by `max_head_bytes`: past
 client gets 431 and the connection closes, so a header flood cannot grow memory. Requests
 the HTTP parser rejects get a JSON 400 like every other error.
 
+Connections are accepted on a thread of their own (`frontend/acceptor.py`), which answers the
+kubelet's health probes there and hands the rest to the loop; a probe on a kept-alive
+connection is answered by the protocol in the read that brings it (`frontend/probe.py`).
+
 A POST whose head arrives whole is judged on arrival, from its raw bytes, by the connection
 gate and its model's admission (`_Protocol.data_received`): a refusal is a split of the head
 and a canned 503, with no parser callback, no scope and no task, and the body is dropped as it
@@ -54,13 +58,16 @@ from lockgate.core.heap import freeze_heap
 from lockgate.core.manager import ModelManager, ServingSettings
 from lockgate.core.metrics import Counter, Registry
 from lockgate.errors import Unavailable
+from lockgate.frontend.acceptor import Acceptor
 from lockgate.frontend.access_log import request_id
 from lockgate.frontend.app import App, ServerSettings
 from lockgate.frontend.cors import origin_of
 from lockgate.frontend.gate import Gate, GateSettings
-from lockgate.frontend.health_port import HealthPort, HealthState
+from lockgate.frontend.health_port import HealthPort, HealthState, response_bytes
 from lockgate.frontend.http import Disconnect, compressed
 from lockgate.frontend.lane import BodiesArriving, Lane, LaneRequest, lane_target, reply_bytes
+from lockgate.frontend.probe import Probe, probe_of
+from lockgate.protocol import readiness
 from lockgate.protocol.openai import error_body, openai_path
 from lockgate.protocol.v2_codec import encode_error
 
@@ -77,6 +84,7 @@ class ServeOptions:
     port: int = 8000
     drain_timeout: float = 30.0
     backlog: int = 2048
+    accept_per_turn: int = 128  # new connections the loop opens per turn (frontend/acceptor.py)
     max_head_bytes: int = 64 * 1024  # request line and headers, as nginx's 4 x 8 KiB and more
     # idle seconds before a kept-alive connection closes: longer than the idle timeout of the
     # proxies in front (60 s on AWS ALB and nginx), so they never reuse a connection this end
@@ -207,8 +215,13 @@ class _Protocol(HttpToolsProtocol):
                 self._keep_alive()
             if not data:
                 return
-        while self.between and data[:5] == b"POST " and not self.transport.is_closing():
-            used = self._arrival(data)
+        while self.between and not self.transport.is_closing():
+            if data[:5] == b"POST ":
+                used = self._arrival(data)
+            elif data[:4] in (b"GET ", b"HEAD"):
+                used = self._probe(data)
+            else:
+                break
             if used == 0:
                 break
             data = data[used:]
@@ -299,6 +312,28 @@ class _Protocol(HttpToolsProtocol):
         else:
             self._keep_alive()
         return size
+
+    def _probe(self, data: bytes) -> int:
+        """Answer the health probe at the start of `data` here (`frontend/probe.py`): the
+        bytes it took (all of `data` when the connection closes after it), or 0 when it
+        goes to the parser."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            return 0  # behind a request in progress: answers leave in order
+        probe = probe_of(data, self.max_head_bytes, self.arrived or time.monotonic())
+        reply = None if probe is None else self.lockgate_app.probe_reply(probe)
+        if probe is None or reply is None:
+            return 0
+        whole = reply_bytes(reply, self.server_state.default_headers, probe.keep_alive)
+        self.transport.write(whole[: len(whole) - len(reply.body)] if probe.head else whole)
+        self.server_state.total_requests += 1
+        self._cancel_head_timer()
+        if not self.penalized:
+            self.arrived = 0.0
+        if not probe.keep_alive:
+            self.transport.close()
+            return len(data)
+        self._keep_alive()
+        return probe.size
 
     def _lane_open(self, headers: list[tuple[bytes, bytes]]) -> bool:
         """Whether this request may be answered from the lane: not one from a browser page
@@ -783,10 +818,19 @@ class _Server(uvicorn.Server):
     """uvicorn's server, draining the models before it closes the port on a signal."""
 
     def __init__(
-        self, config: uvicorn.Config, app: App, drain_timeout: float, grpc_server: Any = None
+        self,
+        config: uvicorn.Config,
+        app: App,
+        drain_timeout: float,
+        grpc_server: Any = None,
+        accept_per_turn: int = 128,
+        health: HealthState | None = None,
     ) -> None:
         super().__init__(config)
         self.lockgate_app = app
+        self.accept_per_turn = accept_per_turn
+        self.health = health or HealthState()  # what probes answered off the loop say
+        self.acceptors: list[Acceptor] = []
         self.drain_timeout = drain_timeout
         self.grpc_server = grpc_server  # grpc.aio.Server, or None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -800,9 +844,26 @@ class _Server(uvicorn.Server):
         await super().serve(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
+        await super().startup([])  # uvicorn listens on nothing: the acceptors do
+        for sock in sockets or []:
+            self._listen(sock)
         if self.shared is not None and self.loading is not None:
             self.joining = asyncio.get_running_loop().create_task(self._join(self.loading))
+
+    def _listen(self, sock: socket.socket) -> None:
+        """Accept `sock`'s connections on a thread (`frontend/acceptor.py`), each served by
+        a protocol made as uvicorn's own start-up makes them."""
+        factory = functools.partial(
+            self.config.http_protocol_class,  # type: ignore[call-arg]
+            config=self.config,
+            server_state=self.server_state,
+            app_state=self.lifespan.state,
+        )
+        loop = asyncio.get_running_loop()
+        answer = functools.partial(_probe_answer, self.lockgate_app, self.health, loop)
+        acceptor = Acceptor(sock, factory, self.accept_per_turn, loop, answer)
+        acceptor.start(self.config.backlog)
+        self.acceptors.append(acceptor)
 
     async def _join(self, loading: asyncio.Task[None]) -> None:
         """Listen on the shared port once start-up is complete: until then the kernel gives
@@ -810,16 +871,13 @@ class _Server(uvicorn.Server):
         await asyncio.wait([loading])
         if self.shared is None or self.should_exit or self.lockgate_app.draining:
             return
-        factory = functools.partial(  # as uvicorn's own start-up makes its protocols
-            self.config.http_protocol_class,  # type: ignore[call-arg]
-            config=self.config,
-            server_state=self.server_state,
-            app_state=self.lifespan.state,
-        )
-        loop = asyncio.get_running_loop()
-        listener = await loop.create_server(factory, sock=self.shared, backlog=self.config.backlog)
-        self.servers.append(listener)  # closed with the others on shutdown
+        self._listen(self.shared)  # closed with the others on shutdown
         log.info("listening on the shared port %d too", self.shared.getsockname()[1])
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for acceptor in self.acceptors:  # no new connection, before uvicorn closes the others
+            acceptor.close()
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -870,6 +928,22 @@ class _Server(uvicorn.Server):
         left = self.drain_timeout - (time.monotonic() - start)
         self.config.timeout_graceful_shutdown = max(1, int(left))  # for responses being written
         self.should_exit = True
+
+
+def _probe_answer(
+    app: App, health: HealthState, loop: asyncio.AbstractEventLoop, probe: Probe
+) -> bytes | None:
+    """On the accepting thread: a probe's answer as the health port gives it (the loop's
+    heartbeat, its last readiness), or None when the loop must answer it (`App.probe_open`).
+    The latency histogram counts it, on the loop."""
+    if not app.probe_open(probe):
+        return None
+    method = "HEAD" if probe.head else "GET"
+    status, body = health.answer(method, probe.path, time.monotonic())
+    elapsed = time.monotonic() - probe.received
+    loop.call_soon_threadsafe(app.http_latency.observe, ("health", str(status)), elapsed)
+    boot = b"%s: %s\r\n" % (readiness.BOOT_HEADER, app.boot)  # as the routes' answers
+    return response_bytes(status, body, method, boot)
 
 
 def build_app(options: ServeOptions) -> App:
@@ -979,7 +1053,9 @@ async def serve(options: ServeOptions) -> int:
     except OSError as exc:
         log.error("%s", exc)
         return 1
-    server = _Server(config, app, options.drain_timeout, grpc_server)
+    server = _Server(
+        config, app, options.drain_timeout, grpc_server, options.accept_per_turn, health
+    )
     loader = asyncio.get_running_loop().create_task(load(app, options))
     server.shared, server.loading = shared, loader
     log.info("lockgate listening on http://%s:%d", options.host, options.port)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from lockgate.frontend.health_port import HealthState
-from tests.conftest import free_port, start_server
+from tests.conftest import RunningServer, free_port, start_server
 from tests.frontend.test_arrival_refusal import FREE_CONFIG, SLEEPER
 
 
@@ -52,8 +52,50 @@ def test_probes_on_the_health_port(tmp_path: Path) -> None:
             assert sock.recv(4096).startswith(b"HTTP/1.1 400 ")
         # the main port answers as before
         assert httpx.get(server.url + "/v2/health/ready").status_code == 200
+        main_port_probes(server)
     finally:
         assert server.stop() == 0
+
+
+def probe_answer(server: RunningServer, request: bytes) -> tuple[bytes, bytes]:
+    """(head, body) of the answer to a raw `request` that closes its connection."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, body
+
+
+def main_port_probes(server: RunningServer) -> None:
+    """Probes on the main port: closing their connection (the kubelet's), answered by the
+    accepting thread; kept alive, by the protocol; both as the routes answer them, and
+    counted in the latency histogram."""
+    labels = 'route="health",status="200"'
+    before = server.metric("lockgate_http_request_duration_seconds_count", labels)
+    for method, path, body in (
+        ("GET", "/v2/health/ready", b'{"ready":true}'),
+        ("HEAD", "/v2/health/ready", b""),
+        ("GET", "/v2/health/live", b'{"live":true}'),
+        ("GET", "/health", b'{"live":true}'),
+    ):
+        request = f"{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+        head, answer = probe_answer(server, request.encode())
+        assert head.startswith(b"HTTP/1.1 200 ") and answer == body, (method, path, head)
+        length = b"content-length: %d" % (len(body) if body else len(b'{"ready":true}'))
+        assert length in head.lower(), head
+    with httpx.Client(base_url=server.url, timeout=5) as client:  # kept alive
+        for _ in range(3):
+            live = client.get("/v2/health/live")
+            assert live.json() == {"live": True} and live.headers["x-request-id"]
+        head = client.head("/v2/health/ready")
+        assert head.status_code == 200 and head.content == b""
+        assert client.post("/v2/health/live", content=b"{}").status_code == 405
+    deadline = time.monotonic() + 5.0  # the thread's answers are counted on the loop
+    while server.metric("lockgate_http_request_duration_seconds_count", labels) < before + 8:
+        assert time.monotonic() < deadline, "probes not counted"
+        time.sleep(0.05)
 
 
 def _serve(tmp: Path, *flags: str) -> list[str]:

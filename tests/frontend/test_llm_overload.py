@@ -1,10 +1,17 @@
 """Language models under overload, through a real server and the `openai` client: with a TTFT
 SLO, a burst of three times the streams the SLO allows is split into requests that get their
-first token inside it and requests refused at once with 503."""
+first token inside it and requests refused at once with 503.
+
+Admission plans at the prefill rate it has measured. On a machine shared with other work the
+server can be stalled after that measurement (a first burst after start waited 4.7 s for a
+first token planned inside 2 s), and every first token is then as much later: the TTFT bounds
+allow what a control thread in the test measured the machine took from every process in the
+same burst (`Stalls`)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,6 +96,32 @@ def prompt_of(n_words: int, seed: int) -> str:
     return " ".join(WORDS[(seed + i) % len(WORDS)] for i in range(n_words))
 
 
+class Stalls:
+    """A control: a thread of this process that sleeps 10 ms at a time and keeps how much
+    longer than that its longest sleep took, while the block runs. Another process on the
+    machine, or the machine itself paused, stalls every process this much (the server's
+    own work does not show here: this thread needs a sliver of a core)."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self.stop.is_set():
+            started = time.monotonic()
+            time.sleep(0.01)
+            self.longest = max(self.longest, time.monotonic() - started - 0.01)
+
+    def __enter__(self) -> Stalls:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def test_streams_past_the_ttft_slo_are_refused_at_once_and_the_rest_meet_it(
     slo_llm_server: RunningServer,
 ) -> None:
@@ -96,19 +129,22 @@ def test_streams_past_the_ttft_slo_are_refused_at_once_and_the_rest_meet_it(
         base_url=slo_llm_server.url + "/v1", api_key="none", max_retries=0, timeout=60
     )
 
-    async def run() -> tuple[list[Stream], float]:
+    async def run(stalls: Stalls) -> tuple[list[Stream], float]:
         warm = [await one_stream(client, prompt_of(150, i)) for i in range(3)]  # measure prefill
         assert all(s.status == 200 for s in warm), warm
         start = time.monotonic()
         prompts = [prompt_of(150, i) for i in range(30)]
-        burst = await asyncio.gather(*(one_stream(client, p) for p in prompts))
+        with stalls:
+            burst = await asyncio.gather(*(one_stream(client, p) for p in prompts))
         await client.close()
         return list(burst), time.monotonic() - start
 
-    burst, elapsed = asyncio.run(run())
+    stalls = Stalls()
+    burst, elapsed = asyncio.run(run(stalls))
     admitted = [s for s in burst if s.status == 200]
     refused = [s for s in burst if s.status != 200]
     report = (
+        f"machine stalled {stalls.longest:.2f} s at most; "
         f"{len(admitted)} admitted, TTFT {sorted(round(s.ttft, 2) for s in admitted)}; "
         f"{len(refused)} refused {sorted({s.status for s in refused})} within "
         f"{max((s.ttft for s in refused), default=0):.2f} s; burst took {elapsed:.1f} s; "
@@ -119,7 +155,8 @@ def test_streams_past_the_ttft_slo_are_refused_at_once_and_the_rest_meet_it(
     assert admitted and len(refused) >= 10, report  # three times what the SLO allows
     assert {s.status for s in refused} == {503}, report
     assert max(s.ttft for s in refused) < 1.0, report  # refused at once
-    assert max(s.ttft for s in admitted) <= TTFT_SLO_S, report
+    # the SLO, plus what the machine took from every process meanwhile (the control)
+    assert max(s.ttft for s in admitted) <= TTFT_SLO_S + stalls.longest, report
     metrics = slo_llm_server.log()
     assert "Traceback" not in metrics
 
@@ -141,11 +178,13 @@ def test_a_burst_as_the_first_traffic_after_start_is_admitted_up_to_the_slo(
             await client.close()
             return list(burst)
 
-        burst = asyncio.run(run())
+        with Stalls() as stalls:
+            burst = asyncio.run(run())
     finally:
         server.stop()
     admitted = [s for s in burst if s.status == 200]
     report = (
+        f"machine stalled {stalls.longest:.2f} s at most; "
         f"statuses {[s.status for s in burst]}, TTFT {[round(s.ttft, 2) for s in burst]}, "
         f"reasons {sorted({s.reason for s in burst if s.reason})}"
     )
@@ -157,4 +196,4 @@ def test_a_burst_as_the_first_traffic_after_start_is_admitted_up_to_the_slo(
     # less for the steps they share); a rate measured too low at warmup would admit fewer
     fit = int(TTFTAdmission().slack * TTFT_SLO_S / min(s.ttft for s in admitted))
     assert len(admitted) >= min(4, fit - 1), f"{fit} fit; {report}"
-    assert max(s.ttft for s in admitted) <= TTFT_SLO_S * 1.25, report
+    assert max(s.ttft for s in admitted) <= TTFT_SLO_S * 1.25 + stalls.longest, report

@@ -42,6 +42,9 @@ def test_health_and_server_metadata(server: RunningServer) -> None:
     assert len(boot) == 16 and int(boot, 16) >= 0
     assert live.headers["x-lockgate-boot"] == boot
     assert httpx.get(server.url + "/health").headers["x-lockgate-boot"] == boot
+    for path in ("/v2/health/live", "/v2/health/ready"):  # closing: answered on accept
+        closing = httpx.get(server.url + path, headers={"connection": "close"})
+        assert closing.headers["x-lockgate-boot"] == boot, path
     meta = httpx.get(server.url + "/v2").json()
     assert meta["name"] == "lockgate"
     assert "binary_tensor_data" in meta["extensions"]
@@ -313,6 +316,19 @@ def test_statistics_of_an_unknown_model_or_version_are_404(server: RunningServer
     assert [s["version"] for s in one["model_stats"]] == ["1"]
 
 
+def idle(server: RunningServer, model: str) -> None:
+    """Wait until `model` has nothing queued and nothing in flight: requests of earlier tests
+    on this module's server (a client that gave up leaves its request to run) would share a
+    batch with the next ones."""
+    labels = f'model="{model}",version="1"'
+    deadline = time.monotonic() + 30
+    while server.metric("lockgate_inflight_requests", labels) or server.metric(
+        "lockgate_queue_depth", labels
+    ):
+        assert time.monotonic() < deadline, f"{model} never went idle"
+        time.sleep(0.05)
+
+
 def test_batch_statistics_per_batch_size(server: RunningServer) -> None:
     """Triton's batch_stats: per batch size that ran, its executions and phase times."""
     url = server.url + "/v2/models/digits_onnx/stats"
@@ -321,17 +337,25 @@ def test_batch_statistics_per_batch_size(server: RunningServer) -> None:
         batches = httpx.get(url).json()["model_stats"][0]["batch_stats"]
         return sum(b["compute_infer"]["count"] for b in batches if b["batch_size"] == rows)
 
-    before = executions(5)
-    for _ in range(2):
-        post(server, "/v2/models/digits_onnx/infer", infer_body("input", digits_rows(5)))
-    assert executions(5) - before == 2
-
-    def one(_: int) -> None:
-        r = post(server, "/v2/models/digits_onnx/infer", infer_body("input", digits_rows(1)))
+    def served(rows: int) -> None:
+        """A deadline of its own (10 s), not the model's 50 ms SLO: admission on a loaded
+        machine refuses none as late; a refusal at the door (503, Retry-After) is sent again."""
+        body = infer_body("input", digits_rows(rows), parameters={"timeout": 10_000_000})
+        for _ in range(20):
+            r = post(server, "/v2/models/digits_onnx/infer", body)
+            if r.status_code != 503:
+                break
+            time.sleep(0.05)
         assert r.status_code == 200, r.text
 
+    idle(server, "digits_onnx")
+    before = executions(5)
+    for _ in range(2):  # one after the other, nothing else in flight: two batches of 5
+        served(5)
+    assert executions(5) - before == 2
+
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        list(pool.map(one, range(32)))  # batched dynamically
+        list(pool.map(lambda _: served(1), range(32)))  # batched dynamically
     stats = httpx.get(url).json()["model_stats"][0]
     batches = stats["batch_stats"]
     sizes = [b["batch_size"] for b in batches]
