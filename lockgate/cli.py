@@ -204,10 +204,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--accepts-per-turn",
-        type=_positive_int,
-        default=128,
-        help="new HTTP connections the event loop opens per turn; a thread accepts them as "
-        "they come, and answers the kubelet's probes (Connection: close) itself",
+        type=_non_negative_int,
+        default=0,
+        help="> 0: a thread accepts new HTTP connections as they come and answers the "
+        "kubelet's probes (Connection: close) itself, and the event loop opens this many per "
+        "turn (probes on the main port stay fast under overload, but saturated throughput "
+        "falls); 0: the loop accepts one per turn (probe through --health-port)",
     )
     p.add_argument(
         "--max-connections-per-client",
@@ -447,6 +449,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
     return value
 
 

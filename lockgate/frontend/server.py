@@ -16,9 +16,10 @@ The request head (request line and headers) is bounded by `max_head_bytes`: past
 client gets 431 and the connection closes, so a header flood cannot grow memory. Requests
 the HTTP parser rejects get a JSON 400 like every other error.
 
-Connections are accepted on a thread of their own (`frontend/acceptor.py`), which answers the
-kubelet's health probes there and hands the rest to the loop; a probe on a kept-alive
-connection is answered by the protocol in the read that brings it (`frontend/probe.py`).
+With `--accepts-per-turn` > 0, connections are accepted on a thread of their own
+(`frontend/acceptor.py`), which answers the kubelet's health probes there and hands the rest to
+the loop; by default the loop accepts them itself (one a turn). A probe is answered by the
+protocol in the read that brings it (`frontend/probe.py`).
 
 A POST whose head arrives whole is judged on arrival, from its raw bytes, by the connection
 gate and its model's admission (`_Protocol.data_received`): a refusal is a split of the head
@@ -84,7 +85,9 @@ class ServeOptions:
     port: int = 8000
     drain_timeout: float = 30.0
     backlog: int = 2048
-    accept_per_turn: int = 128  # new connections the loop opens per turn (frontend/acceptor.py)
+    # > 0: connections accepted on a thread (frontend/acceptor.py), this many opened by the
+    # loop per turn; 0: the loop accepts them itself, one a turn
+    accept_per_turn: int = 0
     max_head_bytes: int = 64 * 1024  # request line and headers, as nginx's 4 x 8 KiB and more
     # idle seconds before a kept-alive connection closes: longer than the idle timeout of the
     # proxies in front (60 s on AWS ALB and nginx), so they never reuse a connection this end
@@ -823,7 +826,7 @@ class _Server(uvicorn.Server):
         app: App,
         drain_timeout: float,
         grpc_server: Any = None,
-        accept_per_turn: int = 128,
+        accept_per_turn: int = 0,
         health: HealthState | None = None,
     ) -> None:
         super().__init__(config)
@@ -844,9 +847,12 @@ class _Server(uvicorn.Server):
         await super().serve(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup([])  # uvicorn listens on nothing: the acceptors do
-        for sock in sockets or []:
-            self._listen(sock)
+        if not self.accept_per_turn:  # the loop accepts, as uvloop does: one a turn
+            await super().startup(sockets)
+        else:
+            await super().startup([])  # uvicorn listens on nothing: the acceptors do
+            for sock in sockets or []:
+                self._listen(sock)
         if self.shared is not None and self.loading is not None:
             self.joining = asyncio.get_running_loop().create_task(self._join(self.loading))
 
@@ -871,7 +877,20 @@ class _Server(uvicorn.Server):
         await asyncio.wait([loading])
         if self.shared is None or self.should_exit or self.lockgate_app.draining:
             return
-        self._listen(self.shared)  # closed with the others on shutdown
+        if self.accept_per_turn:
+            self._listen(self.shared)  # closed with the others on shutdown
+        else:
+            factory = functools.partial(  # as uvicorn's own start-up makes its protocols
+                self.config.http_protocol_class,  # type: ignore[call-arg]
+                config=self.config,
+                server_state=self.server_state,
+                app_state=self.lifespan.state,
+            )
+            loop = asyncio.get_running_loop()
+            listener = await loop.create_server(
+                factory, sock=self.shared, backlog=self.config.backlog
+            )
+            self.servers.append(listener)  # closed with the others on shutdown
         log.info("listening on the shared port %d too", self.shared.getsockname()[1])
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

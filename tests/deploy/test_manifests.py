@@ -554,6 +554,8 @@ def test_kserve_runtime_serves_v2_on_kserve_ports() -> None:
     assert [p["containerPort"] for p in container["ports"]] == [8080]
     assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": 8080}
     assert container["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": 8080}
+    # its probes share the serving port: accepted on a thread, answered at once under load
+    assert int(flag(args, "--accepts-per-turn") or 0) > 0
 
 
 def test_kserve_inference_service_uses_the_lockgate_runtime() -> None:

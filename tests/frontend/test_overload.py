@@ -583,12 +583,15 @@ def probe_s(port: int) -> float:
 def probed_digits(
     demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[RunningServer, int]]:
-    """digits_onnx alone, with a health port whose probes are the control."""
+    """digits_onnx alone, connections accepted on a thread, with a health port whose probes
+    are the control."""
     repo = tmp_path_factory.mktemp("digits-repo")
     shutil.copytree(demo_repo / "digits_onnx", repo / "digits_onnx")
     health = free_port()
     tmp = tmp_path_factory.mktemp("digits")
-    server = start_server(repo, tmp, "--no-llm", "--health-port", str(health))
+    server = start_server(
+        repo, tmp, "--no-llm", "--health-port", str(health), "--accepts-per-turn", "128"
+    )
     yield server, health
     server.stop()
 
