@@ -304,14 +304,7 @@ class _Responses:
     def send(self, response: InferenceResponse | None, flags: int) -> None:
         if self.closed:
             raise TritonModelException("Unable to send response. Response sender has been closed.")
-        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        if response is None and not final:
-            raise TritonModelException(
-                "send() needs a response unless flags is TRITONSERVER_RESPONSE_COMPLETE_FINAL"
-            )
-        if response is not None and not isinstance(response, InferenceResponse):
-            kind = type(response).__name__
-            raise TritonModelException(f"send() takes an InferenceResponse, not a {kind}")
+        final = _final(response, flags)
         self.closed = final
         streamed = (
             StreamedResponse(final=True) if response is None else self.convert(response, final)
@@ -330,6 +323,20 @@ class _Responses:
                 self.model,
             )
             self.stream.end()
+
+
+def _final(response: InferenceResponse | None, flags: int) -> bool:
+    """Whether a sender's `send(response, flags)` is the last; TritonModelException for a
+    call no sender takes."""
+    final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    if response is None and not final:
+        raise TritonModelException(
+            "send() needs a response unless flags is TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+        )
+    if response is not None and not isinstance(response, InferenceResponse):
+        kind = type(response).__name__
+        raise TritonModelException(f"send() takes an InferenceResponse, not a {kind}")
+    return final
 
 
 def attach_responses(
@@ -361,14 +368,7 @@ class SentResponse:
         return False  # a default model's client waits for its answer
 
     def send(self, response: InferenceResponse | None, flags: int) -> None:
-        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        if response is None and not final:
-            raise TritonModelException(
-                "send() needs a response unless flags is TRITONSERVER_RESPONSE_COMPLETE_FINAL"
-            )
-        if response is not None and not isinstance(response, InferenceResponse):
-            kind = type(response).__name__
-            raise TritonModelException(f"send() takes an InferenceResponse, not a {kind}")
+        final = _final(response, flags)
         if response is not None and self.response is not None:
             raise TritonModelException("Non-decoupled model cannot send more than one response.")
         if response is None and self.response is None:

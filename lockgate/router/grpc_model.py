@@ -11,6 +11,9 @@ and only when one of them names `sequence_id`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 from google.protobuf.message import DecodeError
 
 from lockgate.protocol.grpc import inference_pb2 as pb
@@ -22,29 +25,50 @@ _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 _MARK = b"sequence_id"
 
 
+@dataclass(frozen=True, slots=True)
+class _Field:
+    """One top-level field of a message: its number and wire type, where its tag begins,
+    where its value begins (a length-delimited field's bytes) and where it ends."""
+
+    number: int
+    wire: int
+    begin: int
+    value: int
+    end: int
+
+
+def _fields(message: bytes) -> Iterator[_Field]:
+    """The message's top-level fields in order, each skipped by its wire type. IndexError past
+    the end; ValueError for a wire type no serializer writes (groups, long deprecated)."""
+    at = 0
+    while at < len(message):
+        begin = at
+        key, at = _varint(message, at)
+        number, wire = key >> 3, key & 7
+        if wire == _VARINT:
+            _, after = _varint(message, at)
+        elif wire == _FIXED64:
+            after = at + 8
+        elif wire == _FIXED32:
+            after = at + 4
+        elif wire == _LENGTH:
+            size, at = _varint(message, at)
+            after = at + size
+        else:
+            raise ValueError(f"wire type {wire}")
+        yield _Field(number, wire, begin, at, after)
+        at = after
+
+
 def model_of(message: bytes) -> str | None:
     """The model the request names; None when it names none or its bytes are not a message."""
-    at, end = 0, len(message)
     try:
-        while at < end:
-            key, at = _varint(message, at)
-            field, wire = key >> 3, key & 7
-            if wire == _VARINT:
-                _, at = _varint(message, at)
-            elif wire == _FIXED64:
-                at += 8
-            elif wire == _FIXED32:
-                at += 4
-            elif wire == _LENGTH:
-                size, at = _varint(message, at)
-                if field == MODEL_NAME:
-                    if at + size > end:
-                        return None
-                    return message[at : at + size].decode() or None
-                at += size
-            else:
-                return None  # groups (long deprecated) or no message at all
-    except (IndexError, UnicodeDecodeError):
+        for field in _fields(message):
+            if field.number == MODEL_NAME and field.wire == _LENGTH:
+                if field.end > len(message):
+                    return None
+                return message[field.value : field.end].decode() or None
+    except (IndexError, ValueError):  # UnicodeDecodeError is a ValueError
         return None
     return None
 
@@ -53,28 +77,13 @@ def sequence_of(message: bytes) -> SequenceRequest | None:
     """The sequence the request's parameters name; None when they name none (or its bytes are
     not a message: the replica answers)."""
     entries: list[bytes] = []  # the parameters map's entries, each with its tag and length
-    at, end = 0, len(message)
     try:
-        while at < end:
-            begin = at
-            key, at = _varint(message, at)
-            field, wire = key >> 3, key & 7
-            if field > PARAMETERS:
+        for field in _fields(message):
+            if field.number > PARAMETERS:
                 break
-            if wire == _VARINT:
-                _, at = _varint(message, at)
-            elif wire == _FIXED64:
-                at += 8
-            elif wire == _FIXED32:
-                at += 4
-            elif wire == _LENGTH:
-                size, at = _varint(message, at)
-                at += size
-                if field == PARAMETERS:
-                    entries.append(message[begin:at])
-            else:
-                return None
-    except IndexError:
+            if field.number == PARAMETERS and field.wire == _LENGTH:
+                entries.append(message[field.begin : field.end])
+    except (IndexError, ValueError):
         return None
     if not any(_MARK in entry for entry in entries):
         return None
