@@ -136,6 +136,7 @@ class RouterSettings:
     llm_routing: LLMRoutingSettings = field(default_factory=LLMRoutingSettings)
     max_model_series: int = 1000  # model names with request counters of their own
     control: ControlSettings = field(default_factory=ControlSettings)
+    send_once: tuple[str, ...] = ()  # models never hedged nor retried once sent (`model_kinds`)
 
 
 class Tap(Protocol):
@@ -170,7 +171,7 @@ class RouterApp:
         header = settings.sticky_header
         self.sticky = Sticky(header.lower().encode()) if header else None
         self.sequences = SequenceTable(settings.sequence_table_size)
-        self.kinds = ModelKinds()  # which models may be sent twice
+        self.kinds = ModelKinds.naming(settings.send_once)  # which may be sent twice
         self.response_homes = ResponseHomes(settings.responses_table_size)
         limits = settings.rate_limits
         self.limits = RateLimiter(limits) if limits is not None and limits.enabled else None

@@ -65,6 +65,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--hedge-budget", type=float, default=0.1, help="second copies as a share of requests"
     )
     p.add_argument(
+        "--send-once",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        help="a model whose v2 inference is never hedged nor retried once sent, as a language "
+        "model's (repeatable): for generative models on replicas that are not lockgate, "
+        "which do not mark their answers",
+    )
+    p.add_argument(
         "--full-ms",
         type=float,
         default=100.0,
@@ -176,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         hedge=hedge,
         hedge_ratio=args.hedge_budget,
+        send_once=tuple(args.send_once),
         control=ControlSettings(
             args.control_replay_timeout, int(args.control_memory_mb * 2**20), args.control_state
         ),

@@ -7,7 +7,9 @@ header over HTTP and trailing metadata over gRPC. A generation is expensive and 
 hedging is for (only idempotent inference is), so such a model is sent once: never hedged,
 and not retried once the request was sent (a 503, the replica's refusal before any work, is
 still tried elsewhere). A model not yet seen to answer may be a language model: it is sent
-once too, until its first answer tells. Pure bookkeeping: the router reads the answers.
+once too, until its first answer tells. Replicas that are not lockgate mark nothing, so the
+models named by `lockgate route --send-once` are language models from the start, whatever
+their answers say. Pure bookkeeping: the router reads the answers.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ MAX_MODELS = 4096  # model names remembered as classic (beyond them: sent once, 
 @dataclass(slots=True)
 class ModelKinds:
     classic: set[str] = field(default_factory=set)  # seen to answer 200 unmarked
-    language: set[str] = field(default_factory=set)  # marked: never sent twice
+    language: set[str] = field(default_factory=set)  # marked, or named: never sent twice
+
+    @classmethod
+    def naming(cls, send_once: tuple[str, ...]) -> ModelKinds:
+        """Kinds with the models of `send_once` taken as language models from the start."""
+        return cls(language=set(send_once))
 
     def repeatable(self, model: str) -> bool:
         """Whether a request of `model` may be sent twice."""

@@ -310,3 +310,26 @@ def test_a_slow_replica_is_hedged_on_the_lane(tmp_path: Path, fakes: list[FakeRe
         assert [r["in_flight"] for r in replicas] == [0, 0]
     finally:
         router.stop()
+
+
+def test_a_model_named_send_once_is_never_hedged_on_a_replica_that_does_not_mark_it(
+    tmp_path: Path, fakes: list[FakeReplica]
+) -> None:
+    """Replicas that are not lockgate (the fakes) never mark a language model's answers; with
+    `--send-once who`, the router sends each of its requests to one replica, however slow the
+    answer, where the same replicas get hedged copies without the flag (the test above)."""
+    fakes.extend([FakeReplica(200, delay=0.3), FakeReplica(200)])
+    flags = ("--hedge-delay-ms", "20", "--hedge-budget", "1", "--send-once", "who")
+    router = start_router(tmp_path, "--replica", fakes[0].url, "--replica", fakes[1].url, *flags)
+    try:
+        with httpx.Client(base_url=router.url) as client:
+            answers = [client.post(INFER, json=body()) for _ in range(12)]
+        assert [r.status_code for r in answers] == [200] * 12
+        slow = [r for r in answers if r.json() == {"fake": fakes[0].port}]
+        assert slow, "power of two choices sent none to the slow replica"
+        assert all(r.elapsed.total_seconds() >= 0.3 for r in slow)
+        assert metric(router.url, "lockgate_router_hedges_total") == 0
+        assert fakes[0].inference + fakes[1].inference == 12  # one copy each
+        assert fakes[0].cut == 0
+    finally:
+        router.stop()
