@@ -704,6 +704,16 @@ def report(
             note="at the best throughput above; not a target: what each way of balancing "
             "costs, whatever the machine's other load leaves it",
         )
+    for system in (ServeSetup(1), ServeSetup(2, "kernel")):
+        rate, cpu = median(replicas[system.name].rate), median(replicas[system.name].cpu)
+        result.add(
+            f"{system.name}: cores its processes kept busy at that throughput",
+            rate * cpu,
+            "cores",
+            note="throughput x CPU per request; of the machine's 2: what is left to scale "
+            "into (one process already runs its model on a thread of its own, outside the "
+            "interpreter lock)",
+        )
     result.notes += [
         f"client: {client.name}; the router runs on the client core in the overhead runs",
         "hedging: one of three replicas stalls 50 ms on 5% of its calls (about 1.7% of all "
