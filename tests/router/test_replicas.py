@@ -503,10 +503,17 @@ def test_a_killed_supervisor_takes_its_replicas_with_it(tmp_path: Path) -> None:
     if not reuse_port_balances():
         pytest.skip("kernel balancing needs Linux's SO_REUSEPORT")
     balanced = start_kernel_balanced(tmp_path)
-    pids = set(balanced.pids())
+    pids = balanced.pids()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        assert children_of(balanced.server.process.pid) == pids
+        assert children_of(balanced.server.process.pid) == set(pids)
+        slow = pool.submit(pid_of, balanced.private[0], 1002.0)  # 2 s in the model
+        while _inflight(balanced.private[0]) < 1:  # until it is in progress
+            assert not slow.done(), "the slow request ended before the kill"
+            time.sleep(0.02)
     finally:
-        kill_and_wait_for(balanced.server, pids)
+        kill_and_wait_for(balanced.server, set(pids))
+        pool.shutdown()
+    assert slow.result() == pids[0]  # SIGTERM, not SIGKILL: the replica drained it first
     ports = [balanced.server.port, *(int(url.rpartition(":")[2]) for url in balanced.private)]
     assert all(bindable(port) for port in ports), ports
