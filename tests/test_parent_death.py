@@ -32,7 +32,8 @@ def stop(sig, frame):
 signal.signal(signal.SIGTERM, stop)
 {follow}
 print(os.getpid(), "following", ENV in os.environ, flush=True)
-while not stopping:
+end = time.monotonic() + 30  # not left running by a failed test
+while not stopping and time.monotonic() < end:
     time.sleep(0.01)
 time.sleep(0.5)
 """
