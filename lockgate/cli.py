@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lockgate import __version__
+from lockgate.parent_death import follow_parent
 
 if TYPE_CHECKING:
     from lockgate.cache.redis_tier import RedisSettings
@@ -320,7 +321,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=1,
         help="server processes sharing --port and --grpc-port (see --balance), each loading "
         "every model: a number (default 1), or auto: one per usable core when every model is "
-        "classic, 1 with a language model, a stateful model or explicit model control",
+        "classic, 1 with a language model, a stateful model or explicit model control; the "
+        "replicas end with this process, even when it is killed (each gets SIGTERM and drains)",
     )
     p.add_argument(
         "--balance",
@@ -824,6 +826,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    follow_parent()  # a replica of `serve --replicas` ends with its parent, however it ends
     parser = argparse.ArgumentParser(prog="lockgate", description="lockgate inference server")
     parser.add_argument("--version", action="version", version=f"lockgate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

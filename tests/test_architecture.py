@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "lockgate"
 GROUND = {"lockgate", "lockgate.config", "lockgate.datatypes", "lockgate.errors"}
-GROUND |= {"lockgate.service_time", "lockgate.extras"}
+GROUND |= {"lockgate.service_time", "lockgate.extras", "lockgate.parent_death"}
 GENERATED = {"lockgate.protocol.grpc.inference_pb2", "lockgate.protocol.grpc.inference_pb2_grpc"}
 
 # package -> packages it must never import

@@ -9,14 +9,14 @@ use), balanced one of two ways:
   port on 127.0.0.1 (the router's port plus 1 to N unless `--replica-base-port` says
   otherwise; gRPC, when the router serves it, on the N ports after those), the router on the
   address asked for. A signal to the router drains it; the replicas then get SIGTERM and
-  drain in turn. A replica that exits on its own is started again after a second. The
+  drain in turn; when the router dies, however it dies, they get SIGTERM too
+  (`parent_death.py`). A replica that exits on its own is started again after a second. The
   default with `--model-control-mode explicit`: the router sends each load and unload to
   every replica, and to one started again before it takes traffic (`model_control.py`). The
   router keeps those in a file (`control_state_path`, or `--control-state`) that a run after
-  this one reads back when this one was killed: the replicas it leaves behind, or those
-  started in their place, are then caught up as before. A run that stops its replicas
-  itself removes the default file, so the next run starts as its command line says, as
-  one process does.
+  this one reads back when this one was killed: the replicas it starts are then caught up
+  as before. A run that stops its replicas itself removes the default file, so the next run
+  starts as its command line says, as one process does.
 
 `--replicas auto` (`auto_replicas`) is one replica per usable core when the repository holds
 classic models only, and one when it holds a language model that will be served: a language
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lockgate.config import ModelConfig
+from lockgate.parent_death import child_env
 
 log = logging.getLogger("lockgate.router")
 
@@ -199,11 +200,14 @@ class Replicas:
             "lockgate.cli",
             *replica_argv(self.argv, self.ports[i], grpc),
         ]
-        self.processes[i] = subprocess.Popen(command, preexec_fn=pin_to_core(i))
+        self.processes[i] = subprocess.Popen(command, preexec_fn=pin_to_core(i), env=child_env())
         log.info("replica %d on port %d: pid %d", i, self.ports[i], self.processes[i].pid)
 
     def _watch(self) -> None:
-        while not self.stopping:
+        """Start again a replica that exits unasked. It runs until every replica has exited
+        after the stop: a replica started here is sent SIGTERM when this thread ends, as when
+        its parent dies (`parent_death.py`), and a second SIGTERM would cut its drain short."""
+        while not self.stopping or any(p.poll() is None for p in list(self.processes.values())):
             time.sleep(1.0)
             for i, process in list(self.processes.items()):
                 if process.poll() is not None and not self.stopping:

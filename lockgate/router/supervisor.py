@@ -7,30 +7,27 @@ with each exit that came soon after its start (`Backoff`); one that refuses its 
 every replica, each of which drains; a second signal is passed on too (it ends their drains
 at once), and replicas left `drain_timeout` + `KILL_GRACE` s after the first are killed. The
 parent exits when every replica has: 0 when each exited cleanly after the signal, else 1. It
-holds no socket: readiness, liveness and metrics are the replicas' own. On Linux a replica
-gets SIGTERM when the parent dies, so none outlives it unsupervised.
+holds no socket: readiness, liveness and metrics are the replicas' own. A replica gets SIGTERM
+when the parent dies, however it dies (`parent_death.py`), so none outlives it unsupervised.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
-import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lockgate.parent_death import child_env
 from lockgate.router.replicas import pin_to_core
 
 log = logging.getLogger("lockgate.supervisor")
 
 KILL_GRACE = 5.0  # seconds past the drain timeout before the replicas left are killed
 USAGE_ERROR = 2  # `lockgate serve`'s status for bad arguments: another start would repeat it
-_PR_SET_PDEATHSIG = 1
 # how a replica stopped by the signal may end: drained (0), or ended by the signal itself
 # when it came before the replica had set up its handlers (it served nothing yet)
 _CLEAN = frozenset({0, -signal.SIGTERM, -signal.SIGINT})
@@ -131,7 +128,8 @@ class Supervisor:
         command = [sys.executable, "-m", "lockgate.cli", *replica.argv]
         process = await asyncio.create_subprocess_exec(
             *command,
-            preexec_fn=_child_setup(replica.index),
+            preexec_fn=pin_to_core(replica.index),
+            env=child_env(),  # it ends with this process (`parent_death.py`)
             process_group=0,  # a terminal's Ctrl-C reaches the parent alone, which passes it on
         )
         replica.process = process
@@ -162,30 +160,3 @@ class Supervisor:
 def _signal(process: asyncio.subprocess.Process, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         process.send_signal(sig)
-
-
-def _child_setup(index: int) -> Callable[[], None]:
-    """For `preexec_fn`: pin the child to its core, and have it get SIGTERM when this process
-    dies (Linux's PR_SET_PDEATHSIG; nothing elsewhere). Resolved here, before the fork."""
-    pin = pin_to_core(index)
-    parent = os.getpid()
-    prctl = _prctl()
-
-    def setup() -> None:
-        pin()
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-            if os.getppid() != parent:  # the parent died before that took hold
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    return setup
-
-
-def _prctl() -> Callable[[int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl: Callable[[int, int], int] = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return prctl

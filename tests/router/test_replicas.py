@@ -1,6 +1,7 @@
 """`lockgate serve --replicas`: how many replicas `auto` chooses (no process started for that),
 each replica's arguments, gRPC through the router in front of them, and the replicas sharing
-one port balanced by the kernel (`--balance kernel`): spread, restarted, drained."""
+one port balanced by the kernel (`--balance kernel`): spread, restarted, drained; in both
+modes no replica outlives a parent killed with SIGKILL, and their ports are free again."""
 
 from __future__ import annotations
 
@@ -441,3 +442,78 @@ def test_replicas_that_refuse_their_arguments_stop_the_parent_with_2(tmp_path: P
     assert done.returncode == 2, done.stderr[-2000:]
     assert "--max-stop must be an integer of at least 0" in done.stderr
     assert "refused its arguments: stopping them all" in done.stderr
+
+
+# -- the parent killed: no replica outlives it ---------------------------------------------
+
+
+def children_of(pid: int) -> set[int]:
+    """The processes `pid` started (from any of its threads), read from /proc."""
+    tasks = Path(f"/proc/{pid}/task")
+    return {int(c) for task in tasks.iterdir() for c in (task / "children").read_text().split()}
+
+
+def kill_and_wait_for(server: RunningServer, children: set[int]) -> None:
+    """SIGKILL `server` (no drain of its own, no signal passed on), then wait a few seconds
+    for every one of `children` to end."""
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+    deadline = time.monotonic() + 10
+    while left := {pid for pid in children if _running(pid)}:
+        if time.monotonic() > deadline:
+            for pid in left:  # not left behind by a failed test
+                os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"replicas {left} outlived their parent")
+        time.sleep(0.05)
+
+
+def bindable(port: int) -> bool:
+    """Whether a listening socket may bind 127.0.0.1:`port` without sharing it (SO_REUSEADDR
+    alone, as a server restarting on it would: no socket of another process holds it)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+            probe.listen()
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_router_takes_its_replicas_with_it(tmp_path: Path) -> None:
+    base = _free_run(2)
+    flags = ("--replicas", "2", "--balance", "router", "--replica-base-port", str(base))
+    server = start_server(pid_repository(tmp_path), tmp_path, *flags, "--control-state", "off")
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while not all(r["usable"] for r in replicas_of(server)):
+            assert time.monotonic() < deadline, replicas_of(server)
+            time.sleep(0.1)
+        children = children_of(server.process.pid)
+        assert len(children) == 2 and pid_of(server.url) in children
+    finally:
+        kill_and_wait_for(server, children)
+    ports = [server.port, base, base + 1]  # the router's and the replicas'
+    assert all(bindable(port) for port in ports), ports
+
+
+def test_a_killed_supervisor_takes_its_replicas_with_it(tmp_path: Path) -> None:
+    if not reuse_port_balances():
+        pytest.skip("kernel balancing needs Linux's SO_REUSEPORT")
+    balanced = start_kernel_balanced(tmp_path)
+    pids = balanced.pids()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        assert children_of(balanced.server.process.pid) == set(pids)
+        slow = pool.submit(pid_of, balanced.private[0], 1002.0)  # 2 s in the model
+        while _inflight(balanced.private[0]) < 1:  # until it is in progress
+            assert not slow.done(), "the slow request ended before the kill"
+            time.sleep(0.02)
+    finally:
+        kill_and_wait_for(balanced.server, set(pids))
+        pool.shutdown()
+    assert slow.result() == pids[0]  # SIGTERM, not SIGKILL: the replica drained it first
+    ports = [balanced.server.port, *(int(url.rpartition(":")[2]) for url in balanced.private)]
+    assert all(bindable(port) for port in ports), ports
