@@ -72,7 +72,6 @@ class Lane:
     task: asyncio.Task[None] | None = None
     held: bytearray = field(default_factory=bytearray)
     closing: bool = False  # the server is shutting down: close once the answer is out
-    eager: bool = False  # a request is being answered on the protocol's stack (`eager.py`)
     waiting: LaneRequest | None = None  # its head is in, its body still arriving
     body: bytearray = field(default_factory=bytearray)
     length: int = 0  # the waiting request's Content-Length

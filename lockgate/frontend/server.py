@@ -63,7 +63,6 @@ from lockgate.frontend.acceptor import Acceptor
 from lockgate.frontend.access_log import request_id
 from lockgate.frontend.app import App, ServerSettings
 from lockgate.frontend.cors import origin_of
-from lockgate.frontend.eager import start_eagerly
 from lockgate.frontend.gate import Gate, GateSettings
 from lockgate.frontend.health_port import HealthPort, HealthState, response_bytes
 from lockgate.frontend.http import Disconnect, compressed
@@ -440,34 +439,14 @@ class _Protocol(HttpToolsProtocol):
             self._write_error(408, f"request body not received within {timeout:g} s", True)
 
     def _run_lane(self, request: LaneRequest) -> None:
-        """Run `request`: at once, on this stack, when it is the server's only request in
-        progress (`frontend/eager.py`), and in a task only if it waits; else in a task of its
-        own from the start, so that the requests read in one loop turn reach the batcher
-        together on the next (`core.batcher.Arriving`). A task is counted with the ASGI ones
-        (the gate's requests in progress, the graceful shutdown)."""
+        """Run `request` in a task of its own, counted with the ASGI ones (the gate's
+        requests in progress, the graceful shutdown)."""
         arriving = self.lockgate_app.models.arriving
         arriving.add(request.name)
-        if self.lane.eager or self._in_progress():
-            task = self.loop.create_task(self._lane(request))
-        else:
-            waiting = self._lane_eagerly(request)
-            if waiting is None:  # answered, or failed, before waiting for anything
-                return
-            task = waiting
+        task = self.loop.create_task(self._lane(request))
         task.add_done_callback(functools.partial(self._lane_done, request))
         self.tasks.add(task)
         self.lane.task = task
-
-    def _lane_eagerly(self, request: LaneRequest) -> asyncio.Task[None] | None:
-        """Answer `request` on this stack; the task that carries it on if it waits."""
-        self.lane.eager = True  # a request its answer reads next takes a task: no recursion
-        try:
-            return start_eagerly(self.loop, self._lane(request))
-        except Exception:  # as a task's would be, logged
-            log.exception("unhandled error answering POST %s", request.path)
-            return None
-        finally:
-            self.lane.eager = False
 
     def _lane_done(self, request: LaneRequest, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
