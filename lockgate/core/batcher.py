@@ -128,12 +128,15 @@ class NextTurn:
     the company it gathers: a client sending one request at a time finds nobody to batch
     with, and its request waiting a turn would cost two more turns of the loop (the batcher's
     task, then its own handler's) for a batch of one; the next turn is taken only while the
-    batches formed there hold `least_company` requests or more on average. A measure older
-    than `stale_s` is taken again (one request waits a turn to tell)."""
+    batches formed there hold `least_company` requests or more on average; a batch alone is
+    measured again after `alone_stale_s`, so that a burst of lone batches under load does not
+    keep the next ones apart for long. A measure older than `stale_s` is taken again (one
+    request waits a turn to tell)."""
 
     share: float = 0.1  # of the SLO a turn's wait may take
     least_company: float = 1.5  # requests a batch formed on the next turn must hold, on average
     stale_s: float = 1.0
+    alone_stale_s: float = 0.05
     weight: float = 0.3  # of a new measure in the running average
     wait: float = 0.0  # seconds from a deferred request to its batch's start, on average
     company: float = 1.0  # requests in a batch formed for a deferred request, on average
@@ -143,9 +146,12 @@ class NextTurn:
     def worth_it(self, now: float, slo: float | None) -> bool:
         if slo is None:  # no SLO to spend: a batch at once, as `max_queue_delay_us: 0` asks
             return False
-        if now - self.measured > self.stale_s:
+        age = now - self.measured
+        if age > self.stale_s:
             return True
-        return self.wait <= self.share * slo and self.company >= self.least_company
+        if self.wait > self.share * slo:
+            return False
+        return self.company >= self.least_company or age > self.alone_stale_s
 
     def deferred(self, now: float) -> None:
         if self.since is None:

@@ -587,7 +587,8 @@ def test_requests_of_one_loop_turn_share_an_inline_batch_with_no_window() -> Non
         await batcher.submit(request(1.0))  # alone: runs on the next turn, not after a window
         assert time.monotonic() - started < 0.005
         assert backend.sizes == [1]
-        assert not batcher.next_turn.worth_it(time.monotonic(), batcher.slo)  # it found nobody
+        assert batcher.next_turn.company < batcher.next_turn.least_company  # it found nobody
+        batcher.next_turn.measured = time.monotonic()  # (a slow machine may take 50 ms here)
         await batcher.submit(request(1.0))  # so the next one alone runs at once
         assert backend.sizes == [1, 1]
         batcher.next_turn.company = 6.0  # turns gather company under load
@@ -730,8 +731,12 @@ def test_the_next_turn_is_taken_only_while_it_gathers_company() -> None:
     assert turn.worth_it(10.0, 0.050)  # nothing measured yet: measure
     turn.deferred(10.0)
     turn.formed(10.0001, 1)  # alone
-    assert not turn.worth_it(10.05, 0.050)
-    assert turn.worth_it(11.3, 0.050)  # over a second old: measured again
+    assert not turn.worth_it(10.03, 0.050)
+    assert turn.worth_it(10.06, 0.050)  # a lone batch is measured again after 50 ms
+    turn.deferred(10.06)
+    turn.formed(10.0601, 1)  # alone again
+    assert not turn.worth_it(10.07, 0.050)
+    assert turn.worth_it(11.3, 0.050)
     turn.deferred(11.3)
     turn.formed(11.3001, 11)  # 11 requests came in the next turn
     assert turn.company >= turn.least_company
