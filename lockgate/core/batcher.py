@@ -124,29 +124,45 @@ class NextTurn:
     reads. With 32 connections on digits_onnx that wait is a millisecond or two and the batch
     holds about 11 rows; in a retry storm a turn is thousands of refusals, and waiting for it
     made the admitted requests late, so admission refused nearly everything. So the wait is
-    measured, and the next turn is taken only while it stays under `share` of the SLO. A
-    measure older than `stale_s` is taken again (one request waits a turn to tell)."""
+    measured, and the next turn is taken only while it stays under `share` of the SLO. So is
+    the company it gathers: a client sending one request at a time finds nobody to batch
+    with, and its request waiting a turn would cost two more turns of the loop (the batcher's
+    task, then its own handler's) for a batch of one; the next turn is taken only while the
+    batches formed there hold `least_company` requests or more on average; a batch alone is
+    measured again after `alone_stale_s`, so that a burst of lone batches under load does not
+    keep the next ones apart for long. A measure older than `stale_s` is taken again (one
+    request waits a turn to tell)."""
 
     share: float = 0.1  # of the SLO a turn's wait may take
+    least_company: float = 1.5  # requests a batch formed on the next turn must hold, on average
     stale_s: float = 1.0
+    alone_stale_s: float = 0.05
     weight: float = 0.3  # of a new measure in the running average
     wait: float = 0.0  # seconds from a deferred request to its batch's start, on average
-    measured: float = -math.inf  # when `wait` was last measured
+    company: float = 1.0  # requests in a batch formed for a deferred request, on average
+    measured: float = -math.inf  # when `wait` and `company` were last measured
     since: float | None = None  # when the oldest request now deferred was
 
     def worth_it(self, now: float, slo: float | None) -> bool:
         if slo is None:  # no SLO to spend: a batch at once, as `max_queue_delay_us: 0` asks
             return False
-        return now - self.measured > self.stale_s or self.wait <= self.share * slo
+        age = now - self.measured
+        if age > self.stale_s:
+            return True
+        if self.wait > self.share * slo:
+            return False
+        return self.company >= self.least_company or age > self.alone_stale_s
 
     def deferred(self, now: float) -> None:
         if self.since is None:
             self.since = now
 
-    def formed(self, now: float) -> None:
-        """A batch is formed: what the deferred request at its head waited."""
+    def formed(self, now: float, requests: int) -> None:
+        """A batch of `requests` is formed: what the deferred request at its head waited, and
+        the company it found."""
         if self.since is not None:
             self.wait += self.weight * (now - self.since - self.wait)
+            self.company += self.weight * (requests - self.company)
             self.measured, self.since = now, None
 
 
@@ -588,7 +604,7 @@ class Batcher:
                     await asyncio.wait_for(self._wake.wait(), wait)
                 continue  # look again: the batch may be full, or the window spent
             batch = self._form(cap, now)
-            self.next_turn.formed(now)
+            self.next_turn.formed(now, len(batch.requests) if batch is not None else 0)
             self._gathering = False
             if batch is not None:
                 self._start(self.free.popleft(), batch)

@@ -58,7 +58,7 @@ from lockgate.core.bare_model import BareModel
 from lockgate.core.heap import freeze_heap
 from lockgate.core.manager import ModelManager, ServingSettings
 from lockgate.core.metrics import Counter, Registry
-from lockgate.errors import Unavailable
+from lockgate.errors import ServingError, Unavailable
 from lockgate.frontend.acceptor import Acceptor
 from lockgate.frontend.access_log import request_id
 from lockgate.frontend.app import App, ServerSettings
@@ -288,7 +288,7 @@ class _Protocol(HttpToolsProtocol):
                 self.vetted = True  # the parser reads the same head next, in this same call
                 self.arrived = received
                 return 0
-            why, body = "model_admission", encode_error(error.message)
+            why, body = "model_admission", _ADMISSION_BODY.of(error)
             retry = max(1, math.ceil(error.retry_after or 1))
         else:
             body, retry = _saturated(path), self.gate.retry_after(now)
@@ -697,7 +697,26 @@ class _CannedHead:
         return self.head
 
 
+class _CannedBody:
+    """The JSON body of the last admission refusal: a model's admission gives the same
+    refusal again while its queue is unchanged (`Batcher.early_refusal`), and a refusal then
+    costs no encoding."""
+
+    __slots__ = ("body", "error")
+
+    def __init__(self) -> None:
+        self.error: object = None  # the refusal the body was encoded from
+        self.body = b""
+
+    def of(self, error: ServingError) -> bytes:
+        if error is not self.error:
+            self.body = encode_error(error.message)
+            self.error = error
+        return self.body
+
+
 _REFUSAL_HEAD = _CannedHead()
+_ADMISSION_BODY = _CannedBody()
 _CLOSE = b"connection: close\r\n"
 _REASONS = {
     400: b"Bad Request",

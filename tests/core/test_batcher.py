@@ -571,7 +571,8 @@ def cheap_batcher(backend: CountingCheapBackend) -> Batcher:
 def test_requests_of_one_loop_turn_share_an_inline_batch_with_no_window() -> None:
     """With no window to wait for (an SLO at light load), a model cheap enough for the loop
     still batches: requests submitted in the same turn of the event loop form one batch on
-    the next turn, and a request alone is not held for company."""
+    the next turn while turns gather company, and a request alone is not held for company:
+    once a turn has gathered nobody, the next runs at once."""
     backend = CountingCheapBackend()
     batcher = cheap_batcher(backend)
     loop_thread = threading.current_thread().name
@@ -586,8 +587,13 @@ def test_requests_of_one_loop_turn_share_an_inline_batch_with_no_window() -> Non
         await batcher.submit(request(1.0))  # alone: runs on the next turn, not after a window
         assert time.monotonic() - started < 0.005
         assert backend.sizes == [1]
+        assert batcher.next_turn.company < batcher.next_turn.least_company  # it found nobody
+        batcher.next_turn.measured = time.monotonic()  # (a slow machine may take 50 ms here)
+        await batcher.submit(request(1.0))  # so the next one alone runs at once
+        assert backend.sizes == [1, 1]
+        batcher.next_turn.company = 6.0  # turns gather company under load
         answers = await asyncio.gather(*(batcher.submit(request(float(v))) for v in range(6)))
-        assert backend.sizes == [1, 6]  # one batch for the six submitted in one turn
+        assert backend.sizes == [1, 1, 6]  # one batch for the six submitted in one turn
         assert [float(a["y"][0, 0]) for a in answers] == [2.0 * v for v in range(6)]
         assert set(backend.threads) == {loop_thread}
 
@@ -705,16 +711,36 @@ def test_the_next_turn_is_taken_only_while_turns_are_short() -> None:
     assert turn.worth_it(0.0, 0.050)  # nothing measured yet: measure
     turn.deferred(10.0)
     turn.deferred(10.001)  # the oldest deferred request counts
-    turn.formed(10.030)  # it waited 30 ms for its batch
+    turn.formed(10.030, 4)  # it waited 30 ms for its batch
     assert turn.wait == pytest.approx(0.3 * 0.030)
     for start in (10.1, 10.2, 10.3):
         turn.deferred(start)
-        turn.formed(start + 0.030)
+        turn.formed(start + 0.030, 4)
     assert not turn.worth_it(10.4, 0.050)  # about 23 ms on average: over 5 ms
     assert turn.worth_it(10.4, 0.500)  # a tenth of a 500 ms SLO allows it
     assert turn.worth_it(11.5, 0.050)  # over a second old: measured again
-    turn.formed(11.6)  # a batch formed with nothing deferred measures nothing
+    turn.formed(11.6, 1)  # a batch formed with nothing deferred measures nothing
     assert turn.measured == pytest.approx(10.33)
+
+
+def test_the_next_turn_is_taken_only_while_it_gathers_company() -> None:
+    """A client sending one request at a time: the batch formed on the next turn holds its
+    request alone, and waiting the turn only costs the loop two more turns; once the batches
+    formed there hold nobody else, a cheap batch goes at once, until the measure is stale."""
+    turn = NextTurn()
+    assert turn.worth_it(10.0, 0.050)  # nothing measured yet: measure
+    turn.deferred(10.0)
+    turn.formed(10.0001, 1)  # alone
+    assert not turn.worth_it(10.03, 0.050)
+    assert turn.worth_it(10.06, 0.050)  # a lone batch is measured again after 50 ms
+    turn.deferred(10.06)
+    turn.formed(10.0601, 1)  # alone again
+    assert not turn.worth_it(10.07, 0.050)
+    assert turn.worth_it(11.3, 0.050)
+    turn.deferred(11.3)
+    turn.formed(11.3001, 11)  # 11 requests came in the next turn
+    assert turn.company >= turn.least_company
+    assert turn.worth_it(11.35, 0.050)
 
 
 def test_the_queue_state_says_when_a_held_partial_batch_leaves() -> None:

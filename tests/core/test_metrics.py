@@ -12,7 +12,7 @@ from collections import defaultdict
 import prometheus_client
 import pytest
 
-from lockgate.core.metrics import Registry
+from lockgate.core.metrics import LATENCY_BUCKETS, Registry
 from lockgate.core.serving_metrics import ServingMetrics
 
 SAMPLE = re.compile(
@@ -215,3 +215,32 @@ def test_promtool_accepts_the_serving_metrics() -> None:
     metrics.requests.inc(("digits", "1", "success"))
     metrics.request_latency.observe(("digits", "1"), 0.004)
     promtool_check(text_of(registry))
+
+
+def test_observations_land_in_the_buckets_prometheus_client_would_choose() -> None:
+    """Counters and histograms update their series' values directly: every value, on a bound,
+    between bounds, past the last, infinite or NaN, lands where prometheus_client's own
+    `observe` puts it, and a removed series starts again from zero."""
+    ours = Registry().histogram("x_seconds", "x", ("m",))
+    theirs = prometheus_client.Histogram(
+        "y_seconds", "y", ("m",), registry=None, buckets=LATENCY_BUCKETS
+    )
+    values = [0.0, 0.00005, 0.0001, 0.00010001, 0.3, 60.0, 61.0, math.inf, -1.0, math.nan]
+    for value in values:
+        ours.observe(("a",), value)
+        theirs.labels("a").observe(value)
+    (mine,) = ours.metric.collect()
+    (reference,) = theirs.collect()
+    assert [(s.labels, s.value) for s in mine.samples if s.name.endswith("_bucket")] == [
+        (s.labels, s.value) for s in reference.samples if s.name.endswith("_bucket")
+    ]
+    assert ours.totals(("a",))[0] == len(values) - 1  # NaN reaches no bucket
+    counter = Registry().counter("z_total", "z", ("reason",))
+    counter.inc(("r",))
+    counter.inc(("r",), 2.5)
+    assert counter.values() == {("r",): 3.5}
+    with pytest.raises(ValueError):
+        counter.inc(("r",), -1.0)
+    counter.remove(("r",))
+    counter.inc(("r",))
+    assert counter.values() == {("r",): 1.0}
