@@ -75,21 +75,29 @@ class _Counted:
     __slots__ = ("value",)
 
     def __init__(self, child: prom.Counter) -> None:
-        self.value: _Value = child._value  # type: ignore[attr-defined]
+        value = getattr(child, "_value", None)
+        # a prometheus_client that keeps it elsewhere: the child's own `inc`
+        self.value: _Value = value if hasattr(value, "inc") else child  # type: ignore[assignment]
 
 
 class _Bucketed:
     """The values of one histogram series, as its prometheus_client child holds them: the
     buckets' counts (not cumulative), by upper bound, the last +Inf, and the sum."""
 
-    __slots__ = ("bounds", "buckets", "sum")
+    __slots__ = ("bounds", "buckets", "child", "sum")
 
     def __init__(self, child: prom.Histogram) -> None:
-        self.bounds: list[float] = list(child._upper_bounds)  # type: ignore[attr-defined]
-        self.buckets: list[_Value] = child._buckets  # type: ignore[attr-defined]
-        self.sum: _Value = child._sum  # type: ignore[attr-defined]
+        self.child = child
+        self.bounds: list[float] = list(getattr(child, "_upper_bounds", ()))
+        self.buckets: list[_Value] = list(getattr(child, "_buckets", ()))
+        self.sum: _Value | None = getattr(child, "_sum", None)
+        if len(self.buckets) != len(self.bounds) or not hasattr(self.sum, "inc"):
+            self.buckets = []  # a prometheus_client that keeps them elsewhere: `observe`
 
     def observe(self, value: float) -> None:
+        if not self.buckets or self.sum is None:
+            self.child.observe(value)
+            return
         # the first bucket whose bound is at least `value`, as prometheus_client's scan finds
         self.buckets[bisect.bisect_left(self.bounds, value)].inc(1)
         self.sum.inc(value)

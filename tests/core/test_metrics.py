@@ -244,3 +244,27 @@ def test_observations_land_in_the_buckets_prometheus_client_would_choose() -> No
     counter.remove(("r",))
     counter.inc(("r",))
     assert counter.values() == {("r",): 1.0}
+
+
+def test_a_prometheus_client_without_the_values_it_updates_falls_back_to_its_children() -> None:
+    """Counters and histograms update prometheus_client's values directly; a version that keeps
+    them elsewhere is served by the children's own `inc` and `observe`, with the same result."""
+    from lockgate.core import metrics
+
+    class Bare:
+        def __init__(self) -> None:
+            self.calls: list[float] = []
+
+        def inc(self, amount: float = 1.0) -> None:
+            self.calls.append(amount)
+
+        def observe(self, value: float) -> None:
+            self.calls.append(value)
+
+    counted = metrics._Counted(Bare())  # type: ignore[arg-type]
+    counted.value.inc(2.0)
+    assert counted.value.calls == [2.0]  # type: ignore[attr-defined]
+    bare = Bare()
+    bucketed = metrics._Bucketed(bare)  # type: ignore[arg-type]
+    bucketed.observe(0.25)
+    assert bare.calls == [0.25]
