@@ -228,9 +228,19 @@ def test_repo(tmp_path_factory: pytest.TempPathFactory, demo_repo: Path) -> Path
     return repo
 
 
-@pytest.fixture(scope="module")
+def start_test_repo_server(
+    test_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> RunningServer:
+    """`test_repo` over HTTP, without a language model."""
+    return start_server(test_repo, tmp_path_factory.mktemp("server"), "--no-llm")
+
+
+@pytest.fixture(scope="session")
 def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(test_repo, tmp_path_factory.mktemp("server"), "--no-llm")
+    """One `test_repo` server for the session: its tests load and unload nothing, read counters
+    as deltas and wait for their own requests. A module that floods it (overload, hostile
+    input) starts one of its own with `start_test_repo_server`."""
+    running = start_test_repo_server(test_repo, tmp_path_factory)
     yield running
     running.stop()
 
