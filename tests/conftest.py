@@ -228,11 +228,23 @@ def test_repo(tmp_path_factory: pytest.TempPathFactory, demo_repo: Path) -> Path
     return repo
 
 
-@pytest.fixture(scope="module")
+def start_test_repo_server(
+    test_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> RunningServer:
+    """`test_repo` over HTTP and gRPC, without a language model."""
+    tmp = tmp_path_factory.mktemp("server")
+    return start_server(test_repo, tmp, "--no-llm", grpc_port=free_port())
+
+
+@pytest.fixture(scope="session")
 def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(test_repo, tmp_path_factory.mktemp("server"), "--no-llm")
+    """One `test_repo` server for the session: its tests load and unload nothing, unregister
+    what they register, read counters as deltas and wait for their own requests. A module that
+    floods it (overload, hostile input) starts one of its own with `start_test_repo_server`.
+    It exits cleanly after all of it."""
+    running = start_test_repo_server(test_repo, tmp_path_factory)
     yield running
-    running.stop()
+    assert running.stop() == 0, running.log()[-2000:]
 
 
 def smollm2_repository(

@@ -53,11 +53,15 @@ def test_every_extra_is_declared_in_pyproject() -> None:
 @pytest.fixture(scope="module")
 def core_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("core-venv")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # without a pip of its own (ensurepip takes seconds): this environment's pip installs into
+    # it, and the venv holds lockgate's install alone
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     pip = [
-        str(venv / "bin" / "python"),
+        sys.executable,
         "-m",
         "pip",
+        "--python",
+        str(venv / "bin" / "python"),
         "install",
         "-q",
         "--disable-pip-version-check",

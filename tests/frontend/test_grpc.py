@@ -40,14 +40,6 @@ TEXT = np.array([[b"the weather is lovely today"], ["caf\u00e9 cr\u00e8me".encod
 
 
 @pytest.fixture(scope="module")
-def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    tmp = tmp_path_factory.mktemp("grpc-server")
-    running = start_server(test_repo, tmp, "--no-llm", grpc_port=free_port())
-    yield running
-    assert running.stop() == 0, running.log()[-2000:]
-
-
-@pytest.fixture(scope="module")
 def client(server: RunningServer) -> Iterator[grpcclient.InferenceServerClient]:
     with grpcclient.InferenceServerClient(server.grpc_address) as triton:
         yield triton

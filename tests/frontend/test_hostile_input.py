@@ -21,7 +21,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import RunningServer, digits_rows, start_server
+from tests.conftest import RunningServer, digits_rows, start_server, start_test_repo_server
 
 INFER = "/v2/models/digits_onnx/infer"
 # each case: the peak RSS of its server grows less than RSS_GROWTH_BOUND_MIB
@@ -39,6 +39,15 @@ class RawResponse:
         message = json.loads(self.body)["error"]
         assert isinstance(message, str) and message
         return message
+
+
+@pytest.fixture(scope="module")
+def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A `test_repo` server of this module's own: its cases measure the memory of a server
+    that no other module has used."""
+    running = start_test_repo_server(test_repo, tmp_path_factory)
+    yield running
+    running.stop()
 
 
 def exchange(server: RunningServer, data: bytes, *, half_close: bool = False) -> RawResponse:

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from benchmarks.overload_real import minilm_bodies as benchmark_bodies
-from tests.conftest import RunningServer, free_port, http_post, start_server
+from tests.conftest import RunningServer, free_port, http_post, start_server, start_test_repo_server
 
 SLO_S = 0.500  # the latency objective, sent as each request's timeout
 SERVICE_S = 0.050  # the model sleeps this long per batch, whatever its size
@@ -86,6 +86,15 @@ def steady_server(
     server = start_server(steady_repo, tmp_path_factory.mktemp("steady"), "--no-llm")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A `test_repo` server of this module's own: its floods would leave the session's server
+    busy for the modules after it."""
+    running = start_test_repo_server(test_repo, tmp_path_factory)
+    yield running
+    running.stop()
 
 
 def infer_body(value: float, timeout_us: int | None) -> bytes:

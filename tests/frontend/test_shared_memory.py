@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,19 +16,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
-from tests.conftest import RunningServer, digits_rows, free_port, start_server
+from tests.conftest import RunningServer, digits_rows
 
 ROWS = 8
 IN_BYTES = ROWS * 64 * 4
 OUT_BYTES = ROWS * 10 * 4
-
-
-@pytest.fixture(scope="module")
-def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    tmp = tmp_path_factory.mktemp("shm-server")
-    running = start_server(test_repo, tmp, "--no-llm", grpc_port=free_port())
-    yield running
-    running.stop()
 
 
 @pytest.fixture
