@@ -205,7 +205,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--accepts-per-turn",
-        type=_non_negative_int,
+        type=_int_at_least(0),
         default=0,
         help="> 0: a thread accepts new HTTP connections as they come and answers the "
         "kubelet's probes (Connection: close) itself, and the event loop opens this many per "
@@ -224,7 +224,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--max-sequences",
-        type=_positive_int,
+        type=_int_at_least(1),
         default=1024,
         help="live sequences of a stateful model (sequence_batching) whose config sets no "
         "oldest.max_candidate_sequences; a new sequence past it gets 503 with Retry-After",
@@ -444,24 +444,19 @@ def _grpc_port(text: str) -> int:
     return port
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least `low`."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}")
+        return value
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more")
-    return value
+    return parse
 
 
 def _replicas(text: str) -> int | str:

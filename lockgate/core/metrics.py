@@ -5,7 +5,7 @@ in the tests), never prometheus_client's process-wide default; the process, GC a
 collectors are registered in it. Counters, gauges and histograms are addressed by a tuple of
 label values, resolved to the prometheus_client child once and kept: an observation on the
 request path is a dict lookup and the update of the child's values. Counters and histograms
-update those values directly (`_Counted`, `_Bucketed`): the child's own `inc` and `observe`
+update those values directly (`_counted`, `_Bucketed`): the child's own `inc` and `observe`
 check on every call what holds once the child exists, and a histogram scans its 30 bounds
 for the bucket, which on a small model's request path took about a microsecond a call.
 `exposition()` answers a scrape in the text format 0.0.4, or in OpenMetrics (with
@@ -69,15 +69,11 @@ class _Value(Protocol):
     def inc(self, amount: float) -> None: ...
 
 
-class _Counted:
-    """The value of one counter series, as its prometheus_client child holds it."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, child: prom.Counter) -> None:
-        value = getattr(child, "_value", None)
-        # a prometheus_client that keeps it elsewhere: the child's own `inc`
-        self.value: _Value = value if hasattr(value, "inc") else child  # type: ignore[assignment]
+def _counted(child: prom.Counter) -> _Value:
+    """The value of one counter series, as its prometheus_client child holds it (the child
+    itself, whose `inc` does the same, for a prometheus_client that keeps it elsewhere)."""
+    value = getattr(child, "_value", None)
+    return value if hasattr(value, "inc") else child  # type: ignore[return-value]
 
 
 class _Bucketed:
@@ -106,15 +102,15 @@ class _Bucketed:
 class Counter(Labelled[prom.Counter]):
     def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
         super().__init__(prom.Counter(name, help_text, labelnames, registry=None), labelnames)
-        self._counted: dict[LabelValues, _Counted] = {}
+        self._counted: dict[LabelValues, _Value] = {}
 
     def inc(self, labels: LabelValues = (), amount: float = 1.0) -> None:
-        series = self._counted.get(labels)
-        if series is None:
-            series = self._counted[labels] = _Counted(self.labels(labels))
+        value = self._counted.get(labels)
+        if value is None:
+            value = self._counted[labels] = _counted(self.labels(labels))
         if amount < 0:
             raise ValueError("a counter only goes up")
-        series.value.inc(amount)
+        value.inc(amount)
 
     def remove(self, labels: LabelValues) -> None:
         self._counted.pop(labels, None)
@@ -176,8 +172,7 @@ class Histogram(Labelled[prom.Histogram]):
         if series is None:
             series = self._bucketed[labels] = _Bucketed(self.labels(labels))
         if trace_id or math.isnan(value):  # the exemplar, or no bucket: as the child does
-            child = self.labels(labels)
-            child.observe(value, {"trace_id": trace_id} if trace_id else None)
+            series.child.observe(value, {"trace_id": trace_id} if trace_id else None)
         else:
             series.observe(value)
 

@@ -875,18 +875,20 @@ class _Server(uvicorn.Server):
         if self.shared is not None and self.loading is not None:
             self.joining = asyncio.get_running_loop().create_task(self._join(self.loading))
 
-    def _listen(self, sock: socket.socket) -> None:
-        """Accept `sock`'s connections on a thread (`frontend/acceptor.py`), each served by
-        a protocol made as uvicorn's own start-up makes them."""
-        factory = functools.partial(
+    def _protocols(self) -> Callable[[], asyncio.Protocol]:
+        """A connection's protocol, made as uvicorn's own start-up makes them."""
+        return functools.partial(
             self.config.http_protocol_class,  # type: ignore[call-arg]
             config=self.config,
             server_state=self.server_state,
             app_state=self.lifespan.state,
         )
+
+    def _listen(self, sock: socket.socket) -> None:
+        """Accept `sock`'s connections on a thread (`frontend/acceptor.py`)."""
         loop = asyncio.get_running_loop()
         answer = functools.partial(_probe_answer, self.lockgate_app, self.health, loop)
-        acceptor = Acceptor(sock, factory, self.accept_per_turn, loop, answer)
+        acceptor = Acceptor(sock, self._protocols(), self.accept_per_turn, loop, answer)
         acceptor.start(self.config.backlog)
         self.acceptors.append(acceptor)
 
@@ -899,15 +901,9 @@ class _Server(uvicorn.Server):
         if self.accept_per_turn:
             self._listen(self.shared)  # closed with the others on shutdown
         else:
-            factory = functools.partial(  # as uvicorn's own start-up makes its protocols
-                self.config.http_protocol_class,  # type: ignore[call-arg]
-                config=self.config,
-                server_state=self.server_state,
-                app_state=self.lifespan.state,
-            )
             loop = asyncio.get_running_loop()
             listener = await loop.create_server(
-                factory, sock=self.shared, backlog=self.config.backlog
+                self._protocols(), sock=self.shared, backlog=self.config.backlog
             )
             self.servers.append(listener)  # closed with the others on shutdown
         log.info("listening on the shared port %d too", self.shared.getsockname()[1])

@@ -261,9 +261,9 @@ def test_a_prometheus_client_without_the_values_it_updates_falls_back_to_its_chi
         def observe(self, value: float) -> None:
             self.calls.append(value)
 
-    counted = metrics._Counted(Bare())  # type: ignore[arg-type]
-    counted.value.inc(2.0)
-    assert counted.value.calls == [2.0]  # type: ignore[attr-defined]
+    counted = metrics._counted(Bare())  # type: ignore[arg-type]
+    counted.inc(2.0)
+    assert counted.calls == [2.0]  # type: ignore[attr-defined]
     bare = Bare()
     bucketed = metrics._Bucketed(bare)  # type: ignore[arg-type]
     bucketed.observe(0.25)
