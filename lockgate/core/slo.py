@@ -95,9 +95,12 @@ class ServiceProfile:
     spread: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
     tail: float = 1.0  # that quantile over their median: how much slower a slow batch runs
     _spread_since: int = 0
-    # batch_cap's last answer: (slo, scale, tail, fit_a, fit_b, observations, sizes) -> cap. Asked
-    # for every request (and every refusal) but changed only by a batch.
-    _cap_key: tuple[float, ...] = ()
+    # Bumped by every change of what the profile answers (`observe`, `seal`, `refit`): what is
+    # derived from it is asked for every request but changes only with a batch, and a memo of
+    # it holds while the version does.
+    version: int = 0
+    # batch_cap's last answer: (slo, version) -> cap
+    _cap_key: tuple[float, int] = (math.nan, -1)
     _cap: int = 1
 
     def observe(self, batch_size: int, seconds: float, now: float | None = None) -> None:
@@ -107,6 +110,7 @@ class ServiceProfile:
         a page fault) counts as `outlier` times the average, so one stall cannot move it far.
         The scale follows a lasting change within about a second."""
         now = time.monotonic() if now is None else now
+        self.version += 1
         if self.sealed and self.cold:
             self.cold = False  # traffic's first batch ran cold: not its size's cost
             return
@@ -134,6 +138,7 @@ class ServiceProfile:
         shape still says how T(B) falls below the smallest size traffic has measured."""
         self.sealed = True
         self.warm = dict(self.times)
+        self.version += 1
 
     def _settle(self, batch_size: int, seconds: float, now: float) -> None:
         """One of traffic's first batches at a size: the median of them so far is its figure.
@@ -191,6 +196,7 @@ class ServiceProfile:
         self.scaled_at = now
 
     def refit(self) -> None:
+        self.version += 1
         if not self.times:
             return
         sizes = np.array(sorted(self.times), dtype=np.float64)  # [n]
@@ -253,15 +259,7 @@ class ServiceProfile:
 
     def batch_cap(self, slo: float) -> int:
         """The largest B with 2·T(B)·tail ≤ `slo`, the budget (at least 1)."""
-        key = (
-            slo,
-            self.scale,
-            self.tail,
-            self.fit_a,
-            self.fit_b,
-            self.observations,
-            len(self.times),
-        )
+        key = (slo, self.version)
         if key != self._cap_key:
             self._cap_key = key
             self._cap = self._batch_cap(slo)
