@@ -268,28 +268,29 @@ class ServiceProfile:
     def _batch_cap(self, slo: float) -> int:
         if self.traffic:
             return self._cap_from_traffic(slo)
-        # service_time(b) for every b, inlined: this runs after every batch
+        # service_time(b) for every b, inlined: this runs after every batch. From the largest
+        # size down, the first that fits is the cap: a model that fits its largest batch (the
+        # common case) is asked about one size, not all of them.
         scale, a, b, times = self.scale * self.tail, self.fit_a, self.fit_b, self.times
-        cap = 1
-        for size in range(1, self.max_batch_size + 1):
+        for size in range(self.max_batch_size, 1, -1):
             measured = times.get(size)
             base = a + b * size if measured is None else measured
             if 2 * (scale * base) <= slo:
-                cap = size
-        return cap
+                return size
+        return 1
 
     def _cap_from_traffic(self, slo: float) -> int:
-        # _from_traffic(b) for every b, inlined: this runs after every batch
+        # _from_traffic(b) for every b, inlined, from the largest size down (as `_batch_cap`)
         sizes, times = self.measured, self.times
         limit = slo / (2 * self.scale * self.tail)
         top = sizes[-1]
-        cap, i = 1, 0  # sizes[i]: the smallest measured size >= size
-        for size in range(1, self.max_batch_size + 1):
+        i = len(sizes) - 1  # sizes[i]: the smallest measured size >= size
+        for size in range(self.max_batch_size, 1, -1):
             if size > top:
                 base = times[top] * size / top
             else:
-                while sizes[i] < size:
-                    i += 1
+                while i > 0 and sizes[i - 1] >= size:
+                    i -= 1
                 above = sizes[i]
                 if above == size:
                     base = times[above]
@@ -299,8 +300,8 @@ class ServiceProfile:
                     low = sizes[i - 1]
                     base = times[low] + (size - low) / (above - low) * (times[above] - times[low])
             if base <= limit:
-                cap = size
-        return cap
+                return size
+        return 1
 
     def window(self, slo: float, arrival_rate: float, cap: int | None = None) -> float:
         """How long an idle instance may hold a partial batch (0: dispatch at once). `cap`:
