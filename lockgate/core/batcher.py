@@ -357,7 +357,8 @@ class Batcher:
         has changed since they were."""
         profile = self.profile
         policy = self._policy
-        if policy is not None and policy.version == profile.version:
+        version = profile.version  # before what is derived from it
+        if policy is not None and policy.version == version:
             return policy
         max_rows = max(1, self.config.max_batch_size)
         slo = self.slo
@@ -368,13 +369,11 @@ class Batcher:
             cap = min(max_rows, best)
             room = slo - 2 * profile.service_time(best)
             capacity = profile.throughput(cap) * len(self.instances)
-            policy = CapPolicy(
-                profile.version, cap, capacity, True, t1=profile.service_time(1), room=room
-            )
+            policy = CapPolicy(version, cap, capacity, True, t1=profile.service_time(1), room=room)
         else:
             capacity = profile.throughput(max_rows) * len(self.instances) if profile.known else 0.0
             fixed = self.config.batcher.max_queue_delay_us / 1e6
-            policy = CapPolicy(profile.version, max_rows, capacity, False, fixed)
+            policy = CapPolicy(version, max_rows, capacity, False, fixed)
         self._policy = policy
         return policy
 

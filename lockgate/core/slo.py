@@ -109,8 +109,12 @@ class ServiceProfile:
         The slow average: a sample more than `outlier` times the average (a preempted thread,
         a page fault) counts as `outlier` times the average, so one stall cannot move it far.
         The scale follows a lasting change within about a second."""
-        now = time.monotonic() if now is None else now
-        self.version += 1
+        try:
+            self._observe(batch_size, seconds, time.monotonic() if now is None else now)
+        finally:
+            self.version += 1  # once the change is made: a memo taken during it is dropped
+
+    def _observe(self, batch_size: int, seconds: float, now: float) -> None:
         if self.sealed and self.cold:
             self.cold = False  # traffic's first batch ran cold: not its size's cost
             return
@@ -196,12 +200,12 @@ class ServiceProfile:
         self.scaled_at = now
 
     def refit(self) -> None:
-        self.version += 1
         if not self.times:
             return
         sizes = np.array(sorted(self.times), dtype=np.float64)  # [n]
         values = np.array([self.times[int(b)] for b in sizes])  # [n]
         self.fit_a, self.fit_b = fit_line(sizes, values)
+        self.version += 1
 
     @property
     def known(self) -> bool:
