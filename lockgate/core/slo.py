@@ -90,6 +90,7 @@ class ServiceProfile:
     first: dict[int, list[float]] = field(default_factory=dict)  # traffic's first, unscaled
     reshaped: float = 0.0  # when a figure of traffic's first batches last moved past `band`
     warm: dict[int, float] = field(default_factory=dict)  # warmup's figures, kept at seal
+    warm_sizes: list[int] = field(default_factory=list)  # their sizes, ascending
     tail_quantile: float = 0.9  # of recent batches' ratios, for `tail`
     # recent batches' (ratio, seconds): the tail weighs each by its time
     spread: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
@@ -142,6 +143,7 @@ class ServiceProfile:
         shape still says how T(B) falls below the smallest size traffic has measured."""
         self.sealed = True
         self.warm = dict(self.times)
+        self.warm_sizes = sorted(self.warm)
         self.version += 1
 
     def _settle(self, batch_size: int, seconds: float, now: float) -> None:
@@ -252,7 +254,7 @@ class ServiceProfile:
         measured = warm.get(batch_size)
         if measured is not None or not warm:
             return measured or 0.0
-        sizes = sorted(warm)
+        sizes = self.warm_sizes
         i = bisect.bisect_left(sizes, batch_size)
         if i == 0:
             return warm[sizes[0]]
