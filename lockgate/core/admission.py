@@ -33,8 +33,8 @@ prediction made at the burst's front can see, and which the cap bounds.
 
 from __future__ import annotations
 
+import bisect
 import math
-import operator
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -84,9 +84,6 @@ class Admit:
     batch: int  # rows planned in its batch
 
 
-_ERROR = operator.itemgetter(1)  # of a calibration entry (when, error)
-
-
 @dataclass(slots=True)
 class Calibration:
     """How much longer than predicted recent admitted requests took, in seconds. Pure.
@@ -99,19 +96,23 @@ class Calibration:
     quantile: float = 0.98
     horizon: float = 2.0
     errors: deque[tuple[float, float]] = field(default_factory=deque)  # (when, error)
+    ordered: list[float] = field(default_factory=list)  # the same errors, ascending
     margin: float = 0.0  # the quantile, never below zero, kept current as errors arrive
     _since: int = 0
 
     def observe(self, predicted: float, observed: float, now: float) -> None:
-        self.errors.append((now, observed - predicted))
+        error = observed - predicted
+        self.errors.append((now, error))
+        bisect.insort(self.ordered, error)
         if len(self.errors) > self.window:
-            self.errors.popleft()
+            self._drop_oldest()
         self._since += 1
         if self._since >= 8 or len(self.errors) < 32:  # refresh every few requests
             self._refresh()
 
     def clear(self) -> None:
         self.errors.clear()
+        self.ordered.clear()
         self.margin = 0.0
         self._since = 0
 
@@ -119,16 +120,25 @@ class Calibration:
         """The margin, once errors past the horizon are dropped."""
         if self.errors and self.errors[0][0] < now - self.horizon:
             while self.errors and self.errors[0][0] < now - self.horizon:
-                self.errors.popleft()
+                self._drop_oldest()
             self._refresh()
         return self.margin
 
+    def _drop_oldest(self) -> None:
+        _, error = self.errors.popleft()
+        ordered = self.ordered
+        i = bisect.bisect_left(ordered, error)
+        if i < len(ordered) and ordered[i] == error:
+            del ordered[i]
+        else:  # NaN, which sorts nowhere: the very object
+            ordered.remove(error)
+
     def _refresh(self) -> None:
         self._since = 0
-        if not self.errors:
+        ordered = self.ordered  # kept sorted as errors come and go: no sort here
+        if not ordered:
             self.margin = 0.0
             return
-        ordered = sorted(map(_ERROR, self.errors))  # (map: no Python frame per error)
         q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
         self.margin = max(0.0, q)
 

@@ -241,6 +241,30 @@ class EarlyRefusal:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class CapPolicy:
+    """What the batch cap and the batching window come from, as the profile stands at one
+    `version`: asked several times for every request (admission, the fast path, the end of
+    a batch), it changes only when a batch changes the profile. Pure: the window still
+    follows the arrival rate the caller gives."""
+
+    version: int  # of the profile this was derived from
+    cap: int  # the batch cap B* in rows, within max_batch_size
+    capacity: float  # rows per second all instances serve at the cap (0.0: not known)
+    by_rate: bool  # the window follows the arrival rate (an SLO and a measured profile)
+    fixed: float = 0.0  # else the window, seconds: `max_queue_delay_us`
+    t1: float = 0.0  # T(1), seconds
+    room: float = 0.0  # the longest window: the budget less 2·T(B*) of the uncapped B*
+
+    def window(self, rate: float) -> float:
+        """`ServiceProfile.window` at this arrival rate (rows per second)."""
+        if not self.by_rate:
+            return self.fixed
+        if rate <= 0 or rate * self.t1 < 1.0:
+            return 0.0
+        return max(0.0, min(self.room, math.sqrt(self.t1 / rate)))
+
+
 class Batcher:
     """Admission, queueing and batch formation for one model version."""
 
@@ -295,6 +319,7 @@ class Batcher:
         self._idle = asyncio.Event()
         self._refused: EarlyRefusal | None = None  # the last early refusal, while it holds
         self._admitting: EarlyAdmit | None = None  # the last early admission with room
+        self._policy: CapPolicy | None = None  # of the profile's current version
         self.next_turn = NextTurn()  # whether a cheap batch waits for the loop's next turn
         self.arriving = arriving or Arriving()  # handlers read this turn, not yet started
         self._gathering = False  # queued for the last of this turn's arrivals to send
@@ -322,15 +347,35 @@ class Batcher:
 
     def cap_and_window(self, now: float) -> tuple[int, float]:
         """The batch cap in rows and how long an idle instance may wait for it to fill."""
+        policy = self.cap_policy()
+        if policy.by_rate:
+            return policy.cap, policy.window(self.rate.current(now))
+        return policy.cap, policy.fixed
+
+    def cap_policy(self) -> CapPolicy:
+        """The cap, the capacity and the window's terms, derived again only when the profile
+        has changed since they were."""
+        profile = self.profile
+        policy = self._policy
+        version = profile.version  # before what is derived from it
+        if policy is not None and policy.version == version:
+            return policy
         max_rows = max(1, self.config.max_batch_size)
         slo = self.slo
-        if slo is not None and self.profile.known:
+        if slo is not None and profile.known:
             if self.admission.settings.deadline_aware:  # a full batch waits behind a full
                 slo *= self.admission.settings.slack  # batch and is still admitted
-            best = self.profile.batch_cap(slo)
-            window = self.profile.window(slo, self.rate.current(now), best)
-            return min(max_rows, best), window
-        return max_rows, self.config.batcher.max_queue_delay_us / 1e6
+            best = profile.batch_cap(slo)
+            cap = min(max_rows, best)
+            room = slo - 2 * profile.service_time(best)
+            capacity = profile.throughput(cap) * len(self.instances)
+            policy = CapPolicy(version, cap, capacity, True, t1=profile.service_time(1), room=room)
+        else:
+            capacity = profile.throughput(max_rows) * len(self.instances) if profile.known else 0.0
+            fixed = self.config.batcher.max_queue_delay_us / 1e6
+            policy = CapPolicy(version, max_rows, capacity, False, fixed)
+        self._policy = policy
+        return policy
 
     def level_of(self, request: InferRequest) -> int:
         if request.priority <= 0:
@@ -459,7 +504,9 @@ class Batcher:
                     Unavailable(
                         f"queue of model '{self.config.name}' is full "
                         f"({self.max_queue_rows} rows, max_queue_size)",
-                        retry_after=self.admission.retry_after(self.queued_rows, self._capacity()),
+                        retry_after=self.admission.retry_after(
+                            self.queued_rows, self.cap_policy().capacity
+                        ),
                     ),
                 )
                 break
@@ -519,25 +566,18 @@ class Batcher:
     def _count(self, outcome: str) -> None:
         self.metrics.requests.inc((*self.labels, outcome))
 
-    def _capacity(self, cap: int | None = None) -> float:
-        """Rows per second all instances can serve at `cap` (default: the current cap)."""
-        if not self.profile.known:
-            return 0.0
-        if cap is None:
-            cap, _ = self.cap_and_window(time.monotonic())
-        return self.profile.throughput(cap) * len(self.instances)
-
     def queue_state(self, level: int, now: float) -> QueueState:
         """The queue as a request of priority `level` arriving now would find it."""
-        cap, window = self.cap_and_window(now)
+        policy = self.cap_policy()
+        cap = policy.cap
+        window = policy.window(self.rate.current(now)) if policy.by_rate else policy.fixed
         if len(self.instances) == 1:  # the common case, without a sort
             (only,) = self.instances
             free_at: tuple[float, ...] = (self._free_at(only, now),) if only.healthy else ()
         else:
             free_at = tuple(sorted(self._free_at(i, now) for i in self.instances if i.healthy))
         opens = self._held_until(cap, window, now)
-        capacity = self._capacity(cap)
-        return QueueState(self._rows_ahead(level), cap, free_at, capacity, opens)
+        return QueueState(self._rows_ahead(level), cap, free_at, policy.capacity, opens)
 
     def _held_until(self, cap: int, window: float, now: float) -> float:
         """When an idle instance takes a partial batch: at the end of the oldest queued

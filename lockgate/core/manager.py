@@ -81,7 +81,12 @@ class ServedVersion:
         """Ready, and with at least one healthy instance (not all of them restarting)."""
         if self.state is not ModelState.READY:
             return False
-        return self.batcher is None or any(i.healthy for i in self.batcher.instances)
+        if self.batcher is None:
+            return True
+        instances = self.batcher.instances
+        if len(instances) == 1:  # the common case, on every request: no generator
+            return instances[0].healthy
+        return any(i.healthy for i in instances)
 
 
 @dataclass(slots=True)

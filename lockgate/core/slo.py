@@ -90,14 +90,18 @@ class ServiceProfile:
     first: dict[int, list[float]] = field(default_factory=dict)  # traffic's first, unscaled
     reshaped: float = 0.0  # when a figure of traffic's first batches last moved past `band`
     warm: dict[int, float] = field(default_factory=dict)  # warmup's figures, kept at seal
+    warm_sizes: list[int] = field(default_factory=list)  # their sizes, ascending
     tail_quantile: float = 0.9  # of recent batches' ratios, for `tail`
     # recent batches' (ratio, seconds): the tail weighs each by its time
     spread: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
     tail: float = 1.0  # that quantile over their median: how much slower a slow batch runs
     _spread_since: int = 0
-    # batch_cap's last answer: (slo, scale, tail, fit_a, fit_b, observations, sizes) -> cap. Asked
-    # for every request (and every refusal) but changed only by a batch.
-    _cap_key: tuple[float, ...] = ()
+    # Bumped by every change of what the profile answers (`observe`, `seal`, `refit`): what is
+    # derived from it is asked for every request but changes only with a batch, and a memo of
+    # it holds while the version does.
+    version: int = 0
+    # batch_cap's last answer: (slo, version) -> cap
+    _cap_key: tuple[float, int] = (math.nan, -1)
     _cap: int = 1
 
     def observe(self, batch_size: int, seconds: float, now: float | None = None) -> None:
@@ -106,7 +110,12 @@ class ServiceProfile:
         The slow average: a sample more than `outlier` times the average (a preempted thread,
         a page fault) counts as `outlier` times the average, so one stall cannot move it far.
         The scale follows a lasting change within about a second."""
-        now = time.monotonic() if now is None else now
+        try:
+            self._observe(batch_size, seconds, time.monotonic() if now is None else now)
+        finally:
+            self.version += 1  # once the change is made: a memo taken during it is dropped
+
+    def _observe(self, batch_size: int, seconds: float, now: float) -> None:
         if self.sealed and self.cold:
             self.cold = False  # traffic's first batch ran cold: not its size's cost
             return
@@ -134,6 +143,8 @@ class ServiceProfile:
         shape still says how T(B) falls below the smallest size traffic has measured."""
         self.sealed = True
         self.warm = dict(self.times)
+        self.warm_sizes = sorted(self.warm)
+        self.version += 1
 
     def _settle(self, batch_size: int, seconds: float, now: float) -> None:
         """One of traffic's first batches at a size: the median of them so far is its figure.
@@ -196,6 +207,7 @@ class ServiceProfile:
         sizes = np.array(sorted(self.times), dtype=np.float64)  # [n]
         values = np.array([self.times[int(b)] for b in sizes])  # [n]
         self.fit_a, self.fit_b = fit_line(sizes, values)
+        self.version += 1
 
     @property
     def known(self) -> bool:
@@ -242,7 +254,7 @@ class ServiceProfile:
         measured = warm.get(batch_size)
         if measured is not None or not warm:
             return measured or 0.0
-        sizes = sorted(warm)
+        sizes = self.warm_sizes
         i = bisect.bisect_left(sizes, batch_size)
         if i == 0:
             return warm[sizes[0]]
@@ -253,15 +265,7 @@ class ServiceProfile:
 
     def batch_cap(self, slo: float) -> int:
         """The largest B with 2·T(B)·tail ≤ `slo`, the budget (at least 1)."""
-        key = (
-            slo,
-            self.scale,
-            self.tail,
-            self.fit_a,
-            self.fit_b,
-            self.observations,
-            len(self.times),
-        )
+        key = (slo, self.version)
         if key != self._cap_key:
             self._cap_key = key
             self._cap = self._batch_cap(slo)
@@ -270,28 +274,29 @@ class ServiceProfile:
     def _batch_cap(self, slo: float) -> int:
         if self.traffic:
             return self._cap_from_traffic(slo)
-        # service_time(b) for every b, inlined: this runs after every batch
+        # service_time(b) for every b, inlined: this runs after every batch. From the largest
+        # size down, the first that fits is the cap: a model that fits its largest batch (the
+        # common case) is asked about one size, not all of them.
         scale, a, b, times = self.scale * self.tail, self.fit_a, self.fit_b, self.times
-        cap = 1
-        for size in range(1, self.max_batch_size + 1):
+        for size in range(self.max_batch_size, 1, -1):
             measured = times.get(size)
             base = a + b * size if measured is None else measured
             if 2 * (scale * base) <= slo:
-                cap = size
-        return cap
+                return size
+        return 1
 
     def _cap_from_traffic(self, slo: float) -> int:
-        # _from_traffic(b) for every b, inlined: this runs after every batch
+        # _from_traffic(b) for every b, inlined, from the largest size down (as `_batch_cap`)
         sizes, times = self.measured, self.times
         limit = slo / (2 * self.scale * self.tail)
         top = sizes[-1]
-        cap, i = 1, 0  # sizes[i]: the smallest measured size >= size
-        for size in range(1, self.max_batch_size + 1):
+        i = len(sizes) - 1  # sizes[i]: the smallest measured size >= size
+        for size in range(self.max_batch_size, 1, -1):
             if size > top:
                 base = times[top] * size / top
             else:
-                while sizes[i] < size:
-                    i += 1
+                while i > 0 and sizes[i - 1] >= size:
+                    i -= 1
                 above = sizes[i]
                 if above == size:
                     base = times[above]
@@ -301,8 +306,8 @@ class ServiceProfile:
                     low = sizes[i - 1]
                     base = times[low] + (size - low) / (above - low) * (times[above] - times[low])
             if base <= limit:
-                cap = size
-        return cap
+                return size
+        return 1
 
     def window(self, slo: float, arrival_rate: float, cap: int | None = None) -> float:
         """How long an idle instance may hold a partial batch (0: dispatch at once). `cap`:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -143,6 +145,24 @@ def test_calibration_forgets_errors_past_its_horizon() -> None:
         calibration.observe(0.1, 0.5, NOW)
     assert calibration.current(NOW + 1.0) == pytest.approx(0.4)
     assert calibration.current(NOW + 2.5) == 0.0  # nothing observed since: forgotten
+
+
+def test_calibration_margin_is_the_quantile_of_the_errors_it_holds() -> None:
+    """As errors come and go (the window, the horizon), the margin is the quantile of the
+    sorted errors it still holds, refreshed every few requests."""
+    calibration = Calibration(window=64, quantile=0.9, horizon=2.0)
+    rng = random.Random(7)
+    for i in range(500):
+        now = NOW + i * 0.01
+        calibration.observe(0.0, rng.uniform(-0.01, 0.03), now)
+        held = sorted(error for _, error in calibration.errors)
+        assert calibration.ordered == held
+        if calibration._since == 0:  # just refreshed
+            expected = held[min(len(held) - 1, int(0.9 * len(held)))]
+            assert calibration.margin == max(0.0, expected)
+    calibration.current(NOW + 500 * 0.01 + 1.5)  # the older errors pass the horizon
+    assert calibration.ordered == sorted(error for _, error in calibration.errors)
+    assert len(calibration.errors) < 64
 
 
 def test_admission_learns_from_requests_that_took_longer_than_predicted() -> None:

@@ -411,6 +411,28 @@ def test_without_admission_a_late_request_still_runs() -> None:
     run(lambda: closing(batcher, body))
 
 
+def test_the_cap_and_window_follow_every_change_of_the_profile() -> None:
+    """The cap, the capacity and the window's terms are derived once per profile version:
+    a batch that changes the profile changes them at once, as if derived afresh."""
+    profile = ServiceProfile(32)
+    for size in (1, 2, 4, 8, 16, 32):
+        profile.observe(size, 0.0001 + 0.00005 * size)
+    batcher = make_batcher(TimedBackend(), make_config(max_batch_size=32, slo_ms=20.0), profile)
+    budget = 0.020 * AdmissionSettings().slack
+    now = time.monotonic()
+    assert batcher.cap_and_window(now)[0] == 32
+    for _ in range(40):  # batches of 32 now take 20 ms: the scale follows, the cap falls
+        now += 0.05
+        profile.observe(32, 0.020, now)
+        cap = batcher.cap_and_window(now)[0]
+        assert cap == profile.batch_cap(budget)
+        assert batcher.queue_state(1, now).capacity == pytest.approx(profile.throughput(cap))
+    assert cap < 32
+    batcher.rate.add(100_000, now)  # arrivals T(1) cannot keep up with: a window opens
+    window = profile.window(budget, batcher.rate.current(now), profile.batch_cap(budget))
+    assert batcher.cap_and_window(now)[1] == window > 0
+
+
 def test_slo_mode_caps_batches_at_the_profile_cap() -> None:
     backend = TimedBackend(a=0.001, b=0.0005)
     profile = ServiceProfile(32)
