@@ -15,8 +15,8 @@ MODEL = CACHED_LLM  # a served name of its own: the generate routes take the rep
 
 
 @pytest.fixture(scope="module")
-def server(cached_llm_server: RunningServer) -> RunningServer:
-    return cached_llm_server
+def server(llm_variants_server: RunningServer) -> RunningServer:
+    return llm_variants_server
 
 
 @pytest.fixture(scope="module")
