@@ -290,7 +290,7 @@ def llm_server(
 
 
 # the served names of `llm_variants_server`'s models, and its model folders' names
-CACHED_LLM = "SmolLM2-cached"  # folder smollm2
+CACHED_LLM, CACHED_FOLDER = "SmolLM2-cached", "smollm2_cached"
 GREEDY_LLM, GREEDY_FOLDER = "SmolLM2-greedy", "smollm2_greedy"
 SPECULATIVE_LLM = "SmolLM2-speculative"  # folder smollm2_speculative
 BOS_FOLDER = "tiny"  # served as tests/bos_model.py's BOS_MODEL
@@ -301,7 +301,8 @@ def llm_variants_repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory)
     """The language models the tests need besides `llm_server`'s, each in a folder of its own
     and served under a name of its own, so that one process loads them all:
 
-    - smollm2, CACHED_LLM: SmolLM2 with its response cache on;
+    - smollm2: SmolLM2 as `llm_server` serves it (a second replica of it);
+    - smollm2_cached, CACHED_LLM: SmolLM2 with its response cache on;
     - smollm2_greedy, GREEDY_LLM: SmolLM2 with a generation_config.json of its own that asks
       for greedy sampling (SmolLM2's asks for temperature 0.2);
     - smollm2_speculative, SPECULATIVE_LLM: SmolLM2 as `llm_server` serves it, plus
@@ -320,8 +321,10 @@ def llm_variants_repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory)
         "dtype": "float32",
         "quantization": "none",  # exact against `llm_server`'s
     }
+    smollm2_repository(demo_repo, repo, {**dense, "max_waiting": "256"})
     cache = {"response_cache": {"enable": True, "ttl_s": 600}}
-    smollm2_repository(demo_repo, repo, {**dense, "served_model_name": CACHED_LLM}, cache)
+    cached = {**dense, "served_model_name": CACHED_LLM}
+    smollm2_repository(demo_repo, repo, cached, cache, folder=CACHED_FOLDER)
     greedy = {**dense, "served_model_name": GREEDY_LLM}
     smollm2_repository(demo_repo, repo, greedy, folder=GREEDY_FOLDER)
     generation_config = repo / GREEDY_FOLDER / "1" / "generation_config.json"
@@ -340,11 +343,11 @@ def llm_variants_repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory)
 def llm_variants_server(
     llm_variants_repo: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
-    """One server for `llm_variants_repo`'s models, which load side by side: its tests each
-    ask a model of their own (the cache's tests prompts of their own), change no model's state
-    and read counters as deltas over their own requests."""
+    """One server for `llm_variants_repo`'s models, over HTTP and gRPC; they load side by side.
+    Its tests each ask a model of their own (the cache's tests prompts of their own), change
+    no model's state and read counters as deltas over their own requests."""
     tmp = tmp_path_factory.mktemp("llm-variants")
-    running = start_server(llm_variants_repo, tmp, ready_timeout=600)
+    running = start_server(llm_variants_repo, tmp, ready_timeout=600, grpc_port=free_port())
     yield running
     assert running.stop() == 0, running.log()[-2000:]
 
