@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -252,16 +253,17 @@ def smollm2_repository(
     repo: Path,
     parameters: dict[str, str],
     extra: dict[str, object] | None = None,
+    folder: str = "smollm2",
 ) -> Path:
     """`repo` with SmolLM2 from the demo build (built once per session, weights hard-linked)
-    and its config's `parameters` updated and `extra` keys set."""
+    in model folder `folder`, its config's `parameters` updated and `extra` keys set."""
     import yaml
 
     from lockgate.demo.build import DEMO_MODELS, build_demo_repository
 
     llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
     built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
-    target = repo / "smollm2"
+    target = repo / folder
     shutil.copytree(built / "smollm2", target, copy_function=os.link)
     config = yaml.safe_load((target / "config.yaml").read_text())
     config["parameters"].update(parameters)
@@ -287,28 +289,65 @@ def llm_server(
     assert server.stop() == 0, server.log()[-2000:]
 
 
-CACHED_LLM = "SmolLM2-cached"  # the served name of `cached_llm_server`'s SmolLM2
+# the served names of `llm_variants_server`'s models, and its model folders' names
+CACHED_LLM, CACHED_FOLDER = "SmolLM2-cached", "smollm2_cached"
+GREEDY_LLM, GREEDY_FOLDER = "SmolLM2-greedy", "smollm2_greedy"
+SPECULATIVE_LLM = "SmolLM2-speculative"  # folder smollm2_speculative
+BOS_FOLDER = "tiny"  # served as tests/bos_model.py's BOS_MODEL
 
 
 @pytest.fixture(scope="session")
-def cached_llm_server(
-    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    """SmolLM2 with its response cache on, served as CACHED_LLM: one server for the cache's
-    tests, each of which asks prompts of its own and reads counters as deltas."""
-    parameters = {
+def llm_variants_repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The language models the tests need besides `llm_server`'s, each in a folder of its own
+    and served under a name of its own, so that one process loads them all:
+
+    - smollm2: SmolLM2 as `llm_server` serves it (a second replica of it);
+    - smollm2_cached, CACHED_LLM: SmolLM2 with its response cache on;
+    - smollm2_greedy, GREEDY_LLM: SmolLM2 with a generation_config.json of its own that asks
+      for greedy sampling (SmolLM2's asks for temperature 0.2);
+    - smollm2_speculative, SPECULATIVE_LLM: SmolLM2 as `llm_server` serves it, plus
+      `speculative: ngram` with 5 drafts a step;
+    - tiny, BOS_MODEL: a tiny model whose tokenizer adds BOS (`tests/bos_model.py`);
+
+    and digits_onnx, a classic model."""
+    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
+    from tests.bos_model import write_bos_model_folder
+
+    repo = tmp_path_factory.mktemp("llm-variants-repo")
+    shutil.copytree(demo_repo / "digits_onnx", repo / "digits_onnx")
+    dense = {
         "kv_cache_gib": "0.05",
         "max_model_len": "512",
         "dtype": "float32",
-        "quantization": "none",
+        "quantization": "none",  # exact against `llm_server`'s
     }
-    repo = smollm2_repository(
-        demo_repo,
-        tmp_path_factory.mktemp("cached-llm-repo"),
-        {**parameters, "served_model_name": CACHED_LLM},
-        {"response_cache": {"enable": True, "ttl_s": 600}},
-    )
-    running = start_server(repo, tmp_path_factory.mktemp("cached-llm"), ready_timeout=600)
+    smollm2_repository(demo_repo, repo, {**dense, "max_waiting": "256"})
+    cache = {"response_cache": {"enable": True, "ttl_s": 600}}
+    cached = {**dense, "served_model_name": CACHED_LLM}
+    smollm2_repository(demo_repo, repo, cached, cache, folder=CACHED_FOLDER)
+    greedy = {**dense, "served_model_name": GREEDY_LLM}
+    smollm2_repository(demo_repo, repo, greedy, folder=GREEDY_FOLDER)
+    generation_config = repo / GREEDY_FOLDER / "1" / "generation_config.json"
+    generation_config.unlink(missing_ok=True)  # hard-linked to the build: write one of its own
+    generation_config.write_text(json.dumps({"temperature": 0, "top_k": 50, "eos_token_id": 2}))
+    speculative = {**dense, "max_waiting": "256", "served_model_name": SPECULATIVE_LLM}
+    speculative |= {"speculative": "ngram", "num_speculative_tokens": "5"}
+    smollm2_repository(demo_repo, repo, speculative, folder="smollm2_speculative")
+    llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
+    built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
+    write_bos_model_folder(built / "smollm2" / "1" / "model.gguf", repo / BOS_FOLDER)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def llm_variants_server(
+    llm_variants_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """One server for `llm_variants_repo`'s models, over HTTP and gRPC; they load side by side.
+    Its tests each ask a model of their own (the cache's tests prompts of their own), change
+    no model's state and read counters as deltas over their own requests."""
+    tmp = tmp_path_factory.mktemp("llm-variants")
+    running = start_server(llm_variants_repo, tmp, ready_timeout=600, grpc_port=free_port())
     yield running
     assert running.stop() == 0, running.log()[-2000:]
 

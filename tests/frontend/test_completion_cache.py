@@ -9,14 +9,14 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import CACHED_LLM, RunningServer
+from tests.conftest import CACHED_FOLDER, CACHED_LLM, RunningServer
 
-MODEL = CACHED_LLM  # a served name of its own: the generate routes take the repository's
+MODEL = CACHED_LLM  # a served name of its own: the generate routes take CACHED_FOLDER
 
 
 @pytest.fixture(scope="module")
-def server(cached_llm_server: RunningServer) -> RunningServer:
-    return cached_llm_server
+def server(llm_variants_server: RunningServer) -> RunningServer:
+    return llm_variants_server
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_triton_generate_shares_the_completions_entries(
     prompt = "Seven, eight,"
     text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
     body = {"text_input": prompt, "parameters": {"max_tokens": 6, "temperature": 0}}
-    url = server.url + "/v2/models/smollm2/generate"
+    url = server.url + f"/v2/models/{CACHED_FOLDER}/generate"
     whole = httpx.post(url, json=body, timeout=60)
     assert whole.headers.get("x-lockgate-cache") == "hit"
     assert whole.json()["text_output"] == text.choices[0].text

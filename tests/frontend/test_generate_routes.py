@@ -5,37 +5,20 @@ model, with httpx and the official `openai` client."""
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from lockgate.demo.smollm2 import SERVED_NAME
-from tests.conftest import RunningServer, smollm2_repository, start_server
+from tests.conftest import GREEDY_FOLDER, GREEDY_LLM, RunningServer
 
 PROMPT = "The capital of France is"
+MODEL, FOLDER = GREEDY_LLM, GREEDY_FOLDER  # the generate routes take the folder's name
 
 
 @pytest.fixture(scope="module")
-def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    repo = tmp_path_factory.mktemp("generate-repo")
-    shutil.copytree(demo_repo / "digits_onnx", repo / "digits_onnx")
-    parameters = {
-        "kv_cache_gib": "0.05",
-        "max_model_len": "512",
-        "dtype": "float32",
-        "quantization": "none",
-    }
-    smollm2_repository(demo_repo, repo, parameters)
-    generation_config = repo / "smollm2" / "1" / "generation_config.json"
-    generation_config.unlink(missing_ok=True)  # hard-linked to the build: write one of its own
-    generation_config.write_text(json.dumps({"temperature": 0, "top_k": 50, "eos_token_id": 2}))
-    running = start_server(repo, tmp_path_factory.mktemp("generate"), ready_timeout=600)
-    yield running
-    assert running.stop() == 0, running.log()[-2000:]
+def server(llm_variants_server: RunningServer) -> RunningServer:
+    return llm_variants_server
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +27,11 @@ def client(server: RunningServer) -> openai.OpenAI:
 
 
 def generate(server: RunningServer, body: object, route: str = "generate") -> httpx.Response:
-    return httpx.post(f"{server.url}/v2/models/smollm2/{route}", json=body, timeout=120)
+    return httpx.post(f"{server.url}/v2/models/{FOLDER}/{route}", json=body, timeout=120)
 
 
 def events(server: RunningServer, body: object) -> list[dict[str, object]]:
-    url = f"{server.url}/v2/models/smollm2/generate_stream"
+    url = f"{server.url}/v2/models/{FOLDER}/generate_stream"
     with httpx.stream("POST", url, json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -58,9 +41,7 @@ def events(server: RunningServer, body: object) -> list[dict[str, object]]:
 def test_requests_without_temperature_use_the_models_generation_config(
     server: RunningServer, client: openai.OpenAI
 ) -> None:
-    entry = next(
-        m for m in httpx.get(server.url + "/v1/models").json()["data"] if m["id"] == SERVED_NAME
-    )
+    entry = next(m for m in httpx.get(server.url + "/v1/models").json()["data"] if m["id"] == MODEL)
     assert entry["generation_defaults"] == {
         "temperature": 0.0,
         "top_p": 1.0,
@@ -68,7 +49,7 @@ def test_requests_without_temperature_use_the_models_generation_config(
         "min_p": 0.0,
         "repetition_penalty": 1.0,
     }
-    ask = {"model": SERVED_NAME, "prompt": "Once upon a time", "max_tokens": 10}
+    ask = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10}
     first = client.completions.create(**ask).choices[0].text  # type: ignore[call-overload]
     second = client.completions.create(**ask).choices[0].text  # type: ignore[call-overload]
     greedy = client.completions.create(**ask, temperature=0).choices[0].text  # type: ignore[call-overload]
@@ -78,14 +59,12 @@ def test_requests_without_temperature_use_the_models_generation_config(
 def test_generate_answers_the_completions_text(
     server: RunningServer, client: openai.OpenAI
 ) -> None:
-    completion = client.completions.create(
-        model=SERVED_NAME, prompt=PROMPT, max_tokens=8, temperature=0
-    )
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     r = generate(server, {"text_input": PROMPT, "parameters": {"temperature": 0, "max_tokens": 8}})
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "application/json"
     assert r.json() == {
-        "model_name": "smollm2",
+        "model_name": FOLDER,
         "model_version": "1",
         "text_output": completion.choices[0].text,
     }
@@ -101,7 +80,7 @@ def test_generate_stream_events_add_up_to_the_generate_text(server: RunningServe
     body = {"text_input": PROMPT, "parameters": {"max_tokens": 8, "stream": True}}
     streamed = events(server, body)
     assert len(streamed) > 1
-    assert all(e["model_name"] == "smollm2" and e["model_version"] == "1" for e in streamed)
+    assert all(e["model_name"] == FOLDER and e["model_version"] == "1" for e in streamed)
     whole = generate(server, {"text_input": PROMPT, "parameters": {"max_tokens": 8}}).json()
     assert "".join(str(e["text_output"]) for e in streamed) == whole["text_output"]
 
@@ -141,14 +120,14 @@ def test_client_mistakes_are_400_with_a_message(
 
 def test_generate_names_what_it_cannot_serve(server: RunningServer) -> None:
     url = server.url + "/v2/models"
-    malformed = httpx.post(f"{url}/smollm2/generate_stream", content=b"{", timeout=30)
+    malformed = httpx.post(f"{url}/{FOLDER}/generate_stream", content=b"{", timeout=30)
     assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]
     # another model maps the fields to its inputs (frontend/generate_tensor_routes.py)
     classic = httpx.post(f"{url}/digits_onnx/generate", json={"text_input": "hi"}, timeout=30)
     assert classic.status_code == 400 and "missing required input" in classic.json()["error"]
     unknown = httpx.post(f"{url}/nope/generate", json={"text_input": "hi"}, timeout=30)
     assert unknown.status_code == 404 and "nope" in unknown.json()["error"]
-    version = httpx.post(f"{url}/smollm2/versions/9/generate", json={"text_input": "hi"})
+    version = httpx.post(f"{url}/{FOLDER}/versions/9/generate", json={"text_input": "hi"})
     assert version.status_code == 404
-    infer = httpx.post(f"{url}/smollm2/infer", json={"inputs": []}, timeout=30)
+    infer = httpx.post(f"{url}/{FOLDER}/infer", json={"inputs": []}, timeout=30)
     assert infer.status_code == 400 and "text_input" in infer.json()["error"]

@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import gguf
 import httpx
 import jinja2
 import numpy as np
@@ -17,15 +15,10 @@ import pytest
 
 from lockgate.llm.loader import parse_gguf
 from lockgate.llm.tokenizer import ChatTokenizer
-from tests.conftest import RunningServer, start_server
+from tests.bos_model import BOS_MODEL
+from tests.conftest import BOS_FOLDER, RunningServer
 
 MODEL = "SmolLM2-135M-Instruct"
-BOS_MODEL = "tiny-bos"  # `bos_server`'s model
-# SmolLM2's template, after a system message of the request's documents when it has some
-DOCUMENTS_TEMPLATE = (
-    "{% if documents %}{{ '<|im_start|>system\\nDocuments:\\n' }}{% for d in documents %}"
-    "{{ d['title'] + ': ' + d['text'] + '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
@@ -33,87 +26,19 @@ def client(llm_server: RunningServer) -> openai.OpenAI:
     return llm_server.openai_client()
 
 
-def write_bos_model(smollm2: Path, path: Path) -> None:
-    """A GGUF with SmolLM2's tokenizer, but one that adds its BOS token to a text prompt, and
-    SmolLM2's chat template after `DOCUMENTS_TEMPLATE`; random weights of a tiny Llama (what it
-    says does not matter, only what its prompts are made of)."""
-    meta = {k: f.contents() for k, f in gguf.GGUFReader(smollm2).fields.items()}
-    vocab, hidden, layers = len(meta["tokenizer.ggml.tokens"]), 32, 1
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(layers)
-    writer.add_context_length(256)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(64)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
-    writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
-    writer.add_add_bos_token(True)  # SmolLM2's adds none
-    writer.add_chat_template(DOCUMENTS_TEMPLATE + meta["tokenizer.chat_template"])
-    rng = np.random.default_rng(0)
-    shapes = {"token_embd": (vocab, hidden), "output_norm": (hidden,)}
-    for i in range(layers):
-        shapes |= {
-            f"blk.{i}.attn_norm": (hidden,),
-            f"blk.{i}.ffn_norm": (hidden,),
-            f"blk.{i}.attn_q": (hidden, hidden),
-            f"blk.{i}.attn_k": (hidden // 2, hidden),
-            f"blk.{i}.attn_v": (hidden // 2, hidden),
-            f"blk.{i}.attn_output": (hidden, hidden),
-            f"blk.{i}.ffn_gate": (64, hidden),
-            f"blk.{i}.ffn_up": (64, hidden),
-            f"blk.{i}.ffn_down": (hidden, 64),
-        }
-    for name, shape in shapes.items():
-        writer.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32) * 0.1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.fixture(scope="module")
-def bos_repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A repository of one tiny model whose tokenizer adds a special token (BOS) to a text
+def bos_server(llm_variants_server: RunningServer) -> RunningServer:
+    """Serves BOS_MODEL: a tiny model whose tokenizer adds a special token (BOS) to a text
     prompt and whose chat template renders vLLM's `documents` (SmolLM2's adds none and ignores
     them): what add_special_tokens and documents change shows in its prompts' token counts."""
-    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
-
-    llm = [m for m in DEMO_MODELS if m.name == "smollm2"]
-    built = build_demo_repository(demo_repo.parent / "demo-llm-test", models=llm)
-    repo = tmp_path_factory.mktemp("bos-repo")
-    (repo / "tiny" / "1").mkdir(parents=True)
-    write_bos_model(built / "smollm2" / "1" / "model.gguf", repo / "tiny" / "1" / "model.gguf")
-    parameters = {
-        "model_file": "model.gguf",
-        "served_model_name": BOS_MODEL,
-        "dtype": "float32",
-        "kv_cache_gib": "0.01",
-        "max_model_len": "256",
-    }
-    lines = [f"  {k}: '{v}'" for k, v in parameters.items()]
-    (repo / "tiny" / "config.yaml").write_text("backend: llm\nparameters:\n" + "\n".join(lines))
-    return repo
+    return llm_variants_server
 
 
 @pytest.fixture(scope="module")
-def bos_server(bos_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(bos_repo, tmp_path_factory.mktemp("bos-logs"), ready_timeout=600)
-    yield running
-    assert running.stop() == 0, running.log()[-2000:]
-
-
-@pytest.fixture(scope="module")
-def bos_tokenizer(bos_repo: Path) -> ChatTokenizer:
-    """`bos_server`'s tokenizer, read from its GGUF."""
-    return ChatTokenizer(parse_gguf(bos_repo / "tiny" / "1" / "model.gguf").tokenizer)
+def bos_tokenizer(llm_variants_repo: Path) -> ChatTokenizer:
+    """BOS_MODEL's tokenizer, read from its GGUF."""
+    gguf = llm_variants_repo / BOS_FOLDER / "1" / "model.gguf"
+    return ChatTokenizer(parse_gguf(gguf).tokenizer)
 
 
 def test_models_list(client: openai.OpenAI) -> None:

@@ -283,9 +283,9 @@ def test_a_stored_response_is_retrieved_and_deleted(client: openai.OpenAI) -> No
     assert caught.value.body["param"] == "previous_response_id"
 
 
-def test_a_cached_answer_is_the_generated_one(cached_llm_server: RunningServer) -> None:
+def test_a_cached_answer_is_the_generated_one(llm_variants_server: RunningServer) -> None:
     """On SmolLM2 with its response cache on: the same response, whole and streamed."""
-    client = cached_llm_server.openai_client()
+    client = llm_variants_server.openai_client()
     asked: dict[str, Any] = {"model": CACHED_LLM, "input": "Name a planet.", "max_output_tokens": 8}
     first = create(client, **asked)
     again = client.responses.with_raw_response.create(temperature=0, **asked)

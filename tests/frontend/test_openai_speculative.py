@@ -3,16 +3,13 @@ client: greedy answers equal those of the same model served without it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
-from tests.conftest import RunningServer, smollm2_repository, start_server
+from tests.conftest import SPECULATIVE_LLM, RunningServer
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "SmolLM2-135M-Instruct"  # `llm_server`'s
 PARAGRAPH = (
     "The old lighthouse stood at the edge of the cliff for more than two hundred years. Every "
     "night its keeper climbed the narrow stairs, trimmed the wick and polished the great lens, "
@@ -22,28 +19,14 @@ MESSAGES = [{"role": "user", "content": "Repeat this text exactly: " + PARAGRAPH
 
 
 @pytest.fixture(scope="module")
-def speculative_server(
-    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    """SmolLM2 as `llm_server` serves it, plus `speculative: ngram` with 5 drafts a step."""
-    repo = tmp_path_factory.mktemp("llm-speculative-repo")
-    parameters = {
-        "kv_cache_gib": "0.05",
-        "max_model_len": "512",
-        "max_waiting": "256",
-        "dtype": "float32",
-        "quantization": "none",  # dense: exact against the plain server
-        "speculative": "ngram",
-        "num_speculative_tokens": "5",
-    }
-    smollm2_repository(demo_repo, repo, parameters)
-    server = start_server(repo, tmp_path_factory.mktemp("llm-speculative"), ready_timeout=600)
-    yield server
-    assert server.stop() == 0, server.log()[-2000:]
+def speculative_server(llm_variants_server: RunningServer) -> RunningServer:
+    """SmolLM2 as `llm_server` serves it, plus `speculative: ngram` with 5 drafts a step, served
+    as SPECULATIVE_LLM."""
+    return llm_variants_server
 
 
-def counter(server: RunningServer, name: str) -> float:
-    return server.metric(name, f'model_name="{MODEL}"')
+def counter(server: RunningServer, name: str, model: str) -> float:
+    return server.metric(name, f'model_name="{model}"')
 
 
 def test_greedy_chat_equals_the_model_without_speculation(
@@ -51,17 +34,17 @@ def test_greedy_chat_equals_the_model_without_speculation(
 ) -> None:
     drafts = "lockgate_llm_spec_decode_num_draft_tokens_total"
     accepted = "lockgate_llm_spec_decode_num_accepted_tokens_total"
-    before = counter(speculative_server, drafts), counter(speculative_server, accepted)
+    before = [counter(speculative_server, name, SPECULATIVE_LLM) for name in (drafts, accepted)]
     answers = [
         server.openai_client().chat.completions.create(
-            model=MODEL,
+            model=model,
             messages=MESSAGES,  # type: ignore[arg-type]
             max_tokens=80,
             temperature=0,
             logprobs=True,
             top_logprobs=2,
         )
-        for server in (llm_server, speculative_server)
+        for server, model in ((llm_server, MODEL), (speculative_server, SPECULATIVE_LLM))
     ]
     plain, spec = (a.choices[0] for a in answers)
     assert spec.message.content == plain.message.content
@@ -77,13 +60,13 @@ def test_greedy_chat_equals_the_model_without_speculation(
     for a, b in zip(plain.logprobs.content, spec.logprobs.content, strict=True):
         assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-3)
     # most of the copy came from accepted drafts; the server without speculation drafts nothing
-    new_drafts = counter(speculative_server, drafts) - before[0]
-    new_accepted = counter(speculative_server, accepted) - before[1]
+    new_drafts = counter(speculative_server, drafts, SPECULATIVE_LLM) - before[0]
+    new_accepted = counter(speculative_server, accepted, SPECULATIVE_LLM) - before[1]
     assert answers[1].usage is not None
     assert answers[1].usage.completion_tokens / 2 < new_accepted <= new_drafts
-    assert counter(llm_server, drafts) == 0
+    assert counter(llm_server, drafts, MODEL) == 0
     streamed = speculative_server.openai_client().chat.completions.create(
-        model=MODEL,
+        model=SPECULATIVE_LLM,
         messages=MESSAGES,  # type: ignore[arg-type]
         max_tokens=30,
         temperature=0,

@@ -371,10 +371,10 @@ def test_tools_are_refused_on_completions(client: openai.OpenAI) -> None:
 
 
 def test_a_cached_answer_is_read_for_calls_as_a_generated_one(
-    cached_llm_server: RunningServer,
+    llm_variants_server: RunningServer,
 ) -> None:
     """On SmolLM2 with its response cache on."""
-    client = cached_llm_server.openai_client()
+    client = llm_variants_server.openai_client()
     asked: dict[str, Any] = {"tools": [WEATHER], "extra_body": written(WRITTEN), "max_tokens": 80}
     first = chat(client, model=CACHED_LLM, **asked)
     again = client.chat.completions.with_raw_response.create(

@@ -1,14 +1,13 @@
-"""A language model behind `lockgate route` over two real SmolLM2 replicas (the session's and
-one more): its KServe v2 inference, REST and gRPC, is sent to one replica only, even with
-hedging on after 1 ms; the OpenAI Responses API's stored responses, each on one replica, are
-retrieved, continued and deleted through the router with the `openai` client."""
+"""A language model behind `lockgate route` over two real SmolLM2 replicas (the session's
+`llm_server` and `llm_variants_server`): its KServe v2 inference, REST and gRPC, is sent to one
+replica only, even with hedging on after 1 ms; the OpenAI Responses API's stored responses,
+each on one replica, are retrieved, continued and deleted through the router with the `openai`
+client."""
 
 from __future__ import annotations
 
 import re
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -18,25 +17,16 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from lockgate.demo.smollm2 import SERVED_NAME
-from tests.conftest import RunningServer, free_port, smollm2_repository, start_server
+from tests.conftest import RunningServer
 from tests.frontend.test_llm_infer import MODEL, request
 from tests.router.test_grpc_proxy import GrpcRouter, start_grpc_router
 from tests.router.test_router import metric
 
 
 @pytest.fixture(scope="module")
-def replicas(
-    llm_server: RunningServer, demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[RunningServer]]:
-    """The session's SmolLM2 server and a second one like it."""
-    repo = tmp_path_factory.mktemp("llm-replica-repo")
-    shutil.copytree(demo_repo / "minilm", repo / "minilm")
-    parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", "max_waiting": "256"}
-    smollm2_repository(demo_repo, repo, {**parameters, "dtype": "float32", "quantization": "none"})
-    tmp = tmp_path_factory.mktemp("llm-replica")
-    second = start_server(repo, tmp, ready_timeout=600, grpc_port=free_port())
-    yield [llm_server, second]
-    assert second.stop() == 0, second.log()[-2000:]
+def replicas(llm_server: RunningServer, llm_variants_server: RunningServer) -> list[RunningServer]:
+    """The session's two servers of SmolLM2 as `llm_server` serves it."""
+    return [llm_server, llm_variants_server]
 
 
 @pytest.fixture(scope="module")
