@@ -98,6 +98,8 @@ class Executor:
             if cached and config.response_cache.coalesce:
                 key = f"{config.name}:{served.version}:{digest}"
                 outputs = await self._coalesced(key, request, served, depth)
+            elif served.service is None:  # the model's batcher, with no frame of `_run` between
+                outputs = await self.models.infer(request)
             else:
                 outputs = await self._run(request, served, depth)
         except FALLBACK_ON as refused:

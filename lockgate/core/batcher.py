@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import math
 import time
@@ -320,6 +321,11 @@ class Batcher:
         self._refused: EarlyRefusal | None = None  # the last early refusal, while it holds
         self._admitting: EarlyAdmit | None = None  # the last early admission with room
         self._policy: CapPolicy | None = None  # of the profile's current version
+        # (deadline, seq, request) of requests not yet answered, or answered since the timer
+        # last passed them; one timer, armed for the earliest (`_watch`)
+        self._deadlines: list[tuple[float, int, InferRequest]] = []
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._armed = math.inf  # the deadline the timer is armed for
         self.next_turn = NextTurn()  # whether a cheap batch waits for the loop's next turn
         self.arriving = arriving or Arriving()  # handlers read this turn, not yet started
         self._gathering = False  # queued for the last of this turn's arrivals to send
@@ -401,7 +407,6 @@ class Batcher:
         self.rate.add(request.rows, now)
         self._inflight += 1
         self._idle.clear()
-        timer = None
         if self._dispatch_now(request, now):
             pass
         else:
@@ -411,8 +416,7 @@ class Batcher:
                 self._wake.set()
         if request.deadline is not None and not request.future.done():
             # Answer 504 at the deadline itself, not when the batcher next looks at the queue.
-            offset = loop.time() - now
-            timer = loop.call_at(request.deadline + offset, self._deadline_passed, request)
+            self._watch(request, request.deadline, loop, now)
         try:
             result = await request.future
         except asyncio.CancelledError:
@@ -425,8 +429,6 @@ class Batcher:
             self._count(exc.kind)
             raise
         finally:
-            if timer is not None:
-                timer.cancel()
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
@@ -613,6 +615,45 @@ class Batcher:
         error = Unavailable("shed for a higher-priority request under load", retry_after=1)
         if victim.future is not None and not victim.future.done():
             victim.future.set_exception(error)
+
+    def _watch(
+        self, request: InferRequest, deadline: float, loop: asyncio.AbstractEventLoop, now: float
+    ) -> None:
+        """Watch the deadline of a request not yet answered. One timer serves the batcher, armed
+        for the earliest deadline watched: a request costs a push on a heap, not a timer of its
+        own, and an answered one is dropped when the timer passes it (or by a sweep, when the
+        answered outnumber those waiting)."""
+        heapq.heappush(self._deadlines, (deadline, request.seq, request))
+        if deadline < self._armed:
+            if self._deadline_timer is not None:
+                self._deadline_timer.cancel()
+            self._arm(deadline, loop, now)
+        elif len(self._deadlines) > 2 * self._inflight + 64:
+            self._deadlines = [e for e in self._deadlines if not _answered(e[2])]
+            heapq.heapify(self._deadlines)
+
+    def _deadlines_passed(self) -> None:
+        """The earliest deadline watched has come: the requests whose deadline it is (or an
+        earlier one) answer 504 if they are still queued; the timer is armed again for the
+        earliest deadline of a request not yet answered."""
+        self._deadline_timer = None
+        due, self._armed = self._armed, math.inf
+        heap = self._deadlines
+        while heap:
+            deadline, _, request = heap[0]
+            answered = _answered(request)
+            if deadline > due and not answered:
+                break
+            heapq.heappop(heap)
+            if not answered:
+                self._deadline_passed(request)
+        if heap:
+            self._arm(heap[0][0], asyncio.get_running_loop(), time.monotonic())
+
+    def _arm(self, deadline: float, loop: asyncio.AbstractEventLoop, now: float) -> None:
+        self._armed = deadline
+        at = deadline + loop.time() - now  # on the loop's clock
+        self._deadline_timer = loop.call_at(at, self._deadlines_passed)
 
     def _deadline_passed(self, request: InferRequest) -> None:
         queue = self.queues[self.level_of(request) - 1]
@@ -924,6 +965,9 @@ class Batcher:
 
     async def close(self) -> None:
         self.accepting = False
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -938,3 +982,7 @@ class Batcher:
             instance.close()
         self.metrics.queue_depth.remove_function(self.labels, self._depth_fn)
         self.metrics.inflight.remove_function(self.labels, self._inflight_fn)
+
+
+def _answered(request: InferRequest) -> bool:
+    return request.future is None or request.future.done()

@@ -67,9 +67,12 @@ def _check_datatype(config: ModelConfig, spec: TensorSpec, datatype: str | None)
 
 def _check_shape(config: ModelConfig, spec: TensorSpec, shape: tuple[int, ...]) -> None:
     expected = expected_shape(config, spec)
-    fits = len(shape) == len(expected) and all(
-        want in (-1, got) for want, got in zip(expected, shape, strict=True)
-    )
+    fits = len(shape) == len(expected)
+    if fits:
+        for want, got in zip(expected, shape, strict=True):
+            if want != got and want != -1:
+                fits = False
+                break
     if not fits:
         raise BadRequest(
             f"input '{spec.name}': expected shape {_dims(expected)}, got {_dims(shape)}"

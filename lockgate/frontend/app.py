@@ -384,11 +384,19 @@ class App:
         """Answer a v2 inference request from the protocol's lane, as `__call__` would:
         authentication, priority keys, the same handler core, the same error answers,
         metrics and headers. Its delay in front (`front_delay`) was told when its head was
-        let through, as for the ASGI path, whose handler starts before the body is read."""
+        let through, as for the ASGI path, whose handler starts before the body is read.
+        One coroutine from the lane's task to the model's: each awaited layer costs its
+        task a frame to resume."""
         self.in_flight += 1
         self.lane_answered += 1
         try:
-            reply = await self._lane_reply(request)
+            try:
+                reply = await self._lane_infer(request)
+            except ServingError as exc:
+                reply = error_reply(exc)
+            except Exception as exc:
+                log.exception("unhandled error on POST %s", request.path)
+                reply = error_reply(ServingError(f"internal error: {type(exc).__name__}"))
             elapsed = time.monotonic() - request.received
             self.http_latency.observe(("infer", str(reply.status)), elapsed)
             rid = request_id(request.headers)
@@ -400,29 +408,26 @@ class App:
             if self.answered is not None:
                 self.answered()
 
-    async def _lane_reply(self, request: LaneRequest) -> Reply:
+    def _lane_infer(self, request: LaneRequest) -> Awaitable[Reply]:
+        """The lane's checks before the handler core (`v2_routes.infer_reply`), whose answer
+        `infer_lane` awaits."""
+
         def bearer() -> bytes | None:
             return bearer_of(request.header(b"authorization"))
 
-        try:
-            self.authenticate("POST", request.path, bearer)
-            served = self.v2.served(request.name, request.version)
-            granted = not self.settings.priority_keys or self.priority_granted(bearer())
-            return await v2_routes.infer_reply(
-                self.v2,
-                served,
-                request.name,
-                request.body,
-                request.header(b"inference-header-content-length"),
-                request.header(b"request-timeout"),
-                request.received,
-                granted,
-            )
-        except ServingError as exc:
-            return error_reply(exc)
-        except Exception as exc:
-            log.exception("unhandled error on POST %s", request.path)
-            return error_reply(ServingError(f"internal error: {type(exc).__name__}"))
+        self.authenticate("POST", request.path, bearer)
+        served = self.v2.served(request.name, request.version)
+        granted = not self.settings.priority_keys or self.priority_granted(bearer())
+        return v2_routes.infer_reply(
+            self.v2,
+            served,
+            request.name,
+            request.body,
+            request.header(b"inference-header-content-length"),
+            request.header(b"request-timeout"),
+            request.received,
+            granted,
+        )
 
     @staticmethod
     def _access_entry(scope: Scope, rid: bytes, status: int, elapsed: float) -> AccessEntry:

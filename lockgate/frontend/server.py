@@ -148,6 +148,8 @@ class _Protocol(HttpToolsProtocol):
         self.disconnect = Disconnect()  # tells the handlers on this connection it closed
         self.lane = Lane()  # the inference request answered below ASGI (`frontend/lane.py`)
         self.body_arriving = False  # an ASGI request let through, its body not yet all in
+        self.idle_since = 0.0  # when the connection last fell idle (`_keep_alive`); 0: busy
+        self.idle_timer: asyncio.TimerHandle | None = None
 
     # -- connections -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -171,6 +173,9 @@ class _Protocol(HttpToolsProtocol):
             self.counted = False
             self.gate.disconnect(self.address)
         self._cancel_head_timer()
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
         super().connection_lost(exc)
 
     def _arm_head_timer(self) -> None:
@@ -488,11 +493,29 @@ class _Protocol(HttpToolsProtocol):
         super().shutdown()
 
     def _keep_alive(self) -> None:
-        """An idle keep-alive connection closes after uvicorn's keep-alive timeout."""
+        """An idle keep-alive connection closes after uvicorn's keep-alive timeout. Its timer
+        outlives the connection's requests: an answer marks when the idleness began, a request
+        clears the mark (`_unset_keepalive_if_required`), and the timer, when it fires, closes
+        the connection if it has been idle for the whole timeout, or waits for what is left of
+        it. (A timer made and cancelled for every request cost more than the mark.)"""
         self._unset_keepalive_if_required()
-        self.timeout_keep_alive_task = self.loop.call_later(
-            self.timeout_keep_alive, self.timeout_keep_alive_handler
-        )
+        self.idle_since = time.monotonic()
+        if self.idle_timer is None:
+            self.idle_timer = self.loop.call_later(self.timeout_keep_alive, self._idle_timed_out)
+
+    def _unset_keepalive_if_required(self) -> None:
+        self.idle_since = 0.0
+        super()._unset_keepalive_if_required()
+
+    def _idle_timed_out(self) -> None:
+        self.idle_timer = None
+        if not self.idle_since:  # a request since: the next answer arms the timer again
+            return
+        left = self.idle_since + self.timeout_keep_alive - time.monotonic()
+        if left > 0:
+            self.idle_timer = self.loop.call_later(left, self._idle_timed_out)
+            return
+        self.timeout_keep_alive_handler()
 
     # -- request heads -------------------------------------------------------------------
     def on_message_begin(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
+from array import array as c_array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -51,6 +52,9 @@ _INTEGERS = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "
 _FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})
 _JSON_ERRORS = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 JSON_CHARS_PER_ELEMENT = 48  # "-1.2345678901234567e-308," and brackets, with room to spare
+# flat JSON data up to this is decoded before it is counted: a decoder stops at the first
+# element of another kind, so it builds at most about half this many elements
+FLAT_JSON_BYTES = 64 * 1024
 
 
 # --- public types -------------------------------------------------------------------------
@@ -384,16 +388,22 @@ def _from_binary(plan: _Planned, chunk: memoryview) -> np.ndarray:
 def _from_json(plan: _Planned) -> np.ndarray:
     """The array of a JSON `data` field, flat or nested no deeper than its shape. Its depth,
     leaves and lists are counted from the raw bytes first: data that cannot match the shape
-    is refused before a Python list of it is built."""
+    is refused before a Python list of it is built. Small flat data of numbers or booleans
+    (the common case) is decoded at once, and counted only if that fails."""
     name, datatype, shape = plan.declared.name, plan.declared.datatype, plan.declared.shape
     data = bytes(plan.wire.data)
-    # a number takes at most JSON_CHARS_PER_ELEMENT characters with its separators
-    limit = JSON_CHARS_PER_ELEMENT * plan.count + 64
-    if datatype != "BYTES" and len(data) > limit:
-        raise BadRequest(
-            f"input '{name}': data has {len(data)} characters, more than "
-            f"{plan.count} elements of shape {dims_text(shape)} can take ({limit})"
-        )
+    if datatype != "BYTES":
+        # a number takes at most JSON_CHARS_PER_ELEMENT characters with its separators
+        limit = JSON_CHARS_PER_ELEMENT * plan.count + 64
+        if len(data) > limit:
+            raise BadRequest(
+                f"input '{name}': data has {len(data)} characters, more than "
+                f"{plan.count} elements of shape {dims_text(shape)} can take ({limit})"
+            )
+        if len(data) <= FLAT_JSON_BYTES:
+            values = _flat_values(datatype, data)
+            if values is not None and len(values) == plan.count:
+                return to_array(name, datatype, values).reshape(shape)
     depth = opening_depth(data)
     if depth == 0:
         raise BadRequest(f"input '{name}': data must be an array, got {kind_of(data)}")
@@ -410,6 +420,18 @@ def _from_json(plan: _Planned) -> np.ndarray:
     if len(values) != plan.count:
         raise BadRequest(_count_mismatch(plan, len(values)))
     return to_array(name, datatype, values).reshape(shape)
+
+
+def _flat_values(datatype: str, data: bytes) -> list[Any] | None:
+    """The elements of a flat array of the datatype's JSON kind, as the counted path would
+    decode them, or None when `data` is anything else (nested, of another kind, malformed):
+    the counted path then refuses it in its own words. Such data holds no list and no string,
+    so it holds as many elements as the counted path finds, no more."""
+    try:
+        values: list[Any] = _decoder(json_element(datatype)[0], 1).decode(data)
+    except (msgspec.ValidationError, *_JSON_ERRORS):
+        return None
+    return values
 
 
 def _check_scalars(plan: _Planned, data: bytes) -> None:
@@ -469,6 +491,8 @@ def to_array(name: str, datatype: str, values: list[Any]) -> np.ndarray:
         return array
     if datatype == "FP64":  # JSON numbers are doubles already: no overflow
         return np.asarray(values, dtype=np.float64)
+    if datatype == "FP32":  # C's cast: out-of-range numbers become ±inf (no warning to silence)
+        return np.frombuffer(c_array("f", values), dtype=np.float32)
     if datatype in _FLOATS:
         with np.errstate(over="ignore"):  # out-of-range numbers become ±inf, like a cast
             if datatype == "BF16":

@@ -349,6 +349,42 @@ def test_wrong_output_rows_is_a_clear_backend_error() -> None:
     run(lambda: closing(batcher, body))
 
 
+def test_each_queued_request_answers_504_at_its_own_deadline() -> None:
+    """Deadlines that come in any order: each request expires at its own, a later one is not
+    expired with an earlier one, and one answered before its deadline never expires."""
+    backend = TimedBackend()
+    backend.gate.clear()
+    batcher = make_batcher(backend, make_config(max_batch_size=1), admission=False)
+
+    async def body() -> None:
+        hold = asyncio.ensure_future(batcher.submit(request(0.0)))
+        await settle(batcher)
+        start = time.monotonic()
+        offsets = {1.0: 0.15, 2.0: 0.05, 3.0: 0.10}
+        waits = {
+            v: asyncio.ensure_future(batcher.submit(request(v, deadline=start + d)))
+            for v, d in offsets.items()
+        }
+        answered: dict[float, float] = {}
+        for value, task in waits.items():
+            task.add_done_callback(lambda _, v=value: answered.setdefault(v, time.monotonic()))
+        with pytest.raises(DeadlineExceeded):
+            await waits[1.0]
+        for value, offset in offsets.items():
+            assert isinstance(waits[value].exception(), DeadlineExceeded)
+            late = answered[value] - start - offset
+            assert 0 <= late < 0.03, f"{value}: answered {late * 1000:.1f} ms after its deadline"
+        assert batcher.queued_rows == 0
+        backend.gate.set()
+        await hold
+        far = time.monotonic() + 60
+        for value in range(200):  # answered well before their deadline: none kept watched
+            await batcher.submit(request(float(value), deadline=far))
+        assert len(batcher._deadlines) <= 2 * batcher._inflight + 65
+
+    run(lambda: closing(batcher, body))
+
+
 def test_unmeetable_deadline_is_refused_at_admission() -> None:
     backend = TimedBackend(a=0.02, b=0.0)
     backend.gate.clear()

@@ -215,3 +215,27 @@ def test_access_log_keeps_requests_on_the_asgi_path(
         assert '"path":"/v2/models/digits_onnx/infer"' in server.log().replace(" ", "")
     finally:
         server.stop()
+
+
+def test_a_kept_alive_connection_closes_after_the_idle_timeout_not_before(
+    test_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The keep-alive timeout counts from the last answer: a request within it keeps the
+    connection open past the first answer's timeout; idle for the whole of it, it closes."""
+    server = start_server(
+        test_repo, tmp_path_factory.mktemp("lane-idle"), "--no-llm", "--keep-alive-timeout", "1"
+    )
+    try:
+        with connect(server) as sock:
+            for row, pause in enumerate((0.0, 0.6, 0.7)):  # past 1 s from the first answer
+                time.sleep(pause)
+                send(sock, b"".join(head_and_body(INFER, digits_body(row), LONG)))
+                assert read_response(sock).status == 200
+            idle = time.monotonic()
+            sock.settimeout(5)
+            assert sock.recv(1) == b""  # closed by the server
+            waited = time.monotonic() - idle
+            assert 0.9 <= waited < 3.0, f"closed after {waited:.2f} s idle"
+        assert lane_count(server) == 3
+    finally:
+        server.stop()

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import struct
 import tracemalloc
 from typing import Any
@@ -206,6 +207,30 @@ def test_binary_float_nan_and_inf_pass_through() -> None:
 def test_json_numbers_beyond_fp16_become_inf() -> None:
     body = body_of([tensor("a", (2,), "FP16", data=[1e6, -1e6])])
     assert decode_infer_request(body, None).inputs["a"].tolist() == [np.inf, -np.inf]
+
+
+def test_json_numbers_beyond_fp32_become_inf_as_numpy_casts_them() -> None:
+    values = [1e39, -1e300, 3.4028235e38, 0.1, 7]
+    body = body_of([tensor("a", (5,), "FP32", data=values)])
+    array = decode_infer_request(body, None).inputs["a"]
+    with np.errstate(over="ignore"):
+        expected = np.asarray(values, dtype=np.float64).astype(np.float32)
+    assert array.dtype == np.float32
+    assert array.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([1, 2, 3], "shape [2,2] has 4 elements but data has 3"),
+        ([[1, 2], [3, 4], [5, 6]], "shape [2,2] has 4 elements but data has 6"),
+        ([[1], [2], [3], [4]], "data has 5 arrays, more than shape [2,2] nests (3)"),
+        ([1, 2, 3, "4"], "data for FP32 must be numbers, not strings"),
+    ],
+)
+def test_json_data_refused_in_the_same_words_flat_or_nested(data: object, message: str) -> None:
+    with pytest.raises(BadRequest, match=re.escape(message)):
+        decode_infer_request(body_of([tensor("a", (2, 2), "FP32", data=data)]), None)
 
 
 # --- decoding: every malformed case is a BadRequest that says what is wrong -----------------
