@@ -1,16 +1,25 @@
 /* The elementwise steps of a bfloat16 decoder layer, each one pass over its rows
    (`layer_ops.py`). Each computes in float32 and rounds to bfloat16 (nearest even) where
-   torch's bfloat16 ops round, so the results are torch's but for the order of a row's sum of
-   squares (RMSNorm) and the last bit of exp (SiLU).
+   torch's bfloat16 ops round, and adds a row's squares in the order torch's sum kernel adds
+   them, so the results are torch's bit for bit.
 
    rms_norm:     out = x * rsqrt(mean(x^2) + eps) * w                 x, out [m, k]
+   sum_squares:  out = sum(x^2) of each row, as rms_norm adds them    x [m, k], out [m] float
    add_rms_norm: h = x + y; out = rms_norm(h)                          x, y, h, out [m, k]
    rope:         in place, on the first `heads` heads of each row of x (row stride `stride`),
                  half-split layout: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each
                  product and sum rounded; cos, sin [m, d/2]
 
    Built by lockgate/llm/native.py; rows are shared over the calling thread's OpenMP team when
-   there are enough of them. */
+   there are enough of them. The build flags let the compiler reassociate float sums and fuse
+   multiplies into adds; this file keeps both off, since the order and rounding of each
+   operation is what makes the results torch's. */
+
+#if defined(__clang__)
+#pragma clang fp reassociate(off) contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("no-associative-math", "fp-contract=off")
+#endif
 
 #include <math.h>
 #include <stdint.h>
@@ -39,27 +48,105 @@ static inline int team(int threads, int64_t m, int64_t elements) {
     return threads > 1 && m > 1 && elements >= PARALLEL_FROM ? threads : 1;
 }
 
-static inline void norm_row(const uint16_t *h, int64_t k, const uint16_t *w, float eps,
-                            uint16_t *out) {
-    float squares = 0.0f;
-    for (int64_t j = 0; j < k; j++) {
-        const float v = bf16_to_float(h[j]);
-        squares += v * v;
+#define MAX_LANES 16
+#define ILP 4    /* torch's row_sum: a row read as 4 interleaved partial sums */
+#define LEVELS 4 /* torch's multi_row_sum: 4 cascade levels of partial sums */
+
+static inline int64_t ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    int64_t bits = 0;
+    for (uint64_t v = (uint64_t)(x - 1); v; v >>= 1) bits++;
+    return bits;
+}
+
+/* acc[l] += the squares of the `lanes` values of h from `at`, each square rounded to float
+   (torch squares into a float tensor, then sums it) */
+static inline void add_squares(float *acc, const uint16_t *h, int64_t at, int lanes) {
+    for (int l = 0; l < lanes; l++) {
+        const float v = bf16_to_float(h[at + l]);
+        const float square = v * v;
+        acc[l] += square;
     }
-    const float scale = 1.0f / sqrtf(squares / (float)k + eps);
-    for (int64_t j = 0; j < k; j++)
-        out[j] = float_to_bf16(bf16_to_float(h[j]) * scale * bf16_to_float(w[j]));
+}
+
+/* The sum of the squares of one row of k values, in the order of torch's cascade_sum over a
+   contiguous float row (aten/src/ATen/native/cpu/SumKernel.cpp, vectorized_inner_sum, with
+   Vectorized<float> of `lanes` lanes): the row's k / lanes vectors are summed by row_sum
+   (ILP interleaved partial sums, each a multi_row_sum of LEVELS cascade levels), the
+   leftover values added one by one to zero, then the vector's lanes in order. */
+static inline __attribute__((always_inline)) float row_squares_of(const uint16_t *h, int64_t k,
+                                                                 const int lanes) {
+    const int64_t vectors = k / lanes, size = vectors / ILP;
+    const int64_t power = ceil_log2(size) / LEVELS > 4 ? ceil_log2(size) / LEVELS : 4;
+    const int64_t step = (int64_t)1 << power, mask = step - 1;
+    float acc[LEVELS][ILP][MAX_LANES] = {{{0.0f}}};
+    int64_t i = 0;
+    while (i + step <= size) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int r = 0; r < ILP; r++) add_squares(acc[0][r], h, (i * ILP + r) * lanes, lanes);
+        for (int level = 1; level < LEVELS; level++) {
+            for (int r = 0; r < ILP; r++)
+                for (int l = 0; l < lanes; l++) {
+                    acc[level][r][l] += acc[level - 1][r][l];
+                    acc[level - 1][r][l] = 0.0f;
+                }
+            if ((i & (mask << (level * power))) != 0) break;
+        }
+    }
+    for (; i < size; i++)
+        for (int r = 0; r < ILP; r++) add_squares(acc[0][r], h, (i * ILP + r) * lanes, lanes);
+    for (int level = 1; level < LEVELS; level++)
+        for (int r = 0; r < ILP; r++)
+            for (int l = 0; l < lanes; l++) acc[0][r][l] += acc[level][r][l];
+    float *sums = acc[0][0]; /* row_sum: the leftover vectors into the first partial sum */
+    for (int64_t v = size * ILP; v < vectors; v++) add_squares(sums, h, v * lanes, lanes);
+    for (int r = 1; r < ILP; r++)
+        for (int l = 0; l < lanes; l++) sums[l] += acc[0][r][l];
+    float total = 0.0f;
+    for (int64_t j = vectors * lanes; j < k; j++) {
+        const float v = bf16_to_float(h[j]);
+        const float square = v * v;
+        total += square;
+    }
+    for (int l = 0; l < lanes; l++) total += sums[l];
+    return total;
+}
+
+/* row_squares_of with `lanes` a constant where it is one of the common widths (the lane loops
+   then compile to vector instructions) */
+static float row_squares(const uint16_t *h, int64_t k, int lanes) {
+    switch (lanes) {
+    case 8: return row_squares_of(h, k, 8);
+    case 16: return row_squares_of(h, k, 16);
+    default: return row_squares_of(h, k, lanes);
+    }
+}
+
+/* out[row] = the sum of the squares of x's row, as rms_norm adds them (to check `lanes`) */
+void sum_squares(const uint16_t *x, int64_t m, int64_t k, int lanes, float *out) {
+    for (int64_t row = 0; row < m; row++) out[row] = row_squares(x + row * k, k, lanes);
+}
+
+/* torch's rms_norm in float32: rsqrt(sum / k + eps), x times it, times w, then rounded */
+static inline void norm_row(const uint16_t *h, int64_t k, const uint16_t *w, float eps,
+                            int lanes, uint16_t *out) {
+    const float mean = row_squares(h, k, lanes) / (float)k;
+    const float scale = 1.0f / sqrtf(mean + eps);
+    for (int64_t j = 0; j < k; j++) {
+        const float scaled = bf16_to_float(h[j]) * scale;
+        out[j] = float_to_bf16(scaled * bf16_to_float(w[j]));
+    }
 }
 
 void rms_norm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, float eps,
-              uint16_t *out, int threads) {
+              int lanes, uint16_t *out, int threads) {
     const int n = team(threads, m, m * k);
 #pragma omp parallel for num_threads(n) if (n > 1)
-    for (int64_t row = 0; row < m; row++) norm_row(x + row * k, k, w, eps, out + row * k);
+    for (int64_t row = 0; row < m; row++) norm_row(x + row * k, k, w, eps, lanes, out + row * k);
 }
 
 void add_rms_norm(const uint16_t *x, const uint16_t *y, int64_t m, int64_t k, const uint16_t *w,
-                  float eps, uint16_t *h, uint16_t *out, int threads) {
+                  float eps, int lanes, uint16_t *h, uint16_t *out, int threads) {
     const int n = team(threads, m, m * k);
 #pragma omp parallel for num_threads(n) if (n > 1)
     for (int64_t row = 0; row < m; row++) {
@@ -67,7 +154,7 @@ void add_rms_norm(const uint16_t *x, const uint16_t *y, int64_t m, int64_t k, co
         uint16_t *hr = h + row * k;
         for (int64_t j = 0; j < k; j++)
             hr[j] = float_to_bf16(bf16_to_float(xr[j]) + bf16_to_float(yr[j]));
-        norm_row(hr, k, w, eps, out + row * k);
+        norm_row(hr, k, w, eps, lanes, out + row * k);
     }
 }
 

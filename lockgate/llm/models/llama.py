@@ -26,7 +26,7 @@ from lockgate.llm.attention import (
     write_kv,
 )
 from lockgate.llm.decode_kernel import DecodeKernel
-from lockgate.llm.layer_ops import LayerOps
+from lockgate.llm.layer_ops import MAX_WIDTH, LayerOps
 from lockgate.llm.model_config import LlamaConfig
 from lockgate.llm.quantized_linear import QuantizedLinear, QuantizedWeight, quantize_int8
 
@@ -210,8 +210,11 @@ class LlamaForCausalLM(nn.Module):
     def use_layer_ops(self, ops: LayerOps | None) -> bool:
         """Run each layer's RMSNorms (with the residual add before the second) and RoPE in
         `ops`' single passes (`layer_ops.py`), or torch's ops with None. Only a bfloat16
-        model takes them; returns whether it did."""
-        if ops is not None and self.dtype != torch.bfloat16:
+        model whose rows the helper sums as torch does (`MAX_WIDTH`) takes them; returns
+        whether it did."""
+        if ops is not None and (
+            self.dtype != torch.bfloat16 or self.config.hidden_size > MAX_WIDTH
+        ):
             ops = None
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)
