@@ -9,6 +9,9 @@
    rope:         in place, on the first `heads` heads of each row of x (row stride `stride`),
                  half-split layout: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each
                  product and sum rounded; cos, sin [m, d/2]
+   rope_write_kv: rope on the Q and K heads of each row of a fused QKV output, then the row's
+                 K and V heads (after Q's) copied to its KV cache slot: slots [m] int64,
+                 k_cache, v_cache [slots, kv_heads, d]
 
    Built by lockgate/llm/native.py; rows are shared over the calling thread's OpenMP team when
    there are enough of them. The build flags let the compiler reassociate float sums and fuse
@@ -158,21 +161,39 @@ void add_rms_norm(const uint16_t *x, const uint16_t *y, int64_t m, int64_t k, co
     }
 }
 
+static inline void rope_row(uint16_t *x, int64_t heads, int64_t d, const uint16_t *c,
+                            const uint16_t *s) {
+    const int64_t half = d / 2;
+    for (int64_t head = 0; head < heads; head++) {
+        uint16_t *x1 = x + head * d, *x2 = x1 + half;
+        for (int64_t j = 0; j < half; j++) {
+            const float a = bf16_to_float(x1[j]), b = bf16_to_float(x2[j]);
+            const float cj = bf16_to_float(c[j]), sj = bf16_to_float(s[j]);
+            x1[j] = float_to_bf16(round_bf16(a * cj) - round_bf16(b * sj));
+            x2[j] = float_to_bf16(round_bf16(b * cj) + round_bf16(a * sj));
+        }
+    }
+}
+
 void rope(uint16_t *x, int64_t m, int64_t heads, int64_t stride, int64_t d, const uint16_t *cos,
           const uint16_t *sin, int threads) {
     const int64_t half = d / 2;
     const int n = team(threads, m, m * heads * d);
 #pragma omp parallel for num_threads(n) if (n > 1)
+    for (int64_t row = 0; row < m; row++)
+        rope_row(x + row * stride, heads, d, cos + row * half, sin + row * half);
+}
+
+void rope_write_kv(uint16_t *x, int64_t m, int64_t q_heads, int64_t kv_heads, int64_t stride,
+                   int64_t d, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                   uint16_t *k_cache, uint16_t *v_cache, int threads) {
+    const int64_t half = d / 2, width = kv_heads * d;
+    const int n = team(threads, m, m * (q_heads + 2 * kv_heads) * d);
+#pragma omp parallel for num_threads(n) if (n > 1)
     for (int64_t row = 0; row < m; row++) {
-        const uint16_t *c = cos + row * half, *s = sin + row * half;
-        for (int64_t head = 0; head < heads; head++) {
-            uint16_t *x1 = x + row * stride + head * d, *x2 = x1 + half;
-            for (int64_t j = 0; j < half; j++) {
-                const float a = bf16_to_float(x1[j]), b = bf16_to_float(x2[j]);
-                const float cj = bf16_to_float(c[j]), sj = bf16_to_float(s[j]);
-                x1[j] = float_to_bf16(round_bf16(a * cj) - round_bf16(b * sj));
-                x2[j] = float_to_bf16(round_bf16(b * cj) + round_bf16(a * sj));
-            }
-        }
+        uint16_t *r = x + row * stride;
+        rope_row(r, q_heads + kv_heads, d, cos + row * half, sin + row * half);
+        memcpy(k_cache + slots[row] * width, r + q_heads * d, width * sizeof(uint16_t));
+        memcpy(v_cache + slots[row] * width, r + (q_heads + kv_heads) * d, width * sizeof(uint16_t));
     }
 }

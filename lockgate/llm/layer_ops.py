@@ -1,5 +1,5 @@
 """The elementwise steps of a bfloat16 decoder layer in one pass each: RMSNorm (with the
-residual add before it) and RoPE.
+residual add before it), and RoPE (with the KV cache stores after it).
 
 In torch each is several ops, each a pass over [T, hidden] that allocates its result (RoPE:
 eight, RMSNorm: six). A C helper (`layer_ops.c`, built by `native.py`) does each in one
@@ -62,8 +62,11 @@ class LayerOps:
             pointer, pointer, i64, i64, pointer, f32, i32, pointer, pointer, i32
         ]  # fmt: skip
         library.rope.argtypes = [pointer, i64, i64, i64, i64, pointer, pointer, i32]
+        library.rope_write_kv.argtypes = [
+            pointer, i64, i64, i64, i64, i64, pointer, pointer, pointer, pointer, pointer, i32
+        ]  # fmt: skip
         library.sum_squares.argtypes = [pointer, i64, i64, i32, pointer]
-        for name in ("rms_norm", "add_rms_norm", "rope", "sum_squares"):
+        for name in ("rms_norm", "add_rms_norm", "rope", "rope_write_kv", "sum_squares"):
             getattr(library, name).restype = None
         for lanes in LANES:
             ops = LayerOps(library, lanes)
@@ -116,5 +119,31 @@ class LayerOps:
         m, d = x.shape[0], 2 * cos.shape[-1]
         self.library.rope(
             x.data_ptr(), m, heads, x.stride(0), d, cos.data_ptr(), sin.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        q_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        """RoPE in place on the Q and K heads of qkv [T, (q_heads + 2 kvh) d] (rows may be
+        strided, elements not), then each row's K and V heads stored at its slot ([T] int64)
+        of k_cache, v_cache [num_blocks, block_size, kvh, d] (contiguous): `write_kv`'s
+        stores, in the same pass."""
+        kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+        if qkv.stride(1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("rope_write_kv: qkv's rows and the caches must be contiguous")
+        if qkv.shape[1] != (q_heads + 2 * kv_heads) * d or slots.dtype != torch.int64:
+            raise ValueError(f"rope_write_kv: qkv {tuple(qkv.shape)}, slots {slots.dtype}")
+        slots = slots.contiguous()
+        self.library.rope_write_kv(
+            qkv.data_ptr(), qkv.shape[0], q_heads, kv_heads, qkv.stride(0), d, cos.data_ptr(),
+            sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lockgate.llm.attention import write_kv
 from lockgate.llm.layer_ops import LANES, LayerOps
 from lockgate.llm.loader import Checkpoint
 from lockgate.llm.models.llama import LlamaForCausalLM, apply_rope, build_llama
@@ -65,6 +66,25 @@ def test_rope_in_place_is_torchs(ops: LayerOps, rows: int) -> None:
     assert torch.equal(out[:, 768:], qkv[:, 768:])
     with pytest.raises(ValueError, match="contiguous"):
         ops.rope(qkv.t(), 12, cos, sin)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 1536])
+def test_rope_and_kv_stores_are_rope_then_write_kv(ops: LayerOps, rows: int) -> None:
+    """One pass: the rotated Q/K and the caches as `apply_rope` then `write_kv` leave them."""
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, 960, generator=gen).to(BF16)  # 9 Q, 3 K, 3 V heads of 64
+    cos, sin = (torch.randn(2, rows, 32, generator=gen)).to(BF16)
+    slots = torch.randperm(4 * 16, generator=gen)[:rows] if rows < 64 else torch.arange(rows)
+    rotated = apply_rope(qkv[:, :768].view(rows, 12, 64), cos[:, None], sin[:, None])
+    caches = [torch.zeros(-(-rows // 16) * 4, 16, 3, 64, dtype=BF16) for _ in range(4)]
+    write_kv(caches[0], caches[1], rotated[:, 9:], qkv[:, 768:].view(rows, 3, 64), slots)
+    out = qkv.clone()
+    ops.rope_write_kv(out, 9, cos, sin, slots, caches[2], caches[3])
+    assert torch.equal(out[:, :768].view(rows, 12, 64), rotated)
+    assert torch.equal(out[:, 768:], qkv[:, 768:])
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.rope_write_kv(out, 9, cos, sin, slots, caches[2].transpose(0, 1), caches[3])
 
 
 def test_a_float32_model_keeps_torchs_ops(model: LlamaForCausalLM, ops: LayerOps) -> None:
