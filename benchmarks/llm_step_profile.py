@@ -103,6 +103,8 @@ def load_engine(
     if quantization is not None:
         parameters["quantization"] = quantization
     service, load_seconds = load_demo_service(parameters)
+    if threads is not None:  # the engine set them on its own thread; this one steps it
+        torch.set_num_threads(threads)
     return service.engine.engine, load_seconds
 
 

@@ -49,6 +49,7 @@ from lockgate.llm.decode_kernel import KernelUnavailable, decode_kernel
 from lockgate.llm.engine import LLMEngine
 from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.generation_config import GenerationDefaults, read_generation_defaults
+from lockgate.llm.layer_ops import LayerOps
 from lockgate.llm.loader import load_checkpoint
 from lockgate.llm.models.int8_activations import quantize_activations
 from lockgate.llm.models.llama import allocate_kv_cache, build_llama, kv_bytes_per_block
@@ -220,6 +221,7 @@ def _build(engine_config: EngineConfig, weights: Path) -> tuple[LLMEngine, _Buil
             raise ConfigError(str(weights), "parameters.activation_quantization", str(exc)) from exc
     if engine_config.pack_weights:
         pack_linear_weights(model)
+    model.use_layer_ops(LayerOps.load())
     per_block = kv_bytes_per_block(checkpoint.config, engine_config.block_size, engine_config.dtype)
     blocks = engine_config.num_kv_blocks(per_block)
     kv = allocate_kv_cache(checkpoint.config, blocks, engine_config.block_size, engine_config.dtype)

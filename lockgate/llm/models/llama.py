@@ -26,6 +26,7 @@ from lockgate.llm.attention import (
     write_kv,
 )
 from lockgate.llm.decode_kernel import DecodeKernel
+from lockgate.llm.layer_ops import MAX_WIDTH, LayerOps
 from lockgate.llm.model_config import LlamaConfig
 from lockgate.llm.quantized_linear import QuantizedLinear, QuantizedWeight, quantize_int8
 
@@ -101,6 +102,7 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.ops: LayerOps | None = None  # set by `use_layer_ops`: RoPE, KV stores in one pass
 
     def forward(
         self,
@@ -113,12 +115,22 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (nh + 2 kvh) d]
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
-        qk = apply_rope(qk, cos, sin)  # [T, nh + kvh, d]
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, slot_mapping)
+        if self.ops is not None and qkv.stride(1) == 1:  # in place on qkv's Q and K
+            self.ops.rope_write_kv(
+                qkv, self.num_heads, cos[:, 0], sin[:, 0], slot_mapping, k_cache, v_cache
+            )
+            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(
+                t, self.num_heads + self.num_kv_heads, -1
+            )
+            qk = apply_rope(qk, cos, sin)  # [T, nh + kvh, d]
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+            write_kv(k_cache, v_cache, k, v, slot_mapping)
         return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, plan))
 
 
@@ -130,7 +142,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] result fewer
 
 
 class RMSNorm(nn.Module):
@@ -151,6 +163,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self.ops: LayerOps | None = None  # set by `use_layer_ops`: norms in one pass
 
     def forward(
         self,
@@ -161,8 +174,16 @@ class LlamaDecoderLayer(nn.Module):
         slot_mapping: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, slot_mapping, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        ops = self.ops
+        if ops is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, slot_mapping, plan)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        first, second = self.input_layernorm, self.post_attention_layernorm
+        attended = self.self_attn(
+            ops.rms_norm(x, first.weight, first.eps), cos, sin, kv_cache, slot_mapping, plan
+        )
+        x, normed = ops.add_rms_norm(x, attended, second.weight, second.eps)
+        return x + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -188,6 +209,21 @@ class LlamaForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def use_layer_ops(self, ops: LayerOps | None) -> bool:
+        """Run each layer's RMSNorms (with the residual add before the second) and RoPE (with
+        the KV cache stores after it) in
+        `ops`' single passes (`layer_ops.py`), or torch's ops with None. Only a bfloat16
+        model whose rows the helper sums as torch does (`MAX_WIDTH`) takes them; returns
+        whether it did."""
+        if ops is not None and (
+            self.dtype != torch.bfloat16 or self.config.hidden_size > MAX_WIDTH
+        ):
+            ops = None
+        for layer in self.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.ops = layer.self_attn.ops = ops
+        return ops is not None
 
     @torch.inference_mode()
     def forward(
