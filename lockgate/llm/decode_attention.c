@@ -23,15 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 256
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &wide, sizeof value);
-    return value;
-}
 
 /* e^x for the softmax, x <= 0 (a score less the largest): Cephes' expf, range-reduced by
    ln 2 and a degree-6 polynomial, within 2 ulp; no call, so the loop over it vectorises.

@@ -16,23 +16,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define PARALLEL_FROM 32768 /* elements from which the rows are split over threads */
 #define MIN_SCALE 1e-12f    /* as the weight's scales (int8_linear.py) */
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &wide, sizeof value);
-    return value;
-}
-
-static inline uint16_t float_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* The largest |x| of a row as the bits of a float32 with the sign cleared: their integer
    order is the order of the magnitudes (an integer max, which vectorises), and any value at

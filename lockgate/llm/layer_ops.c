@@ -28,22 +28,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define PARALLEL_FROM 32768 /* elements from which the rows are split over threads */
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &wide, sizeof value);
-    return value;
-}
-
-static inline uint16_t float_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
 

@@ -4,9 +4,10 @@ A source beside this module (`decode_attention.c`, `int8_rows.c`) is compiled wi
 system's C compiler (`CC`, else `cc`; `FLAGS`: `-O3 -march=native -fassociative-math
 -fopenmp`, never `-ffast-math`) the first time a process asks for it, in about a second,
 and kept in `<cache>/kernels/` (`LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate/llm`) under a
-name that hashes the source, the flags, the compiler and the CPU, so every later load
-reuses it. The build writes a temporary file and renames it into place: a process that
-loads the library never sees it half written, and concurrent builds agree. The sources'
+name that hashes the source (and the headers beside it: `bf16.h`), the flags, the compiler
+and the CPU, so every later load reuses it. The build writes a temporary file and renames it
+into place: a process that loads the library never sees it half written, and concurrent
+builds agree. The sources'
 OpenMP links `libgomp.so.1`; torch's Linux wheels load their own GNU OpenMP under that name
 first, so the library runs on torch's runtime, not a second one.
 
@@ -64,6 +65,8 @@ def load_library(source: Path) -> tuple[ctypes.CDLL, Path]:
 def library_path(source: Path, compiler: str) -> Path:
     """Where this source, built with these flags by this compiler for this CPU, is kept."""
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # what the sources include from beside
+        digest.update(header.read_bytes())
     digest.update(" ".join(FLAGS).encode())
     digest.update(_compiler_version(compiler).encode())
     digest.update(platform.machine().encode())
