@@ -18,7 +18,7 @@ response goes to the client as it comes.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -98,8 +98,6 @@ class Executor:
             if cached and config.response_cache.coalesce:
                 key = f"{config.name}:{served.version}:{digest}"
                 outputs = await self._coalesced(key, request, served, depth)
-            elif served.service is None:  # the model's batcher, with no frame of `_run` between
-                outputs = await self.models.infer(request)
             else:
                 outputs = await self._run(request, served, depth)
         except FALLBACK_ON as refused:
@@ -178,10 +176,14 @@ class Executor:
             self.cache.coalesced.inc((served.config.name,))
         return outputs
 
-    async def _run(self, request: InferRequest, served: ServedVersion, depth: int) -> Arrays:
-        service = served.service
-        if service is None:
-            return await self.models.infer(request)
+    def _run(self, request: InferRequest, served: ServedVersion, depth: int) -> Awaitable[Arrays]:
+        """The model's answer: its batcher's, awaited with no frame of this one between, or its
+        composition's."""
+        if served.service is None:
+            return self.models.infer(request)
+        return self._composed(request, served, depth)
+
+    async def _composed(self, request: InferRequest, served: ServedVersion, depth: int) -> Arrays:
         if depth >= MAX_DEPTH:
             raise BackendError(
                 f"model '{request.model}': compositions nest deeper than {MAX_DEPTH}"

@@ -27,7 +27,7 @@ from lockgate.core.batch_times import BatchTimes
 from lockgate.core.request import Arrays, InferRequest
 from lockgate.core.runner import Instance
 from lockgate.core.serving_metrics import ServingMetrics
-from lockgate.core.slo import RateMeter, ServiceProfile
+from lockgate.core.slo import RateMeter, ServiceProfile, batch_window
 from lockgate.errors import (
     BackendError,
     BadRequest,
@@ -247,7 +247,7 @@ class CapPolicy:
     """What the batch cap and the batching window come from, as the profile stands at one
     `version`: asked several times for every request (admission, the fast path, the end of
     a batch), it changes only when a batch changes the profile. Pure: the window still
-    follows the arrival rate the caller gives."""
+    follows the arrival rate (`Batcher._window`)."""
 
     version: int  # of the profile this was derived from
     cap: int  # the batch cap B* in rows, within max_batch_size
@@ -256,14 +256,6 @@ class CapPolicy:
     fixed: float = 0.0  # else the window, seconds: `max_queue_delay_us`
     t1: float = 0.0  # T(1), seconds
     room: float = 0.0  # the longest window: the budget less 2·T(B*) of the uncapped B*
-
-    def window(self, rate: float) -> float:
-        """`ServiceProfile.window` at this arrival rate (rows per second)."""
-        if not self.by_rate:
-            return self.fixed
-        if rate <= 0 or rate * self.t1 < 1.0:
-            return 0.0
-        return max(0.0, min(self.room, math.sqrt(self.t1 / rate)))
 
 
 class Batcher:
@@ -354,9 +346,13 @@ class Batcher:
     def cap_and_window(self, now: float) -> tuple[int, float]:
         """The batch cap in rows and how long an idle instance may wait for it to fill."""
         policy = self.cap_policy()
-        if policy.by_rate:
-            return policy.cap, policy.window(self.rate.current(now))
-        return policy.cap, policy.fixed
+        return policy.cap, self._window(policy, now)
+
+    def _window(self, policy: CapPolicy, now: float) -> float:
+        """`policy`'s window at the arrival rate now (read only where the window follows it)."""
+        if not policy.by_rate:
+            return policy.fixed
+        return batch_window(policy.t1, policy.room, self.rate.current(now))
 
     def cap_policy(self) -> CapPolicy:
         """The cap, the capacity and the window's terms, derived again only when the profile
@@ -572,7 +568,7 @@ class Batcher:
         """The queue as a request of priority `level` arriving now would find it."""
         policy = self.cap_policy()
         cap = policy.cap
-        window = policy.window(self.rate.current(now)) if policy.by_rate else policy.fixed
+        window = self._window(policy, now)
         if len(self.instances) == 1:  # the common case, without a sort
             (only,) = self.instances
             free_at: tuple[float, ...] = (self._free_at(only, now),) if only.healthy else ()

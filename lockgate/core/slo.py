@@ -317,13 +317,21 @@ class ServiceProfile:
             return 0.0
         if cap is None:
             cap = self.batch_cap(slo)
-        budget = slo - 2 * self.service_time(cap)
-        return max(0.0, min(budget, math.sqrt(t1 / arrival_rate)))
+        return batch_window(t1, slo - 2 * self.service_time(cap), arrival_rate)
 
     def throughput(self, batch_size: int) -> float:
         """Rows per second one instance serves at this batch size."""
         t = self.service_time(batch_size)
         return batch_size / t if t > 0 else math.inf
+
+
+def batch_window(t1: float, room: float, arrival_rate: float) -> float:
+    """How long an idle instance may hold a partial batch: sqrt(T(1) / rate) within `room`
+    (the budget less 2·T(B*)), and 0 (dispatch at once) while a row arrives less often than
+    T(1). `arrival_rate` in rows per second."""
+    if arrival_rate <= 0 or arrival_rate * t1 < 1.0:
+        return 0.0
+    return max(0.0, min(room, math.sqrt(t1 / arrival_rate)))
 
 
 @dataclass(slots=True)

@@ -7,9 +7,8 @@ and kept in `<cache>/kernels/` (`LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate/ll
 name that hashes the source (and the headers beside it: `bf16.h`), the flags, the compiler
 and the CPU, so every later load reuses it. The build writes a temporary file and renames it
 into place: a process that loads the library never sees it half written, and concurrent
-builds agree. The sources'
-OpenMP links `libgomp.so.1`; torch's Linux wheels load their own GNU OpenMP under that name
-first, so the library runs on torch's runtime, not a second one.
+builds agree. The sources' OpenMP links `libgomp.so.1`; torch's Linux wheels load their own
+GNU OpenMP under that name first, so the library runs on torch's runtime, not a second one.
 
 Where a library cannot be had (no compiler, a compiler that fails, a cache that cannot be
 written), `load_library` raises `KernelUnavailable` with the reason; each caller decides

@@ -221,7 +221,8 @@ def _build(engine_config: EngineConfig, weights: Path) -> tuple[LLMEngine, _Buil
             raise ConfigError(str(weights), "parameters.activation_quantization", str(exc)) from exc
     if engine_config.pack_weights:
         pack_linear_weights(model)
-    model.use_layer_ops(LayerOps.load())
+    if model.takes_layer_ops:  # (no helper built or checked for a model that would not)
+        model.use_layer_ops(LayerOps.load())
     per_block = kv_bytes_per_block(checkpoint.config, engine_config.block_size, engine_config.dtype)
     blocks = engine_config.num_kv_blocks(per_block)
     kv = allocate_kv_cache(checkpoint.config, blocks, engine_config.block_size, engine_config.dtype)

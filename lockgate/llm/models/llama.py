@@ -210,15 +210,18 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def takes_layer_ops(self) -> bool:
+        """Whether `use_layer_ops` would take a helper: a bfloat16 model whose rows the helper
+        sums as torch does (`MAX_WIDTH`)."""
+        return self.dtype == torch.bfloat16 and self.config.hidden_size <= MAX_WIDTH
+
     def use_layer_ops(self, ops: LayerOps | None) -> bool:
         """Run each layer's RMSNorms (with the residual add before the second) and RoPE (with
-        the KV cache stores after it) in
-        `ops`' single passes (`layer_ops.py`), or torch's ops with None. Only a bfloat16
-        model whose rows the helper sums as torch does (`MAX_WIDTH`) takes them; returns
-        whether it did."""
-        if ops is not None and (
-            self.dtype != torch.bfloat16 or self.config.hidden_size > MAX_WIDTH
-        ):
+        the KV cache stores after it) in `ops`' single passes (`layer_ops.py`), or torch's ops
+        with None or where the model does not take them (`takes_layer_ops`); returns whether
+        it did."""
+        if not self.takes_layer_ops:
             ops = None
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)
