@@ -170,7 +170,11 @@ def test_a_saturated_loop_refuses_before_the_body_and_keeps_answering_probes(
     saturable: RunningServer,
 ) -> None:
     """Threads keep the loop busy decoding large bodies; a request whose body has not all
-    arrived is answered 503 with Retry-After and its connection closed, its body unread."""
+    arrived is answered 503 with Retry-After and its connection closed, its body unread.
+
+    The request gives itself a long `Request-Timeout`: with the model's 50 ms SLO, the
+    model's admission may refuse it first (also before the body) for the loop work queued
+    ahead of it, and this test is about the loop's own signal."""
     body = heavy_body()
     stop = threading.Event()
 
@@ -189,7 +193,8 @@ def test_a_saturated_loop_refuses_before_the_body_and_keeps_answering_probes(
             with socket.create_connection(("127.0.0.1", saturable.port), timeout=30) as sock:
                 sock.sendall(
                     b"POST /v2/models/digits_onnx/infer HTTP/1.1\r\nHost: t\r\n"
-                    b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{"
+                    b"Content-Type: application/json\r\nRequest-Timeout: 60\r\n"
+                    b"Content-Length: 1000000\r\n\r\n{"
                 )
                 response = read_response(sock)
                 if response.status == 503:
