@@ -161,13 +161,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--refusal-pause-ms",
         type=float,
         default=100.0,
-        help="when refusals outnumber admitted requests (--refusal-pause-ratio), a refused "
+        help="when refusals pass --refusal-pause-ratio per admitted request, a refused "
         "connection is not read again for this long (0: never)",
     )
     p.add_argument(
         "--refusal-pause-ratio",
         type=float,
-        default=1.0,
+        default=0.3,
         help="refusals per admitted request, over the last second, past which refused "
         "connections are paused",
     )

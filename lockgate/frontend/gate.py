@@ -50,7 +50,7 @@ These decisions are made per connection or request head, each before any body is
   first byte; past it, the connection is closed.
 - **Clients that resend at once.** A refusal costs CPU; a client that resends the moment it
   is refused, on many connections, turns that into all of it, and the model starves. When
-  refusals outnumber admitted requests (`penalty_ratio`, 1) over the last second, a connection
+  refusals pass 0.3 per admitted request (`penalty_ratio`) over the last second, a connection
   that was just refused is not read again for `penalty_pause` seconds, or the refused
   request's budget (its timeout or its model's SLO; `pause_share` of it) if less: its refusal
   is sent at once, its next request waits. An answer resumes the connection paused last
@@ -112,7 +112,7 @@ class GateSettings:
     head_timeout: float = 10.0  # seconds for a request head to arrive in full
     queue_target: float = 0.005  # seconds of front-end delay that, standing, refuses; 0: off
     queue_interval: float = 0.050  # seconds over which the least delay is taken
-    penalty_ratio: float = 1.0  # refusals per admitted request that pause refused connections
+    penalty_ratio: float = 0.3  # refusals per admitted request that pause refused connections
     penalty_pause: float = 0.1  # seconds a refused connection is not read; 0: never
     pause_share: float = 1.0  # of a refused request's budget: the most a pause takes of it
 
@@ -381,7 +381,8 @@ class Gate:
         s = self.settings
         if s.penalty_pause <= 0:
             return 0.0
-        if self.refusing.current(now) > s.penalty_ratio * max(1.0, self.admitted.current(now)):
+        threshold = max(1.0, s.penalty_ratio * max(1.0, self.admitted.current(now)))
+        if self.refusing.current(now) > threshold:  # (one refusal a second is no storm)
             known = budget() if callable(budget) else budget
             return s.penalty_pause if known is None else min(s.penalty_pause, known * s.pause_share)
         return 0.0
