@@ -438,8 +438,8 @@ def test_a_client_that_does_not_read_holds_the_models_sender(
         hold.set()
         call.cancel()  # the waiting send returns, and the model notes how long it waited
     deadline = time.monotonic() + 10
-    while not mark.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    while not (mark.exists() and mark.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.02)  # (the model creates the file, then writes its count)
     assert mark.exists(), "the sender never had to wait"
     assert int(mark.read_text()) < 2000  # of 5000: bounded by the windows and buffers
 
