@@ -184,16 +184,37 @@ class Client:
 
 
 class _Connection(asyncio.Protocol):
-    """One kept-alive HTTP/1.1 connection: a prepared request out, its status back (the
-    answer read by its Content-Length)."""
+    """One kept-alive HTTP/1.1 connection of the closed loop: it sends its next prepared
+    request from the callback that reads the last one's answer (by its Content-Length), so a
+    request costs the client no future and no task switch."""
 
-    def __init__(self) -> None:
+    def __init__(self, requests: list[bytes]) -> None:
+        self.requests = requests
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
-        self.waiter: asyncio.Future[int] | None = None
+        self.left = 0  # requests still to send in this round
+        self.sent = 0  # requests sent on this connection so far
+        self.sent_at = 0.0
+        self.latencies: list[float] | None = None  # where answers 200 are timed; None: untimed
+        self.failed = 0
+        self.done: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+
+    def round(self, count: int, latencies: list[float] | None) -> asyncio.Future[None]:
+        """Send `count` requests one after another, timing those answered 200 into
+        `latencies`; the future is done after the last answer."""
+        self.left, self.latencies = count, latencies
+        self.done = asyncio.get_running_loop().create_future()
+        self._send()
+        return self.done
+
+    def _send(self) -> None:
+        assert self.transport is not None
+        self.sent_at = time.perf_counter()
+        self.transport.write(self.requests[self.sent % len(self.requests)])
+        self.sent += 1
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -201,29 +222,33 @@ class _Connection(asyncio.Protocol):
         length = re.search(rb"(?i)content-length: *(\d+)", self.buffer[:end]) if end >= 0 else None
         if length is None or len(self.buffer) < end + 4 + int(length[1]):
             return
+        answered = time.perf_counter()
         status = int(self.buffer[9:12])
         del self.buffer[: end + 4 + int(length[1])]
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(status)
+        if self.latencies is not None:
+            if status == 200:
+                self.latencies.append(answered - self.sent_at)
+            else:
+                self.failed += 1
+        self.left -= 1
+        if self.left > 0:
+            self._send()
+        elif self.done is not None and not self.done.done():
+            self.done.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionError("the server closed the connection"))
-
-    async def send(self, request: bytes) -> int:
-        assert self.transport is not None
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(request)
-        return await self.waiter
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("the server closed the connection"))
 
 
 @dataclass(slots=True)
 class RawLoop:
     """`concurrency` connections, each sending its next prepared request when the last is
-    answered, `requests` in all after a warm-up; a few tens of microseconds of client CPU per
-    request, where aiohttp costs most of a millisecond. The client's CPU (this process's) and
-    the server's (`server_cpu`, when given) are read just before and after the timed requests,
-    warm-up and connections left out."""
+    answered, `requests` in all after a warm-up (`WARMUP_ROUNDS` on each connection); about
+    20 µs of client CPU per request (half of it the kernel's), where aiohttp costs most of a
+    millisecond. The client's CPU (this process's) and the server's (`server_cpu`, when
+    given) are read just before and after the timed requests, warm-up and connections left
+    out."""
 
     port: int
     path: str
@@ -240,36 +265,26 @@ class RawLoop:
     async def run(self) -> Closed:
         loop = asyncio.get_running_loop()
         requests = self.prepared()
-        connections = []
+        connections: list[_Connection] = []
         for _ in range(self.concurrency):
-            _, connection = await loop.create_connection(_Connection, "127.0.0.1", self.port)
+            _, connection = await loop.create_connection(
+                partial(_Connection, requests), "127.0.0.1", self.port
+            )
             connections.append(connection)
-        for i, connection in enumerate(connections * WARMUP_ROUNDS):  # warm-up
-            await connection.send(requests[i % len(requests)])
+        await asyncio.gather(*(c.round(WARMUP_ROUNDS, None) for c in connections))
         latencies: list[float] = []
-        failed = 0
         each = max(1, self.requests // self.concurrency)
-
-        async def worker(connection: _Connection) -> None:
-            nonlocal failed
-            for i in range(each):
-                t0 = time.perf_counter()
-                status = await connection.send(requests[i % len(requests)])
-                if status == 200:
-                    latencies.append(time.perf_counter() - t0)
-                else:
-                    failed += 1
-
         server_before = self.server_cpu() if self.server_cpu else float("nan")
         client_before = time.process_time()
         start = time.perf_counter()
-        await asyncio.gather(*(worker(c) for c in connections))
+        await asyncio.gather(*(c.round(each, latencies) for c in connections))
         elapsed = time.perf_counter() - start
         client = time.process_time() - client_before
         server = self.server_cpu() - server_before if self.server_cpu else float("nan")
         for connection in connections:
             assert connection.transport is not None
             connection.transport.close()
+        failed = sum(c.failed for c in connections)
         if failed:
             raise RuntimeError(f"{failed} requests to port {self.port} were not answered 200")
         p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
