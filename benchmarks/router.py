@@ -12,16 +12,20 @@
    model's recent p95, within a 10% budget); closed loop at concurrency 3, p99 of each and the
    extra copies the hedging router sent (`lockgate_router_hedges_total` over
    `lockgate_router_requests_total`).
-3. Replicas. `lockgate serve --replicas 2` (two processes pinned to cores 0 and 1) against
-   `--replicas 1` (one process) on digits_onnx, both ways of balancing: `--balance kernel`
+3. Replicas. `lockgate serve --replicas 2` (two processes pinned to cores 0 and 1, as
+   `--pin-replicas auto` places two replicas on two cores) against `--replicas 1` (one
+   process) on digits_onnx, both ways of balancing: `--balance kernel`
    (the replicas share the port through SO_REUSEPORT, nothing in front: the target) and
    `--balance router` (the router in front of them, shown beside it). Each figure is the
    highest closed-loop throughput over a sweep of concurrencies whose p99 stays under 50 ms;
    each connection of the closed loop is one the kernel places, so the sweep goes to many
    connections. On a machine with two cores the client (and the router) share the replicas'
    cores, so this is the ratio the same two cores give, not what a machine with spare cores
-   would; beside it, the CPU all of a set-up's processes spend per request (from /proc, warm-up
-   included), which shows what each way of balancing costs even when other work takes cores.
+   would; beside it, the CPU all of a set-up's processes spend per request over the timed
+   requests (from /proc), which shows what each way of balancing costs even when other work
+   takes cores, the client's own CPU per request, the ceiling those two leave two replicas
+   on two cores (2 / (server + client CPU per request)), and how evenly the kernel split the
+   requests between the replicas (their own counts, on their private ports).
 
 The client is Triton's perf_analyzer (C++, synchronous HTTP, `count_windows` of `WINDOW`
 requests, three windows) when `.venv-perf` has it, else `RawLoop`: kept-alive sockets with
@@ -85,7 +89,7 @@ DIGITS = "digits_onnx"
 STALLER = "staller"
 OVERHEAD_CONCURRENCY = 8
 HEDGE_CONCURRENCY = 3
-SWEEP, QUICK_SWEEP = (1, 2, 4, 8, 16, 32, 64), (2, 8, 32)
+SWEEP, QUICK_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128), (2, 8, 32)
 P99_BOUND_S = 0.050  # the replicas comparison: highest throughput with p99 under this
 WINDOW, QUICK_WINDOW = 2000, 500  # requests per perf_analyzer window
 TARGET_ADDED_P50_MS = 0.3
@@ -125,12 +129,15 @@ class Model:
 
 @dataclass(slots=True)
 class Closed:
-    """One closed-loop measurement: seconds and requests per second."""
+    """One closed-loop measurement: seconds and requests per second; with `RawLoop`, the CPU
+    seconds the client and the server spent over the timed requests (nan: not measured)."""
 
     p50: float
     p99: float
     rate: float
     requests: int
+    client_cpu: float = float("nan")
+    server_cpu: float = float("nan")
 
 
 class Client:
@@ -165,26 +172,49 @@ class Client:
             raise RuntimeError(f"perf_analyzer failed ({done.returncode}): {said}")
         return found
 
-    def raw(self, port: int, model: str, concurrency: int) -> Closed:
+    def raw(
+        self, port: int, model: str, concurrency: int, server_cpu: Callable[[], float] | None = None
+    ) -> Closed:
         """`RawLoop` in this process (on the client core): for servers with many replicas,
         whose statistics perf_analyzer cannot follow (each request for them may reach
-        another replica)."""
+        another replica). `server_cpu` reads the server's CPU seconds so far."""
         path = f"/v2/models/{model}/infer"
-        loop = RawLoop(port, path, self.bodies[model], concurrency, 3 * self.window)
+        loop = RawLoop(port, path, self.bodies[model], concurrency, 3 * self.window, server_cpu)
         return uvloop.run(loop.run())
 
 
 class _Connection(asyncio.Protocol):
-    """One kept-alive HTTP/1.1 connection: a prepared request out, its status back (the
-    answer read by its Content-Length)."""
+    """One kept-alive HTTP/1.1 connection of the closed loop: it sends its next prepared
+    request from the callback that reads the last one's answer (by its Content-Length), so a
+    request costs the client no future and no task switch."""
 
-    def __init__(self) -> None:
+    def __init__(self, requests: list[bytes]) -> None:
+        self.requests = requests
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
-        self.waiter: asyncio.Future[int] | None = None
+        self.left = 0  # requests still to send in this round
+        self.sent = 0  # requests sent on this connection so far
+        self.sent_at = 0.0
+        self.latencies: list[float] | None = None  # where answers 200 are timed; None: untimed
+        self.failed = 0
+        self.done: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+
+    def round(self, count: int, latencies: list[float] | None) -> asyncio.Future[None]:
+        """Send `count` requests one after another, timing those answered 200 into
+        `latencies`; the future is done after the last answer."""
+        self.left, self.latencies = count, latencies
+        self.done = asyncio.get_running_loop().create_future()
+        self._send()
+        return self.done
+
+    def _send(self) -> None:
+        assert self.transport is not None
+        self.sent_at = time.perf_counter()
+        self.transport.write(self.requests[self.sent % len(self.requests)])
+        self.sent += 1
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -192,33 +222,40 @@ class _Connection(asyncio.Protocol):
         length = re.search(rb"(?i)content-length: *(\d+)", self.buffer[:end]) if end >= 0 else None
         if length is None or len(self.buffer) < end + 4 + int(length[1]):
             return
+        answered = time.perf_counter()
         status = int(self.buffer[9:12])
         del self.buffer[: end + 4 + int(length[1])]
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(status)
+        if self.latencies is not None:
+            if status == 200:
+                self.latencies.append(answered - self.sent_at)
+            else:
+                self.failed += 1
+        self.left -= 1
+        if self.left > 0:
+            self._send()
+        elif self.done is not None and not self.done.done():
+            self.done.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionError("the server closed the connection"))
-
-    async def send(self, request: bytes) -> int:
-        assert self.transport is not None
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(request)
-        return await self.waiter
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("the server closed the connection"))
 
 
 @dataclass(slots=True)
 class RawLoop:
     """`concurrency` connections, each sending its next prepared request when the last is
-    answered, `requests` in all after a warm-up; a few tens of microseconds of client CPU per
-    request, where aiohttp costs most of a millisecond."""
+    answered, `requests` in all after a warm-up (`WARMUP_ROUNDS` on each connection); about
+    20 µs of client CPU per request (half of it the kernel's), where aiohttp costs most of a
+    millisecond. The client's CPU (this process's) and the server's (`server_cpu`, when
+    given) are read just before and after the timed requests, warm-up and connections left
+    out."""
 
     port: int
     path: str
     bodies: tuple[bytes, ...]
     concurrency: int
     requests: int
+    server_cpu: Callable[[], float] | None = None
 
     def prepared(self) -> list[bytes]:
         head = f"POST {self.path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
@@ -228,36 +265,30 @@ class RawLoop:
     async def run(self) -> Closed:
         loop = asyncio.get_running_loop()
         requests = self.prepared()
-        connections = []
+        connections: list[_Connection] = []
         for _ in range(self.concurrency):
-            _, connection = await loop.create_connection(_Connection, "127.0.0.1", self.port)
+            _, connection = await loop.create_connection(
+                partial(_Connection, requests), "127.0.0.1", self.port
+            )
             connections.append(connection)
-        for i, connection in enumerate(connections * WARMUP_ROUNDS):  # warm-up
-            await connection.send(requests[i % len(requests)])
+        await asyncio.gather(*(c.round(WARMUP_ROUNDS, None) for c in connections))
         latencies: list[float] = []
-        failed = 0
         each = max(1, self.requests // self.concurrency)
-
-        async def worker(connection: _Connection) -> None:
-            nonlocal failed
-            for i in range(each):
-                t0 = time.perf_counter()
-                status = await connection.send(requests[i % len(requests)])
-                if status == 200:
-                    latencies.append(time.perf_counter() - t0)
-                else:
-                    failed += 1
-
+        server_before = self.server_cpu() if self.server_cpu else float("nan")
+        client_before = time.process_time()
         start = time.perf_counter()
-        await asyncio.gather(*(worker(c) for c in connections))
+        await asyncio.gather(*(c.round(each, latencies) for c in connections))
         elapsed = time.perf_counter() - start
+        client = time.process_time() - client_before
+        server = self.server_cpu() - server_before if self.server_cpu else float("nan")
         for connection in connections:
             assert connection.transport is not None
             connection.transport.close()
+        failed = sum(c.failed for c in connections)
         if failed:
             raise RuntimeError(f"{failed} requests to port {self.port} were not answered 200")
         p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
-        return Closed(p50, p99, len(latencies) / elapsed, len(latencies))
+        return Closed(p50, p99, len(latencies) / elapsed, len(latencies), client, server)
 
 
 def parse(text: str) -> Closed | None:
@@ -302,10 +333,11 @@ class ServeSetup:
         return f"--replicas {self.count}" + (f" --balance {self.balance}" if self.balance else "")
 
 
-def start_serve(repository: Path, work: Path, setup: ServeSetup) -> Server:
-    """`lockgate serve --replicas N` free to use both cores (it pins its replicas itself),
-    once every replica is ready."""
-    port, base = free_port(), _free_run(setup.count)
+def start_serve(repository: Path, work: Path, setup: ServeSetup, base: int) -> Server:
+    """`lockgate serve --replicas N` free to use both cores (it places its replicas itself:
+    one on each core, as `--pin-replicas auto` does with as many replicas as cores), replica
+    i on port `base` + i, once every replica is ready."""
+    port = free_port()
     command = [sys.executable, "-m", "lockgate.cli", "serve", str(repository), "--no-llm"]
     command += ["--port", str(port), "--replicas", str(setup.count), *GATE_OFF, *NO_GRPC]
     command += ["--replica-base-port", str(base)]
@@ -392,6 +424,8 @@ class Series:
     rate: list[float] = field(default_factory=list)
     extra: list[float] = field(default_factory=list)  # hedging: extra copies per request
     cpu: list[float] = field(default_factory=list)  # replicas: server CPU s per request
+    client: list[float] = field(default_factory=list)  # replicas: client CPU s per request
+    busier: list[float] = field(default_factory=list)  # replicas: the busier one's share
 
     def add(self, closed: Closed) -> None:
         self.p50.append(closed.p50)
@@ -485,28 +519,49 @@ def measure_replicas(ctx: Context, client: Client, repository: Path) -> dict[str
     for rep in range(1, ctx.repetitions + 1):
         for system in alternate(systems, rep):
             name = system.name
-            with started(partial(start_serve, repository, ctx.work, system)) as (s,):
+            base = _free_run(system.count)
+            private = [f"http://127.0.0.1:{base + i}" for i in range(system.count)]
+            with started(partial(start_serve, repository, ctx.work, system, base)) as (s,):
                 best = Closed(float("nan"), float("nan"), 0.0, 0)
-                best_cpu = float("nan")
+                best_share = float("nan")
                 for concurrency in sweep:
-                    before = _cpu_seconds(s.process.pid)
+                    before = _answered(private) if system.balance == "kernel" else []
+                    meter = partial(_cpu_seconds, s.process.pid)
                     try:
-                        closed = client.raw(s.port, DIGITS, concurrency)
+                        closed = client.raw(s.port, DIGITS, concurrency, meter)
                     except RuntimeError as exc:  # errors at this level: it does not count
                         ctx.say(SUITE, f"replicas rep {rep}: {name} c={concurrency}: {exc}")
                         continue
-                    sent = closed.requests + WARMUP_ROUNDS * concurrency
-                    cpu = (_cpu_seconds(s.process.pid) - before) / sent
+                    share = _busier(before, _answered(private)) if before else float("nan")
                     ctx.say(
                         SUITE,
                         f"replicas rep {rep}: {name} c={concurrency} {closed.rate:,.0f} req/s "
-                        f"p99 {closed.p99 * 1e3:.2f} ms, server CPU {cpu * 1e6:.0f} µs/request",
+                        f"p99 {closed.p99 * 1e3:.2f} ms, CPU per request: server "
+                        f"{closed.server_cpu / closed.requests * 1e6:.0f} µs, client "
+                        f"{closed.client_cpu / closed.requests * 1e6:.0f} µs"
+                        + (f", busier replica {share:.0%}" if before else ""),
                     )
                     if closed.p99 < P99_BOUND_S and closed.rate > best.rate:
-                        best, best_cpu = closed, cpu
+                        best, best_share = closed, share
                 series[name].add(best)
-                series[name].cpu.append(best_cpu)
+                series[name].cpu.append(best.server_cpu / max(1, best.requests))
+                series[name].client.append(best.client_cpu / max(1, best.requests))
+                series[name].busier.append(best_share)
     return series
+
+
+def _answered(urls: list[str]) -> list[float]:
+    """Successful requests each replica counted so far, on its private port."""
+    return [
+        sum(v for k, v in scrape_metrics(url).items() if k.startswith("lockgate_requests_total{"))
+        for url in urls
+    ]
+
+
+def _busier(before: list[float], after: list[float]) -> float:
+    """The share of the requests between two counts that the busier replica answered."""
+    grown = [b - a for a, b in zip(before, after, strict=True)]
+    return max(grown) / sum(grown) if sum(grown) > 0 else float("nan")
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -701,8 +756,8 @@ def report(
             f"{system.name}: server CPU per request (all its processes)",
             median(replicas[system.name].cpu) * 1e6,
             "µs",
-            note="at the best throughput above; not a target: what each way of balancing "
-            "costs, whatever the machine's other load leaves it",
+            note="at the best throughput above, over the timed requests; not a target: what "
+            "each way of balancing costs, whatever the machine's other load leaves it",
         )
     for system in (ServeSetup(1), ServeSetup(2, "kernel")):
         rate, cpu = median(replicas[system.name].rate), median(replicas[system.name].cpu)
@@ -710,16 +765,50 @@ def report(
             f"{system.name}: cores its processes kept busy at that throughput",
             rate * cpu,
             "cores",
-            note="throughput x CPU per request; of the machine's 2: what is left to scale "
-            "into (one process already runs its model on a thread of its own, outside the "
-            "interpreter lock)",
+            note="throughput x CPU per request (one process runs digits on its event loop: "
+            "at most one core)",
         )
+    two = replicas[ServeSetup(2, "kernel").name]
+    client_cpu = median(two.client)
+    result.add(
+        "the client's CPU per request (--replicas 2 --balance kernel, at its best)",
+        client_cpu * 1e6,
+        "µs",
+        note=f"{kernel * client_cpu:.2f} cores of the 2 at that throughput; {client.name}, "
+        "on the client core, which the second replica shares",
+    )
+    ceiling = 2 / (median(two.cpu) + client_cpu)
+    alone = 1 / median(replicas[ServeSetup(1).name].cpu)
+    result.add(
+        "ceiling for --replicas 2 on these 2 cores: 2 / (server + client CPU per request)",
+        ceiling,
+        "req/s",
+        baseline_label="one replica on a core of its own: 1 / its CPU per request",
+        baseline=alone,
+        note=f"{ceiling / alone:.2f}x: the most two replicas could serve with the client's "
+        "CPU taken from the same two cores and no core ever idle, against what one replica "
+        "serves when the client's CPU is not its core's",
+    )
+    result.add(
+        "--replicas 2 --balance kernel: the busier replica's share of the requests",
+        median(two.busier) * 100,
+        "%",
+        note="at the best throughput; the kernel places each connection by a hash of its "
+        "addresses, so a few connections may split unevenly",
+    )
     result.notes += [
         f"client: {client.name}; the router runs on the client core in the overhead runs",
         "hedging: one of three replicas stalls 50 ms on 5% of its calls (about 1.7% of all "
         "requests before balancing steers around it)",
         "replicas: two cores in all, shared by the replicas, the client and (with "
-        "--balance router) the router",
+        "--balance router) the router; a replica on each core (--pin-replicas auto), the "
+        "second sharing the client's",
+        f"replicas' ceiling: the client ({client.name}) took {client_cpu * 1e6:.0f} µs of "
+        f"CPU per request, {kernel * client_cpu:.2f} of the 2 cores at the two replicas' best; "
+        f"with their {median(two.cpu) * 1e6:.0f} µs, two replicas here can serve at most "
+        f"{ceiling:,.0f} req/s, {ceiling / alone:.2f}x one replica on a core of its own "
+        f"({'below' if ceiling / alone < TARGET_REPLICAS_RATIO else 'above'} the "
+        f"{TARGET_REPLICAS_RATIO:g}x target)",
         "the machine was shared with other work while this ran: figures are noisy",
     ]
     result.raw = {
@@ -734,4 +823,6 @@ def _raw(series: Series) -> dict[str, list[float]]:
     raw = {"p50_s": series.p50, "p99_s": series.p99, "req_per_s": series.rate}
     if series.cpu:
         raw["server_cpu_s_per_request"] = series.cpu
+        raw["client_cpu_s_per_request"] = series.client
+        raw["busier_replica_share"] = series.busier
     return {**raw, "extra_copies": series.extra} if series.extra else raw

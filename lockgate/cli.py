@@ -334,6 +334,16 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--model-control-mode explicit",
     )
     p.add_argument(
+        "--pin-replicas",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="with --replicas > 1, on: replica i runs on core i (modulo the cores this "
+        "process may use); off: each may run on any of them; auto (default): on when there "
+        "are as many replicas as cores, else off. Each replica's OpenMP, OpenBLAS and MKL "
+        "pools get the usable cores divided by the replicas, at least 1 (unless "
+        "OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS is set)",
+    )
+    p.add_argument(
         "--control-state",
         metavar="PATH|off",
         help="with --replicas behind the router: the file where the router keeps the model "
@@ -511,7 +521,12 @@ def _replica_serve_argv(args: argparse.Namespace, repository: Path, registry: st
 def _serve_shared_port(args: argparse.Namespace, repository: Path, count: int) -> int:
     """`count` server processes sharing --port and --grpc-port (SO_REUSEPORT), replica i with
     HTTP of its own on --replica-base-port + i; this process only supervises them."""
-    from lockgate.router.replicas import cannot_share, reuse_port_balances, shared_port_argv
+    from lockgate.router.replicas import (
+        Placement,
+        cannot_share,
+        reuse_port_balances,
+        shared_port_argv,
+    )
     from lockgate.router.supervisor import Supervisor
 
     if not reuse_port_balances():
@@ -530,14 +545,17 @@ def _serve_shared_port(args: argparse.Namespace, repository: Path, count: int) -
             file=sys.stderr,
         )
         return 2
+    placement = Placement.choose(args.pin_replicas, count)
     logging.getLogger("lockgate").info(
-        "serving with %d replicas sharing port %d (kernel balancing)", count, args.port
+        "serving with %d replicas sharing port %d (kernel balancing), %s",
+        count,
+        args.port,
+        placement,
     )
     with tempfile.TemporaryDirectory(prefix="lockgate-shm-") as registry:
         argv = _replica_serve_argv(args, repository, registry)
-        return Supervisor.of(
-            [shared_port_argv(argv, port) for port in private], args.drain_timeout
-        ).run()
+        argvs = [shared_port_argv(argv, port) for port in private]
+        return Supervisor.of(argvs, args.drain_timeout, placement).run()
 
 
 def _serve_replicas(args: argparse.Namespace, repository: Path, count: int) -> int:
@@ -565,7 +583,7 @@ def _serve_behind_router(
     from lockgate.router.model_control import ControlSettings
     from lockgate.router.pool import Discovery
     from lockgate.router.replica import HealthSettings
-    from lockgate.router.replicas import Replicas
+    from lockgate.router.replicas import Placement, Replicas
     from lockgate.router.server import build, run
 
     base = args.replica_base_port or args.port + 1
@@ -586,8 +604,12 @@ def _serve_behind_router(
         except ValueError as exc:
             print(f"lockgate: {exc}", file=sys.stderr)
             return 2
-    logging.getLogger("lockgate").info("serving with %d replicas behind a router", count)
-    replicas = Replicas(argv, ports, None if grpc is None else [p + count for p in ports])
+    placement = Placement.choose(args.pin_replicas, count)
+    logging.getLogger("lockgate").info(
+        "serving with %d replicas behind a router, %s", count, placement
+    )
+    grpc_ports = None if grpc is None else [p + count for p in ports]
+    replicas = Replicas(argv, ports, placement, grpc_ports)
     replicas.start()
     try:
         urls = tuple(f"http://127.0.0.1:{port}" for port in ports)

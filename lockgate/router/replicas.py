@@ -1,6 +1,5 @@
 """`lockgate serve --replicas N`: N server processes on this machine, each `lockgate serve` with
-the same arguments, pinned to one core (replica i on core i modulo the cores this process may
-use), balanced one of two ways:
+the same arguments, placed as `--pin-replicas` says (`Placement`), balanced one of two ways:
 
 - by the kernel (`--balance kernel`, `shared_port_argv`): every replica binds the public
   address (and gRPC port) with SO_REUSEPORT and serves HTTP on a private port of its own
@@ -17,6 +16,13 @@ use), balanced one of two ways:
   this one reads back when this one was killed: the replicas it starts are then caught up
   as before. A run that stops its replicas itself removes the default file, so the next run
   starts as its command line says, as one process does.
+
+`Placement`: with `--pin-replicas auto` (the default) replica i runs on core i of the cores this
+process may use when there are as many replicas as cores, and anywhere among them otherwise
+(`on`: pinned whatever the count, replica i on core i modulo the cores; `off`: never). Each
+replica's native thread pools (OpenMP, OpenBLAS, MKL: torch, numpy, scikit-learn) get the
+usable cores divided by N, at least 1, so that N replicas do not start N times the machine's
+threads; a variable already set in the environment is kept.
 
 `--replicas auto` (`auto_replicas`) is one replica per usable core when the repository holds
 classic models only, and one when it holds a language model that will be served: a language
@@ -38,8 +44,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from lockgate.config import ModelConfig
@@ -48,7 +55,14 @@ from lockgate.parent_death import child_env
 log = logging.getLogger("lockgate.router")
 
 # options of `lockgate serve` that each replica gets its own value for (with their values)
-_BALANCING = {"--replicas", "--replica-base-port", "--balance", "--private-port", "--control-state"}
+_BALANCING = {
+    "--replicas",
+    "--replica-base-port",
+    "--balance",
+    "--private-port",
+    "--control-state",
+    "--pin-replicas",
+}
 _OWN = {"--host", "--port", "--grpc-port", *_BALANCING}
 _FLAGS = {"--reuse-port"}  # the same, without a value
 
@@ -89,15 +103,48 @@ def control_state_path(port: int, repository: Path) -> Path | None:
     return base / "lockgate" / f"router-{port}-{digest}.state"
 
 
-def pin_to_core(i: int) -> Callable[[], None]:
-    """For `preexec_fn`: run the child on core `i` modulo the cores this process may use."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+PIN_MODES = ("auto", "on", "off")
+# the variables that size the native thread pools a model's libraries start
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
-    def pin() -> None:
-        if cores:
-            os.sched_setaffinity(0, {cores[i % len(cores)]})
 
-    return pin
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the replicas run (`cores`, one each when `pinned`) and how many threads each
+    one's native pools may start."""
+
+    cores: tuple[int, ...]  # the cores this process may use
+    pinned: bool
+    threads: int
+
+    @classmethod
+    def choose(cls, mode: str, replicas: int) -> Placement:
+        """`--pin-replicas` `mode` for `replicas` replicas on the cores this process may use."""
+        if mode not in PIN_MODES:
+            raise ValueError(f"--pin-replicas: {mode!r} is not one of {', '.join(PIN_MODES)}")
+        cores = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+        pinned = bool(cores) and (mode == "on" or (mode == "auto" and replicas == len(cores)))
+        threads = 1 if pinned else max(1, usable_cores() // max(1, replicas))
+        return cls(cores, pinned, threads)
+
+    def __str__(self) -> str:
+        where = "each on a core of its own" if self.pinned else "on any of the cores"
+        return f"{where}, {self.threads} thread(s) per native pool"
+
+    def core(self, i: int) -> int | None:
+        """Replica `i`'s core; None when it may run on any."""
+        return self.cores[i % len(self.cores)] if self.pinned else None
+
+    def preexec(self, i: int) -> Callable[[], None] | None:
+        """For `preexec_fn`: put replica `i` on its core (None: nothing to do)."""
+        core = self.core(i)
+        if core is None:
+            return None
+        return partial(os.sched_setaffinity, 0, {core})
+
+    def env(self, base: Mapping[str, str]) -> dict[str, str]:
+        """`base` with the thread pools sized, where it does not size them itself."""
+        return {**{name: str(self.threads) for name in THREAD_VARIABLES}, **base}
 
 
 def usable_cores() -> int:
@@ -183,6 +230,7 @@ class Replicas:
 
     argv: list[str]  # `lockgate serve ...` arguments, without the program
     ports: list[int]
+    placement: Placement
     grpc_ports: list[int] | None = None  # one per replica; None: the replicas serve no gRPC
     processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     stopping: bool = False
@@ -200,7 +248,9 @@ class Replicas:
             "lockgate.cli",
             *replica_argv(self.argv, self.ports[i], grpc),
         ]
-        self.processes[i] = subprocess.Popen(command, preexec_fn=pin_to_core(i), env=child_env())
+        self.processes[i] = subprocess.Popen(
+            command, preexec_fn=self.placement.preexec(i), env=self.placement.env(child_env())
+        )
         log.info("replica %d on port %d: pid %d", i, self.ports[i], self.processes[i].pid)
 
     def _watch(self) -> None:

@@ -1,6 +1,6 @@
 """The parent of `lockgate serve --replicas N --balance kernel`: it supervises and serves nothing.
 
-It starts the N replica processes (each pinned to a core; the kernel spreads the shared port's
+It starts the N replica processes (placed as `Placement` says; the kernel spreads the shared port's
 connections over them) and starts again one that exits unasked, after a wait that doubles
 with each exit that came soon after its start (`Backoff`); one that refuses its arguments
 (status 2) stops them all, as it would one server. SIGTERM or SIGINT is passed on to
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from lockgate.parent_death import child_env
-from lockgate.router.replicas import pin_to_core
+from lockgate.router.replicas import Placement
 
 log = logging.getLogger("lockgate.supervisor")
 
@@ -76,12 +76,13 @@ class Supervisor:
 
     replicas: list[Replica]
     drain_timeout: float
+    placement: Placement
     backoff: Backoff = field(default_factory=Backoff)
     stopping: asyncio.Event | None = None  # set on the first signal
 
     @classmethod
-    def of(cls, argvs: list[list[str]], drain_timeout: float) -> Supervisor:
-        return cls([Replica(i, argv) for i, argv in enumerate(argvs)], drain_timeout)
+    def of(cls, argvs: list[list[str]], drain_timeout: float, placement: Placement) -> Supervisor:
+        return cls([Replica(i, argv) for i, argv in enumerate(argvs)], drain_timeout, placement)
 
     def run(self) -> int:
         """Supervise until a signal and every replica's exit: 0 when each exited cleanly."""
@@ -128,8 +129,8 @@ class Supervisor:
         command = [sys.executable, "-m", "lockgate.cli", *replica.argv]
         process = await asyncio.create_subprocess_exec(
             *command,
-            preexec_fn=pin_to_core(replica.index),
-            env=child_env(),  # it ends with this process (`parent_death.py`)
+            preexec_fn=self.placement.preexec(replica.index),
+            env=self.placement.env(child_env()),  # it ends with this process (`parent_death.py`)
             process_group=0,  # a terminal's Ctrl-C reaches the parent alone, which passes it on
         )
         replica.process = process

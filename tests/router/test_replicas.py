@@ -27,6 +27,8 @@ import tritonclient.grpc as grpcclient
 from lockgate.backends.base import LLM_BACKEND
 from lockgate.cli import _balance, _replica_count, _replicas
 from lockgate.router.replicas import (
+    THREAD_VARIABLES,
+    Placement,
     _cgroup_cpus,
     auto_replicas,
     cannot_share,
@@ -134,6 +136,53 @@ def test_cgroup_quota_caps_the_cores(tmp_path: Path) -> None:
     assert usable_cores() >= 1
 
 
+def test_auto_pins_a_replica_to_each_core_only_when_there_are_as_many() -> None:
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    pinned = Placement.choose("auto", len(cores))
+    assert pinned.pinned and pinned.threads == 1
+    assert [pinned.core(i) for i in range(len(cores))] == list(cores)
+    more = Placement.choose("auto", len(cores) + 1)  # two would share a core: none pinned
+    assert not more.pinned and more.core(0) is None and more.preexec(0) is None
+    assert more.threads == max(1, usable_cores() // (len(cores) + 1))
+    forced = Placement.choose("on", len(cores) + 1)
+    assert forced.core(len(cores)) == cores[0]  # modulo the cores
+    free = Placement.choose("off", len(cores))
+    assert not free.pinned and free.threads == max(1, usable_cores() // len(cores))
+    with pytest.raises(ValueError, match="--pin-replicas"):
+        Placement.choose("sometimes", 2)
+
+
+def test_the_replicas_thread_pools_are_sized_unless_the_environment_sizes_them() -> None:
+    placement = Placement.choose("on", 2)
+    env = placement.env({"PATH": "/bin", "MKL_NUM_THREADS": "3"})
+    assert env["OMP_NUM_THREADS"] == env["OPENBLAS_NUM_THREADS"] == "1"
+    assert env["MKL_NUM_THREADS"] == "3" and env["PATH"] == "/bin"
+
+
+def test_the_pin_flag_is_the_parents_alone() -> None:
+    argv = ["serve", "repo", "--replicas", "2", "--pin-replicas", "on", "--port", "9000"]
+    assert "--pin-replicas" not in shared_port_argv(argv, 9001)
+    assert "--pin-replicas" not in replica_argv(argv, 9001)
+
+
+def affinity(pid: int) -> set[int]:
+    """The cores process `pid` may run on, as /proc says."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    (listed,) = [
+        line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list")
+    ]
+    cores: set[int] = set()
+    for part in listed.split(","):
+        low, _, high = part.partition("-")
+        cores |= set(range(int(low), int(high or low) + 1))
+    return cores
+
+
+def environment(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().partition("=")[::2] for item in raw if b"=" in item)
+
+
 def test_each_replica_gets_its_own_address_and_one_process() -> None:
     argv = ["serve", "models", "--replicas", "auto", "--port=8000", "--grpc-port", "8001"]
     argv += ["--replica-base-port", "9000", "--no-llm"]
@@ -226,6 +275,8 @@ def test_serve_with_replicas_serves_grpc_through_the_router(tmp_path: Path) -> N
         "router",
         "--replica-base-port",
         str(base),
+        "--pin-replicas",
+        "off",
         grpc_port=free_port(),
     )
     try:
@@ -233,6 +284,13 @@ def test_serve_with_replicas_serves_grpc_through_the_router(tmp_path: Path) -> N
         while not all(r["usable"] for r in replicas_of(server)):  # the router is ready on one
             assert time.monotonic() < deadline, replicas_of(server)
             time.sleep(0.1)
+        children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children")
+        replicas = [int(pid) for pid in children.read_text().split()]
+        assert len(replicas) == 2
+        for pid in replicas:  # unpinned: each may run where the router may, its pools sized
+            assert affinity(pid) == os.sched_getaffinity(0)
+            threads = str(max(1, usable_cores() // 2))
+            assert {environment(pid).get(v) for v in THREAD_VARIABLES} == {threads}
         client = grpcclient.InferenceServerClient(server.grpc_address)
         x = grpcclient.InferInput("x", [1, 2], "FP32")
         x.set_data_from_numpy(np.array([[1000.0, 1.0]], dtype=np.float32))
@@ -344,6 +402,7 @@ def _ready(url: str) -> bool:
 def start_kernel_balanced(tmp: Path, grpc_port: int | None = None) -> KernelBalanced:
     base = _free_run(2)
     flags = ("--replicas", "2", "--balance", "kernel", "--replica-base-port", str(base))
+    flags += ("--pin-replicas", "on")
     server = start_server(pid_repository(tmp), tmp, *flags, grpc_port=grpc_port)
     balanced = KernelBalanced(server, base)
     balanced.wait_ready()
@@ -375,6 +434,15 @@ def test_kernel_balancing_spreads_fresh_connections_over_both_replicas(
     # the gRPC port is shared the same way: one channel per call
     over_grpc = {grpc_pid_of(kernel_balanced.server.grpc_address) for _ in range(20)}
     assert over_grpc == set(replicas)
+
+
+def test_pinned_replicas_run_each_on_its_core_with_one_thread_per_pool(
+    kernel_balanced: KernelBalanced,
+) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    for i, pid in enumerate(kernel_balanced.pids()):
+        assert affinity(pid) == {cores[i % len(cores)]}
+        assert {environment(pid).get(v) for v in THREAD_VARIABLES} == {"1"}
 
 
 def test_a_killed_replica_is_restarted_and_the_shared_port_answers_meanwhile(
