@@ -487,7 +487,7 @@ class MG1:
         def cdf(t: float) -> float:  # P(W + X <= t)
             return float(np.interp(t - extra, points, wait, left=0.0, right=1.0).mean())
 
-        low, high = float(extra.min()), float(extra.max()) + self.wait_quantile(p) + step
+        low, high = float(extra.min()), float(extra.max()) + _grid_quantile(wait, step, p) + step
         for _ in range(60):
             middle = (low + high) / 2
             low, high = (low, middle) if cdf(middle) >= p else (middle, high)
