@@ -22,18 +22,16 @@ Each repetition, per model:
 1. `lockgate profile --max-batch-size <the model's>` (30 timed rounds, 2 s of CPU
    measurement): T(B), the fixed overhead d, the coefficient of variation of T(1), and the
    server's CPU per request, whose part beyond the model's compute is the front end's
-   (`frontend`), and the spread of those one-row requests' round trips around their median.
-   A one-row request occupies the replica's core for S(1) = T(1) + frontend.
+   (`frontend`). A one-row request occupies the replica's core for S(1) = T(1) + frontend.
 2. For each utilization rho in 0.3, 0.5, 0.7 of the one-row capacity 1 / S(1), `lockgate
    plan --profile ... --rate rho/S(1) --headroom 0 --redundancy 0` predicts the p99 of one
    replica with the model's queue model: `batch` for minilm (a work-conserving batcher with
    cap `max_batch_size`, S(B) = a + (b + frontend) B, simulated), `mg1` for the two models
-   whose batches stay at one row (M/G/1 with S(1) and the measured cv); both add the
-   measured spread to each request's wait. The SLO given is loose, so one replica is the
-   plan. Beside it, the same plan without the spread (`--no-spread`), and, computed from the
-   same profile: the naive prediction that treats the whole round trip as the queue's service
-   time (M/D/1, d = 0); M/M/1 with S(1); and the model `lockgate plan` used before (d + M/D/1
-   with S = T(1), no front end, no variance).
+   whose batches stay at one row (M/G/1 with S(1) and the measured cv). The SLO given is
+   loose, so one replica is the plan. Beside it, computed from the same profile: the naive
+   prediction that treats the whole round trip as the queue's service time (M/D/1, d = 0);
+   M/M/1 with S(1); and the model `lockgate plan` used before (d + M/D/1 with S = T(1), no
+   front end, no variance).
 3. `lockgate bench --rate rho/S(1)` runs open-loop Poisson load for the level (after one
    second of warmup). The p99 compared is counted from when each request left the client
    (the bench's per-request latency less its send lag, from `--output-requests-csv`): the
@@ -188,7 +186,6 @@ class Point:
     overhead_s: float  # the profile's d: one-row round trip - compute
     cv: float
     predicted_p99_ms: float  # lockgate plan with the model's queue model
-    no_spread_p99_ms: float  # the same with --no-spread: a constant overhead
     naive_p99_ms: float  # M/D/1 with S = the whole round trip, d = 0
     mm1_p99_ms: float
     before_p99_ms: float  # d + M/D/1 with S = T(1)
@@ -228,12 +225,11 @@ def profile(server: Server, model: Model, path: Path) -> ReplicaProfile:
     return ReplicaProfile.load(path)
 
 
-def predict(rate: float, model: Model, profile_path: Path, *flags: str) -> float:
+def predict(rate: float, model: Model, profile_path: Path) -> float:
     """`lockgate plan` for one replica at `rate`: its p99 in ms."""
     out = lockgate(
         *("plan", "--profile", str(profile_path), "--rate", f"{rate:.4f}", "--slo-ms", "100000"),
         *("--queue-model", model.queue_model, "--headroom", "0", "--redundancy", "0", "--json"),
-        *flags,
     )
     result: dict[str, Any] = json.loads(out)
     if result["replicas"] != 1:
@@ -330,9 +326,7 @@ def trace_p99(replica: ReplicaProfile, model: Model, rate: float, level: Level) 
     small bunches; at digits_onnx's 0.35 ms per request that alone lengthens the queue."""
     t, frontend = replica.service, replica.frontend_s
     cap = model.max_batch_size if model.queue_model == "batch" else 1
-    queue = BatchQueue(
-        rate, t.a_s, t.b_s + frontend, cap, replica.service_cv, spread_s=replica.spread_s
-    )
+    queue = BatchQueue(rate, t.a_s, t.b_s + frontend, cap, replica.service_cv)
     response = queue.serve(level.sent_s, np.random.default_rng(0))[level.measured]
     return (percentile(list(response), 99) + max(0.0, t.overhead_s - frontend)) * 1e3
 
@@ -370,7 +364,6 @@ def one_point(
     t1 = replica.service.service_time(1)
     rate = rho / (t1 + replica.frontend_s)
     predicted = predict(rate, model, work / "profile.json")
-    no_spread = predict(rate, model, work / "profile.json", "--no-spread")
     naive, mm1, before = alternatives(replica, rate)
     level = measure(server, model, rate, seconds, seed, work)
     report, used = level.report, level.load
@@ -384,7 +377,6 @@ def one_point(
         overhead_s=replica.service.overhead_s,
         cv=replica.service_cv,
         predicted_p99_ms=predicted,
-        no_spread_p99_ms=no_spread,
         naive_p99_ms=naive,
         mm1_p99_ms=mm1,
         before_p99_ms=before,
@@ -517,8 +509,7 @@ def _cell_note(cell: Cell, measured: float) -> str:
     )
     return (
         f"{cell.median('rate'):.1f} req/s; error {cell.error:+.0%}; {status}; p99 from the "
-        f"scheduled send {vs('scheduled_p99_ms')}; without the round trip's spread "
-        f"{vs('no_spread_p99_ms')}; the model on the client's actual send "
+        f"scheduled send {vs('scheduled_p99_ms')}; the model on the client's actual send "
         f"times {vs('trace_p99_ms')}; naive "
         f"{vs('naive_p99_ms')}; M/M/1 {vs('mm1_p99_ms')}; before (d + M/D/1, S = T(1)) "
         f"{vs('before_p99_ms')}; server CPU {cell.median('server_cpu_per_request_ms'):.3f} "

@@ -77,12 +77,9 @@ class BatchQueue:
     lockgate's SLO batcher does while one-row service keeps up with the arrivals). A batch of
     B rows occupies the instance for (base_s + per_row_s * B) times a random factor of mean 1
     and coefficient of variation `cv`, plus `idle_start_s` when its first row found the
-    instance idle (waking it costs more than going on to the next batch). With `spread_s` (a
-    distribution's quantiles, seconds), a row's own batch takes its mean time and the row's
-    response adds a draw of the spread instead: how much one request's round trip varies
-    beyond its wait, as the profile measured it. The queue has no closed form with batch-size
-    dependent service, so its response times come from a simulation with a fixed seed: the
-    same inputs always give the same answer.
+    instance idle (waking it costs more than going on to the next batch). The queue has no
+    closed form with batch-size dependent service, so its response times come from a
+    simulation with a fixed seed: the same inputs always give the same answer.
     """
 
     arrival_rate: float
@@ -92,7 +89,6 @@ class BatchQueue:
     cv: float = 0.0
     window_s: float = 0.0
     idle_start_s: float = 0.0
-    spread_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.arrival_rate > 0 and math.isfinite(self.arrival_rate)):
@@ -134,7 +130,6 @@ class BatchQueue:
         factors = ServiceDistribution(1.0, self.cv).sample(rng, count).tolist()
         times = arrived.tolist()
         ends: list[float] = []  # per batch
-        means: list[float] = []  # per batch: start + its mean service time
         sizes: list[int] = []
         head, free, cap, window = 0, -math.inf, self.max_batch, self.window_s
         base, per_row, wake = self.base_s, self.per_row_s, self.idle_start_s
@@ -145,13 +140,9 @@ class BatchQueue:
             extra = wake if times[head] > free else 0.0  # its first row found the instance idle
             free = start + (base + per_row * size) * factors[len(ends)] + extra
             ends.append(free)
-            means.append(start + base + per_row * size + extra)
             sizes.append(size)
             head += size
-        if not self.spread_s:
-            return np.repeat(np.asarray(ends), sizes) - arrived  # [n]
-        drawn = rng.choice(np.asarray(self.spread_s), count)  # [n]
-        return np.repeat(np.asarray(means), sizes) - arrived + drawn  # [n]
+        return np.repeat(np.asarray(ends), sizes) - arrived  # [n]
 
     def response_quantile(self, p: float = 0.99) -> float:
         if not 0 < p < 1:

@@ -34,11 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU per request outside the model on the model's core (default: the profile's)",
     )
     parser.add_argument(
-        "--no-spread",
-        action="store_true",
-        help="mg1, batch: leave out the profile's round-trip spread (a constant overhead)",
-    )
-    parser.add_argument(
         "--batch-window-ms",
         type=float,
         help="batch model: the batcher's window (default: the SLO batcher's rule)",
@@ -64,7 +59,6 @@ def run(args: argparse.Namespace) -> int:
             overhead_s=_seconds(args.overhead_ms),
             service_cv=args.service_cv,
             frontend_s=_seconds(args.frontend_ms),
-            spread=not args.no_spread,
             batch_window_s=_seconds(args.batch_window_ms),
         )
         result = plan(inputs)
@@ -92,8 +86,7 @@ def render(result: Plan) -> str:
         f"capacity {result.capacity_per_replica:.1f} req/s per replica, "
         f"fixed overhead {_ms(result.overhead_s)}",
         f"service: front end on the model's core {_ms(result.frontend_s)} per request, "
-        f"cv {result.service_cv:.2f}, round trip's p99 beyond its median "
-        f"{_ms(result.spread_p99_s)}",
+        f"cv {result.service_cv:.2f}",
         f"batching: window {_ms(result.batch_window_s)}, L(B) {_ms(result.batch_latency_s)}, "
         f"largest batch cap within SLO {result.max_batch_within_slo}",
         "max safe utilization: "

@@ -13,16 +13,6 @@ on the CPU it shares one core with the front end (HTTP, JSON, the batcher), whos
 request f the profile measures: then S(B) = T(B) + f B, for the two take turns on the core.
 mg1 and batch also use how much S varies (the profile's cv of T(1)).
 
-The spread of the round trip. The overhead below is a median; a request's round trip outside
-its wait varies around it (the client's work, the network, a pause of the front end's loop),
-and on a model that answers in a fraction of a millisecond that spread is a large part of the
-p99. The profile measures it (`spread_s`: quantiles of one-row round trips less their median),
-and mg1 and batch, given it, take a request's response as its wait W plus the mean service plus
-a draw of the spread, independent of W: p99 = overhead + S + quantile(W + spread). With no load
-that is the p99 of the one-row round trip the profile measured. (The spread contains the
-service's own variation, so the request's own service enters at its mean; the waits still
-use the cv.)
-
 Worked example: 5,000 req/s, S = 5 ms, p99 SLO 50 ms, 1,143 req/s per replica.
 4.6 * 5 ms / (1 - rho) <= 50 ms  =>  rho <= 0.54;  5000 / (1143 * 0.54) = 8.1  =>  9 replicas;
 30% headroom on those: ceil(9 * 1.3) = 12.
@@ -41,8 +31,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-
-import numpy as np
 
 from lockgate.errors import BadRequest
 from lockgate.plan.batching import (
@@ -81,7 +69,6 @@ class PlanInputs:
     overhead_s: float | None = None  # latency outside the replica; default the profile's
     service_cv: float | None = None  # sd / mean of the service time; default the profile's
     frontend_s: float | None = None  # CPU per request on the model's core; default the profile's
-    spread: bool = True  # mg1 and batch: add the profile's round-trip spread (spread_s)
     batch_window_s: float | None = None  # batch model; default the SLO batcher's rule
 
     def __post_init__(self) -> None:
@@ -114,10 +101,6 @@ class PlanInputs:
             return self.frontend_s
         return self.profile.frontend_s if self.profile else 0.0
 
-    @property
-    def spread_s(self) -> tuple[float, ...]:
-        return self.profile.spread_s if self.profile and self.spread else ()
-
 
 @dataclass(slots=True)
 class Plan:
@@ -146,7 +129,6 @@ class Plan:
     overhead_s: float = 0.0  # added to every p99; the queue gets slo_p99_s - overhead_s
     frontend_s: float = 0.0  # CPU per request that queues with the model (in S)
     service_cv: float = 0.0  # of S: mg1 and batch
-    spread_p99_s: float = 0.0  # the round trip's p99 beyond its median, as profiled (0: none)
     cost_per_million: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -175,7 +157,6 @@ class ReplicaQueue:
     cv: float = 0.0
     window_s: float | None = None  # batch model; None: the SLO batcher's rule
     slo_s: float = math.inf  # for that rule
-    spread_s: tuple[float, ...] = ()  # mg1 and batch: the round trip's spread (quantiles)
 
     @property
     def per_row_s(self) -> float:
@@ -207,20 +188,14 @@ class ReplicaQueue:
         if model == "md1":
             return MD1(rho / s, s).response_quantile(P99)
         if model == "mg1":
-            mg1 = MG1(rho / s, ServiceDistribution(s, self.cv))
-            if self.spread_s:
-                return s + mg1.wait_plus_quantile(np.asarray(self.spread_s), P99)
-            return mg1.response_quantile(P99)
+            return MG1(rho / s, ServiceDistribution(s, self.cv)).response_quantile(P99)
         if model == "batch":
             rate = rho * self.capacity
             if rate == 0:
-                one_row = self.a_s + self.per_row_s
-                if self.spread_s:
-                    return one_row + float(np.quantile(self.spread_s, P99))
-                return ServiceDistribution(one_row, self.cv).quantile(P99)
-            window = self.window(rate)
-            cap, cv, spread = self.batch_size, self.cv, self.spread_s
-            queue = BatchQueue(rate, self.a_s, self.per_row_s, cap, cv, window, spread_s=spread)
+                return ServiceDistribution(self.a_s + self.per_row_s, self.cv).quantile(P99)
+            queue = BatchQueue(
+                rate, self.a_s, self.per_row_s, self.batch_size, self.cv, self.window(rate)
+            )
             return queue.response_quantile(P99)
         mu = 1.0 / s
         return MMc(rho * replicas * mu, mu, replicas).response_quantile(P99)
@@ -321,7 +296,6 @@ def plan(inputs: PlanInputs) -> Plan:
         overhead_s=overhead,
         frontend_s=inputs.frontend,
         service_cv=queue.cv,
-        spread_p99_s=float(np.quantile(queue.spread_s, P99)) if queue.spread_s else 0.0,
     )
     if inputs.cost_per_hour is not None:
         result.cost_per_million = replicas * inputs.cost_per_hour / (inputs.rate * 3600) * 1e6
@@ -364,7 +338,7 @@ def _operating_point(inputs: PlanInputs, budget: float) -> ReplicaQueue:
         capacity = inputs.capacity_per_replica or 1.0 / (service + inputs.frontend)
         return ReplicaQueue(
             1, 0.0, service, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, budget
-        )  # no profile: no spread
+        )
     return choose_batch(inputs.profile, inputs, budget)
 
 
@@ -373,9 +347,7 @@ def _queue_at(profile: ReplicaProfile, inputs: PlanInputs, batch: int, slo: floa
     t = profile.service
     capacity = inputs.capacity_per_replica or batch / (t.a_s + (t.b_s + inputs.frontend) * batch)
     return ReplicaQueue(
-        batch,
-        *(t.a_s, t.b_s, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, slo),
-        inputs.spread_s,
+        batch, t.a_s, t.b_s, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, slo
     )
 
 

@@ -31,19 +31,11 @@ Two more numbers make the profile a description of the replica, not only of the 
   end's (HTTP, JSON, the batcher): on a CPU-bound model that shares its core, it queues with
   the model; on a model that waits (a sleep, a GPU, another service) it runs beside it, and
   the CPU per request stays under the compute time.
-- How much the rest of the round trip varies. The one-row requests of that CPU measurement
-  (hundreds to thousands of them) are timed too, and the profile keeps the spread of their
-  round trips around its median (`spread_s`: quantiles of R - median(R), R counted as at most
-  3 times the median like the cv): the client's own work, the network and the front end's
-  pauses (a garbage collection, a timer) that a constant overhead leaves out. On a model of a
-  few milliseconds or more it is small beside the queue; on one that answers in under a
-  millisecond it is a large part of the p99.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import math
 import re
@@ -74,7 +66,6 @@ class ReplicaProfile:
     service_cv: float = 0.0  # sd / mean of the one-row compute time
     cpu_per_request_s: float | None = None  # the server process's CPU per one-row request
     compute_per_request_s: float | None = None  # mean compute time in the same requests
-    spread_s: tuple[float, ...] = ()  # quantiles of the one-row round trip less its median
 
     @property
     def frontend_s(self) -> float:
@@ -89,7 +80,6 @@ class ReplicaProfile:
             "service_cv": self.service_cv,
             "cpu_per_request_s": self.cpu_per_request_s,
             "compute_per_request_s": self.compute_per_request_s,
-            "spread_s": list(self.spread_s),
         }
 
     @classmethod
@@ -103,7 +93,7 @@ class ReplicaProfile:
             if not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise BadRequest(f"{source}: '{key}' must be a finite number >= 0, got {value!r}")
             fields[key] = float(value)
-        return cls(service, **fields, spread_s=_spread_from_json(data, source))  # type: ignore[arg-type]
+        return cls(service, **fields)  # type: ignore[arg-type]
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -117,17 +107,6 @@ class ReplicaProfile:
         if not isinstance(data, dict):
             raise BadRequest(f"{path}: a profile is a JSON object")
         return cls.from_json(data, str(path))
-
-
-def _spread_from_json(data: dict[str, object], source: str) -> tuple[float, ...]:
-    value = data.get("spread_s") or []
-    if not isinstance(value, list) or not all(
-        isinstance(v, int | float) and math.isfinite(v) for v in value
-    ):
-        raise BadRequest(f"{source}: 'spread_s' must be a list of finite numbers, got {value!r}")
-    if any(b < a for a, b in itertools.pairwise(value)):
-        raise BadRequest(f"{source}: 'spread_s' must be quantiles in increasing order")
-    return tuple(float(v) for v in value)
 
 
 def batch_sizes_up_to(max_batch_size: int) -> tuple[int, ...]:
@@ -261,7 +240,7 @@ async def _profile_server(
     cv = variation(samples.compute[1] or samples.round_trip[1])
     if cpu is None:
         return ReplicaProfile(service, cv)
-    return ReplicaProfile(service, cv, cpu.cpu_s, cpu.compute_s, spread(cpu.round_trips))
+    return ReplicaProfile(service, cv, cpu.cpu_s, cpu.compute_s)
 
 
 BODIES = 16  # distinct synthesized request bodies per batch size, used in turn
@@ -278,21 +257,6 @@ def variation(times: list[float]) -> float:
     cap = STALL * statistics.median(times)
     clipped = [min(t, cap) for t in times]
     return statistics.stdev(clipped) / statistics.mean(clipped)
-
-
-SPREAD_POINTS = 100  # quantiles of the round trip's spread kept in a profile
-
-
-def spread(times: list[float]) -> tuple[float, ...]:
-    """Quantiles (at (k + 1/2) / SPREAD_POINTS) of each time less the median, each time counted
-    as at most STALL times the median (a stall of the machine, not of the replica); () for
-    fewer than SPREAD_POINTS times."""
-    if len(times) < SPREAD_POINTS:
-        return ()
-    middle = statistics.median(times)
-    clipped = np.minimum(np.asarray(times), STALL * middle) - middle  # [n]
-    levels = (np.arange(SPREAD_POINTS) + 0.5) / SPREAD_POINTS  # [SPREAD_POINTS]
-    return tuple(float(q) for q in np.quantile(clipped, levels))
 
 
 def _server_profile(
@@ -320,12 +284,10 @@ def _one_row_overhead(trips: list[float], computes: list[float]) -> float:
 
 @dataclass(frozen=True, slots=True)
 class _Cpu:
-    """The server's CPU per one-row request, its model's mean compute in the same requests, and
-    each one's round trip (seconds)."""
+    """The server's CPU per one-row request, and its model's mean compute in the same requests."""
 
     cpu_s: float
     compute_s: float
-    round_trips: list[float]
 
 
 async def _cpu_per_request(
@@ -341,10 +303,9 @@ async def _cpu_per_request(
     idle_end = await _process_cpu_s(session, target.url)
     compute_start = await _compute_ns(session, target.model_url)
     cpu_start = await _process_cpu_s(session, target.url)
-    began, requests, round_trips = time.perf_counter(), 0, []
-    while (sent := time.perf_counter()) - began < seconds:
+    began, requests = time.perf_counter(), 0
+    while time.perf_counter() - began < seconds:
         await _post_once(session, target.infer_url, bodies[requests % len(bodies)])
-        round_trips.append(time.perf_counter() - sent)
         requests += 1
     busy_s = time.perf_counter() - began
     cpu_end = await _process_cpu_s(session, target.url)
@@ -356,7 +317,7 @@ async def _cpu_per_request(
     assert compute_start is not None and compute_end is not None
     background = (idle_end - idle_start) * busy_s / idle_s
     cpu = max(0.0, cpu_end - cpu_start - background) / requests
-    return _Cpu(cpu, (compute_end - compute_start) / 1e9 / requests, round_trips)
+    return _Cpu(cpu, (compute_end - compute_start) / 1e9 / requests)
 
 
 _CPU_LINE = re.compile(r"^process_cpu_seconds_total\s+(\S+)", re.MULTILINE)

@@ -71,9 +71,4 @@ def render(replica: ReplicaProfile) -> str:
             f"(compute {replica.compute_per_request_s * 1e3:.3f} ms, "
             f"front end on the model's core {replica.frontend_s * 1e3:.3f} ms)"
         )
-    if replica.spread_s:
-        high = replica.spread_s[-1]  # the (SPREAD_POINTS - 1/2) / SPREAD_POINTS quantile
-        rows.append(
-            f"one-row round trip beyond its median: {high * 1e3:.3f} ms at the top quantile"
-        )
     return "\n".join(rows)

@@ -475,24 +475,6 @@ class MG1:
         step, wait, _ = self._grid()
         return _grid_quantile(wait, step, p)
 
-    def wait_plus_quantile(self, extra: np.ndarray, p: float = P99) -> float:
-        """The p-quantile of W + X, X independent of the wait W and drawn evenly from the
-        values `extra` ([k]: a distribution's quantiles, say)."""
-        _check_quantile(p)
-        if self.arrival_rate == 0:
-            return float(np.quantile(extra, p))
-        step, wait, _ = self._grid()
-        points = (np.arange(len(wait)) + 0.5) * step  # [n]
-
-        def cdf(t: float) -> float:  # P(W + X <= t)
-            return float(np.interp(t - extra, points, wait, left=0.0, right=1.0).mean())
-
-        low, high = float(extra.min()), float(extra.max()) + _grid_quantile(wait, step, p) + step
-        for _ in range(60):
-            middle = (low + high) / 2
-            low, high = (low, middle) if cdf(middle) >= p else (middle, high)
-        return high
-
     def response_quantile(self, p: float = P99) -> float:
         _check_quantile(p)
         if self.arrival_rate == 0:

@@ -1,12 +1,10 @@
 import math
-from dataclasses import replace
 
 import pytest
 
 from lockgate.errors import BadRequest
 from lockgate.plan.planner import PlanInputs, plan
-from lockgate.plan.profile import SPREAD_POINTS, ReplicaProfile
-from lockgate.plan.queueing import MG1, ServiceDistribution
+from lockgate.plan.profile import ReplicaProfile
 from lockgate.service_time import fit_service_time
 
 
@@ -101,34 +99,6 @@ def test_front_end_cpu_joins_the_service_time() -> None:
     sleeper = ReplicaProfile(service, 0.0, cpu_per_request_s=0.0003, compute_per_request_s=0.004)
     assert sleeper.frontend_s == 0.0
     assert plan(PlanInputs(rate=100, slo_p99_s=0.5, profile=sleeper)).service_time_s == 0.004
-
-
-def test_round_trip_spread_adds_to_the_wait() -> None:
-    """mg1 with the profile's spread: p99 = overhead + S + the 0.99-quantile of W + spread.
-
-    Hand case: cv 0 (M/D/1 waits), a spread of 0 for half the requests and D for the other
-    half, D longer than any wait: P(W + X <= t) = 1/2 + 1/2 P(W <= t - D) for t >= D, so the
-    p99 is D + W's 0.98-quantile."""
-    service = fit_service_time("m", (1,), (0.004,), overhead_s=0.0015)
-    big = 0.5  # seconds: beyond any wait at rho 0.5 with S = 5 ms
-    halves = (0.0,) * (SPREAD_POINTS // 2) + (big,) * (SPREAD_POINTS // 2)
-    profile = ReplicaProfile(service, 0.0, 0.005, 0.004, spread_s=halves)
-    inputs = PlanInputs(
-        rate=100, slo_p99_s=10.0, profile=profile, queue_model="mg1", headroom=0, redundancy=0
-    )
-    result = plan(inputs)
-    s, overhead = 0.005, 0.0005  # S = T(1) + front end 1 ms; the overhead loses the front end
-    wait98 = MG1(100, ServiceDistribution(s, 0.0)).wait_quantile(0.98)
-    assert result.replicas == 1 and result.spread_p99_s == big
-    assert result.p99_s == pytest.approx(overhead + s + big + wait98, rel=1e-3)
-    # without it (or --no-spread), the constant overhead of before
-    plain = plan(replace(inputs, spread=False))
-    wait99 = MG1(100, ServiceDistribution(s, 0.0)).response_quantile(0.99)
-    assert plain.p99_s == pytest.approx(overhead + wait99, rel=1e-3) and plain.spread_p99_s == 0
-    # the batch model: with cv 0, a spread of a constant c adds c to every response
-    constant = replace(profile, spread_s=(0.002,) * SPREAD_POINTS)
-    batch = replace(inputs, profile=constant, queue_model="batch")
-    assert plan(batch).p99_s == pytest.approx(plan(replace(batch, spread=False)).p99_s + 0.002)
 
 
 def test_mg1_sits_between_md1_and_mm1() -> None:

@@ -1,16 +1,13 @@
-import statistics
 import time
 
 import pytest
 
 from lockgate.errors import BadRequest
 from lockgate.plan.profile import (
-    SPREAD_POINTS,
     ReplicaProfile,
     batch_sizes_up_to,
     profile_callable,
     profile_server,
-    spread,
     variation,
 )
 from lockgate.service_time import ServiceTime, fit_service_time
@@ -85,24 +82,3 @@ def test_replica_profile_round_trips_and_reads_a_plain_service_time(tmp_path) ->
     service.save(tmp_path / "s.json")
     plain = ReplicaProfile.load(tmp_path / "s.json")  # a profile from before these fields
     assert plain == ReplicaProfile(service) and plain.frontend_s == 0.0
-
-
-def test_spread_is_the_quantiles_around_the_median_with_stalls_capped(tmp_path) -> None:
-    times = [0.001 * (1 + k / 1000) for k in range(1000)]  # 1 to 2 ms, evenly; median ~1.5 ms
-    times[-1] = 1.0  # one stall of a second: counted as STALL medians
-    quantiles = spread(times)
-    assert len(quantiles) == SPREAD_POINTS and list(quantiles) == sorted(quantiles)
-    middle = statistics.median(times)
-    assert quantiles[0] == pytest.approx(0.001 * 1.005 - middle, abs=2e-6)
-    assert quantiles[SPREAD_POINTS // 2] == pytest.approx(0.0, abs=1e-5)
-    assert quantiles[-1] == pytest.approx(0.001 * 1.995 - middle, abs=2e-5)  # not the stall
-    assert spread(times[: SPREAD_POINTS - 1]) == ()  # too few to say
-    service = fit_service_time("m", (1,), (0.004,), overhead_s=0.001)
-    replica = ReplicaProfile(service, 0.1, 0.005, 0.004, quantiles)
-    replica.save(tmp_path / "r.json")
-    assert ReplicaProfile.load(tmp_path / "r.json") == replica
-    data = replica.to_json()
-    with pytest.raises(BadRequest, match="spread_s"):
-        ReplicaProfile.from_json({**data, "spread_s": [0.002, 0.001]})
-    with pytest.raises(BadRequest, match="spread_s"):
-        ReplicaProfile.from_json({**data, "spread_s": "wide"})
