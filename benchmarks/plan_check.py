@@ -197,6 +197,7 @@ class Point:
     requests: int
     errors: int
     send_lag_p99_ms: float
+    client_cpu_util: float  # the client's cores busy: its own queue for sends and answers
     server_cpu_per_request_ms: float
     mean_batch: float
     other_work: float | None  # share of the server core's time other processes used
@@ -387,6 +388,7 @@ def one_point(
         requests=report["requests"],
         errors=sum(report["errors"].values()),
         send_lag_p99_ms=report["send_lag_ms"]["p99"],
+        client_cpu_util=report["client_cpu_util"],
         server_cpu_per_request_ms=used.cpu_s / max(used.rows, 1) * 1e3,
         mean_batch=used.rows / max(used.batches, 1),
         other_work=used.other_work,
@@ -511,7 +513,8 @@ def _cell_note(cell: Cell, measured: float) -> str:
         f"times {vs('trace_p99_ms')}; naive "
         f"{vs('naive_p99_ms')}; M/M/1 {vs('mm1_p99_ms')}; before (d + M/D/1, S = T(1)) "
         f"{vs('before_p99_ms')}; server CPU {cell.median('server_cpu_per_request_ms'):.3f} "
-        f"ms/request, mean batch {cell.median('mean_batch'):.2f}; per repetition: {cells}"
+        f"ms/request, mean batch {cell.median('mean_batch'):.2f}; client CPU "
+        f"{cell.median('client_cpu_util'):.2f} of a core; per repetition: {cells}"
     )
 
 
