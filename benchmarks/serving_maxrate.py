@@ -1,0 +1,357 @@
+"""serving_maxrate: the highest open-loop rate lockgate sustains on one core, against the floor.
+
+digits_onnx (the demo's ONNX classifier, one row per request, KServe v2 JSON) served by
+lockgate (`lockgate serve --no-llm`, the model as shipped: dynamic batching, a 50 ms latency
+SLO) and by the floor (`benchmarks/floor_app.py`: raw ASGI on uvicorn, onnxruntime inline),
+each pinned to the server core. For each, the highest Poisson arrival rate it sustains: a step
+at a rate passes when the server answered ≥ 99% of the requests offered with 200 and the p99
+of *all* of them, from their scheduled send time, is under 50 ms; a refusal or a failure counts
+as a miss (an infinite latency), so a server cannot pass by refusing. The search goes up in
+coarse steps until a step fails, then bisects between the last pass and the first failure.
+The two searches run step for step in turn, so drift on a shared machine hits both.
+
+The client is `benchmarks/openloop.c` (compiled with `cc` into the scratch folder), a C
+epoll loop on the client core: pre-encoded requests on kept-alive connections (at most
+`CONNECTIONS`), one request at a time on each, opened as needed; a request that comes due
+while all are busy waits for one, and that wait counts in its latency. It spends about 3% of
+its core per 1,000 requests per second; a Python client tops out near 10,000 on one core,
+about what the floor serves, so it would measure itself. Each step records the client's own
+dispatch rate (arrivals sent per second of its schedule), how late it dispatched them (p99
+lag), its CPU share and the share of time it was runnable but waiting for its core (other
+work on the machine). A step where the client fell behind (dispatch rate under 98% of the
+target, lag p99 over a tenth of the SLO, or CPU over 90%) is client-bound: its latencies
+carry the client's delay. It is run again (`RETRIES`); if it stays client-bound, that search
+ends there and its rate is a lower bound, said in the notes. The servers' own waiting share
+(all their threads, from /proc) shows how much other work took their core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import struct
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import (
+    CLIENT_CORE,
+    ROOT,
+    Context,
+    Server,
+    SuiteResult,
+    environment,
+    median,
+    pin_command,
+    process_cpu_seconds,
+    running,
+    start_lockgate,
+)
+from benchmarks.overload_real import digits_bodies
+from benchmarks.raw_load import post_request
+from benchmarks.serving_overhead import demo_model, start_floor
+
+SUITE = "serving_maxrate"
+MODEL = "digits_onnx"
+SLO_S = 0.050  # p99 of every request, from its scheduled time
+SERVED = 0.99  # share of the offered requests answered with 200
+TARGET_RATIO = 0.9
+CONNECTIONS = 256
+FIRST_RATE, COARSE_STEP = 4000.0, 4000.0  # requests per second
+BISECTIONS, QUICK_BISECTIONS = 5, 2
+CLIENT_RATE_SHARE, CLIENT_LAG_S, CLIENT_CPU_SHARE = 0.98, SLO_S / 10, 0.90
+RETRIES = 2  # a client-bound step is run again this many times before the search stops
+SOURCE = ROOT / "benchmarks" / "openloop.c"
+RECORD = np.dtype([("latency_ns", "<i8"), ("lag_ns", "<i8"), ("status", "<i4"), ("pad", "<i4")])
+
+
+@dataclass(slots=True)
+class Step:
+    """One open-loop run at one rate against one server."""
+
+    rate: float  # target, requests per second
+    sent: int
+    served: int  # answered 200
+    p50: float  # seconds, over every request (a miss is infinite)
+    p99: float
+    dispatch_rate: float  # what the client dispatched, requests per second of its schedule
+    lag_p99: float  # seconds the client dispatched late, its own delay
+    client_cpu: float  # share of the client's core over the arrival window
+    client_waiting: float  # share of that window the client was runnable but not running
+    server_cpu: float  # share of the server's core over the step
+    server_waiting: float  # the same for the server's threads: other work on its core
+    statuses: dict[int, int]
+
+    @property
+    def client_bound(self) -> bool:
+        return (
+            self.dispatch_rate < CLIENT_RATE_SHARE * self.rate
+            or self.lag_p99 > CLIENT_LAG_S
+            or self.client_cpu > CLIENT_CPU_SHARE
+        )
+
+    @property
+    def passed(self) -> bool:
+        return self.served >= SERVED * self.sent and self.p99 < SLO_S
+
+    def line(self) -> str:
+        verdict = "client-bound" if self.client_bound else "pass" if self.passed else "fail"
+        return (
+            f"{self.rate:7,.0f}/s: served {self.served / max(self.sent, 1):6.1%}, "
+            f"p50 {self.p50 * 1e3:7.2f} ms, p99 {self.p99 * 1e3:8.2f} ms, server CPU "
+            f"{self.server_cpu:4.0%} (waited {self.server_waiting:4.0%}); client "
+            f"{self.dispatch_rate:7,.0f}/s, lag p99 {self.lag_p99 * 1e6:5.0f} µs, CPU "
+            f"{self.client_cpu:4.0%} (waited {self.client_waiting:4.0%}): {verdict}"
+        )
+
+
+@dataclass(slots=True)
+class Search:
+    """Coarse steps up until one fails, then bisection between the last pass and the first
+    failure. A client-bound step ends the search: its rate says nothing about the server."""
+
+    bisections: int
+    steps: list[Step] = field(default_factory=list)
+    passed: Step | None = None  # the highest passing step
+    failed: float = float("inf")  # the lowest failing rate
+    bisected: int = 0  # steps since the first failure
+    client_bound: bool = False
+
+    def next_rate(self) -> float | None:
+        if self.client_bound or self.bisected >= self.bisections:
+            return None
+        low = self.passed.rate if self.passed else 0.0
+        if self.failed == float("inf"):
+            return FIRST_RATE if self.passed is None else low + COARSE_STEP
+        return (low + self.failed) / 2
+
+    def record(self, step: Step) -> None:
+        self.steps.append(step)
+        if self.failed != float("inf"):
+            self.bisected += 1
+        if step.client_bound:
+            self.client_bound = True
+        elif step.passed:
+            if self.passed is None or step.rate > self.passed.rate:
+                self.passed = step
+        else:
+            self.failed = min(self.failed, step.rate)
+
+    @property
+    def max_rate(self) -> float:
+        return self.passed.rate if self.passed else 0.0
+
+
+def run(ctx: Context) -> SuiteResult:
+    started = time.perf_counter()
+    client = build_client(ctx.work)
+    model_dir = demo_model(ctx, MODEL)
+    repository = ctx.work / "maxrate-repo"
+    shutil.copytree(model_dir, repository / MODEL)
+    ctx.say(SUITE, "starting lockgate and the floor app on core 0")
+    lockgate = start_lockgate(repository, ctx.work)
+    floor = start_floor(model_dir / "1" / "model.onnx", ctx.work)
+    servers = {"lockgate": lockgate, "floor": floor}
+    with running(lockgate, floor):
+        loads = {name: Load(ctx, client, server) for name, server in servers.items()}
+        for load in loads.values():
+            load.step(1000.0, warmup=True)
+        searches = [search_both(ctx, loads, rep) for rep in range(1, ctx.repetitions + 1)]
+    result = report(searches)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def build_client(work: Path) -> Path:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError(f"{SUITE} needs a C compiler (cc) to build {SOURCE.name}")
+    binary = work / "openloop"
+    subprocess.run([compiler, "-O2", "-o", str(binary), str(SOURCE), "-lm"], check=True)
+    return binary
+
+
+class Load:
+    """Runs the C client at one server: one step at a time, each a fresh client process."""
+
+    def __init__(self, ctx: Context, client: Path, server: Server) -> None:
+        self.ctx, self.client, self.server = ctx, client, server
+        path = f"/v2/models/{MODEL}/infer"
+        self.requests = ctx.work / f"requests-{server.name}.bin"
+        with open(self.requests, "wb") as out:
+            for body in digits_bodies(16):
+                request = post_request("127.0.0.1", server.port, path, body)
+                out.write(struct.pack("<I", len(request)) + request)
+        self.seed = 0
+
+    def step(self, rate: float, warmup: bool = False) -> Step:
+        seconds = 0.5 if warmup else self.ctx.scale(2.0)
+        self.seed += 1
+        out = self.ctx.work / f"records-{self.server.name}.bin"
+        command = [str(self.client), "127.0.0.1", str(self.server.port), f"{rate:.1f}"]
+        command += [f"{seconds}", str(CONNECTIONS), str(self.seed), "10", str(self.requests)]
+        command += [str(out)]
+        pid = self.server.process.pid
+        cpu, waited, began = process_cpu_seconds(pid), runqueue_seconds(pid), time.perf_counter()
+        done = subprocess.run(
+            pin_command(command, CLIENT_CORE), capture_output=True, text=True, timeout=60
+        )
+        elapsed = time.perf_counter() - began
+        server = (
+            (process_cpu_seconds(pid) - cpu) / elapsed,
+            (runqueue_seconds(pid) - waited) / elapsed,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"openloop failed ({done.returncode}): {done.stderr[-300:]}")
+        summary = json.loads(done.stdout)
+        time.sleep(0.3)  # let the server's last queue settle before the next step
+        return measure(rate, np.fromfile(out, dtype=RECORD), summary, server)
+
+
+def runqueue_seconds(pid: int) -> float:
+    """Seconds the threads of process `pid` spent runnable but waiting for a core."""
+    total = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int(stat.read_text().split()[1])
+    return total / 1e9
+
+
+def measure(
+    rate: float, records: np.ndarray, summary: dict[str, Any], server: tuple[float, float]
+) -> Step:
+    ok = records["status"] == 200
+    latencies = np.where(ok, records["latency_ns"] / 1e9, np.inf)  # a miss is infinite
+    p50, p99 = (float(v) for v in np.percentile(latencies, [50, 99], method="higher"))
+    statuses, counts = np.unique(records["status"], return_counts=True)
+    return Step(
+        rate=rate,
+        sent=len(records),
+        served=int(ok.sum()),
+        p50=p50,
+        p99=p99,
+        dispatch_rate=float(summary["dispatch_rate"]),
+        lag_p99=float(np.percentile(records["lag_ns"], 99)) / 1e9,
+        client_cpu=float(summary["cpu_share"]),
+        client_waiting=float(summary["runqueue_share"]),
+        server_cpu=server[0],
+        server_waiting=server[1],
+        statuses={int(s): int(n) for s, n in zip(statuses, counts, strict=True)},
+    )
+
+
+def search_both(ctx: Context, loads: dict[str, Load], rep: int) -> dict[str, Search]:
+    """Both servers' searches, a step of each in turn."""
+    bisections = QUICK_BISECTIONS if ctx.quick else BISECTIONS
+    searches = {name: Search(bisections) for name in loads}
+    while True:
+        pending = [(n, s, r) for n, s in searches.items() if (r := s.next_rate()) is not None]
+        if not pending:
+            return searches
+        for name, search, rate in pending:
+            for _ in range(1 + RETRIES):
+                step = loads[name].step(rate)
+                ctx.say(SUITE, f"rep {rep}: {name:8} {step.line()}")
+                if not step.client_bound:
+                    break
+            search.record(step)
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+def report(searches: list[dict[str, Search]]) -> SuiteResult:
+    def at_max(name: str, what: str) -> float:
+        return median([getattr(s[name].passed, what, float("nan")) for s in searches])
+
+    lg = median([s["lockgate"].max_rate for s in searches])
+    floor = median([s["floor"].max_rate for s in searches])
+    bound = [f"{n} (rep {i})" for i, s in enumerate(searches, 1) for n in s if s[n].client_bound]
+    ratio = lg / floor if floor else float("nan")
+    result = SuiteResult(
+        suite=SUITE,
+        title="Highest open-loop rate on one core, digits ONNX, V2 JSON",
+        target=f"lockgate's max rate with p99 < {SLO_S * 1e3:g} ms ≥ {TARGET_RATIO:g}x the floor's",
+        met=None if bound or not floor else ratio >= TARGET_RATIO,
+        environment=environment(),
+    )
+    result.add(
+        f"lockgate max rate (p99 < {SLO_S * 1e3:g} ms, ≥ {SERVED:.0%} served)",
+        lg,
+        "req/s",
+        baseline_label="floor max rate",
+        baseline=floor,
+        note=f"target ≥ {TARGET_RATIO:g}x",
+    )
+    for q in ("p50", "p99"):
+        result.add(
+            f"lockgate {q} at its max",
+            at_max("lockgate", q) * 1e3,
+            "ms",
+            baseline_label=f"floor {q} at its max",
+            baseline=at_max("floor", q) * 1e3,
+        )
+    result.add(
+        "server CPU at its max",
+        at_max("lockgate", "server_cpu") * 100,
+        "%",
+        baseline_label="floor",
+        baseline=at_max("floor", "server_cpu") * 100,
+        note="share of the server's core",
+    )
+    highest = [step for s in searches for search in s.values() for step in search.steps]
+    busiest = max(highest, key=lambda step: step.client_cpu)
+    result.notes.append(
+        f"client (openloop.c on its own core): at most {busiest.client_cpu:.0%} of its core "
+        f"(at {busiest.rate:,.0f}/s, dispatched {busiest.dispatch_rate:,.0f}/s, lag p99 "
+        f"{busiest.lag_p99 * 1e6:.0f} µs) over {len(highest)} steps"
+    )
+    waited = {n: at_max(n, "server_waiting") for n in ("lockgate", "floor")}
+    result.notes.append(
+        "other work on the server core: at their max, lockgate's threads waited "
+        f"{waited['lockgate']:.0%} of the time for a core, the floor's {waited['floor']:.0%}"
+    )
+    if bound:
+        result.notes.append(
+            "client-bound steps (the client could not offer the rate; that server's figure is "
+            f"a lower bound): {', '.join(bound)}"
+        )
+    for name in ("lockgate", "floor"):
+        rates = ", ".join(f"{s[name].max_rate:,.0f}" for s in searches)
+        result.notes.append(f"{name} max rate per repetition: {rates} req/s")
+    result.raw = {
+        f"rep{i}": {
+            name: {
+                "max_rate": search.max_rate,
+                "client_bound": search.client_bound,
+                "steps": [step_json(step) for step in search.steps],
+            }
+            for name, search in s.items()
+        }
+        for i, s in enumerate(searches, 1)
+    }
+    return result
+
+
+def step_json(step: Step) -> dict[str, Any]:
+    return {
+        "rate": step.rate,
+        "sent": step.sent,
+        "served": step.served,
+        "p50_s": step.p50,
+        "p99_s": step.p99 if np.isfinite(step.p99) else None,
+        "dispatch_rate": step.dispatch_rate,
+        "client_lag_p99_s": step.lag_p99,
+        "client_cpu": step.client_cpu,
+        "client_waiting": step.client_waiting,
+        "server_cpu": step.server_cpu,
+        "server_waiting": step.server_waiting,
+        "statuses": step.statuses,
+        "passed": step.passed,
+        "client_bound": step.client_bound,
+    }
