@@ -161,7 +161,7 @@ class Search:
 
 def run(ctx: Context) -> SuiteResult:
     started = time.perf_counter()
-    client = build_client(ctx.work)
+    client = OpenLoop.build(ctx.work)
     model_dir = demo_model(ctx, MODEL)
     repository = ctx.work / "maxrate-repo"
     shutil.copytree(model_dir, repository / MODEL)
@@ -179,35 +179,76 @@ def run(ctx: Context) -> SuiteResult:
     return result
 
 
-def build_client(work: Path) -> Path:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError(f"{SUITE} needs a C compiler (cc) to build {SOURCE.name}")
-    binary = work / "openloop"
-    subprocess.run([compiler, "-O2", "-o", str(binary), str(SOURCE), "-lm"], check=True)
-    return binary
+@dataclass(frozen=True, slots=True)
+class OpenLoop:
+    """`openloop.c`, compiled: one run of it is one step."""
+
+    binary: Path
+
+    @classmethod
+    def build(cls, work: Path) -> OpenLoop:
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            raise RuntimeError(f"{SUITE} needs a C compiler (cc) to build {SOURCE.name}")
+        binary = work / "openloop"
+        subprocess.run([compiler, "-O2", "-o", str(binary), str(SOURCE), "-lm"], check=True)
+        return cls(binary)
+
+    def command(
+        self,
+        port: int,
+        requests: Path,
+        rate: float,
+        seconds: float,
+        out: Path,
+        *,
+        connections: int = CONNECTIONS,
+        seed: int = 0,
+        drain_s: float = 10.0,
+    ) -> list[str]:
+        """Poisson arrivals at `rate` for `seconds` to 127.0.0.1:`port`, the requests taken in
+        turn from `requests` (`write_requests`); one record per request to `out`
+        (`read_records`), a JSON summary on stdout."""
+        return [
+            str(self.binary),
+            *("127.0.0.1", str(port), f"{rate:.1f}", f"{seconds}", str(connections)),
+            *(str(seed), f"{drain_s}", str(requests), str(out)),
+        ]
+
+
+def write_requests(path: Path, requests: list[bytes]) -> None:
+    """Pre-encoded requests in `openloop.c`'s format: each after its 4-byte length."""
+    with open(path, "wb") as out:
+        for request in requests:
+            out.write(struct.pack("<I", len(request)) + request)
+
+
+def read_records(path: Path) -> np.ndarray:
+    """`openloop.c`'s records: latency_ns and lag_ns (int64), status (int32; 0: the connection
+    was lost, -1: no answer by the end of the drain)."""
+    return np.fromfile(path, dtype=RECORD)
 
 
 class Load:
     """Runs the C client at one server: one step at a time, each a fresh client process."""
 
-    def __init__(self, ctx: Context, client: Path, server: Server) -> None:
+    def __init__(self, ctx: Context, client: OpenLoop, server: Server) -> None:
         self.ctx, self.client, self.server = ctx, client, server
         path = f"/v2/models/{MODEL}/infer"
         self.requests = ctx.work / f"requests-{server.name}.bin"
-        with open(self.requests, "wb") as out:
-            for body in digits_bodies(16):
-                request = post_request("127.0.0.1", server.port, path, body)
-                out.write(struct.pack("<I", len(request)) + request)
+        bodies = digits_bodies(16)
+        write_requests(
+            self.requests, [post_request("127.0.0.1", server.port, path, b) for b in bodies]
+        )
         self.seed = 0
 
     def step(self, rate: float, warmup: bool = False) -> Step:
         seconds = 0.5 if warmup else self.ctx.scale(2.0)
         self.seed += 1
         out = self.ctx.work / f"records-{self.server.name}.bin"
-        command = [str(self.client), "127.0.0.1", str(self.server.port), f"{rate:.1f}"]
-        command += [f"{seconds}", str(CONNECTIONS), str(self.seed), "10", str(self.requests)]
-        command += [str(out)]
+        command = self.client.command(
+            self.server.port, self.requests, rate, seconds, out, seed=self.seed
+        )
         pid = self.server.process.pid
         cpu, waited, began = process_cpu_seconds(pid), runqueue_seconds(pid), time.perf_counter()
         done = subprocess.run(
@@ -222,7 +263,7 @@ class Load:
             raise RuntimeError(f"openloop failed ({done.returncode}): {done.stderr[-300:]}")
         summary = json.loads(done.stdout)
         time.sleep(0.3)  # let the server's last queue settle before the next step
-        return measure(rate, np.fromfile(out, dtype=RECORD), summary, server)
+        return measure(rate, read_records(out), summary, server)
 
 
 def runqueue_seconds(pid: int) -> float:
