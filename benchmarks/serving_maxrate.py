@@ -388,8 +388,9 @@ def report(searches: list[dict[str, Search]]) -> SuiteResult:
         result.notes.append(f"{name} max rate per repetition: {rates} req/s")
     ratios = [s["lockgate"].max_rate / s["floor"].max_rate for s in searches if s["floor"].max_rate]
     result.notes.append(
-        f"ratio per repetition: {', '.join(f'{r:.2f}' for r in ratios)}; medians over "
-        f"{len(counted)} of {len(searches)} repetitions"
+        f"ratio per repetition: {', '.join(f'{r:.2f}' for r in ratios)}; medians over the "
+        f"{len(clean)} of {len(searches)} repetitions with no disturbed step"
+        + ("" if clean else " (none: medians over all, lower bounds, target not evaluated)")
     )
     result.raw = {
         f"rep{i}": {
