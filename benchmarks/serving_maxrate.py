@@ -405,6 +405,8 @@ def report(searches: list[dict[str, Search]]) -> SuiteResult:
     for name in ("lockgate", "floor"):
         rates = ", ".join(f"{s[name].max_rate:,.0f}" for s in searches)
         result.notes.append(f"{name} max rate per repetition: {rates} req/s")
+    for name in ("lockgate", "floor"):
+        result.notes.append(f"{name} just above its max: {failure(name, counted)}")
     ratios = [s["lockgate"].max_rate / s["floor"].max_rate for s in searches if s["floor"].max_rate]
     result.notes.append(
         f"ratio per repetition: {', '.join(f'{r:.2f}' for r in ratios)}; medians over the "
@@ -423,6 +425,23 @@ def report(searches: list[dict[str, Search]]) -> SuiteResult:
         for i, s in enumerate(searches, 1)
     }
     return result
+
+
+def failure(name: str, searches: list[dict[str, Search]]) -> str:
+    """How `name` failed at the lowest failing rate of each search: by refusing or by
+    queueing."""
+    said = []
+    for s in searches:
+        search = s[name]
+        failed = [x for x in search.steps if x.rate == search.failed and not x.disturbed]
+        if failed:
+            step = failed[-1]
+            refused = step.statuses.get(503, 0) + step.statuses.get(429, 0)
+            said.append(
+                f"{step.rate:,.0f}/s served {step.served / step.sent:.1%} ({refused} refused), "
+                f"p50 {step.p50 * 1e3:.1f} ms"
+            )
+    return "; ".join(said) or "no failed step"
 
 
 def step_json(step: Step) -> dict[str, Any]:
