@@ -62,14 +62,14 @@ class Labelled(Generic[W]):
             self.metric.remove(*labels)
 
 
-class _Value(Protocol):
+class Value(Protocol):
     """prometheus_client's value of one sample (`values.MutexValue`, or its multiprocess
-    twin): thread-safe."""
+    twin): thread-safe. `Counter.series` gives one to count on directly."""
 
     def inc(self, amount: float) -> None: ...
 
 
-def _counted(child: prom.Counter) -> _Value:
+def _counted(child: prom.Counter) -> Value:
     """The value of one counter series, as its prometheus_client child holds it (the child
     itself, whose `inc` does the same, for a prometheus_client that keeps it elsewhere)."""
     value = getattr(child, "_value", None)
@@ -85,8 +85,8 @@ class _Bucketed:
     def __init__(self, child: prom.Histogram) -> None:
         self.child = child
         self.bounds: list[float] = list(getattr(child, "_upper_bounds", ()))
-        self.buckets: list[_Value] = list(getattr(child, "_buckets", ()))
-        self.sum: _Value | None = getattr(child, "_sum", None)
+        self.buckets: list[Value] = list(getattr(child, "_buckets", ()))
+        self.sum: Value | None = getattr(child, "_sum", None)
         if len(self.buckets) != len(self.bounds) or not hasattr(self.sum, "inc"):
             self.buckets = []  # a prometheus_client that keeps them elsewhere: `observe`
 
@@ -102,15 +102,24 @@ class _Bucketed:
 class Counter(Labelled[prom.Counter]):
     def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
         super().__init__(prom.Counter(name, help_text, labelnames, registry=None), labelnames)
-        self._counted: dict[LabelValues, _Value] = {}
+        self._counted: dict[LabelValues, Value] = {}
 
     def inc(self, labels: LabelValues = (), amount: float = 1.0) -> None:
         value = self._counted.get(labels)
         if value is None:
-            value = self._counted[labels] = _counted(self.labels(labels))
+            value = self.series(labels)
         if amount < 0:
             raise ValueError("a counter only goes up")
         value.inc(amount)
+
+    def series(self, labels: LabelValues = ()) -> Value:
+        """The value of one series, for a path that counts on it often to keep and count on
+        directly, `series.inc(1)`: no lookup by label values, no tuple built. (A series
+        `remove`d is not counted through a value kept from before.)"""
+        value = self._counted.get(labels)
+        if value is None:
+            value = self._counted[labels] = _counted(self.labels(labels))
+        return value
 
     def remove(self, labels: LabelValues) -> None:
         self._counted.pop(labels, None)
