@@ -312,10 +312,10 @@ class Batcher:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._refused: EarlyRefusal | None = None  # the last early refusal, while it holds
-        # the series an early refusal counts on, resolved once: under overload most requests
-        # are early refusals (admission's verdict is an Unavailable)
-        self._unmeetable = metrics.rejected.series((*self.labels, "deadline_unmeetable"))
-        self._unavailable = metrics.requests.series((*self.labels, Unavailable.kind))
+        # the series an early refusal counts on, as tallies (it is asked on the loop's thread):
+        # under overload most requests are early refusals (admission's verdict is Unavailable)
+        self._unmeetable = metrics.rejected.tally((*self.labels, "deadline_unmeetable"))
+        self._unavailable = metrics.requests.tally((*self.labels, Unavailable.kind))
         self._admitting: EarlyAdmit | None = None  # the last early admission with room
         self._policy: CapPolicy | None = None  # of the profile's current version
         # (deadline, seq, request) of requests not yet answered, or answered since the timer
@@ -531,8 +531,8 @@ class Batcher:
         spent = now - arrival
         memo = self._refused
         if memo is not None and memo.holds(budget, now, loop_wait, spent):
-            self._unmeetable.inc(1)
-            self._unavailable.inc(1)
+            self._unmeetable.count += 1
+            self._unavailable.count += 1
             return memo.verdict
         if self._admitting is not None and self._admitting.holds(budget, now, loop_wait + spent):
             return None
@@ -547,8 +547,8 @@ class Batcher:
         if isinstance(found, Unavailable):
             self._admitting = None
             self._refused = EarlyRefusal(budget, until, found, loop_wait, spent)
-            self._unmeetable.inc(1)
-            self._unavailable.inc(1)
+            self._unmeetable.count += 1
+            self._unavailable.count += 1
             return found
         if found is not None:  # admitted with a prediction: reused while it has room
             spare = EARLY_ADMIT_SHARE * budget - found.predicted - spent

@@ -57,7 +57,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from lockgate.core.bare_model import BareModel
 from lockgate.core.heap import freeze_heap
 from lockgate.core.manager import ModelManager, ServingSettings
-from lockgate.core.metrics import Counter, Registry, Value
+from lockgate.core.metrics import Counter, Registry, Tally
 from lockgate.errors import ServingError, Unavailable
 from lockgate.frontend.acceptor import Acceptor
 from lockgate.frontend.access_log import new_request_id, request_id
@@ -706,20 +706,21 @@ def _quiet_parser_errors() -> None:
 
 
 class _RefusalCount:
-    """`lockgate_http_refused_total`, counted by reason, each reason's series looked up by
-    its name alone once resolved: under overload most requests are refusals."""
+    """`lockgate_http_refused_total` by reason, counted on tallies (`core.metrics.Tally`: the
+    protocol runs on the loop's thread), each found by its reason alone: under overload most
+    requests are refusals."""
 
-    __slots__ = ("counter", "series")
+    __slots__ = ("counter", "tallies")
 
     def __init__(self, counter: Counter) -> None:
         self.counter = counter
-        self.series: dict[str, Value] = {}
+        self.tallies: dict[str, Tally] = {}
 
     def inc(self, reason: str) -> None:
-        series = self.series.get(reason)
-        if series is None:
-            series = self.series[reason] = self.counter.series((reason,))
-        series.inc(1)
+        tally = self.tallies.get(reason)
+        if tally is None:
+            tally = self.tallies[reason] = self.counter.tally((reason,))
+        tally.count += 1
 
 
 class _CannedHead:
