@@ -23,8 +23,9 @@ protocol in the read that brings it (`frontend/probe.py`).
 
 A POST whose head arrives whole is judged on arrival, from its raw bytes, by the connection
 gate and its model's admission (`_Protocol.data_received`): a refusal is a split of the head
-and a canned 503, with no parser callback, no scope and no task, and the body is dropped as it
-arrives. Under overload most requests are refusals, and they take CPU from the model.
+(`frontend/arrival.py`; a connection sending the same head again reuses its last) and a canned
+503, with no parser callback, no scope and no task, and the body is dropped as it arrives.
+Under overload most requests are refusals, and they take CPU from the model.
 """
 
 from __future__ import annotations
