@@ -297,10 +297,7 @@ class _Protocol(HttpToolsProtocol):
         access = self.lockgate_app.access
         if access.enabled:
             access.refused(rid, b"POST", head.path, received, self.address, why)
-        target = head.target if head.timed else None
-        pause = self.gate.refused(
-            now, functools.partial(self.lockgate_app.budget, target, head.timeout)
-        )
+        pause = self.gate.refused(now, self._arrival_budget)
         if close:
             return len(data)
         size = head.size + head.length
@@ -313,6 +310,14 @@ class _Protocol(HttpToolsProtocol):
         else:
             self._keep_alive(now)
         return size
+
+    def _arrival_budget(self) -> float | None:
+        """The time budget of the head refused on arrival a moment ago (the connection's last
+        head), asked by the gate when it pauses the connection."""
+        head = self.last_head.head
+        if head is None or not head.timed:
+            return None
+        return self.lockgate_app.budget(head.target, head.timeout)
 
     def _probe(self, data: bytes) -> int:
         """Answer the health probe at the start of `data` here (`frontend/probe.py`): the
@@ -349,8 +354,9 @@ class _Protocol(HttpToolsProtocol):
 
     def _loop_work_ahead(self) -> int:
         """Requests in progress whose handlers the event loop runs before one let through
-        now: not those still waiting for their body."""
-        return len(self.tasks) + self.lane_bodies.count - self.lane_bodies.waiting()
+        now: not those still waiting for their body, the ASGI tasks waiting for theirs (a lane
+        request waiting for its body has no task yet)."""
+        return len(self.tasks) - self.lane_bodies.asgi
 
     def _asgi_body_ended(self) -> None:
         if self.body_arriving:
@@ -491,7 +497,8 @@ class _Protocol(HttpToolsProtocol):
         clears the mark (`_unset_keepalive_if_required`), and the timer, when it fires, closes
         the connection if it has been idle for the whole timeout, or waits for what is left of
         it. (A timer made and cancelled for every request cost more than the mark.)"""
-        self._unset_keepalive_if_required()
+        if self.timeout_keep_alive_task is not None:  # uvicorn's own, armed by an ASGI answer
+            super()._unset_keepalive_if_required()
         self.idle_since = time.monotonic() if now is None else now
         if self.idle_timer is None:
             self.idle_timer = self.loop.call_later(self.timeout_keep_alive, self._idle_timed_out)
