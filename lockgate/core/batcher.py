@@ -280,6 +280,7 @@ class Batcher:
         self.compute = ServiceProfile(profile.max_batch_size, times=dict(profile.times))
         self.compute.refit()
         self.labels = (config.name, str(version))
+        self.slo = config.latency_slo_ms / 1000.0 if config.latency_slo_ms else None  # seconds
         settings = config.batcher
         self.levels = max(1, settings.priority_levels)
         default_level = settings.default_priority_level or self.levels
@@ -311,6 +312,10 @@ class Batcher:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._refused: EarlyRefusal | None = None  # the last early refusal, while it holds
+        # the series an early refusal counts on, as tallies (it is asked on the loop's thread):
+        # under overload most requests are early refusals (admission's verdict is Unavailable)
+        self._unmeetable = metrics.rejected.tally((*self.labels, "deadline_unmeetable"))
+        self._unavailable = metrics.requests.tally((*self.labels, Unavailable.kind))
         self._admitting: EarlyAdmit | None = None  # the last early admission with room
         self._policy: CapPolicy | None = None  # of the profile's current version
         # (deadline, seq, request) of requests not yet answered, or answered since the timer
@@ -338,11 +343,6 @@ class Batcher:
                 self.inline_bytes[rows] = max(self.inline_bytes.get(rows, 0), size)
 
     # -- policy ------------------------------------------------------------------------
-    @property
-    def slo(self) -> float | None:
-        slo_ms = self.config.latency_slo_ms
-        return slo_ms / 1000.0 if slo_ms else None
-
     def cap_and_window(self, now: float) -> tuple[int, float]:
         """The batch cap in rows and how long an idle instance may wait for it to fill."""
         policy = self.cap_policy()
@@ -531,8 +531,8 @@ class Batcher:
         spent = now - arrival
         memo = self._refused
         if memo is not None and memo.holds(budget, now, loop_wait, spent):
-            self.metrics.rejected.inc((*self.labels, "deadline_unmeetable"))
-            self.metrics.requests.inc((*self.labels, memo.verdict.kind))
+            self._unmeetable.count += 1
+            self._unavailable.count += 1
             return memo.verdict
         if self._admitting is not None and self._admitting.holds(budget, now, loop_wait + spent):
             return None
@@ -547,8 +547,8 @@ class Batcher:
         if isinstance(found, Unavailable):
             self._admitting = None
             self._refused = EarlyRefusal(budget, until, found, loop_wait, spent)
-            self.metrics.rejected.inc((*self.labels, "deadline_unmeetable"))
-            self.metrics.requests.inc((*self.labels, found.kind))
+            self._unmeetable.count += 1
+            self._unavailable.count += 1
             return found
         if found is not None:  # admitted with a prediction: reused while it has room
             spare = EARLY_ADMIT_SHARE * budget - found.predicted - spent

@@ -62,14 +62,14 @@ class Labelled(Generic[W]):
             self.metric.remove(*labels)
 
 
-class _Value(Protocol):
+class Value(Protocol):
     """prometheus_client's value of one sample (`values.MutexValue`, or its multiprocess
     twin): thread-safe."""
 
     def inc(self, amount: float) -> None: ...
 
 
-def _counted(child: prom.Counter) -> _Value:
+def _counted(child: prom.Counter) -> Value:
     """The value of one counter series, as its prometheus_client child holds it (the child
     itself, whose `inc` does the same, for a prometheus_client that keeps it elsewhere)."""
     value = getattr(child, "_value", None)
@@ -85,8 +85,8 @@ class _Bucketed:
     def __init__(self, child: prom.Histogram) -> None:
         self.child = child
         self.bounds: list[float] = list(getattr(child, "_upper_bounds", ()))
-        self.buckets: list[_Value] = list(getattr(child, "_buckets", ()))
-        self.sum: _Value | None = getattr(child, "_sum", None)
+        self.buckets: list[Value] = list(getattr(child, "_buckets", ()))
+        self.sum: Value | None = getattr(child, "_sum", None)
         if len(self.buckets) != len(self.bounds) or not hasattr(self.sum, "inc"):
             self.buckets = []  # a prometheus_client that keeps them elsewhere: `observe`
 
@@ -99,10 +99,26 @@ class _Bucketed:
         self.sum.inc(value)
 
 
+class Tally:
+    """Counts of one counter series made on the event loop's thread alone: a plain integer,
+    `tally.count += 1`, added to the series whenever it is read (`Counter.fold`: a scrape,
+    `Counter.values`). prometheus_client's value takes a lock for each count, and a request
+    refused under overload counts three series on the path that must cost least."""
+
+    __slots__ = ("added", "count", "value")
+
+    def __init__(self, value: Value) -> None:
+        self.value = value
+        self.count = 0  # counted so far: written by the loop's thread alone
+        self.added = 0  # of those, added to `value`: written by `Counter.fold` alone
+
+
 class Counter(Labelled[prom.Counter]):
     def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
         super().__init__(prom.Counter(name, help_text, labelnames, registry=None), labelnames)
-        self._counted: dict[LabelValues, _Value] = {}
+        self._counted: dict[LabelValues, Value] = {}
+        self._tallies: dict[LabelValues, Tally] = {}
+        self._folding = threading.Lock()
 
     def inc(self, labels: LabelValues = (), amount: float = 1.0) -> None:
         value = self._counted.get(labels)
@@ -112,12 +128,34 @@ class Counter(Labelled[prom.Counter]):
             raise ValueError("a counter only goes up")
         value.inc(amount)
 
+    def tally(self, labels: LabelValues = ()) -> Tally:
+        """The tally of one series, for a path on the event loop's thread that counts on it
+        often (`Tally`): kept, and counted on with no lookup by label values."""
+        tally = self._tallies.get(labels)
+        if tally is None:
+            self.inc(labels, 0)  # the series exists from now on
+            with self._folding:
+                tally = self._tallies[labels] = Tally(self._counted[labels])
+        return tally
+
+    def fold(self) -> None:
+        """Add what the tallies counted since the last fold to their series."""
+        with self._folding:
+            for tally in self._tallies.values():
+                count = tally.count
+                if count > tally.added:
+                    tally.value.inc(count - tally.added)
+                    tally.added = count
+
     def remove(self, labels: LabelValues) -> None:
+        with self._folding:
+            self._tallies.pop(labels, None)
         self._counted.pop(labels, None)
         super().remove(labels)
 
     def values(self) -> dict[LabelValues, float]:
         """Every series' value now: for reports (Triton's statistics), not the request path."""
+        self.fold()
         (family,) = self.metric.collect()
         total = family.name + "_total"
         return {
@@ -210,6 +248,8 @@ class _Own:
 
     def collect(self) -> Iterable[Family]:
         for metric in list(self.metrics.values()):
+            if isinstance(metric, Counter):
+                metric.fold()
             for family in metric.metric.collect():
                 created = family.name + "_created"
                 family.samples = [s for s in family.samples if s.name != created]

@@ -26,9 +26,18 @@ log = logging.getLogger("lockgate.access")
 
 def request_id(headers: list[tuple[bytes, bytes]]) -> bytes:
     """The client's `X-Request-Id` when usable, else a new one."""
+    return client_request_id(headers) or new_request_id()
+
+
+def client_request_id(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The client's `X-Request-Id` when usable, else None."""
     for name, value in headers:
         if name == b"x-request-id" and _USABLE.fullmatch(value):
             return value
+    return None
+
+
+def new_request_id() -> bytes:
     return b"%s-%x" % (_PREFIX, next(_COUNTER))
 
 

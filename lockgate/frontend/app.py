@@ -126,18 +126,6 @@ ResponsesHandler = Callable[[HttpRequest, list[str]], Awaitable[None]]
 GenerateHandler = Callable[[HttpRequest, str, str | None, bool], Awaitable[None]]
 
 
-def _request_timeout(headers: list[tuple[bytes, bytes]]) -> float | None:
-    """The `Request-Timeout` header in seconds, None when absent; ValueError when unusable
-    (the route answers 400 with its message)."""
-    for name, value in headers:
-        if name == b"request-timeout":
-            timeout = float(value)
-            if not 0 < timeout < 1e7:
-                raise ValueError(f"Request-Timeout out of range: {timeout}")
-            return timeout
-    return None
-
-
 @dataclass(slots=True)
 class ServerSettings:
     max_body_bytes: int = 64 * 1024 * 1024
@@ -445,61 +433,47 @@ class App:
 
     def early_refusal(
         self,
-        method: bytes,
-        path: str,
-        headers: list[tuple[bytes, bytes]],
+        target: tuple[str, str | None],
+        timeout: float | None,
         received: float,
+        now: float,
         loop_wait: float = 0.0,
     ) -> ServingError | None:
-        """Asked by the protocol once a request's head is in and before its body is read: the
-        refusal a v2 inference request would certainly get from its model's admission, so a
-        saturated model refuses at the cost of a head, not of a decoded body. `loop_wait`:
-        the seconds of event-loop work (requests in progress) its handler will wait for.
+        """Asked by the protocol once the head of a POST to a v2 inference path is in
+        (`target`: its model and version, `lane_target`; `timeout`: its Request-Timeout,
+        `request_timeout`) and before its body is read: the refusal it would certainly get
+        from its model's admission, so a saturated model refuses at the cost of a head, not
+        of a decoded body. `loop_wait`: the seconds of event-loop work (requests in progress)
+        its handler will wait for.
 
         A model with a response cache or a fallback is never refused here: a cache hit skips
         admission, and a refused request goes to the fallback, and both need the body."""
-        if method != b"POST":
-            return None
-        served = self._inference_target(path)
+        served = self.inference_target(*target)
         if served is None or served.batcher is None:
             return None
         if served.config.response_cache.enable or served.config.fallback:
             return None
-        try:
-            timeout = _request_timeout(headers)
-        except ValueError:
-            return None  # the route answers 400 with its message
-        return served.batcher.early_refusal(received, timeout, time.monotonic(), loop_wait)
+        return served.batcher.early_refusal(received, timeout, now, loop_wait)
 
-    def budget(self, path: str, headers: list[tuple[bytes, bytes]]) -> float | None:
-        """Seconds a v2 inference request on `path` may take: its `Request-Timeout` header,
-        else its model's SLO; None when neither is known."""
-        served = self._inference_target(path)
+    def budget(self, target: tuple[str, str | None] | None, timeout: float | None) -> float | None:
+        """Seconds a v2 inference request for `target` (`lane_target`) may take: its
+        Request-Timeout, `timeout`, else its model's SLO; None when neither is known."""
+        served = None if target is None else self.inference_target(*target)
         if served is None or served.batcher is None:
-            return None
-        try:
-            timeout = _request_timeout(headers)
-        except ValueError:
             return None
         return timeout if timeout is not None else served.batcher.slo
 
-    def _inference_target(self, path: str) -> ServedVersion | None:
-        """The model version a `/v2/models/{m}[/versions/{v}]/infer` path names, if ready."""
-        if not path.endswith("/infer") or not path.startswith("/v2/models/"):
-            return None
-        parts = path.split("/")  # "", "v2", "models", name, ["versions", v,] "infer"
-        if len(parts) == 5:
-            version = None
-        elif (
-            len(parts) == 7 and parts[4] == "versions" and parts[5].isascii() and parts[5].isdigit()
-        ):
-            version = int(parts[5]) if len(parts[5]) <= 18 else None
-        else:
-            return None
-        model = self.models.models.get(parts[3])
+    def inference_target(self, name: str, version: str | None) -> ServedVersion | None:
+        """The model version a v2 inference path names (`lane_target`), if ready. Looked up
+        anew for every request: a reload or an unload replaces what a path names."""
+        model = self.models.models.get(name)
         if model is None:
             return None
-        return model.latest_ready() if version is None else model.versions.get(version)
+        if version is None:
+            return model.latest_ready()
+        if not (version.isascii() and version.isdigit() and len(version) <= 18):
+            return None
+        return model.versions.get(int(version))
 
     async def _error(self, request: HttpRequest, exc: ServingError, openai: bool) -> None:
         if openai:

@@ -255,7 +255,8 @@ class Rate:
     at: float = 0.0
 
     def add(self, now: float) -> None:
-        self.value = self.current(now) + 1.0 / self.tau
+        decayed = self.value * math.exp(-max(0.0, now - self.at) / self.tau)  # `current`, inline
+        self.value = decayed + 1.0 / self.tau
         self.at = now
 
     def current(self, now: float) -> float:

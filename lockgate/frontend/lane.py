@@ -60,9 +60,6 @@ class BodiesArriving:
     count: int = 0
     asgi: int = 0
 
-    def waiting(self) -> int:
-        return self.count + self.asgi
-
 
 @dataclass(slots=True)
 class Lane:

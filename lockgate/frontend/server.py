@@ -23,8 +23,9 @@ protocol in the read that brings it (`frontend/probe.py`).
 
 A POST whose head arrives whole is judged on arrival, from its raw bytes, by the connection
 gate and its model's admission (`_Protocol.data_received`): a refusal is a split of the head
-and a canned 503, with no parser callback, no scope and no task, and the body is dropped as it
-arrives. Under overload most requests are refusals, and they take CPU from the model.
+(`frontend/arrival.py`; a connection sending the same head again reuses its last) and a canned
+503, with no parser callback, no scope and no task, and the body is dropped as it arrives.
+Under overload most requests are refusals, and they take CPU from the model.
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from lockgate.core.bare_model import BareModel
 from lockgate.core.heap import freeze_heap
 from lockgate.core.manager import ModelManager, ServingSettings
-from lockgate.core.metrics import Counter, Registry
+from lockgate.core.metrics import Counter, Registry, Tally
 from lockgate.errors import ServingError, Unavailable
 from lockgate.frontend.acceptor import Acceptor
-from lockgate.frontend.access_log import request_id
+from lockgate.frontend.access_log import new_request_id, request_id
 from lockgate.frontend.app import App, ServerSettings
+from lockgate.frontend.arrival import LastHead, PostHead, request_timeout
 from lockgate.frontend.cors import origin_of
 from lockgate.frontend.gate import Gate, GateSettings
 from lockgate.frontend.health_port import HealthPort, HealthState, response_bytes
@@ -123,7 +125,7 @@ class _Protocol(HttpToolsProtocol):
 
     max_head_bytes = 64 * 1024
     gate: Gate
-    refusals: Counter
+    refusals: _RefusalCount
     lockgate_app: App
     lane_bodies = BodiesArriving()  # the server's lane requests whose body is still to come
 
@@ -145,6 +147,7 @@ class _Protocol(HttpToolsProtocol):
         self.between = True  # the parser is between messages: a new head may be read here
         self.skip = 0  # body bytes of a request refused on arrival still to be dropped
         self.vetted = False  # the head being parsed was already let through on arrival
+        self.last_head = LastHead()  # the last POST head split on arrival
         self.disconnect = Disconnect()  # tells the handlers on this connection it closed
         self.lane = Lane()  # the inference request answered below ASGI (`frontend/lane.py`)
         self.body_arriving = False  # an ASGI request let through, its body not yet all in
@@ -157,7 +160,7 @@ class _Protocol(HttpToolsProtocol):
         self.address = self.client[0] if self.client else ""
         why = self.gate.connect(self.address)
         if why is not None:
-            self.refusals.inc((why,))
+            self.refusals.inc(why)
             transport.abort()
             return
         self.counted = True
@@ -192,7 +195,7 @@ class _Protocol(HttpToolsProtocol):
         self.head_timer = None
         if self.transport.is_closing():
             return
-        self.refusals.inc(("head_timeout",))
+        self.refusals.inc("head_timeout")
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.keep_alive = False  # a pipelined head stalled behind a running request
             return
@@ -239,78 +242,65 @@ class _Protocol(HttpToolsProtocol):
 
     def _arrival(self, data: bytes) -> int:
         """Judge the request head at the start of `data`: the bytes it and its body took
-        when it was refused (all of `data` when the body is still to come), or 0 when it
-        goes to the parser (let through, or anything this reading does not handle: a head
-        not yet complete, chunked or content-encoded bodies, `Expect`, upgrades, encoded
-        paths, HTTP/1.0)."""
+        when it was refused, or the lane took it (all of `data` when the body is still to
+        come), or 0 when it goes to the parser (let through, or anything this reading does
+        not handle: a head not yet complete, or one `arrival.split_head` leaves to it)."""
         end = data.find(b"\r\n\r\n", 0, self.max_head_bytes)
         if end < 0 or (self.cycle is not None and not self.cycle.response_complete):
             return 0
-        lines = data[:end].split(b"\r\n")
-        parts = lines[0].split(b" ")
-        if len(parts) != 3 or parts[2] != b"HTTP/1.1" or parts[1][:1] != b"/":
-            return 0
-        path_bytes = parts[1].partition(b"?")[0]
-        if b"%" in path_bytes:
-            return 0
-        headers = []
-        length = -1
-        close = False
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon or not name or name[-1:] in b" \t" or line[:1] in b" \t":
-                return 0
-            name = name.lower()
-            value = value.strip(b" \t")
-            if name == b"content-length":
-                if length >= 0 or not value.isdigit() or len(value) > 18:
-                    return 0
-                length = int(value)
-            elif name == b"connection":
-                token = value.lower()
-                if token not in (b"close", b"keep-alive"):
-                    return 0
-                close = close or token == b"close"
-            elif name in _PARSER_HEADERS:
-                return 0
-            headers.append((name, value))
-        if length < 0:
+        head = self.last_head.of(data, end)
+        if head is None:
             return 0
         now = time.monotonic()
         received = self.arrived or now
-        path = path_bytes.decode("latin-1")
-        why = self.gate.admit(path, self._in_progress(), now, self.lockgate_app.models.loading > 0)
-        error = None
-        if why is None:
+        app = self.lockgate_app
+        why = self.gate.admit(head.path, self._in_progress(), now, app.models.loading > 0)
+        if why is not None:
+            body, retry = _saturated(head.path), self.gate.retry_after(now)
+            return self._refuse_arrival(head, data, why, body, retry, received, now)
+        if head.target is not None and head.timed:
             wait = self.gate.loop_cost.wait(self._loop_work_ahead())
-            error = self.lockgate_app.early_refusal(b"POST", path, headers, received, wait)
-            if error is None:
-                target = lane_target(path) if self._lane_open(headers) else None
-                if target is not None and length <= self.lockgate_app.settings.max_body_bytes:
-                    request = LaneRequest(*target, path, headers, b"", received, not close)
-                    self._take_lane(request, length, data[end + 4 :], now)
-                    return len(data)
-                self.vetted = True  # the parser reads the same head next, in this same call
-                self.arrived = received
-                return 0
-            why, body = "model_admission", _ADMISSION_BODY.of(error)
-            retry = max(1, math.ceil(error.retry_after or 1))
-        else:
-            body, retry = _saturated(path), self.gate.retry_after(now)
-        self.refusals.inc((why,))
+            error = app.early_refusal(head.target, head.timeout, received, now, wait)
+            if error is not None:
+                body, retry = _ADMISSION_REFUSAL.of(error)
+                why = "model_admission"
+                return self._refuse_arrival(head, data, why, body, retry, received, now)
+        target = head.target if self._lane_open(head.headers) else None
+        if target is not None and head.length <= app.settings.max_body_bytes:
+            request = LaneRequest(*target, head.path, head.headers, b"", received, not head.close)
+            self._take_lane(request, head.length, data[head.size :], now)
+            return len(data)
+        self.vetted = True  # the parser reads the same head next, in this same call
+        self.arrived = received
+        return 0
+
+    def _refuse_arrival(
+        self,
+        head: PostHead,
+        data: bytes,
+        why: str,
+        body: bytes,
+        retry: int,
+        received: float,
+        now: float,
+    ) -> int:
+        """Answer the head at the start of `data` 503 with `body` and Retry-After `retry`,
+        before its body: the bytes it and its body took (all of `data` when the body is still
+        to come, to be dropped as it arrives)."""
+        self.refusals.inc(why)
         self._cancel_head_timer()
         if not self.penalized:  # (while paused, what is read next still waited from its start)
             self.arrived = 0.0
-        size = end + 4 + length
-        close = close or length > DISCARD_BYTES
-        rid = request_id(headers)
+        close = head.close or head.length > DISCARD_BYTES
+        rid = head.request_id or new_request_id()
         self._write_refusal(body, retry, rid, close)
         access = self.lockgate_app.access
         if access.enabled:
-            access.refused(rid, b"POST", path, received, self.address, why)
-        pause = self.gate.refused(now, functools.partial(self.lockgate_app.budget, path, headers))
+            access.refused(rid, b"POST", head.path, received, self.address, why)
+        pause = self.gate.refused(now, self._arrival_budget)
         if close:
             return len(data)
+        size = head.size + head.length
         if size > len(data):  # the body is still to come, within the head timeout
             self.skip = size - len(data)
             self._arm_head_timer()
@@ -318,8 +308,16 @@ class _Protocol(HttpToolsProtocol):
         if pause > 0:
             self._penalize(pause, now)  # (the keep-alive timer waits for the resume)
         else:
-            self._keep_alive()
+            self._keep_alive(now)
         return size
+
+    def _arrival_budget(self) -> float | None:
+        """The time budget of the head refused on arrival a moment ago (the connection's last
+        head), asked by the gate when it pauses the connection."""
+        head = self.last_head.head
+        if head is None or not head.timed:
+            return None
+        return self.lockgate_app.budget(head.target, head.timeout)
 
     def _probe(self, data: bytes) -> int:
         """Answer the health probe at the start of `data` here (`frontend/probe.py`): the
@@ -356,8 +354,9 @@ class _Protocol(HttpToolsProtocol):
 
     def _loop_work_ahead(self) -> int:
         """Requests in progress whose handlers the event loop runs before one let through
-        now: not those still waiting for their body."""
-        return len(self.tasks) + self.lane_bodies.count - self.lane_bodies.waiting()
+        now: not those still waiting for their body, the ASGI tasks waiting for theirs (a lane
+        request waiting for its body has no task yet)."""
+        return len(self.tasks) - self.lane_bodies.asgi
 
     def _asgi_body_ended(self) -> None:
         if self.body_arriving:
@@ -370,7 +369,7 @@ class _Protocol(HttpToolsProtocol):
         been sending its body for longer than the gate's `slow_body`: its place is taken back
         (`BodyWaits`). It is answered 503 with Retry-After, and the connection closes with the
         rest of its body unread (an ASGI handler waiting on it sees the client gone)."""
-        self.refusals.inc(("slow_body",))
+        self.refusals.inc("slow_body")
         waiting = self.lane.waiting
         if waiting is not None:
             method, path, headers, received = (
@@ -492,14 +491,15 @@ class _Protocol(HttpToolsProtocol):
             return
         super().shutdown()
 
-    def _keep_alive(self) -> None:
+    def _keep_alive(self, now: float | None = None) -> None:
         """An idle keep-alive connection closes after uvicorn's keep-alive timeout. Its timer
         outlives the connection's requests: an answer marks when the idleness began, a request
         clears the mark (`_unset_keepalive_if_required`), and the timer, when it fires, closes
         the connection if it has been idle for the whole timeout, or waits for what is left of
         it. (A timer made and cancelled for every request cost more than the mark.)"""
-        self._unset_keepalive_if_required()
-        self.idle_since = time.monotonic()
+        if self.timeout_keep_alive_task is not None:  # uvicorn's own, armed by an ASGI answer
+            super()._unset_keepalive_if_required()
+        self.idle_since = time.monotonic() if now is None else now
         if self.idle_timer is None:
             self.idle_timer = self.loop.call_later(self.timeout_keep_alive, self._idle_timed_out)
 
@@ -544,23 +544,29 @@ class _Protocol(HttpToolsProtocol):
             self.vetted = False
             self.gate.let_through(time.monotonic())
         elif self.cycle is None or self.cycle.response_complete:  # not behind a pipelined one
+            now = time.monotonic()
             path = self.url.partition(b"?")[0].decode("latin-1")
+            target = lane_target(path)
+            try:
+                timeout = request_timeout(self.headers)
+            except ValueError:  # the route answers 400 with its message
+                target, timeout = None, None
             loading = self.lockgate_app.models.loading > 0
-            why = self.gate.admit(path, self._in_progress(), time.monotonic(), loading)
+            why = self.gate.admit(path, self._in_progress(), now, loading)
             if why is not None:
-                self.refusals.inc((why,))
-                retry = self.gate.retry_after(time.monotonic())
-                self._refuse(_saturated(path), retry, why, path)
+                budget = functools.partial(self.lockgate_app.budget, target, timeout)
+                self._refuse(_saturated(path), self.gate.retry_after(now), why, path, budget, now)
                 return
-            method = self.parser.get_method()
-            wait = self.gate.loop_cost.wait(self._loop_work_ahead())
-            error = self.lockgate_app.early_refusal(method, path, self.headers, self.received, wait)
-            if error is not None:
-                self.refusals.inc(("model_admission",))
-                retry = max(1, math.ceil(error.retry_after or 1))
-                self._refuse(encode_error(error.message), retry, "model_admission", path)
-                return
-            self.gate.let_through(time.monotonic())
+            if target is not None and self.parser.get_method() == b"POST":
+                wait = self.gate.loop_cost.wait(self._loop_work_ahead())
+                app = self.lockgate_app
+                error = app.early_refusal(target, timeout, self.received, now, wait)
+                if error is not None:
+                    body, retry = _ADMISSION_REFUSAL.of(error)
+                    budget = functools.partial(app.budget, target, timeout)
+                    self._refuse(body, retry, "model_admission", path, budget, now)
+                    return
+            self.gate.let_through(now)
         starts = self.cycle is None or self.cycle.response_complete  # its task, now
         super().on_headers_complete()
         if starts and not self.body_arriving:  # until on_message_complete, or connection_lost
@@ -568,11 +574,20 @@ class _Protocol(HttpToolsProtocol):
             self.lane_bodies.asgi += 1
             self.gate.bodies.start(self.address, self, time.monotonic(), self._body_evicted)
 
-    def _refuse(self, body: bytes, retry: int, reason: str, path: str) -> None:
+    def _refuse(
+        self,
+        body: bytes,
+        retry: int,
+        reason: str,
+        path: str,
+        budget: Callable[[], float | None],
+        now: float,
+    ) -> None:
         """Answer 503 now, before the body. A small declared body is then skipped as it
         arrives, unparsed, and the connection stays open: closing it would make a client
         that sends again pay a new connection, and the server accept it, at the worst time.
         A large, unknown (chunked) or unwanted body closes the connection."""
+        self.refusals.inc(reason)
         declared = None
         for name, value in self.headers:
             if name == b"content-length":
@@ -585,12 +600,11 @@ class _Protocol(HttpToolsProtocol):
         access = self.lockgate_app.access
         if access.enabled:
             access.refused(rid, self.parser.get_method(), path, self.received, self.address, reason)
-        budget = functools.partial(self.lockgate_app.budget, path, self.headers)
-        pause = self.gate.refused(time.monotonic(), budget)
+        pause = self.gate.refused(now, budget)
         if keep:
             self._arm_head_timer()  # and must arrive within the head timeout
             if pause > 0:
-                self._penalize(pause, time.monotonic())
+                self._penalize(pause, now)
 
     def _penalize(self, pause: float, now: float) -> None:
         """A client resending at once: its connection is not read for up to `pause` seconds,
@@ -671,7 +685,7 @@ class _Protocol(HttpToolsProtocol):
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        self.refusals.inc(("head_too_large" if self.head_too_large else "invalid_http",))
+        self.refusals.inc("head_too_large" if self.head_too_large else "invalid_http")
         if self.head_too_large:
             self._write_error(
                 431, f"request line and headers are over {self.max_head_bytes} bytes", True
@@ -699,6 +713,24 @@ def _quiet_parser_errors() -> None:
         uvicorn_log.addFilter(_ParserErrorFilter())
 
 
+class _RefusalCount:
+    """`lockgate_http_refused_total` by reason, counted on tallies (`core.metrics.Tally`: the
+    protocol runs on the loop's thread), each found by its reason alone: under overload most
+    requests are refusals."""
+
+    __slots__ = ("counter", "tallies")
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self.tallies: dict[str, Tally] = {}
+
+    def inc(self, reason: str) -> None:
+        tally = self.tallies.get(reason)
+        if tally is None:
+            tally = self.tallies[reason] = self.counter.tally((reason,))
+        tally.count += 1
+
+
 class _CannedHead:
     """A 503's head up to its content type, rebuilt only when the server's default headers
     change (uvicorn replaces their list once a second, for the date): a refusal then costs
@@ -720,26 +752,29 @@ class _CannedHead:
         return self.head
 
 
-class _CannedBody:
-    """The JSON body of the last admission refusal: a model's admission gives the same
-    refusal again while its queue is unchanged (`Batcher.early_refusal`), and a refusal then
-    costs no encoding."""
+class _CannedRefusal:
+    """The JSON body and Retry-After of the last admission refusal: a model's admission
+    gives the same refusal again while its queue is unchanged (`Batcher.early_refusal`), and
+    a refusal then costs no encoding."""
 
-    __slots__ = ("body", "error")
+    __slots__ = ("body", "error", "retry")
 
     def __init__(self) -> None:
         self.error: object = None  # the refusal the body was encoded from
         self.body = b""
+        self.retry = 1
 
-    def of(self, error: ServingError) -> bytes:
+    def of(self, error: ServingError) -> tuple[bytes, int]:
+        """(body, Retry-After seconds) of `error`."""
         if error is not self.error:
             self.body = encode_error(error.message)
+            self.retry = max(1, math.ceil(error.retry_after or 1))
             self.error = error
-        return self.body
+        return self.body, self.retry
 
 
 _REFUSAL_HEAD = _CannedHead()
-_ADMISSION_BODY = _CannedBody()
+_ADMISSION_REFUSAL = _CannedRefusal()
 _CLOSE = b"connection: close\r\n"
 _REASONS = {
     400: b"Bad Request",
@@ -756,9 +791,6 @@ def _saturated(path: str) -> bytes:
     return _SATURATED_OPENAI if openai_path(path) else _SATURATED
 
 
-# headers that leave a request to the parser: a refusal on arrival would misread it, or
-# (content-encoding) its body is decoded on the ASGI path, not on the lane
-_PARSER_HEADERS = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"content-encoding"})
 DISCARD_BYTES = 64 * 1024  # a refused request's body up to this is skipped, not read
 
 
@@ -825,7 +857,7 @@ def _protocol_class(
     attributes = {
         "max_head_bytes": max_head_bytes,
         "gate": gate,
-        "refusals": refusals,
+        "refusals": _RefusalCount(refusals),
         "lockgate_app": app,
         "lane_bodies": BodiesArriving(),
     }

@@ -268,3 +268,17 @@ def test_a_prometheus_client_without_the_values_it_updates_falls_back_to_its_chi
     bucketed = metrics._Bucketed(bare)  # type: ignore[arg-type]
     bucketed.observe(0.25)
     assert bare.calls == [0.25]
+
+
+def test_a_tally_counts_in_its_series_whenever_the_series_is_read() -> None:
+    registry = Registry()
+    counter = registry.counter("lockgate_t_total", "t", ("reason",))
+    tally = counter.tally(("busy",))
+    assert counter.tally(("busy",)) is tally  # one per series
+    assert b'lockgate_t_total{reason="busy"} 0.0' in registry.exposition()[0]  # exists at once
+    tally.count += 3
+    counter.inc(("busy",))
+    assert counter.values() == {("busy",): 4.0}
+    tally.count += 2
+    assert b'lockgate_t_total{reason="busy"} 6.0' in registry.exposition()[0]
+    assert b'lockgate_t_total{reason="busy"} 6.0' in registry.exposition()[0]  # added once

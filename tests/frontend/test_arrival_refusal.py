@@ -282,3 +282,35 @@ def test_a_request_that_waited_out_a_refusal_pause_counts_the_wait(tmp_path: Pat
                 headers={"request-timeout": "0.2", "content-type": "application/json"},
             )
         assert r.status_code == 200, r.text
+
+
+def test_a_kept_connection_is_refused_by_the_model_loaded_now(tmp_path: Path) -> None:
+    """Each connection keeps the last head it split: after a reload the same head on the same
+    connection is judged by the new version (its SLO in the refusal), after an unload by
+    none (the route's 404)."""
+    control = ("--model-control-mode", "explicit", "--load-model", "*")
+    with held_server(tmp_path, *control) as server:
+        sock, reader = connect(server)
+        with sock:
+            sock.sendall(infer_request())
+            status, headers, body = reader.response()
+            assert refused(status, headers, body) and b"budget 100.0 ms" in body, body
+            config = tmp_path / "repo" / "held" / "config.yaml"
+            config.write_text(CONFIG.replace("latency_slo_ms: 100", "latency_slo_ms: 80"))
+            load = httpx.post(server.url + "/v2/repository/models/held/load", timeout=30)
+            assert load.status_code == 200, load.text
+            # until the holders keep the new version busy: then refused on arrival (no time
+            # spent: its whole budget), never by the old version
+            deadline = time.monotonic() + 10
+            while True:
+                sock.sendall(infer_request())
+                status, headers, body = reader.response()
+                assert b"budget 100.0 ms" not in body, body
+                if b"budget 80.0 ms" in body or time.monotonic() > deadline:
+                    break
+            assert refused(status, headers, body) and b"budget 80.0 ms" in body, body
+            unload = httpx.post(server.url + "/v2/repository/models/held/unload", timeout=30)
+            assert unload.status_code == 200, unload.text
+            sock.sendall(infer_request())
+            status, _, body = reader.response()
+            assert status == 404, body
