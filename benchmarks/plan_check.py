@@ -39,16 +39,25 @@ Each repetition, per model:
    digits_onnx's server, and the plan is for the server. The bench's p99 from the scheduled
    send time is reported beside it. The server's CPU (/proc) and statistics give its CPU per
    request and mean batch size during the level.
+4. For digits_onnx, right after, the same server gets the same Poisson rate for the same time
+   from `benchmarks/openloop.c` (the C open-loop client of `serving_maxrate`, about 3% of a
+   core per 1,000 req/s, pinned to the client core): a client that is not a queue of its own
+   at digits_onnx's scale. Its p99 is counted the same way, from when each request left (the
+   latency less the client's own dispatch lag). digits_onnx's target is judged on this p99
+   and the bench's is reported beside it; without a C compiler (`cc`) the bench's p99 is
+   judged, and the notes say so. The other models' clients are idle enough at their rates
+   (and the extra levels would cost minutes), so they are measured by the bench alone.
 
 A level measured the machine more than the server, and is reported but left out of the
 medians, when the client sent late (send lag p99 above 10% of the predicted p99, and above
 2 ms: the client's timers wake up to 1 ms late even on a quiet machine) or when other work
 took the server's core (/proc/stat: the core's busy time less the server's own CPU, above
-10% of the level): the plan describes a replica that has its core. Rows quote the median over
-the kept repetitions of the measured p99, with the median prediction as the baseline; the
-ratio is measured / predicted. Beside them, the plan's queue fed the send times the client
-really produced instead of Poisson arrivals (see `trace_p99`). Run alone with
-`python -m benchmarks.plan_check`.
+10% of the level): the plan describes a replica that has its core. The same tests, on the C
+client's dispatch lag and the server core over its run, decide whether a C level is kept.
+Rows quote the median over the kept repetitions of the measured p99 (digits_onnx's: the C
+client's), with the median prediction as the baseline; the ratio is measured / predicted.
+Beside them, the plan's queue fed the send times the bench really produced instead of
+Poisson arrivals (see `trace_p99`). Run alone with `python -m benchmarks.plan_check`.
 """
 
 from __future__ import annotations
@@ -70,17 +79,22 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import (
+    CLIENT_CORE,
     SERVER_CORE,
     Context,
     Server,
     SuiteResult,
     environment,
     percentile,
+    pin_command,
     pinning_available,
     process_cpu_seconds,
     running,
     start_lockgate,
 )
+from benchmarks.overload_real import digits_bodies
+from benchmarks.raw_load import post_request
+from benchmarks.serving_maxrate import OpenLoop, read_records, write_requests
 from lockgate.plan.batching import BatchQueue
 from lockgate.plan.planner import PlanInputs, p99_at, plan
 from lockgate.plan.profile import ReplicaProfile
@@ -90,6 +104,7 @@ SLEEP_S = 0.010  # the sleeper's sleep per call
 UTILIZATIONS = (0.3, 0.5, 0.7)
 TOLERANCE = 0.15  # |predicted - measured| / measured
 TARGET_MODELS = ("minilm", "digits_onnx")
+OPENLOOP_MODELS = ("digits_onnx",)  # also measured by the C client, and judged on it
 LEVEL_S = 12.0
 MAX_SEND_LAG = 0.10  # of the predicted p99: a client this late measured the machine
 MIN_SEND_LAG_MS = 2.0  # the client's timers wake up to 1 ms late even on a quiet machine
@@ -202,18 +217,50 @@ class Point:
     mean_batch: float
     other_work: float | None  # share of the server core's time other processes used
     warnings: list[str] = field(default_factory=list)
+    c: OpenLoopLevel | None = None  # the C client's level right after, where it ran
+
+    @property
+    def judged_p99_ms(self) -> float:
+        """The p99 the target is judged on: the C client's where it ran, else the bench's."""
+        return self.c.p99_ms if self.c is not None else self.measured_p99_ms
 
     @property
     def error(self) -> float:
-        return (self.predicted_p99_ms - self.measured_p99_ms) / self.measured_p99_ms
+        return (self.predicted_p99_ms - self.judged_p99_ms) / self.judged_p99_ms
+
+    @property
+    def bench_starved(self) -> bool:
+        """The bench sent late, or other work took the server's core during its level."""
+        return disturbed(self, self.measured_p99_ms, self.send_lag_p99_ms, self.other_work)
 
     @property
     def starved(self) -> bool:
-        """The client sent late, or other work took the server's core."""
-        limit = max(MIN_SEND_LAG_MS, MAX_SEND_LAG * self.predicted_p99_ms)
-        crowded = self.other_work is not None and self.other_work > MAX_OTHER_WORK
-        failed = not math.isfinite(self.measured_p99_ms)  # no request succeeded
-        return self.send_lag_p99_ms > limit or crowded or failed
+        """The judged measurement's client sent late, or other work took the server's core."""
+        if self.c is None:
+            return self.bench_starved
+        return disturbed(self, self.c.p99_ms, self.c.lag_p99_ms, self.c.other_work)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenLoopLevel:
+    """What `openloop.c` measured at one level: latencies from when each request left."""
+
+    p99_ms: float  # NaN when nothing succeeded
+    p50_ms: float
+    scheduled_p99_ms: float  # from the scheduled time, misses infinite
+    lag_p99_ms: float  # the client's own dispatch lag
+    requests: int
+    errors: int
+    client_cpu_util: float
+    other_work: float | None  # share of the server core's time other processes used
+
+
+def disturbed(point: Point, p99_ms: float, lag_p99_ms: float, other: float | None) -> bool:
+    """A level that measured the machine: its client sent late, other work took the server's
+    core, or no request succeeded."""
+    limit = max(MIN_SEND_LAG_MS, MAX_SEND_LAG * point.predicted_p99_ms)
+    crowded = other is not None and other > MAX_OTHER_WORK
+    return lag_p99_ms > limit or crowded or not math.isfinite(p99_ms)
 
 
 def profile(server: Server, model: Model, path: Path) -> ReplicaProfile:
@@ -357,8 +404,60 @@ def measure(
     return Level(report_json, from_send, sent[order], measured, used)
 
 
+@dataclass(frozen=True, slots=True)
+class CClient:
+    """`openloop.c` built, and the requests it sends to one server."""
+
+    binary: OpenLoop
+    requests: Path
+
+    @classmethod
+    def for_server(cls, binary: OpenLoop, server: Server, model: Model, work: Path) -> CClient:
+        path = f"/v2/models/{model.name}/infer"
+        requests = work / f"requests-{model.name}.bin"
+        write_requests(
+            requests, [post_request("127.0.0.1", server.port, path, b) for b in digits_bodies(16)]
+        )
+        return cls(binary, requests)
+
+    def measure(
+        self, server: Server, model: Model, rate: float, run: tuple[float, int, Path]
+    ) -> OpenLoopLevel:
+        """Poisson arrivals at `rate` for `seconds` from the C client on the client core."""
+        seconds, seed, work = run
+        out = work / "records.bin"
+        command = self.binary.command(server.port, self.requests, rate, seconds, out, seed=seed)
+        before = ServerLoad.read(server, model.name)
+        done = subprocess.run(
+            pin_command(command, CLIENT_CORE), capture_output=True, text=True,
+            timeout=seconds + 60,
+        )  # fmt: skip
+        used = ServerLoad.read(server, model.name).since(before)
+        if done.returncode != 0:
+            raise RuntimeError(f"openloop failed ({done.returncode}): {done.stderr[-300:]}")
+        records = read_records(out)
+        ok = records["status"] == 200
+        from_send = list((records["latency_ns"] - records["lag_ns"])[ok] / 1e6)
+        scheduled = np.where(ok, records["latency_ns"] / 1e6, np.inf)
+        return OpenLoopLevel(
+            p99_ms=percentile(from_send, 99),
+            p50_ms=percentile(from_send, 50),
+            scheduled_p99_ms=float(np.percentile(scheduled, 99, method="higher")),
+            lag_p99_ms=float(np.percentile(records["lag_ns"], 99)) / 1e6,
+            requests=len(records),
+            errors=int((~ok).sum()),
+            client_cpu_util=float(json.loads(done.stdout)["cpu_share"]),
+            other_work=used.other_work,
+        )
+
+
 def one_point(
-    server: Server, model: Model, replica: ReplicaProfile, rho: float, run: tuple[float, int, Path]
+    server: Server,
+    model: Model,
+    replica: ReplicaProfile,
+    rho: float,
+    run: tuple[float, int, Path],
+    c_client: CClient | None = None,
 ) -> Point:
     seconds, seed, work = run
     t1 = replica.service.service_time(1)
@@ -393,14 +492,18 @@ def one_point(
         mean_batch=used.rows / max(used.batches, 1),
         other_work=used.other_work,
         warnings=report["warnings"],
+        c=None if c_client is None else c_client.measure(server, model, rate, run),
     )
 
 
-def run_model(ctx: Context, model: Model, seconds: float) -> list[Point]:
+def run_model(ctx: Context, model: Model, seconds: float, c: OpenLoop | None) -> list[Point]:
     repository = write_repository(ctx.work, model, ctx)
     points: list[Point] = []
     server = start_lockgate(repository, ctx.work, *SERVER_FLAGS)
     with running(server):
+        c_client = None
+        if c is not None and model.name in OPENLOOP_MODELS:
+            c_client = CClient.for_server(c, server, model, ctx.work)
         for repetition in range(ctx.repetitions):
             replica = profile(server, model, ctx.work / "profile.json")
             ctx.say(
@@ -411,25 +514,40 @@ def run_model(ctx: Context, model: Model, seconds: float) -> list[Point]:
                 f"ms, cv {replica.service_cv:.2f}",
             )
             for rho in UTILIZATIONS:
-                point = one_point(server, model, replica, rho, (seconds, repetition, ctx.work))
+                run = (seconds, repetition, ctx.work)
+                point = one_point(server, model, replica, rho, run, c_client)
                 ctx.say(
                     SUITE,
                     f"{model.name} rep {repetition + 1} rho {rho}: {point.rate:.1f}/s, p99 "
-                    f"predicted {point.predicted_p99_ms:.2f} ms ({model.queue_model}), measured "
-                    f"{point.measured_p99_ms:.2f} ms ({point.error:+.0%}); server CPU "
+                    f"predicted {point.predicted_p99_ms:.2f} ms ({model.queue_model}), lockgate "
+                    f"bench {point.measured_p99_ms:.2f} ms; server CPU "
                     f"{point.server_cpu_per_request_ms:.3f} ms/request, batch "
                     f"{point.mean_batch:.2f}, send lag p99 {point.send_lag_p99_ms:.1f} ms, "
-                    f"other work on the server core {_share(point.other_work)}",
+                    f"other work on the server core {_share(point.other_work)}"
+                    + ("" if point.c is None else f"; {_c_line(point.c)}")
+                    + f"; error {point.error:+.0%}{' (left out)' if point.starved else ''}",
                 )
                 points.append(point)
     return points
 
 
+def _c_line(c: OpenLoopLevel) -> str:
+    return (
+        f"C client p99 {c.p99_ms:.2f} ms from the send, dispatch lag p99 {c.lag_p99_ms:.2f} "
+        f"ms, CPU {c.client_cpu_util:.2f}, other work on the server core {_share(c.other_work)}"
+    )
+
+
 def run(ctx: Context) -> SuiteResult:
     started = time.perf_counter()
     seconds = ctx.scale(LEVEL_S)
-    points = [p for model in MODELS for p in run_model(ctx, model, seconds)]
-    return summarize(points, seconds, time.perf_counter() - started)
+    try:
+        c: OpenLoop | None = OpenLoop.build(ctx.work)
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        ctx.say(SUITE, f"no C client ({exc}): digits_onnx is judged on lockgate bench's p99")
+        c = None
+    points = [p for model in MODELS for p in run_model(ctx, model, seconds, c)]
+    return summarize(points, seconds, time.perf_counter() - started, c is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,17 +572,20 @@ class Cell:
 
     @property
     def error(self) -> float:
-        measured = self.median("measured_p99_ms")
+        measured = self.median("judged_p99_ms")
         return (self.median("predicted_p99_ms") - measured) / measured
 
 
-def summarize(points: list[Point], seconds: float, elapsed: float) -> SuiteResult:
+def summarize(
+    points: list[Point], seconds: float, elapsed: float, c_built: bool = False
+) -> SuiteResult:
     result = SuiteResult(
         suite=SUITE,
         title="lockgate plan's p99 against lockgate bench's, one replica on one core",
         target=(
             f"predicted p99 within {TOLERANCE:.0%} of measured at rho 0.3, 0.5, 0.7 on "
             f"{' and '.join(TARGET_MODELS)} (sleeper: the ideal case, reported)"
+            + (f"; {', '.join(OPENLOOP_MODELS)} measured by the C client" if c_built else "")
         ),
         met=None,
         environment=environment(),
@@ -475,7 +596,7 @@ def summarize(points: list[Point], seconds: float, elapsed: float) -> SuiteResul
         for rho in UTILIZATIONS
     ]
     for cell in cells:
-        measured = cell.median("measured_p99_ms")
+        measured = cell.median("judged_p99_ms")
         result.add(
             f"{cell.model.name} p99 at rho {cell.rho}",
             measured,
@@ -488,6 +609,14 @@ def summarize(points: list[Point], seconds: float, elapsed: float) -> SuiteResul
     if all(c.evaluated for c in judged):
         result.met = all(abs(c.error) <= TOLERANCE for c in judged)
     result.notes += _notes(points, cells, seconds, elapsed)
+    result.notes.append(
+        f"{', '.join(OPENLOOP_MODELS)}: measured after each bench level by the C open-loop "
+        "client (benchmarks/openloop.c) at the same rate for the same time, p99 from when each "
+        "request left; the rows and the target use its p99, the bench's is in the note"
+        if c_built
+        else f"NO C CLIENT (cc missing): {', '.join(OPENLOOP_MODELS)} judged on lockgate "
+        "bench's p99, which carries the client's own queue"
+    )
     result.raw["points"] = [_point_json(p) for p in points]
     return result
 
@@ -504,16 +633,28 @@ def _cell_note(cell: Cell, measured: float) -> str:
     if not kept:
         status = "NOT EVALUATED: the machine was busy in every repetition"
     cells = ", ".join(
-        f"{p.measured_p99_ms:.2f}/{p.predicted_p99_ms:.2f}{'*' if p.starved else ''}"
+        f"{p.judged_p99_ms:.2f}/{p.predicted_p99_ms:.2f}{'*' if p.starved else ''}"
         for p in cell.points
     )
+    c_part = ""
+    if any(p.c is not None for p in cell.points):
+        bench = ", ".join(
+            f"{p.measured_p99_ms:.2f}{'*' if p.bench_starved else ''}" for p in cell.points
+        )
+        c_part = (
+            f"measured by the C client (dispatch lag p99 "
+            f"{_c_median(cell, 'lag_p99_ms'):.2f} ms, CPU "
+            f"{_c_median(cell, 'client_cpu_util'):.2f} of a core; from its scheduled send "
+            f"{_c_median(cell, 'scheduled_p99_ms'):.2f} ms); lockgate bench's p99 from the "
+            f"send {vs('measured_p99_ms')}, per repetition {bench}; "
+        )
     return (
-        f"{cell.median('rate'):.1f} req/s; error {cell.error:+.0%}; {status}; p99 from the "
-        f"scheduled send {vs('scheduled_p99_ms')}; the model on the client's actual send "
-        f"times {vs('trace_p99_ms')}; naive "
-        f"{vs('naive_p99_ms')}; M/M/1 {vs('mm1_p99_ms')}; before (d + M/D/1, S = T(1)) "
-        f"{vs('before_p99_ms')}; server CPU {cell.median('server_cpu_per_request_ms'):.3f} "
-        f"ms/request, mean batch {cell.median('mean_batch'):.2f}; client CPU "
+        f"{cell.median('rate'):.1f} req/s; error {cell.error:+.0%}; {status}; {c_part}"
+        f"the bench's p99 from the scheduled send {vs('scheduled_p99_ms')}; the model on the "
+        f"bench's actual send times {vs('trace_p99_ms')}; naive {vs('naive_p99_ms')}; "
+        f"M/M/1 {vs('mm1_p99_ms')}; before (d + M/D/1, S = T(1)) {vs('before_p99_ms')}; "
+        f"server CPU {cell.median('server_cpu_per_request_ms'):.3f} ms/request, mean batch "
+        f"{cell.median('mean_batch'):.2f}; the bench's client CPU "
         f"{cell.median('client_cpu_util'):.2f} of a core; per repetition: {cells}"
     )
 
@@ -532,7 +673,8 @@ def _notes(points: list[Point], cells: list[Cell], seconds: float, elapsed: floa
     if missing:
         notes.append(f"NOT EVALUATED (machine busy in every repetition): {', '.join(missing)}")
     starved = sum(p.starved for p in points)
-    others = [p.other_work for p in points if p.other_work is not None]
+    levels = [p.other_work for p in points] + [p.c.other_work for p in points if p.c]
+    others = [share for share in levels if share is not None]
     notes += [
         f"Levels left out because the client sent late or other work took the server's core: "
         f"{starved} of {len(points)} (marked * in the cells, measured/predicted p99 in ms per "
@@ -545,15 +687,25 @@ def _notes(points: list[Point], cells: list[Cell], seconds: float, elapsed: floa
     return notes
 
 
+def _c_median(cell: Cell, name: str) -> float:
+    chosen = [p.c for p in (cell.kept or cell.points) if p.c is not None]
+    return statistics.median(getattr(c, name) for c in chosen) if chosen else math.nan
+
+
 def _share(value: float | None) -> str:
     return "unknown" if value is None else f"{value:.0%}"
 
 
 def _point_json(point: Point) -> dict[str, Any]:
     data = {**asdict(point), "error": point.error, "starved": point.starved}
-    return {
-        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in data.items()
-    }
+    data["bench_starved"] = point.bench_starved
+    if point.c is not None:
+        data["c"] = {k: _finite(v) for k, v in data["c"].items()}
+    return {k: _finite(v) for k, v in data.items()}
+
+
+def _finite(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def main() -> int:
