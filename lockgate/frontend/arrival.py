@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from lockgate.frontend.access_log import client_request_id
 from lockgate.frontend.lane import lane_target
+from lockgate.frontend.raw_head import closes, header_line
 
 # headers that leave a request to the parser: a refusal on arrival would misread it, or
 # (content-encoding) its body is decoded on the ASGI path, not on the lane
@@ -55,20 +56,19 @@ def split_head(block: bytes) -> PostHead | None:
     length = -1
     close = False
     for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or name[-1:] in b" \t" or line[:1] in b" \t":
+        field = header_line(line)
+        if field is None:
             return None
-        name = name.lower()
-        value = value.strip(b" \t")
+        name, value = field
         if name == b"content-length":
             if length >= 0 or not value.isdigit() or len(value) > 18:
                 return None
             length = int(value)
         elif name == b"connection":
-            token = value.lower()
-            if token not in (b"close", b"keep-alive"):
+            closing = closes(value)
+            if closing is None:
                 return None
-            close = close or token == b"close"
+            close = close or closing
         elif name in PARSER_HEADERS:
             return None
         headers.append((name, value))

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lockgate.frontend.raw_head import closes, header_line
+
 PROBE_PATHS = frozenset({b"/v2/health/live", b"/health", b"/v2/health/ready"})
 _BODY_HEADERS = (b"content-length", b"transfer-encoding", b"expect", b"upgrade")
 
@@ -56,18 +58,17 @@ def probe_of(data: bytes, max_head: int, received: float) -> Probe | None:
     headers = []
     keep_alive = True
     for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or name[-1:] in b" \t" or line[:1] in b" \t":
+        field = header_line(line)
+        if field is None:
             return None
-        name = name.lower()
-        value = value.strip(b" \t")
+        name, value = field
         if name in _BODY_HEADERS:
             return None
         if name == b"connection":
-            token = value.lower()
-            if token not in (b"close", b"keep-alive"):
+            closing = closes(value)
+            if closing is None:
                 return None
-            keep_alive = keep_alive and token != b"close"
+            keep_alive = keep_alive and not closing
         headers.append((name, value))
     path = parts[1].decode("latin-1")
     return Probe(parts[0] == b"HEAD", path, headers, end + 4, keep_alive, received)
