@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lockgate.errors import BadRequest
 from lockgate.frontend.access_log import client_request_id
 from lockgate.frontend.lane import lane_target
 from lockgate.frontend.raw_head import closes, header_line
+from lockgate.frontend.v2_service import timeout_header
 
 # headers that leave a request to the parser: a refusal on arrival would misread it, or
 # (content-encoding) its body is decoded on the ASGI path, not on the lane
@@ -76,7 +78,7 @@ def split_head(block: bytes) -> PostHead | None:
         return None
     try:
         timeout, timed = request_timeout(headers), True
-    except ValueError:
+    except BadRequest:
         timeout, timed = None, False
     path = path_bytes.decode("latin-1")
     rid = client_request_id(headers)
@@ -85,14 +87,11 @@ def split_head(block: bytes) -> PostHead | None:
 
 
 def request_timeout(headers: list[tuple[bytes, bytes]]) -> float | None:
-    """The `Request-Timeout` header in seconds, None when absent; ValueError when unusable
-    (the route answers 400 with its message)."""
+    """The `Request-Timeout` header in seconds, None when absent; BadRequest when unusable,
+    read as its route reads it (`v2_service.timeout_header`: the route answers that 400)."""
     for name, value in headers:
         if name == b"request-timeout":
-            timeout = float(value)
-            if not 0 < timeout < 1e7:
-                raise ValueError(f"Request-Timeout out of range: {timeout}")
-            return timeout
+            return timeout_header(value.decode("latin-1"))
     return None
 
 

@@ -59,7 +59,7 @@ from lockgate.core.bare_model import BareModel
 from lockgate.core.heap import freeze_heap
 from lockgate.core.manager import ModelManager, ServingSettings
 from lockgate.core.metrics import Counter, Registry, Tally
-from lockgate.errors import ServingError, Unavailable
+from lockgate.errors import BadRequest, ServingError, Unavailable
 from lockgate.frontend.acceptor import Acceptor
 from lockgate.frontend.access_log import new_request_id, request_id
 from lockgate.frontend.app import App, ServerSettings
@@ -549,7 +549,7 @@ class _Protocol(HttpToolsProtocol):
             target = lane_target(path)
             try:
                 timeout = request_timeout(self.headers)
-            except ValueError:  # the route answers 400 with its message
+            except BadRequest:  # the route answers it (400) with its message
                 target, timeout = None, None
             loading = self.lockgate_app.models.loading > 0
             why = self.gate.admit(path, self._in_progress(), now, loading)
