@@ -316,6 +316,10 @@ class Batcher:
         # under overload most requests are early refusals (admission's verdict is Unavailable)
         self._unmeetable = metrics.rejected.tally((*self.labels, "deadline_unmeetable"))
         self._unavailable = metrics.requests.tally((*self.labels, Unavailable.kind))
+        # and those every answered request counts on, on the loop's thread too
+        self._succeeded = metrics.requests.tally((*self.labels, "success"))
+        self._answered_latency = metrics.request_latency.tally(self.labels)
+        self._queued_latency = metrics.queue_latency.tally(self.labels)
         self._admitting: EarlyAdmit | None = None  # the last early admission with room
         self._policy: CapPolicy | None = None  # of the profile's current version
         # (deadline, seq, request) of requests not yet answered, or answered since the timer
@@ -428,10 +432,10 @@ class Batcher:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
-        self._count("success")
+        self._succeeded.count += 1
         done = time.monotonic()
         self.admission.answered(request, done)
-        self.metrics.request_latency.observe(self.labels, done - request.arrival, request.trace_id)
+        self._answered_latency.observe(done - request.arrival, request.trace_id)
         return result
 
     def _dispatch_now(self, request: InferRequest, now: float) -> bool:
@@ -825,7 +829,7 @@ class Batcher:
         self._refused = None  # the queue and the instances changed
         for request in batch.requests:
             request.batched = batch.formed
-            self.metrics.queue_latency.observe(self.labels, start - request.arrival)
+            self._queued_latency.observe(start - request.arrival)
         return start
 
     def _end(

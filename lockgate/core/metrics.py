@@ -8,8 +8,10 @@ request path is a dict lookup and the update of the child's values. Counters and
 update those values directly (`_counted`, `_Bucketed`): the child's own `inc` and `observe`
 check on every call what holds once the child exists, and a histogram scans its 30 bounds
 for the bucket, which on a small model's request path took about a microsecond a call.
-`exposition()` answers a scrape in the text format 0.0.4, or in OpenMetrics (with
-exemplars) when the scraper asks for it.
+A series counted often on the event loop's thread alone is counted on a tally (`Tally`,
+`HistogramTally`): plain numbers, added to the series whenever it is read. `exposition()`
+answers a scrape in the text format 0.0.4, or in OpenMetrics (with exemplars) when the
+scraper asks for it.
 """
 
 from __future__ import annotations
@@ -97,6 +99,48 @@ class _Bucketed:
         # the first bucket whose bound is at least `value`, as prometheus_client's scan finds
         self.buckets[bisect.bisect_left(self.bounds, value)].inc(1)
         self.sum.inc(value)
+
+
+class HistogramTally:
+    """Observations of one histogram series made on the event loop's thread alone: plain
+    counts by bucket and a plain sum, added to the series whenever it is read
+    (`Histogram.fold`: a scrape, `Histogram.totals`). The series' own values take a lock for
+    each count and one for the sum, and every answered request observes three series (its
+    HTTP latency, its latency in the batcher, its wait in the queue)."""
+
+    __slots__ = ("added", "added_sum", "bounds", "counts", "direct", "series", "sum")
+
+    def __init__(self, series: _Bucketed) -> None:
+        self.series = series
+        # a prometheus_client that keeps the values elsewhere: observed on the child
+        self.direct = not series.buckets or series.sum is None
+        self.bounds = series.bounds
+        self.counts = [0] * len(series.buckets)  # written by the loop's thread alone
+        self.sum = 0.0
+        self.added = [0] * len(series.buckets)  # of those, added: written by `fold` alone
+        self.added_sum = 0.0
+
+    def observe(self, value: float, trace_id: str = "") -> None:
+        """Count `value`; with a `trace_id` (its bucket's exemplar points at that trace), or
+        NaN (no bucket), on the series itself, as `Histogram.observe` does."""
+        if trace_id or value != value:
+            self.series.child.observe(value, {"trace_id": trace_id} if trace_id else None)
+        elif self.direct:
+            self.series.observe(value)
+        else:  # the first bucket whose bound is at least `value`, as prometheus_client's scan
+            self.counts[bisect.bisect_left(self.bounds, value)] += 1
+            self.sum += value
+
+    def fold(self) -> None:
+        buckets = self.series.buckets
+        for index, count in enumerate(self.counts):
+            if count > self.added[index]:
+                buckets[index].inc(count - self.added[index])
+                self.added[index] = count
+        total = self.sum
+        if total != self.added_sum and self.series.sum is not None:  # (None: `direct`)
+            self.series.sum.inc(total - self.added_sum)
+            self.added_sum = total
 
 
 class Tally:
@@ -203,23 +247,49 @@ class Histogram(Labelled[prom.Histogram]):
         metric = prom.Histogram(name, help_text, labelnames, registry=None, buckets=buckets)
         super().__init__(metric, labelnames)
         self._bucketed: dict[LabelValues, _Bucketed] = {}
+        self._tallies: dict[LabelValues, HistogramTally] = {}
+        self._folding = threading.Lock()
 
-    def observe(self, labels: LabelValues, value: float, trace_id: str = "") -> None:
-        """Count `value`; with a `trace_id`, its bucket's exemplar points at that trace."""
+    def _series(self, labels: LabelValues) -> _Bucketed:
         series = self._bucketed.get(labels)
         if series is None:
             series = self._bucketed[labels] = _Bucketed(self.labels(labels))
+        return series
+
+    def observe(self, labels: LabelValues, value: float, trace_id: str = "") -> None:
+        """Count `value`; with a `trace_id`, its bucket's exemplar points at that trace."""
+        series = self._series(labels)
         if trace_id or math.isnan(value):  # the exemplar, or no bucket: as the child does
             series.child.observe(value, {"trace_id": trace_id} if trace_id else None)
         else:
             series.observe(value)
 
+    def tally(self, labels: LabelValues = ()) -> HistogramTally:
+        """The tally of one series, for a path on the event loop's thread that observes it
+        for every request (`HistogramTally`): kept, and observed with no lookup by label
+        values."""
+        series = self._series(labels)
+        with self._folding:
+            tally = self._tallies.get(labels)
+            if tally is None:
+                tally = self._tallies[labels] = HistogramTally(series)
+        return tally
+
+    def fold(self) -> None:
+        """Add what the tallies observed since the last fold to their series."""
+        with self._folding:
+            for tally in self._tallies.values():
+                tally.fold()
+
     def remove(self, labels: LabelValues) -> None:
+        with self._folding:
+            self._tallies.pop(labels, None)
         self._bucketed.pop(labels, None)
         super().remove(labels)
 
     def totals(self, labels: LabelValues) -> tuple[int, float]:
         """Observations and their sum so far: for reports, not the request path."""
+        self.fold()
         child = self._children.get(labels)
         if child is None:
             return 0, 0.0
@@ -248,7 +318,7 @@ class _Own:
 
     def collect(self) -> Iterable[Family]:
         for metric in list(self.metrics.values()):
-            if isinstance(metric, Counter):
+            if isinstance(metric, Counter | Histogram):
                 metric.fold()
             for family in metric.metric.collect():
                 created = family.name + "_created"

@@ -26,6 +26,7 @@ from lockgate.cache.response_cache import ResponseCache
 from lockgate.compose.executor import Executor
 from lockgate.core.compat_metrics import TritonMetrics
 from lockgate.core.manager import ModelManager, ServedVersion
+from lockgate.core.metrics import HistogramTally
 from lockgate.errors import (
     BadRequest,
     Forbidden,
@@ -222,6 +223,7 @@ class App:
             "Time from the request's first byte to its response headers, by route kind and status.",
             ("route", "status"),
         )
+        self._lane_latency: dict[int, HistogramTally] = {}  # by status: `_lane_latency_of`
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -386,7 +388,7 @@ class App:
                 log.exception("unhandled error on POST %s", request.path)
                 reply = error_reply(ServingError(f"internal error: {type(exc).__name__}"))
             elapsed = time.monotonic() - request.received
-            self.http_latency.observe(("infer", str(reply.status)), elapsed)
+            self._lane_latency_of(reply.status).observe(elapsed)
             rid = request_id(request.headers)
             load = b"%d" % self.in_flight
             reply.headers += [(b"x-request-id", rid), (b"x-lockgate-inflight", load)]
@@ -395,6 +397,14 @@ class App:
             self.in_flight -= 1
             if self.answered is not None:
                 self.answered()
+
+    def _lane_latency_of(self, status: int) -> HistogramTally:
+        """The HTTP latency series of the lane's answers with `status`, as a tally: the lane
+        runs on the loop's thread, and observes one for every request."""
+        tally = self._lane_latency.get(status)
+        if tally is None:
+            tally = self._lane_latency[status] = self.http_latency.tally(("infer", str(status)))
+        return tally
 
     def _lane_infer(self, request: LaneRequest) -> Awaitable[Reply]:
         """The lane's checks before the handler core (`v2_routes.infer_reply`), whose answer

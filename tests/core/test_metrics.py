@@ -282,3 +282,38 @@ def test_a_tally_counts_in_its_series_whenever_the_series_is_read() -> None:
     tally.count += 2
     assert b'lockgate_t_total{reason="busy"} 6.0' in registry.exposition()[0]
     assert b'lockgate_t_total{reason="busy"} 6.0' in registry.exposition()[0]  # added once
+
+
+def test_a_histogram_tally_observes_in_its_series_whenever_the_series_is_read() -> None:
+    """Observed on a tally, every value lands where prometheus_client's own `observe` puts it,
+    a traced one with its exemplar, and each is added to the series once, however often it
+    is read."""
+    registry = Registry()
+    ours = registry.histogram("lockgate_x_seconds", "x", ("m",))
+    theirs = prometheus_client.Histogram(
+        "y_seconds", "y", ("m",), registry=None, buckets=LATENCY_BUCKETS
+    )
+    tally = ours.tally(("a",))
+    assert ours.tally(("a",)) is tally  # one per series
+    values = [0.0, 0.00005, 0.0001, 0.00010001, 0.3, 60.0, 61.0, math.inf, -1.0, math.nan]
+    for value in values:
+        tally.observe(value)
+        theirs.labels("a").observe(value)
+    ours.observe(("a",), 0.002)
+    theirs.labels("a").observe(0.002)
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    tally.observe(0.05, trace_id)
+    theirs.labels("a").observe(0.05)
+    assert ours.totals(("a",))[0] == len(values) + 1  # NaN reaches no bucket
+    assert ours.totals(("a",))[0] == len(values) + 1  # added once
+    (reference,) = theirs.collect()
+    expected = [(s.labels, s.value) for s in reference.samples if s.name.endswith("_bucket")]
+    for _ in range(2):
+        family = parse(text_of(registry))["lockgate_x_seconds"]
+        buckets = [(labels, value) for name, labels, value in family if name.endswith("_bucket")]
+        assert buckets == expected
+    text = registry.exposition("application/openmetrics-text; version=1.0.0")[0].decode()
+    line = next(x for x in text.splitlines() if x.startswith('lockgate_x_seconds_bucket{le="0.05"'))
+    assert f'# {{trace_id="{trace_id}"}} 0.05' in line
+    tally.observe(0.5)
+    assert ours.totals(("a",))[0] == len(values) + 2
