@@ -60,8 +60,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from lockgate.service_time import fit_line
 
 
@@ -204,9 +202,8 @@ class ServiceProfile:
     def refit(self) -> None:
         if not self.times:
             return
-        sizes = np.array(sorted(self.times), dtype=np.float64)  # [n]
-        values = np.array([self.times[int(b)] for b in sizes])  # [n]
-        self.fit_a, self.fit_b = fit_line(sizes, values)
+        sizes = sorted(self.times)  # [n]
+        self.fit_a, self.fit_b = fit_line(sizes, [self.times[b] for b in sizes])
         self.version += 1
 
     @property
