@@ -320,6 +320,9 @@ class Batcher:
         self._succeeded = metrics.requests.tally((*self.labels, "success"))
         self._answered_latency = metrics.request_latency.tally(self.labels)
         self._queued_latency = metrics.queue_latency.tally(self.labels)
+        self._computed_latency = metrics.compute_latency.tally(self.labels)  # and every batch
+        self._batch_rows = metrics.batch_size.tally(self.labels)
+        self._batches = metrics.batches.tally(self.labels)
         self._admitting: EarlyAdmit | None = None  # the last early admission with room
         self._policy: CapPolicy | None = None  # of the profile's current version
         # (deadline, seq, request) of requests not yet answered, or answered since the timer
@@ -867,9 +870,9 @@ class Batcher:
             self._back_to_back[instance] = (start, batch.rows)
         else:
             self.profile.observe(batch.rows, time.monotonic() - start)
-        self.metrics.compute_latency.observe(self.labels, compute)
-        self.metrics.batch_size.observe(self.labels, batch.rows)
-        self.metrics.batches.inc(self.labels)
+        self._computed_latency.observe(compute)
+        self._batch_rows.observe(batch.rows)
+        self._batches.count += 1
         log.debug(
             "model %s ran a batch of %d requests (%d rows) in %.3f ms",
             self,
