@@ -39,7 +39,7 @@
 
 #include "bf16.h"
 
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
@@ -89,7 +89,8 @@ typedef struct {
     float *acc;     /* [group, TILE, d] running weighted sums of values */
     float *stats;   /* [2, group, TILE] running max and sum of each query's softmax */
     float *scores;  /* [group, TILE, CHUNK] */
-    float *kv;      /* [2, CHUNK, d] a chunk's keys and values in float32 (portable) */
+    float *kv;      /* [2, CHUNK, d] a chunk's keys and values in float32 */
+    float *qt;      /* [group, d, TILE] the queries transposed (AVX-512 float32) */
     uint16_t *packed; /* [group, d / 2, TILE, 2] + [CHUNK, d] + [CHUNK / 2, d, 2] (AVX-512) */
 } Scratch;
 
@@ -166,10 +167,7 @@ static void tile_portable(const Tile *t, int bf16, Scratch *s) {
     }
 }
 
-#ifdef __AVX512BF16__
-
-/* two bfloat16s read or written as one 32-bit word (of memory also read as uint16_t) */
-typedef uint32_t __attribute__((may_alias)) pair;
+#ifdef __AVX512F__
 
 /* e^x lane-wise, x <= 0: the same Cephes polynomial, 2^n applied by scalef. */
 static inline __m512 exp512(__m512 x) {
@@ -188,36 +186,203 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* The bfloat16 tile for head size D (64 or 128): see the top of the file. Scratch layout:
-   qp [group][D/2][TILE] bfloat16 pairs (row r's elements 2i, 2i+1 of head g), kb [CHUNK][D]
-   the chunk's keys as stored, vp [CHUNK/2][D][2] its values in pairs of keys, pp
-   [group][CHUNK/2][TILE] pairs of weights (keys 2i, 2i+1) per row. */
+/* One chunk's step of the online softmax of one query head over a tile's rows (the lanes):
+   sc [CHUNK] raw scores of keys k0.. become their weights e^(score - max) (0 where a row
+   does not see the key), top and sum the running max and sum; returns the factor (per
+   row) that rescales what was summed before, and in *same whether it is 1 for every row.
+   `limit`: the last key each row sees. */
+static inline __m512 softmax_step(__m512 sc[CHUNK], __m512 *top, __m512 *sum, __m512 scale,
+                                  __m512i limit, int64_t k0, int masked, __mmask16 *same) {
+    __mmask16 sees[CHUNK];
+    __m512 best = *top;
+    for (int j = 0; j < CHUNK; j++) {
+        sc[j] = _mm512_mul_ps(sc[j], scale);
+        if (masked) {
+            sees[j] = _mm512_cmpge_epi32_mask(limit, _mm512_set1_epi32((int32_t)(k0 + j)));
+            sc[j] = _mm512_mask_blend_ps(sees[j], _mm512_set1_ps(-INFINITY), sc[j]);
+        }
+        best = _mm512_max_ps(best, sc[j]);
+    }
+    const __m512 alpha = exp512(_mm512_sub_ps(*top, best));
+    *same = _mm512_cmp_ps_mask(best, *top, _CMP_EQ_OQ);
+    __m512 total = _mm512_mul_ps(*sum, alpha);
+    for (int j = 0; j < CHUNK; j++) {
+        sc[j] = exp512(_mm512_sub_ps(sc[j], best));
+        if (masked) sc[j] = _mm512_maskz_mov_ps(sees[j], sc[j]);
+        total = _mm512_add_ps(total, sc[j]);
+    }
+    *sum = total;
+    *top = best;
+    return alpha;
+}
+
+/* lane r sees keys up to first + r (rows past the tile's end: zero queries, never written) */
+static inline __m512i row_limits(int64_t first) {
+    return _mm512_add_epi32(_mm512_set1_epi32((int32_t)first),
+                            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+}
+
+/* out's rows of head g: acc's [TILE][d] times 1 / sum (per row), in the cache's dtype */
+static inline void store_rows(const Tile *t, int64_t g, const float *acc, __m512 sum,
+                              int bf16, int64_t d) {
+    float inv[TILE];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+    for (int64_t r = 0; r < t->rows; r++) {
+        const float *o = acc + r * d;
+        const int64_t at = (t->row0 + r) * t->out_stride + (t->head * t->group + g) * d;
+        for (int64_t c = 0; c < d; c += 16) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o + c), _mm512_set1_ps(inv[r]));
+            if (!bf16) {
+                _mm512_storeu_ps((float *)t->out + at + c, x);
+                continue;
+            }
+            float lanes[16];
+            _mm512_storeu_ps(lanes, x);
+            uint16_t *dst = (uint16_t *)t->out + at + c;
+            for (int i = 0; i < 16; i++) dst[i] = float_to_bf16(lanes[i]);
+        }
+    }
+}
+
+/* The weighted sums of values of one head's rows, lanes over the head's D dimensions, RB
+   rows at a time: acc [TILE][D] rescaled by alpha (unless it is 1 for every row), then
+   acc[r] += sum over keys of weight(r, key) * value(key). WEIGH(i, r) is the broadcast
+   weight of row r for key (or key pair) i, VALUE(i, c) the c-th 16 lanes of its value,
+   STEP the fused multiply-add. */
+#define SUM_VALUES(D, RB, KEYS, ACC_T, VALUE_T, VALUE, WEIGH, STEP)                           \
+    do {                                                                                      \
+        float alphas[TILE];                                                                   \
+        _mm512_storeu_ps(alphas, alpha);                                                      \
+        for (int64_t r0 = 0; r0 < rows; r0 += (RB)) {                                         \
+            __m512 o[(RB)][(D) / 16];                                                         \
+            float *block = (ACC_T) + r0 * (D);                                                \
+            for (int r = 0; r < (RB); r++)                                                    \
+                for (int c = 0; c < (D) / 16; c++) {                                          \
+                    o[r][c] = _mm512_loadu_ps(block + r * (D) + 16 * c);                         \
+                    if (same != 0xffff)                                                       \
+                        o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(alphas[r0 + r]));     \
+                }                                                                             \
+            for (int i = 0; i < (KEYS); i++) {                                                \
+                VALUE_T v[(D) / 16];                                                          \
+                for (int c = 0; c < (D) / 16; c++) v[c] = VALUE(i, c);                        \
+                for (int r = 0; r < (RB); r++) {                                              \
+                    const VALUE_T w = WEIGH(i, r0 + r);                                       \
+                    for (int c = 0; c < (D) / 16; c++) o[r][c] = STEP(o[r][c], v[c], w);      \
+                }                                                                             \
+            }                                                                                 \
+            for (int r = 0; r < (RB); r++)                                                    \
+                for (int c = 0; c < (D) / 16; c++)                                            \
+                    _mm512_storeu_ps(block + r * (D) + 16 * c, o[r][c]);                         \
+        }                                                                                     \
+    } while (0)
+
+static inline float load_scalar(const void *base, int64_t i, int bf16) {
+    return load_elem(base, i, bf16);
+}
+
+/* The float32 tile for head size D (64 or 128), products in float32 FMAs: a float32 cache
+   (BF16 0), or a bfloat16 cache on a CPU without AVX-512 BF16 (BF16 1, widened on load).
+   Scratch: qt [group][D][TILE] the queries transposed (lanes over rows), kv [2][CHUNK][D]
+   the chunk's keys and values, scores [group][CHUNK][TILE] the weights. */
+#define TILE_F32(NAME, D, RB, BF16)                                                           \
+    static void NAME(const Tile *t, Scratch *s) {                                             \
+        const int64_t group = t->group, rows = t->rows;                                       \
+        const int64_t keys = t->first + rows, dim = (D);                                      \
+        float *qt = s->qt, *kb = s->kv, *vb = s->kv + CHUNK * (D), *acc = s->acc;             \
+        __m512 top[MAX_GROUP], sum[MAX_GROUP];                                                \
+        const __m512 scale = _mm512_set1_ps(t->scale);                                        \
+        const __m512i limit = row_limits(t->first);                                           \
+        const int64_t esize = (BF16) ? 2 : 4;                                                 \
+        for (int64_t g = 0; g < group; g++) {                                                 \
+            for (int64_t r = 0; r < TILE; r++) {                                              \
+                float *dst = qt + g * (D) * TILE + r;                                         \
+                const void *src = (const char *)t->q +                                        \
+                    ((t->row0 + r) * t->q_stride + (t->head * group + g) * (D)) * esize;      \
+                for (int64_t i = 0; i < (D); i++)                                             \
+                    dst[i * TILE] = r < rows ? load_scalar(src, i, (BF16)) : 0.0f;            \
+            }                                                                                 \
+            top[g] = _mm512_set1_ps(-INFINITY);                                               \
+            sum[g] = _mm512_setzero_ps();                                                     \
+        }                                                                                     \
+        memset(acc, 0, (size_t)(group * TILE * (D)) * sizeof(float));                         \
+        for (int64_t k0 = 0; k0 < keys; k0 += CHUNK) {                                        \
+            const int64_t n = keys - k0 < CHUNK ? keys - k0 : CHUNK;                          \
+            for (int64_t j = 0; j < CHUNK; j++) { /* past the last key: zeros, weighted 0 */  \
+                if (j >= n) {                                                                 \
+                    memset(kb + j * (D), 0, (D) * sizeof(float));                             \
+                    memset(vb + j * (D), 0, (D) * sizeof(float));                             \
+                    continue;                                                                 \
+                }                                                                             \
+                const void *key = cache_row(t->k_cache, t, k0 + j, (BF16));                   \
+                const void *value = cache_row(t->v_cache, t, k0 + j, (BF16));                 \
+                for (int64_t i = 0; i < (D); i++) kb[j * (D) + i] = load_scalar(key, i, (BF16)); \
+                for (int64_t i = 0; i < (D); i++)                                             \
+                    vb[j * (D) + i] = load_scalar(value, i, (BF16));                          \
+            }                                                                                 \
+            const int masked = k0 + CHUNK - 1 > t->first;                                     \
+            for (int64_t g = 0; g < group; g++) {                                             \
+                __m512 sc[CHUNK];                                                             \
+                for (int j = 0; j < CHUNK; j++) sc[j] = _mm512_setzero_ps();                  \
+                const float *qg = qt + g * (D) * TILE;                                        \
+                for (int64_t i = 0; i < (D); i++) {                                           \
+                    const __m512 qv = _mm512_loadu_ps(qg + i * TILE);                         \
+                    _Pragma("GCC unroll 16") for (int j = 0; j < CHUNK; j++) sc[j] =          \
+                        _mm512_fmadd_ps(qv, _mm512_set1_ps(kb[j * (D) + i]), sc[j]);          \
+                }                                                                             \
+                __mmask16 same;                                                               \
+                const __m512 alpha =                                                          \
+                    softmax_step(sc, &top[g], &sum[g], scale, limit, k0, masked, &same);      \
+                float *pg = s->scores + g * CHUNK * TILE;                                     \
+                for (int j = 0; j < CHUNK; j++) _mm512_storeu_ps(pg + j * TILE, sc[j]);       \
+                float *ag = acc + g * TILE * (D);                                             \
+                SUM_VALUES(D, RB, CHUNK, ag, __m512, F32_VALUE, F32_WEIGHT, F32_STEP);        \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t g = 0; g < group; g++)                                                   \
+            store_rows(t, g, acc + g * TILE * (D), sum[g], (BF16), (D));                      \
+    }
+#define F32_VALUE(i, c) _mm512_loadu_ps(vb + (i) * dim + 16 * (c))
+#define F32_WEIGHT(i, r) _mm512_set1_ps(pg[(i) * TILE + (r)])
+#define F32_STEP(o, v, w) _mm512_fmadd_ps((v), (w), (o))
+
+TILE_F32(tile_f32_64, 64, 4, 0)
+TILE_F32(tile_f32_128, 128, 2, 0)
+#ifndef __AVX512BF16__
+TILE_F32(tile_wide_64, 64, 4, 1)
+TILE_F32(tile_wide_128, 128, 2, 1)
+#endif
+
+#ifdef __AVX512BF16__
+
+/* two bfloat16s read or written as one 32-bit word (of memory also read as uint16_t) */
+typedef uint32_t __attribute__((may_alias)) pair;
+
+/* The bfloat16 tile for head size D (64 or 128), products in AVX-512 BF16: see the top of
+   the file. Scratch: qp [group][D/2][TILE] bfloat16 pairs (row r's elements 2i, 2i+1 of
+   head g), kb [CHUNK][D] the chunk's keys as stored, vp [CHUNK/2][D][2] its values in pairs
+   of keys, scores [group][CHUNK/2][TILE] pairs of weights (keys 2i, 2i+1) per row. */
 #define TILE_BF16(NAME, D, RB)                                                                \
     static void NAME(const Tile *t, Scratch *s) {                                             \
         const int64_t group = t->group, rows = t->rows;                                       \
-        const int64_t keys = t->first + rows;                                                 \
-        pair *qp = (pair *)s->packed;                                                 \
+        const int64_t keys = t->first + rows, dim = (D);                                      \
+        pair *qp = (pair *)s->packed;                                                         \
         uint16_t *kb = s->packed + group * (D) * TILE;                                        \
         uint16_t *vp = kb + CHUNK * (D);                                                      \
-        pair *pp = (pair *)s->scores;                                                 \
         float *acc = s->acc;                                                                  \
         __m512 top[MAX_GROUP], sum[MAX_GROUP];                                                \
         const __m512 scale = _mm512_set1_ps(t->scale);                                        \
-        /* lane r sees keys up to first + r (rows past the tile's end: zero queries) */       \
-        const __m512i limit = _mm512_add_epi32(                                               \
-            _mm512_set1_epi32((int32_t)t->first),                                             \
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));          \
+        const __m512i limit = row_limits(t->first);                                           \
         const __m512i interleave = _mm512_set_epi16(                                          \
             31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,   \
             5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);                                            \
         for (int64_t g = 0; g < group; g++) {                                                 \
             for (int64_t r = 0; r < TILE; r++) {                                              \
-                pair *dst = qp + g * ((D) / 2) * TILE + r;                                \
+                pair *dst = qp + g * ((D) / 2) * TILE + r;                                    \
                 if (r >= rows) {                                                              \
                     for (int64_t i = 0; i < (D) / 2; i++) dst[i * TILE] = 0;                  \
                     continue;                                                                 \
                 }                                                                             \
-                const pair *src = (const pair *)((const uint16_t *)t->q +             \
+                const pair *src = (const pair *)((const uint16_t *)t->q +                     \
                     (t->row0 + r) * t->q_stride + (t->head * group + g) * (D));               \
                 for (int64_t i = 0; i < (D) / 2; i++) dst[i * TILE] = src[i];                 \
             }                                                                                 \
@@ -235,10 +400,10 @@ static inline __m512 exp512(__m512 x) {
                     continue;                                                                 \
                 }                                                                             \
                 const int two = j + 1 < n;                                                    \
-                const uint16_t *k_a = cache_row(t->k_cache, t, k0 + j, 1);                   \
-                const uint16_t *v_a = cache_row(t->v_cache, t, k0 + j, 1);                   \
-                const uint16_t *k_b = two ? cache_row(t->k_cache, t, k0 + j + 1, 1) : NULL;  \
-                const uint16_t *v_b = two ? cache_row(t->v_cache, t, k0 + j + 1, 1) : NULL;  \
+                const uint16_t *k_a = cache_row(t->k_cache, t, k0 + j, 1);                    \
+                const uint16_t *v_a = cache_row(t->v_cache, t, k0 + j, 1);                    \
+                const uint16_t *k_b = two ? cache_row(t->k_cache, t, k0 + j + 1, 1) : NULL;   \
+                const uint16_t *v_b = two ? cache_row(t->v_cache, t, k0 + j + 1, 1) : NULL;   \
                 memcpy(kb + j * (D), k_a, (D) * sizeof(uint16_t));                            \
                 if (two) memcpy(kb + (j + 1) * (D), k_b, (D) * sizeof(uint16_t));             \
                 else memset(kb + (j + 1) * (D), 0, (D) * sizeof(uint16_t));                   \
@@ -256,8 +421,8 @@ static inline __m512 exp512(__m512 x) {
                 /* scores [CHUNK] over the tile's rows (lanes) */                             \
                 __m512 sc[CHUNK];                                                             \
                 for (int j = 0; j < CHUNK; j++) sc[j] = _mm512_setzero_ps();                  \
-                const pair *qg = qp + g * ((D) / 2) * TILE;                               \
-                const pair *kw = (const pair *)kb;                                    \
+                const pair *qg = qp + g * ((D) / 2) * TILE;                                   \
+                const pair *kw = (const pair *)kb;                                            \
                 for (int64_t i = 0; i < (D) / 2; i++) {                                       \
                     const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + i * TILE);          \
                     _Pragma("GCC unroll 16") for (int j = 0; j < CHUNK; j++) sc[j] =          \
@@ -265,106 +430,57 @@ static inline __m512 exp512(__m512 x) {
                                          (__m512bh)_mm512_set1_epi32(                         \
                                              (int32_t)kw[j * ((D) / 2) + i]));                \
                 }                                                                             \
-                __m512 best = top[g];                                                         \
-                for (int j = 0; j < CHUNK; j++) {                                             \
-                    sc[j] = _mm512_mul_ps(sc[j], scale);                                      \
-                    if (masked) {                                                             \
-                        const __mmask16 sees = _mm512_cmpge_epi32_mask(                       \
-                            limit, _mm512_set1_epi32((int32_t)(k0 + j)));                     \
-                        sc[j] = _mm512_mask_blend_ps(sees, _mm512_set1_ps(-INFINITY), sc[j]); \
-                    }                                                                         \
-                    best = _mm512_max_ps(best, sc[j]);                                        \
-                }                                                                             \
-                const __m512 alpha = exp512(_mm512_sub_ps(top[g], best));                     \
-                const __mmask16 same = _mm512_cmp_ps_mask(best, top[g], _CMP_EQ_OQ);          \
-                __m512 total = _mm512_mul_ps(sum[g], alpha);                                  \
-                pair *pg = pp + g * (CHUNK / 2) * TILE;                                   \
+                __mmask16 same;                                                               \
+                const __m512 alpha =                                                          \
+                    softmax_step(sc, &top[g], &sum[g], scale, limit, k0, masked, &same);      \
+                /* weights rounded to bfloat16, in pairs of keys per row */                   \
+                pair *pg = (pair *)s->scores + g * (CHUNK / 2) * TILE;                        \
                 for (int j = 0; j < CHUNK; j += 2) {                                          \
-                    __m512 pa = exp512(_mm512_sub_ps(sc[j], best));                           \
-                    __m512 pb = exp512(_mm512_sub_ps(sc[j + 1], best));                       \
-                    if (masked) {                                                             \
-                        pa = _mm512_maskz_mov_ps(                                             \
-                            _mm512_cmpge_epi32_mask(limit, _mm512_set1_epi32((int32_t)(k0 + j))), \
-                            pa);                                                              \
-                        pb = _mm512_maskz_mov_ps(                                             \
-                            _mm512_cmpge_epi32_mask(limit,                                    \
-                                                    _mm512_set1_epi32((int32_t)(k0 + j + 1))), \
-                            pb);                                                              \
-                    }                                                                         \
-                    total = _mm512_add_ps(total, _mm512_add_ps(pa, pb));                      \
-                    const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(pb, pa);                  \
+                    const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(sc[j + 1], sc[j]);        \
                     _mm512_storeu_si512(pg + (j / 2) * TILE,                                  \
                                         _mm512_permutexvar_epi16(interleave, ab));            \
                 }                                                                             \
-                sum[g] = total;                                                               \
-                top[g] = best;                                                                \
-                /* the weighted sums of values: rows in blocks of RB, lanes over D */         \
-                float alphas[TILE];                                                           \
-                _mm512_storeu_ps(alphas, alpha);                                              \
-                for (int64_t r0 = 0; r0 < rows; r0 += (RB)) {                                 \
-                    __m512 o[(RB)][(D) / 16];                                                 \
-                    float *ag = acc + (g * TILE + r0) * (D);                                  \
-                    for (int r = 0; r < (RB); r++)                                            \
-                        for (int c = 0; c < (D) / 16; c++) {                                  \
-                            o[r][c] = _mm512_loadu_ps(ag + r * (D) + 16 * c);                 \
-                            if (same != 0xffff)                                               \
-                                o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(alphas[r0 + r])); \
-                        }                                                                     \
-                    for (int i = 0; i < CHUNK / 2; i++) {                                     \
-                        __m512bh v[(D) / 16];                                                 \
-                        for (int c = 0; c < (D) / 16; c++)                                    \
-                            v[c] = (__m512bh)_mm512_loadu_si512(vp + i * 2 * (D) + 32 * c);   \
-                        for (int r = 0; r < (RB); r++) {                                      \
-                            const __m512bh w = (__m512bh)_mm512_set1_epi32(                   \
-                                (int32_t)pg[i * TILE + r0 + r]);                              \
-                            for (int c = 0; c < (D) / 16; c++)                                \
-                                o[r][c] = _mm512_dpbf16_ps(o[r][c], v[c], w);                 \
-                        }                                                                     \
-                    }                                                                         \
-                    for (int r = 0; r < (RB); r++)                                            \
-                        for (int c = 0; c < (D) / 16; c++)                                    \
-                            _mm512_storeu_ps(ag + r * (D) + 16 * c, o[r][c]);                 \
-                }                                                                             \
+                float *ag = acc + g * TILE * (D);                                             \
+                SUM_VALUES(D, RB, CHUNK / 2, ag, __m512bh, BF16_VALUE, BF16_WEIGHT,           \
+                           _mm512_dpbf16_ps);                                                 \
             }                                                                                 \
         }                                                                                     \
-        for (int64_t g = 0; g < group; g++) {                                                 \
-            float inv[TILE];                                                                  \
-            _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum[g]));               \
-            for (int64_t r = 0; r < rows; r++) {                                              \
-                const float *o = acc + (g * TILE + r) * (D);                                  \
-                uint16_t *dst = (uint16_t *)t->out + (t->row0 + r) * t->out_stride +          \
-                                (t->head * group + g) * (D);                                  \
-                for (int c = 0; c < (D); c += 16) {                                           \
-                    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o + c),                    \
-                                                   _mm512_set1_ps(inv[r]));                   \
-                    _mm256_storeu_si256((__m256i *)(dst + c), (__m256i)_mm512_cvtneps_pbh(x)); \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
+        for (int64_t g = 0; g < group; g++)                                                   \
+            store_rows(t, g, acc + g * TILE * (D), sum[g], 1, (D));                           \
     }
+#define BF16_VALUE(i, c) (__m512bh) _mm512_loadu_si512(vp + (i) * 2 * dim + 32 * (c))
+#define BF16_WEIGHT(i, r) (__m512bh) _mm512_set1_epi32((int32_t)pg[(i) * TILE + (r)])
 
 TILE_BF16(tile_bf16_64, 64, 4)
 TILE_BF16(tile_bf16_128, 128, 2)
 
 #endif /* __AVX512BF16__ */
+#endif /* __AVX512F__ */
 
 static void attend_tile(const Tile *t, int bf16, Scratch *s) {
+#ifdef __AVX512F__
 #ifdef __AVX512BF16__
-    if (bf16 && t->d == 64) {
-        tile_bf16_64(t, s);
-        return;
-    }
-    if (bf16 && t->d == 128) {
-        tile_bf16_128(t, s);
+    void (*const tiles[2][2])(const Tile *, Scratch *) = {{tile_f32_64, tile_f32_128},
+                                                          {tile_bf16_64, tile_bf16_128}};
+#else
+    void (*const tiles[2][2])(const Tile *, Scratch *) = {{tile_f32_64, tile_f32_128},
+                                                          {tile_wide_64, tile_wide_128}};
+#endif
+    if (t->d == 64 || t->d == 128) {
+        tiles[bf16 != 0][t->d == 128](t, s);
         return;
     }
 #endif
     tile_portable(t, bf16, s);
 }
 
-/* Whether bfloat16 products run in AVX-512 BF16 in this build (1) or the portable loop (0). */
+/* How this build's head sizes 64 and 128 are attended: 0, the portable loop; 1, float32
+   FMAs in AVX-512 (a bfloat16 cache widened on load); 2, as 1 but a bfloat16 cache's
+   products in AVX-512 BF16. */
 int prefill_attention_vectorised(void) {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__)
+    return 2;
+#elif defined(__AVX512F__)
     return 1;
 #else
     return 0;
@@ -419,23 +535,24 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
     const size_t stats_size = (size_t)(2 * group * TILE) * sizeof(float);
     const size_t scores_size = (size_t)(group * TILE * CHUNK) * sizeof(float);
     const size_t kv_size = (size_t)(2 * CHUNK * d) * sizeof(float);
+    const size_t qt_size = (size_t)(group * d * TILE) * sizeof(float);
     const size_t packed_size = (size_t)(group * d * TILE + 2 * CHUNK * d) * sizeof(uint16_t);
+    const size_t sizes[6] = {acc_size, stats_size, scores_size, kv_size, qt_size, packed_size};
+    size_t total = 0;
+    for (int i = 0; i < 6; i++) total += (sizes[i] + 63) / 64 * 64;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && work > 1)
     {
         Scratch s = {0};
-        char *memory = aligned_alloc(64, ((acc_size + stats_size + scores_size + kv_size +
-                                           packed_size) / 64 + 5) * 64);
+        char *memory = aligned_alloc(64, total);
         if (memory == NULL) {
 #pragma omp atomic write
             failed = 1;
         } else {
-            char *at = memory;
-            s.acc = (float *)at, at += (acc_size + 63) / 64 * 64;
-            s.stats = (float *)at, at += (stats_size + 63) / 64 * 64;
-            s.scores = (float *)at, at += (scores_size + 63) / 64 * 64;
-            s.kv = (float *)at, at += (kv_size + 63) / 64 * 64;
-            s.packed = (uint16_t *)at;
+            char *at[6] = {memory};
+            for (int i = 1; i < 6; i++) at[i] = at[i - 1] + (sizes[i - 1] + 63) / 64 * 64;
+            s.acc = (float *)at[0], s.stats = (float *)at[1], s.scores = (float *)at[2];
+            s.kv = (float *)at[3], s.qt = (float *)at[4], s.packed = (uint16_t *)at[5];
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < work; w++) {

@@ -6,19 +6,20 @@ this CPU in bfloat16, and a chunk after a context first gathers the cache blocks
 and builds a boolean mask, which takes SDPA's slower masked path. `prefill_attention.c`
 reads the keys and values where they lie (this step's are written to the cache before
 attention runs), so both go through one path: tiles of 16 query rows and their group of
-query heads share every key and value row read, with an online softmax in float32, the
-products in AVX-512 BF16 instructions where the CPU has them (bfloat16 caches, head size 64
-or 128) and a portable float32 loop elsewhere.
+query heads share every key and value row read, with an online softmax in float32. At head
+sizes 64 and 128 on a CPU with AVX-512 the products run in vector instructions: AVX-512 BF16
+for a bfloat16 cache where the CPU has it, float32 FMAs otherwise (a float32 cache, or a
+bfloat16 one widened as it is read); elsewhere a portable float32 loop.
 
 Built like the decode kernel (`native.py`: flags, cache, the OpenMP of torch's runtime); its
 work items are (segment, KV head, tile of query rows), the longest first, over the calling
 thread's team (torch's intra-op thread count).
 
 The `prefill_attention` engine parameter chooses: `auto` (the default) uses the kernel where
-its AVX-512 BF16 products run (a bfloat16 cache of head size 64 or 128, on a CPU with
-AVX512_BF16) and SDPA elsewhere, since there the portable loop is no faster than SDPA's;
-`kernel` always uses it (or fails the model's load where it cannot be built); `sdpa` never
-builds it. Whether a model is the kernel's is decided once, when it loads (`prefill_kernel`).
+its AVX-512 tiles run (head size 64 or 128, a CPU with AVX-512) and SDPA elsewhere, since
+the portable loop is slower than SDPA's; `kernel` always uses it (or fails the model's load
+where it cannot be built); `sdpa` never builds it. Whether a model is the kernel's is
+decided once, when it loads (`prefill_kernel`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ SOURCE = Path(__file__).with_name("prefill_attention.c")
 MODES = ("auto", "kernel", "sdpa")
 MAX_GROUP = 32  # query heads per KV head (prefill_attention.c)
 MAX_HEAD_DIM = 256
-VECTORISED_HEAD_DIMS = (64, 128)  # head sizes with an AVX-512 BF16 tile
+VECTORISED_HEAD_DIMS = (64, 128)  # head sizes with AVX-512 tiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,7 @@ class PrefillKernel:
 
     path: Path
     function: ctypes._CFuncPtr  # type: ignore[name-defined]
-    vectorised: bool  # this build has the AVX-512 BF16 tiles
+    vectorised: int  # this build's tiles: 0 portable, 1 AVX-512 float32, 2 and AVX-512 BF16
 
     def supports(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether a model of `num_heads` query heads over these caches (one layer's) is the
@@ -68,12 +69,8 @@ class PrefillKernel:
         )
 
     def vectorises(self, k_cache: torch.Tensor) -> bool:
-        """Whether these caches take the AVX-512 BF16 tiles (else the portable loop)."""
-        return (
-            self.vectorised
-            and k_cache.dtype == torch.bfloat16
-            and k_cache.shape[3] in VECTORISED_HEAD_DIMS
-        )
+        """Whether these caches take the AVX-512 tiles (else the portable loop)."""
+        return self.vectorised > 0 and k_cache.shape[3] in VECTORISED_HEAD_DIMS
 
     def __call__(
         self,
@@ -197,4 +194,4 @@ def load_kernel() -> PrefillKernel:
     function.restype = ctypes.c_int
     vectorised = library.prefill_attention_vectorised
     vectorised.restype = ctypes.c_int
-    return PrefillKernel(path, function, bool(vectorised()))
+    return PrefillKernel(path, function, vectorised())

@@ -1,7 +1,8 @@
 """The in-place prefill attention kernel: against SDPA in float32 over the same blocks, for
-whole prompts and chunks after a context, in bfloat16 (the AVX-512 BF16 tiles) and float32
-(the portable loop) caches; a step that mixes it with decodes; how it is chosen; and the
-demo SmolLM2's greedy output through the engine with it and with SDPA."""
+whole prompts and chunks after a context, in bfloat16 and float32 caches, at head sizes 64
+and 128 (AVX-512 tiles, where the CPU has them) and 40 (the portable loop); a step that
+mixes it with decodes; how it is chosen; and the demo SmolLM2's greedy output through the
+engine with it and with SDPA."""
 
 from __future__ import annotations
 
@@ -177,16 +178,16 @@ def test_a_step_of_decodes_and_prefill_segments_attends_as_sdpa(dtype: torch.dty
 def test_auto_takes_the_kernel_where_it_vectorises_and_kernel_takes_it_anywhere(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Decided once, at load: the portable loop (a float32 cache, head size 40, a CPU
-    without AVX-512 BF16) is no faster than SDPA, so `auto` leaves those to SDPA."""
+    """Decided once, at load: the portable loop (head size 40, a CPU without AVX-512) is
+    slower than SDPA, so `auto` leaves those to SDPA."""
     kernel = load_kernel()
-    bf16 = MODEL[1]
     f32 = torch.zeros(4, 16, 3, 64)
-    assert prefill_kernel.prefill_kernel("auto", 9, bf16, bf16) is (
-        kernel if kernel.vectorised else None
-    )
-    assert prefill_kernel.prefill_kernel("auto", 9, f32, f32) is None
-    assert prefill_kernel.prefill_kernel("kernel", 9, f32, f32) is kernel
+    vectorised = kernel if kernel.vectorised else None
+    assert prefill_kernel.prefill_kernel("auto", *MODEL) is vectorised
+    assert prefill_kernel.prefill_kernel("auto", 9, f32, f32) is vectorised
+    narrow = torch.zeros(4, 16, 3, 40)
+    assert prefill_kernel.prefill_kernel("auto", 9, narrow, narrow) is None
+    assert prefill_kernel.prefill_kernel("kernel", 9, narrow, narrow) is kernel
     odd = torch.zeros(4, 16, 1, 64)
     with caplog.at_level(logging.WARNING, logger="lockgate.llm"):
         assert prefill_kernel.prefill_kernel("auto", 40, odd, odd) is None
