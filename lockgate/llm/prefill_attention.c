@@ -21,13 +21,14 @@
      context_lens [P] int64
      out          [T, nh, d]    row i at out + i * out_stride; rows of no segment untouched
 
-   Two tile routines. With AVX-512 BF16 (bfloat16 cache, head size 64 or 128), the products
-   run in `vdpbf16ps` (bfloat16 pairs multiplied, summed into float32 lanes): scores with the
-   16 lanes over a tile's query rows (a key element broadcast against 16 rows' query
-   elements), so the softmax is lane-wise, and the weighted sum of values with the lanes over
-   the head's dimensions, its weights rounded to bfloat16 as SDPA's bfloat16 kernel rounds
-   them. Elsewhere (a float32 cache, other head sizes, another CPU) a portable loop in float32
-   that the compiler vectorises.
+   Three tile routines. At head sizes 64 and 128 with AVX-512 the scores are computed with
+   the 16 lanes over a tile's query rows (a key element broadcast against 16 rows' query
+   elements), so the softmax is lane-wise, and the weighted sums of values with the lanes
+   over the head's dimensions. With AVX-512 BF16 and a bfloat16 cache the products run in
+   `vdpbf16ps` (bfloat16 pairs multiplied, summed into float32 lanes), the weights rounded to
+   bfloat16 as SDPA's bfloat16 kernel rounds them; otherwise in float32 FMAs (a bfloat16
+   cache widened as it is read). Elsewhere (other head sizes, another CPU) a portable loop
+   in float32.
 
    Built by lockgate/llm/native.py with -O3 -march=native -fassociative-math -fopenmp, never
    -ffast-math: in a shared library that would set flush-to-zero for the whole process. */
@@ -88,7 +89,7 @@ typedef struct {
 typedef struct {
     float *acc;     /* [group, TILE, d] running weighted sums of values */
     float *stats;   /* [2, group, TILE] running max and sum of each query's softmax */
-    float *scores;  /* [group, TILE, CHUNK] */
+    float *scores;  /* [group, TILE, CHUNK] weights of a chunk's keys */
     float *kv;      /* [2, CHUNK, d] a chunk's keys and values in float32 */
     float *qt;      /* [group, d, TILE] the queries transposed (AVX-512 float32) */
     uint16_t *packed; /* [group, d / 2, TILE, 2] + [CHUNK, d] + [CHUNK / 2, d, 2] (AVX-512) */
@@ -276,10 +277,6 @@ static inline void store_rows(const Tile *t, int64_t g, const float *acc, __m512
         }                                                                                     \
     } while (0)
 
-static inline float load_scalar(const void *base, int64_t i, int bf16) {
-    return load_elem(base, i, bf16);
-}
-
 /* The float32 tile for head size D (64 or 128), products in float32 FMAs: a float32 cache
    (BF16 0), or a bfloat16 cache on a CPU without AVX-512 BF16 (BF16 1, widened on load).
    Scratch: qt [group][D][TILE] the queries transposed (lanes over rows), kv [2][CHUNK][D]
@@ -299,7 +296,7 @@ static inline float load_scalar(const void *base, int64_t i, int bf16) {
                 const void *src = (const char *)t->q +                                        \
                     ((t->row0 + r) * t->q_stride + (t->head * group + g) * (D)) * esize;      \
                 for (int64_t i = 0; i < (D); i++)                                             \
-                    dst[i * TILE] = r < rows ? load_scalar(src, i, (BF16)) : 0.0f;            \
+                    dst[i * TILE] = r < rows ? load_elem(src, i, (BF16)) : 0.0f;            \
             }                                                                                 \
             top[g] = _mm512_set1_ps(-INFINITY);                                               \
             sum[g] = _mm512_setzero_ps();                                                     \
@@ -315,9 +312,9 @@ static inline float load_scalar(const void *base, int64_t i, int bf16) {
                 }                                                                             \
                 const void *key = cache_row(t->k_cache, t, k0 + j, (BF16));                   \
                 const void *value = cache_row(t->v_cache, t, k0 + j, (BF16));                 \
-                for (int64_t i = 0; i < (D); i++) kb[j * (D) + i] = load_scalar(key, i, (BF16)); \
+                for (int64_t i = 0; i < (D); i++) kb[j * (D) + i] = load_elem(key, i, (BF16)); \
                 for (int64_t i = 0; i < (D); i++)                                             \
-                    vb[j * (D) + i] = load_scalar(value, i, (BF16));                          \
+                    vb[j * (D) + i] = load_elem(value, i, (BF16));                          \
             }                                                                                 \
             const int masked = k0 + CHUNK - 1 > t->first;                                     \
             for (int64_t g = 0; g < group; g++) {                                             \
