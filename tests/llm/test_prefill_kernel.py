@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lockgate.config import ModelConfig
 from lockgate.errors import ConfigError
 from lockgate.llm import prefill_kernel
 from lockgate.llm.attention import AttentionMetadata, paged_attention, plan_attention
@@ -25,6 +26,7 @@ from lockgate.llm.loader import Checkpoint
 from lockgate.llm.models import LlamaForCausalLM, allocate_kv_cache, build_llama
 from lockgate.llm.prefill_kernel import KernelUnavailable, PrefillSegments, load_kernel
 from lockgate.llm.sequence import SamplingParams
+from lockgate.llm.startup import engine_config_from
 from lockgate.llm.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
 needs_compiler = pytest.mark.skipif(
@@ -210,8 +212,10 @@ def test_without_a_compiler_auto_leaves_sdpa_and_kernel_refuses(
     finally:
         load_kernel.cache_clear()
     assert not (tmp_path / "kernels").exists()
-    with pytest.raises(ConfigError, match="prefill_attention"):
-        EngineConfig(prefill_attention="fast")
+    with pytest.raises(ConfigError, match=r"prefill_attention.*'fast' is not one of auto"):
+        engine_config_from(
+            ModelConfig(name="m", backend="llm", parameters={"prefill_attention": "fast"})
+        )
 
 
 # -- the demo SmolLM2 through the engine ---------------------------------------------------
