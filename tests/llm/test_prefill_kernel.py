@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from lockgate.config import ModelConfig
 from lockgate.errors import ConfigError
-from lockgate.llm import prefill_kernel
+from lockgate.llm import native, prefill_kernel
 from lockgate.llm.attention import AttentionMetadata, paged_attention, plan_attention
 from lockgate.llm.decode_kernel import load_kernel as load_decode_kernel
 from lockgate.llm.engine import LLMEngine
@@ -116,6 +116,35 @@ def test_the_kernel_agrees_with_sdpa_in_float32(
         sdpas.append((sdpa - expected).abs().mean())
     if dtype == torch.bfloat16:
         assert sum(ours) <= 1.1 * sum(sdpas)
+
+
+@needs_compiler
+def test_a_bfloat16_cache_without_avx512_bf16_takes_the_float32_tiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built as for a CPU with AVX-512 but no AVX512-BF16 (as Ice Lake): a bfloat16 cache is
+    widened to float32 as it is read and multiplied in FMAs, as precise as SDPA's."""
+    if load_kernel().vectorised < 2:
+        pytest.skip("this CPU has no AVX512-BF16 to build without")
+    monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-mno-avx512bf16"))
+    load_kernel.cache_clear()
+    try:
+        kernel = load_kernel()
+    finally:
+        load_kernel.cache_clear()
+    assert kernel.vectorised == 1
+    query_lens, contexts = [145, 17], [0, 40]
+    q, k_cache, v_cache, tables, starts = random_step(
+        query_lens, contexts, 9, 3, 64, 16, torch.bfloat16
+    )
+    out = torch.empty(q.shape[0], 9 * 64, dtype=torch.bfloat16)
+    kernel(q, k_cache, v_cache, PrefillSegments.of(starts, query_lens, contexts, tables), out)
+    for i, (start, n) in enumerate(zip(starts, query_lens, strict=True)):
+        expected = reference(q[start : start + n], k_cache, v_cache, tables[i], contexts[i])
+        torch.testing.assert_close(
+            out[start : start + n].float(), expected, atol=1.6e-2, rtol=1.6e-2
+        )
 
 
 @needs_compiler
