@@ -12,8 +12,8 @@ medians of:
 
 Not a suite of `benchmarks.run` (it defines no `run`); options: `--batches 1,8,32`,
 `--steps N`, `--threads N`, `--no-breakdown`, `--dtype float32|bfloat16`,
-`--quantization auto|none|int8|int4`, `--decode-attention auto|kernel|sdpa` and
-`--activation-quantization none|int8` (several,
+`--quantization auto|none|int8|int4`, `--decode-attention auto|kernel|sdpa`,
+`--prefill-attention auto|kernel|sdpa` and `--activation-quantization none|int8` (several,
 comma-separated: each combination loaded and measured in turn, decode steps interleaved
 between them, medians over all rounds).
 """
@@ -89,6 +89,7 @@ def load_engine(
     quantization: str | None = None,
     decode_attention: str | None = None,
     activation_quantization: str | None = None,
+    prefill_attention: str | None = None,
 ) -> tuple[LLMEngine, float]:
     """The demo model's engine, every prompt computed in full (no prefix cache)."""
     parameters = {"enable_prefix_caching": "false"}
@@ -96,6 +97,8 @@ def load_engine(
         parameters["activation_quantization"] = activation_quantization
     if decode_attention is not None:
         parameters["decode_attention"] = decode_attention
+    if prefill_attention is not None:
+        parameters["prefill_attention"] = prefill_attention
     if dtype is not None:
         parameters["dtype"] = dtype
     if threads is not None:
@@ -217,7 +220,7 @@ def breakdown(engine: LLMEngine, rng: random.Random, batch: int, steps: int) -> 
             sdpa = max(sdpa, event.cpu_time_total / 1e3 / steps)
     if "attention" in per_step:
         per_step["attention: SDPA"] = sdpa
-        per_step["attention: gather, masks, copies"] = per_step.pop("attention") - sdpa
+        per_step["attention: kernels, gather, masks, copies"] = per_step.pop("attention") - sdpa
     per_step["other (python glue)"] = 1e3 * wall / steps - sum(per_step.values())
     per_step["step (profiled)"] = 1e3 * wall / steps
     return per_step
@@ -252,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"))
     parser.add_argument("--quantization", help="auto, none, int8, int4; comma-separated")
     parser.add_argument("--decode-attention", help="auto, kernel, sdpa; comma-separated")
+    parser.add_argument("--prefill-attention", help="auto, kernel, sdpa; comma-separated")
     parser.add_argument("--activation-quantization", help="none, int8; comma-separated")
     parser.add_argument("--no-breakdown", action="store_true")
     args = parser.parse_args(argv)
@@ -259,16 +263,22 @@ def main(argv: list[str] | None = None) -> int:
     engines: dict[str, LLMEngine] = {}
     quantizations = args.quantization.split(",") if args.quantization else [None]
     attentions = args.decode_attention.split(",") if args.decode_attention else [None]
+    prefills = args.prefill_attention.split(",") if args.prefill_attention else [None]
     activations = (
         args.activation_quantization.split(",") if args.activation_quantization else [None]
     )
-    for quantization, attention, activation in itertools.product(
-        quantizations, attentions, activations
+    for quantization, attention, prefill, activation in itertools.product(
+        quantizations, attentions, prefills, activations
     ):
         engine, load_seconds = load_engine(
-            args.dtype, args.threads, quantization, attention, activation
+            args.dtype, args.threads, quantization, attention, activation, prefill
         )
-        parts = (quantization, attention, activation and f"activations {activation}")
+        parts = (
+            quantization,
+            attention,
+            prefill and f"prefill {prefill}",
+            activation and f"activations {activation}",
+        )
         label = "/".join(x for x in parts if x) or "default"
         engines[label] = engine
         print(f"{label}: loaded in {load_seconds:.2f} s; dtype {engine.config.dtype}, "

@@ -21,6 +21,8 @@ metadata into per-step index tensors once, and `paged_attention` runs one layer 
 Decoding sequences are attended in batched SDPA calls over keys padded to the longest context
 of the batch; when contexts differ widely, the plan splits them (by length) into a few
 batches whenever that saves at least `MIN_PADDING_SAVED` padded key positions per split.
+Prompts and chunks are attended one SDPA call each (a chunk after a context over its gathered
+blocks, with a mask), or all at once by the prefill kernel (`prefill_kernel.py`), in place.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 
 from lockgate.errors import BadRequest
 from lockgate.llm.decode_kernel import DecodeKernel
+from lockgate.llm.prefill_kernel import PrefillKernel, PrefillSegments
 
 MIN_PADDING_SAVED = 512  # key positions a split of the decode batch must save (~ one call)
 MAX_DECODE_BATCHES = 4
@@ -91,7 +94,8 @@ class PrefillSegment:
     context_len: int  # tokens already in the cache before this chunk
     seq_len: int  # context_len + query length
     block_ids: torch.Tensor  # [nb] blocks holding positions 0..seq_len-1
-    mask: torch.Tensor | None  # [q, seq_len] offset-causal; None when context_len == 0
+    mask: torch.Tensor | None  # [q, seq_len] offset-causal; None when context_len == 0 or
+    # when the prefill kernel attends (it needs none)
 
 
 @dataclass(slots=True)
@@ -104,26 +108,38 @@ class AttentionPlan:
     prefills: list[PrefillSegment]
     # attends the decodes in place (`decode_kernel.py`); chosen at load for the model's shapes
     kernel: DecodeKernel | None = None
+    # attends every prefill segment in place, in one call (`prefill_kernel.py`), when set
+    prefill_kernel: PrefillKernel | None = None
+    segments: PrefillSegments | None = None  # the prefills, as the prefill kernel reads them
 
 
-def plan_attention(meta: AttentionMetadata, kernel: DecodeKernel | None = None) -> AttentionPlan:
+def plan_attention(
+    meta: AttentionMetadata,
+    kernel: DecodeKernel | None = None,
+    prefill_kernel: PrefillKernel | None = None,
+) -> AttentionPlan:
     """Check the metadata and split the step into decode batches and prefill segments. With
     `kernel`, the decodes are one batch: the kernel reads each context as long as it is, so
-    grouping by length saves nothing."""
+    grouping by length saves nothing. With `prefill_kernel`, the segments need no masks."""
     _check_metadata(meta)
     starts = [0]
     for q in meta.query_lens_list:
         starts.append(starts[-1] + q)
     decode_rows = [i for i, q in enumerate(meta.query_lens_list) if q == 1]
-    prefills = [
-        _prefill_segment(meta, i, starts[i]) for i, q in enumerate(meta.query_lens_list) if q > 1
-    ]
+    prefill_rows = [i for i, q in enumerate(meta.query_lens_list) if q > 1]
+    masked = prefill_kernel is None
+    prefills = [_prefill_segment(meta, i, starts[i], masked) for i in prefill_rows]
     if kernel is not None:
         groups = [decode_rows] if decode_rows else []
     else:
         groups = _group_by_length(meta, decode_rows)
     decodes = [_decode_batch(meta, rows, starts, kernel is None) for rows in groups]
-    return AttentionPlan(starts[-1], meta.block_size, decodes, prefills, kernel)
+    segments = None
+    if prefill_kernel is not None and prefills:
+        segments = _prefill_segments(meta, prefill_rows, prefills)
+    return AttentionPlan(
+        starts[-1], meta.block_size, decodes, prefills, kernel, prefill_kernel, segments
+    )
 
 
 def _group_by_length(meta: AttentionMetadata, rows: list[int]) -> list[list[int]]:
@@ -197,15 +213,34 @@ def _decode_batch(
     return DecodeBatch(token_idx, block_ids, num_blocks, length, mask[:, None, None], tables, lens)
 
 
-def _prefill_segment(meta: AttentionMetadata, i: int, start: int) -> PrefillSegment:
+def _prefill_segment(
+    meta: AttentionMetadata, i: int, start: int, masked: bool = True
+) -> PrefillSegment:
+    """`masked`: build the offset-causal mask SDPA needs for a chunk after a context."""
     q, s = meta.query_lens_list[i], meta.seq_lens_list[i]
     context = s - q
     block_ids = meta.block_tables[i, : -(-s // meta.block_size)].contiguous()
     mask = None
-    if context:
+    if context and masked:
         # query i sits at position context + i and sees keys 0..context + i
         mask = torch.arange(s)[None, :] <= (torch.arange(q) + context)[:, None]  # [q, s]
     return PrefillSegment(start, start + q, context, s, block_ids, mask)
+
+
+def _prefill_segments(
+    meta: AttentionMetadata, rows: list[int], prefills: list[PrefillSegment]
+) -> PrefillSegments:
+    """The prefill rows' segments as the kernel reads them, tables trimmed to the longest."""
+    width = -(-max(seg.seq_len for seg in prefills) // meta.block_size)
+    tables = meta.block_tables[:, :width]
+    if len(rows) != meta.num_seqs:
+        tables = tables.index_select(0, torch.tensor(rows, dtype=torch.long))
+    return PrefillSegments.of(
+        [seg.start for seg in prefills],
+        [seg.end - seg.start for seg in prefills],
+        [seg.context_len for seg in prefills],
+        tables,
+    )
 
 
 def write_kv(
@@ -244,6 +279,10 @@ def paged_attention(
         query = q.index_select(0, rows)
         dec = _attend_decode(query, k_cache, v_cache, batch, plan.block_size, kernel)
         out.index_copy_(0, rows, dec)
+    if plan.prefill_kernel is not None and plan.segments is not None:
+        # in place: every segment's rows of out in one call, no gather, no mask
+        plan.prefill_kernel(q, k_cache, v_cache, plan.segments, out)
+        return out
     for seg in plan.prefills:
         out[seg.start : seg.end] = _attend_prefill(q, k, v, k_cache, v_cache, seg)
     return out

@@ -9,6 +9,7 @@ from lockgate.errors import ConfigError
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, of the linear projections
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # `llm/decode_kernel.py`
+PREFILL_ATTENTION = ("auto", "kernel", "sdpa")  # `llm/prefill_kernel.py`
 ACTIVATION_QUANTIZATIONS = ("none", "int8")  # `llm/models/int8_activations.py`
 SPECULATIVE_METHODS = ("none", "ngram")  # ngram: prompt lookup (`llm/speculative.py`)
 STEP_POLICIES = ("decode_first", "prefill_first")  # who gets a step's token budget first
@@ -69,6 +70,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # shortest suffix of a sequence looked up in it, in tokens
     prompt_lookup_max: int = 4  # longest
     decode_attention: str = "auto"  # auto, kernel or sdpa (`llm/decode_kernel.py`)
+    prefill_attention: str = "auto"  # auto, kernel or sdpa (`llm/prefill_kernel.py`)
     activation_quantization: str = "none"  # int8: large steps multiply in int8
     step_policy: str = "decode_first"  # or prefill_first: queued prompts before decodes
     max_decode_stall_ms: float = 1000.0  # prefill_first: decodes wait at most this long
@@ -110,6 +112,8 @@ class EngineConfig:
              "must be >= prompt_lookup_min"),
             ("decode_attention", self.decode_attention in DECODE_ATTENTION,
              f"{self.decode_attention!r} is not one of {', '.join(DECODE_ATTENTION)}"),
+            ("prefill_attention", self.prefill_attention in PREFILL_ATTENTION,
+             f"{self.prefill_attention!r} is not one of {', '.join(PREFILL_ATTENTION)}"),
             ("activation_quantization",
              self.activation_quantization in ACTIVATION_QUANTIZATIONS,
              f"{self.activation_quantization!r} is not one of "

@@ -1,8 +1,9 @@
 """C sources of the language-model runtime, compiled once per machine and kept on disk.
 
-A source beside this module (`decode_attention.c`, `int8_rows.c`) is compiled with the
-system's C compiler (`CC`, else `cc`; `FLAGS`: `-O3 -march=native -fassociative-math
--fopenmp`, never `-ffast-math`) the first time a process asks for it, in about a second,
+A source beside this module (`decode_attention.c`, `prefill_attention.c`, `int8_rows.c`,
+`layer_ops.c`) is compiled with the system's C compiler (`CC`, else `cc`; `FLAGS`: `-O3
+-march=native -fassociative-math -fopenmp`, never `-ffast-math`) the first time a process
+asks for it, in about a second,
 and kept in `<cache>/kernels/` (`LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate/llm`) under a
 name that hashes the source (and the headers beside it: `bf16.h`), the flags, the compiler
 and the CPU, so every later load reuses it. The build writes a temporary file and renames it

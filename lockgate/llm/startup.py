@@ -25,6 +25,7 @@ A model folder whose config says `backend: llm` holds the weights in its version
 | num_speculative_tokens | ngram: draft tokens verified per sequence and step, at most | 4 |
 | prompt_lookup_min / _max | ngram: shortest / longest suffix looked up, in tokens | 2 / 4 |
 | decode_attention | auto, kernel or sdpa: how decodes attend (`llm/decode_kernel.py`) | auto |
+| prefill_attention | auto, kernel or sdpa: how prompts attend (`llm/prefill_kernel.py`) | auto |
 | activation_quantization | none, or int8: prefill and large batches multiply in int8 | none |
 | step_policy | decode_first, or prefill_first: queued prompts take a step first | decode_first |
 | max_decode_stall_ms | prefill_first: the longest decodes wait for queued prompts | 1000 |
@@ -54,6 +55,7 @@ from lockgate.llm.loader import load_checkpoint
 from lockgate.llm.models.int8_activations import quantize_activations
 from lockgate.llm.models.llama import allocate_kv_cache, build_llama, kv_bytes_per_block
 from lockgate.llm.models.packing import pack_linear_weights
+from lockgate.llm.prefill_kernel import prefill_kernel
 from lockgate.llm.service import LLMService
 from lockgate.llm.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
@@ -107,6 +109,7 @@ def engine_config_from(config: ModelConfig) -> EngineConfig:
         prompt_lookup_min=number("prompt_lookup_min", int, 2),  # type: ignore[arg-type]
         prompt_lookup_max=number("prompt_lookup_max", int, 4),  # type: ignore[arg-type]
         decode_attention=str(p.get("decode_attention", "auto")),
+        prefill_attention=str(p.get("prefill_attention", "auto")),
         activation_quantization=str(p.get("activation_quantization", "none")),
         step_policy=str(p.get("step_policy", "decode_first")),
         max_decode_stall_ms=number("max_decode_stall_ms", float, 1000.0),  # type: ignore[arg-type]
@@ -231,6 +234,10 @@ def _build(engine_config: EngineConfig, weights: Path) -> tuple[LLMEngine, _Buil
         model.decode_kernel = decode_kernel(engine_config.decode_attention, heads, *kv[0])
     except KernelUnavailable as exc:  # decode_attention: kernel, and it cannot be had here
         raise ConfigError(str(weights), "parameters.decode_attention", str(exc)) from exc
+    try:
+        model.prefill_kernel = prefill_kernel(engine_config.prefill_attention, heads, *kv[0])
+    except KernelUnavailable as exc:  # prefill_attention: kernel, and it cannot be had here
+        raise ConfigError(str(weights), "parameters.prefill_attention", str(exc)) from exc
     tokenizer = ChatTokenizer(checkpoint.tokenizer)
     engine = LLMEngine(
         model,

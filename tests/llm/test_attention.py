@@ -1,6 +1,8 @@
 """Paged attention against a dense reference: decode batches (split by context length or
 not), whole prompts and chunks with context, mixed in one step; each through SDPA over
-gathered blocks and through the in-place decode kernel (`llm/decode_kernel.py`)."""
+gathered blocks and through the in-place decode kernel (`llm/decode_kernel.py`); steps with
+prompts also through the in-place prefill kernel (`llm/prefill_kernel.py`, its portable loop
+at these shapes)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from lockgate.llm.attention import (
     write_kv,
 )
 from lockgate.llm.decode_kernel import DecodeKernel, load_kernel
+from lockgate.llm.prefill_kernel import PrefillKernel
+from lockgate.llm.prefill_kernel import load_kernel as load_prefill_kernel
 
 BLOCK = 4
 NH, KVH, D = 6, 2, 8
@@ -44,8 +48,21 @@ def kernel(request: pytest.FixtureRequest) -> DecodeKernel | None:
     return load_kernel()
 
 
+@pytest.fixture(params=["sdpa", "kernel"])
+def prefill(request: pytest.FixtureRequest) -> PrefillKernel | None:
+    if request.param == "sdpa":
+        return None
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler to build the kernel (apt-get install gcc)")
+    return load_prefill_kernel()
+
+
 def run_step(
-    seq_lens: list[int], query_lens: list[int], seed: int = 0, kernel: DecodeKernel | None = None
+    seq_lens: list[int],
+    query_lens: list[int],
+    seed: int = 0,
+    kernel: DecodeKernel | None = None,
+    prefill: PrefillKernel | None = None,
 ) -> None:
     """Fill each sequence's context at random, attend its last query_lens tokens, compare."""
     gen = torch.Generator().manual_seed(seed)
@@ -82,7 +99,7 @@ def run_step(
     )
     q, k, v = torch.cat(queries), torch.cat(new_k), torch.cat(new_v)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = paged_attention(q, k, v, k_cache, v_cache, plan_attention(meta, kernel))
+    out = paged_attention(q, k, v, k_cache, v_cache, plan_attention(meta, kernel, prefill))
     expected = torch.cat([reference(qi, *ctx) for qi, ctx in zip(queries, contexts, strict=True)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
@@ -106,18 +123,20 @@ def test_decodes_far_apart_in_length_are_split_and_stay_exact(kernel: DecodeKern
 
 
 def test_prefills_with_and_without_context_mixed_with_decodes(
-    kernel: DecodeKernel | None,
+    kernel: DecodeKernel | None, prefill: PrefillKernel | None
 ) -> None:
-    run_step([12, 5, 30, 9, 2], [12, 1, 7, 1, 2], seed=3, kernel=kernel)
+    run_step([12, 5, 30, 9, 2], [12, 1, 7, 1, 2], seed=3, kernel=kernel, prefill=prefill)
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_random_steps(seed: int, kernel: DecodeKernel | None) -> None:
+def test_random_steps(
+    seed: int, kernel: DecodeKernel | None, prefill: PrefillKernel | None
+) -> None:
     gen = torch.Generator().manual_seed(100 + seed)
     seq_lens = torch.randint(1, 60, (6,), generator=gen).tolist()
     query_lens = [1 if i % 2 else int(torch.randint(1, s + 1, (1,), generator=gen)) for i, s in
                   enumerate(seq_lens)]  # fmt: skip
-    run_step(seq_lens, query_lens, seed=seed, kernel=kernel)
+    run_step(seq_lens, query_lens, seed=seed, kernel=kernel, prefill=prefill)
 
 
 def _meta_for(seq_lens: list[int]) -> AttentionMetadata:

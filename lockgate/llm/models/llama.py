@@ -28,6 +28,7 @@ from lockgate.llm.attention import (
 from lockgate.llm.decode_kernel import DecodeKernel
 from lockgate.llm.layer_ops import MAX_WIDTH, LayerOps
 from lockgate.llm.model_config import LlamaConfig
+from lockgate.llm.prefill_kernel import PrefillKernel
 from lockgate.llm.quantized_linear import QuantizedLinear, QuantizedWeight, quantize_int8
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -205,6 +206,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # set by models/packing.py: [N, H] -> [N, V]
         self.decode_kernel: DecodeKernel | None = None  # attends decodes in place, when set
+        self.prefill_kernel: PrefillKernel | None = None  # attends prompts in place, when set
 
     @property
     def dtype(self) -> torch.dtype:
@@ -244,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
                 f"{input_ids.shape[0]} input ids and {positions.shape[0]} positions"
                 f" for {meta.num_tokens} query tokens"
             )
-        plan = plan_attention(meta, self.decode_kernel)
+        plan = plan_attention(meta, self.decode_kernel, self.prefill_kernel)
         cos, sin = self.rope.lookup(positions)
         h = self.embed_tokens(input_ids)  # [T, H]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
