@@ -229,6 +229,14 @@ def test_repo(tmp_path_factory: pytest.TempPathFactory, demo_repo: Path) -> Path
     return repo
 
 
+def models_of(source: Path, target: Path, *models: str) -> Path:
+    """`target`, made a repository of `source`'s `models` alone: a server that needs no other
+    model starts in about a second (minilm's warmup and scikit-learn's import take seconds)."""
+    for model in models:
+        shutil.copytree(source / model, target / model)
+    return target
+
+
 def start_test_repo_server(
     test_repo: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> RunningServer:
