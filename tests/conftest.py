@@ -229,6 +229,14 @@ def test_repo(tmp_path_factory: pytest.TempPathFactory, demo_repo: Path) -> Path
     return repo
 
 
+def models_of(source: Path, target: Path, *models: str) -> Path:
+    """`target`, made a repository of `source`'s `models` alone: a server that needs no other
+    model starts in about a second (minilm's warmup and scikit-learn's import take seconds)."""
+    for model in models:
+        shutil.copytree(source / model, target / model)
+    return target
+
+
 def start_test_repo_server(
     test_repo: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> RunningServer:
@@ -273,6 +281,12 @@ def smollm2_repository(
     return repo
 
 
+# the parameter that gives a test's language model one torch thread: on a 2-core machine
+# shared with the tests' clients and other servers, two spinning threads make a decode step
+# several times slower (as `tests/llm/conftest.py`'s `one_thread` says of the engine itself)
+ONE_THREAD = {"num_threads": "1"}
+
+
 @pytest.fixture(scope="session")
 def llm_server(
     demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
@@ -281,7 +295,12 @@ def llm_server(
     minilm embedding model, over HTTP and gRPC."""
     repo = tmp_path_factory.mktemp("llm-repo")
     shutil.copytree(demo_repo / "minilm", repo / "minilm")
-    parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", "max_waiting": "256"}
+    parameters = {
+        "kv_cache_gib": "0.05",
+        "max_model_len": "512",
+        "max_waiting": "256",
+        **ONE_THREAD,
+    }
     smollm2_repository(demo_repo, repo, {**parameters, "dtype": "float32", "quantization": "none"})
     tmp = tmp_path_factory.mktemp("llm-server")
     server = start_server(repo, tmp, ready_timeout=600, grpc_port=free_port())
@@ -320,6 +339,7 @@ def llm_variants_repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory)
         "max_model_len": "512",
         "dtype": "float32",
         "quantization": "none",  # exact against `llm_server`'s
+        **ONE_THREAD,
     }
     smollm2_repository(demo_repo, repo, {**dense, "max_waiting": "256"})
     cache = {"response_cache": {"enable": True, "ttl_s": 600}}

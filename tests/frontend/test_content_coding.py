@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tests.conftest import RunningServer, digits_rows, start_server
+from tests.conftest import RunningServer, digits_rows, models_of, start_server
 from tests.frontend.test_hostile_input import read_response
 from tests.frontend.test_lane import INFER, LONG, connect, digits_body, head_and_body, lane_count
 
@@ -28,8 +28,9 @@ LIMIT_MB = 4
 @pytest.fixture(scope="module")
 def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """Named as conftest's, so `bounded_rss` watches it; a small body limit."""
+    repo = models_of(test_repo, tmp_path_factory.mktemp("coding-repo"), "digits_onnx", "minilm")
     running = start_server(
-        test_repo, tmp_path_factory.mktemp("coding"), "--no-llm", "--max-body-mb", str(LIMIT_MB)
+        repo, tmp_path_factory.mktemp("coding"), "--no-llm", "--max-body-mb", str(LIMIT_MB)
     )
     yield running
     running.stop()

@@ -21,7 +21,13 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import RunningServer, digits_rows, start_server, start_test_repo_server
+from tests.conftest import (
+    RunningServer,
+    digits_rows,
+    models_of,
+    start_server,
+    start_test_repo_server,
+)
 
 INFER = "/v2/models/digits_onnx/infer"
 # each case: the peak RSS of its server grows less than RSS_GROWTH_BOUND_MIB
@@ -167,8 +173,9 @@ def test_truncated_body_held_open_does_not_block_other_requests(server: RunningS
 def impatient_server(
     test_repo: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
+    repo = models_of(test_repo, tmp_path_factory.mktemp("impatient-repo"), "digits_onnx")
     running = start_server(
-        test_repo, tmp_path_factory.mktemp("impatient"), "--no-llm", "--body-timeout", "1"
+        repo, tmp_path_factory.mktemp("impatient"), "--no-llm", "--body-timeout", "1"
     )
     yield running
     running.stop()

@@ -16,7 +16,7 @@ import pytest
 
 from lockgate.errors import BadRequest
 from lockgate.protocol import v2_codec as v2
-from tests.conftest import RunningServer, digits_rows, start_server
+from tests.conftest import RunningServer, digits_rows, models_of, start_server
 from tests.frontend.test_hostile_input import (
     INFER,
     assert_client_error,
@@ -244,8 +244,9 @@ def test_a_grpc_stream_is_read_no_faster_than_its_answers_go_out(
     from lockgate.protocol.grpc import inference_pb2_grpc as pb_grpc
     from tests.conftest import free_port
 
+    repo = models_of(test_repo, tmp_path / "repo", "echo")
     server = start_server(
-        test_repo, tmp_path, "--no-llm", "--grpc-max-stream-inflight", "3", grpc_port=free_port()
+        repo, tmp_path, "--no-llm", "--grpc-max-stream-inflight", "3", grpc_port=free_port()
     )
     peak = 0.0
     stop = threading.Event()
@@ -289,9 +290,8 @@ def test_priority_above_the_default_needs_a_key_that_grants_it(
     test_repo: Path, tmp_path: Path
 ) -> None:
     """`slow` has two priority levels, 2 by default: asking for 1 needs a priority key."""
-    server = start_server(
-        test_repo, tmp_path, "--no-llm", env={"LOCKGATE_PRIORITY_KEYS": "prio-secret"}
-    )
+    repo = models_of(test_repo, tmp_path / "repo", "slow")
+    server = start_server(repo, tmp_path, "--no-llm", env={"LOCKGATE_PRIORITY_KEYS": "prio-secret"})
     body = {
         "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}],
         "parameters": {"priority": 1},

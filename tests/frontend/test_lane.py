@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import RunningServer, digits_rows, start_server
+from tests.conftest import RunningServer, digits_rows, models_of, start_server
 from tests.frontend.test_hostile_input import RawResponse, read_response, read_responses
 
 INFER = "/v2/models/digits_onnx/infer"
@@ -206,9 +206,8 @@ def test_access_log_keeps_requests_on_the_asgi_path(
 ) -> None:
     """Each request leaves a line in the access log, which the ASGI path writes: the lane is
     closed while it is on."""
-    server = start_server(
-        test_repo, tmp_path_factory.mktemp("lane-log"), "--no-llm", "--access-log"
-    )
+    repo = models_of(test_repo, tmp_path_factory.mktemp("lane-log-repo"), "digits_onnx")
+    server = start_server(repo, tmp_path_factory.mktemp("lane-log"), "--no-llm", "--access-log")
     try:
         read_ok(server, *CASES["ok"])
         assert lane_count(server) == 0
@@ -222,9 +221,9 @@ def test_a_kept_alive_connection_closes_after_the_idle_timeout_not_before(
 ) -> None:
     """The keep-alive timeout counts from the last answer: a request within it keeps the
     connection open past the first answer's timeout; idle for the whole of it, it closes."""
-    server = start_server(
-        test_repo, tmp_path_factory.mktemp("lane-idle"), "--no-llm", "--keep-alive-timeout", "1"
-    )
+    repo = models_of(test_repo, tmp_path_factory.mktemp("lane-idle-repo"), "digits_onnx")
+    tmp = tmp_path_factory.mktemp("lane-idle")
+    server = start_server(repo, tmp, "--no-llm", "--keep-alive-timeout", "1")
     try:
         with connect(server) as sock:
             for row, pause in enumerate((0.0, 0.6, 0.7)):  # past 1 s from the first answer

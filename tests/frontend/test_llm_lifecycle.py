@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from lockgate.demo.smollm2 import SERVED_NAME
-from tests.conftest import RunningServer, smollm2_repository, start_server
+from tests.conftest import ONE_THREAD, RunningServer, smollm2_repository, start_server
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def explicit_llm_server(
     repo = smollm2_repository(
         demo_repo,
         tmp_path_factory.mktemp("llm-lifecycle-repo"),
-        {"kv_cache_gib": "0.05", "max_model_len": "512"},
+        {"kv_cache_gib": "0.05", "max_model_len": "512", **ONE_THREAD},
     )
     server = start_server(
         repo,

@@ -22,7 +22,7 @@ import pytest
 
 from lockgate.demo.smollm2 import SERVED_NAME
 from lockgate.llm.admission import TTFTAdmission
-from tests.conftest import RunningServer, smollm2_repository, start_server
+from tests.conftest import ONE_THREAD, RunningServer, smollm2_repository, start_server
 
 TTFT_SLO_S = 2.0
 WORDS = [
@@ -55,6 +55,7 @@ def start_slo_llm_server(
             "max_model_len": "512",
             "max_num_batched_tokens": "128",
             "ttft_slo_ms": str(int(TTFT_SLO_S * 1000)),
+            **ONE_THREAD,
         },
     )
     return start_server(repo, tmp_path_factory.mktemp("slo-llm"), ready_timeout=600)

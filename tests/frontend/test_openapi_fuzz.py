@@ -19,7 +19,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance, statu
 
 from lockgate.demo.smollm2 import SERVED_NAME
 from lockgate.frontend.openapi import openapi_document
-from tests.conftest import RunningServer, smollm2_repository, start_server
+from tests.conftest import ONE_THREAD, RunningServer, smollm2_repository, start_server
 
 EXAMPLES = 10  # per operation (42 operations)
 LLM_EXAMPLES = 6  # per generating operation (7): each generates a few tokens
@@ -43,6 +43,7 @@ def fuzz_server(
         "max_model_len": "128",
         "dtype": "float32",
         "quantization": "none",
+        **ONE_THREAD,
     }
     smollm2_repository(demo_repo, repo, small)
     running = start_server(

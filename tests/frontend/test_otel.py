@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import RunningServer, free_port, smollm2_repository, start_server
+from tests.conftest import ONE_THREAD, RunningServer, free_port, smollm2_repository, start_server
 
 pytest.importorskip("opentelemetry.sdk", reason="needs lockgate[otel]")
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
@@ -52,6 +52,7 @@ def traced(
         "max_model_len": "256",
         "dtype": "float32",
         "quantization": "none",
+        **ONE_THREAD,
     }
     smollm2_repository(demo_repo, repo, small)
     running = start_server(

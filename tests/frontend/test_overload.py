@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from benchmarks.overload_real import minilm_bodies as benchmark_bodies
-from tests.conftest import RunningServer, free_port, http_post, start_server, start_test_repo_server
+from tests.conftest import RunningServer, free_port, http_post, models_of, start_server
 
 SLO_S = 0.500  # the latency objective, sent as each request's timeout
 SERVICE_S = 0.050  # the model sleeps this long per batch, whatever its size
@@ -90,9 +90,10 @@ def steady_server(
 
 @pytest.fixture(scope="module")
 def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """A `test_repo` server of this module's own: its floods would leave the session's server
-    busy for the modules after it."""
-    running = start_test_repo_server(test_repo, tmp_path_factory)
+    """`test_repo`'s faulty and echo models on a server of this module's own: its floods would
+    leave the session's server busy for the modules after it."""
+    repo = models_of(test_repo, tmp_path_factory.mktemp("faulty-repo"), "faulty", "echo")
+    running = start_server(repo, tmp_path_factory.mktemp("faulty"), "--no-llm")
     yield running
     running.stop()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import RunningServer, digits_rows, start_server
+from tests.conftest import RunningServer, digits_rows, models_of, start_server
 from tests.frontend.test_hostile_input import exchange, read_response, request_bytes
 
 HEAD_TIMEOUT = 1.5
@@ -25,9 +25,15 @@ pytestmark = pytest.mark.usefixtures("bounded_rss")
 
 
 @pytest.fixture(scope="module")
-def gated(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def digits_repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """digits_onnx alone: the only model these tests send to."""
+    return models_of(demo_repo, tmp_path_factory.mktemp("digits-repo"), "digits_onnx")
+
+
+@pytest.fixture(scope="module")
+def gated(digits_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     running = start_server(
-        demo_repo,
+        digits_repo,
         tmp_path_factory.mktemp("gated"),
         "--no-llm",
         "--head-timeout",
@@ -44,10 +50,12 @@ def gated(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture(scope="module")
-def saturable(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def saturable(
+    digits_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
     """A short body timeout, so a request the gate lets through is answered soon (408)."""
     running = start_server(
-        demo_repo,
+        digits_repo,
         tmp_path_factory.mktemp("saturable"),
         "--no-llm",
         "--body-timeout",
@@ -135,8 +143,8 @@ def test_a_stalled_head_gets_408_and_an_idle_connection_is_closed(gated: Running
         assert time.monotonic() - started >= HEAD_TIMEOUT * 0.9
 
 
-def test_connections_past_the_per_client_cap_are_closed(demo_repo: Path, tmp_path: Path) -> None:
-    server = start_server(demo_repo, tmp_path, "--no-llm", "--max-connections-per-client", "20")
+def test_connections_past_the_per_client_cap_are_closed(digits_repo: Path, tmp_path: Path) -> None:
+    server = start_server(digits_repo, tmp_path, "--no-llm", "--max-connections-per-client", "20")
     holders = []
     try:
         holders = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
 import warnings
@@ -82,9 +83,10 @@ def hf_llama_config(config: LlamaConfig) -> Any:
 
 @pytest.fixture(scope="session")
 def hf_model(checkpoint: Checkpoint) -> Any:
-    """transformers' LlamaForCausalLM (fp32) holding the same weights: the oracle."""
+    """transformers' LlamaForCausalLM (fp32) holding the same weights: the oracle, built on
+    one torch thread (its threads test nothing of lockgate's)."""
     transformers = pytest.importorskip("transformers")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), one_torch_thread():
         warnings.simplefilter("ignore")
         hf = transformers.LlamaForCausalLM(hf_llama_config(checkpoint.config))
         missing, unexpected = hf.load_state_dict(checkpoint.weights, strict=False)
@@ -93,13 +95,23 @@ def hf_model(checkpoint: Checkpoint) -> Any:
     return hf.eval()
 
 
-@pytest.fixture()
-def one_thread() -> Iterator[None]:
-    """One torch thread: a loaded 2-core machine makes two spinning threads far slower."""
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread inside: a loaded 2-core machine makes two spinning threads far slower
+    (transformers' oracle built and run on two: 5-7 s and 14-24 s; on one: 1.4 s and 3-4 s)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture()
+def one_thread() -> Iterator[None]:
+    """One torch thread for the test (`one_torch_thread`)."""
+    with one_torch_thread():
+        yield
 
 
 def smollm2_engine(
@@ -181,11 +193,11 @@ def paged_loop(model: LlamaForCausalLM) -> Iterator[PagedLoop]:
 
 
 def hf_greedy(hf_model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy continuations from transformers' generate: the oracle."""
+    """Greedy continuations from transformers' generate: the oracle, on one torch thread."""
     outputs = []
     for ids in prompts:
         prompt = torch.tensor([ids])
-        with torch.inference_mode():
+        with torch.inference_mode(), one_torch_thread():
             out = hf_model.generate(
                 prompt,
                 attention_mask=torch.ones_like(prompt),

@@ -35,7 +35,7 @@ from lockgate.llm.quantized_linear import (
 from lockgate.llm.startup import engine_config_from
 from lockgate.llm.tokenizer import ChatTokenizer
 from tests.conftest import start_server
-from tests.llm.conftest import PagedLoop
+from tests.llm.conftest import PagedLoop, one_torch_thread
 from tests.llm.test_loader import (
     FFN,
     HEADS,
@@ -158,16 +158,23 @@ def perplexity(model: LlamaForCausalLM, ids: list[int]) -> float:
 # -- the real model ---------------------------------------------------------------------
 
 
+# The models are built, and bf16's references computed, on one torch thread (`one_torch_thread`:
+# two spinning threads on a loaded 2-core machine are several times slower); the quantized
+# models' own steps run on torch's default, their rows shared out over its threads.
+
+
 @pytest.fixture(scope="module")
 def bf16(checkpoint: Checkpoint) -> LlamaForCausalLM:
-    return build_llama(checkpoint.config, checkpoint.weights, "bfloat16")
+    with one_torch_thread():
+        return build_llama(checkpoint.config, checkpoint.weights, "bfloat16")
 
 
 @pytest.fixture(scope="module", params=["int4", "int8"])
 def quantized(request: pytest.FixtureRequest, gguf_path: Path) -> LlamaForCausalLM:
     # the conversion cache ($LOCKGATE_CACHE_DIR or ~/.cache/lockgate/llm) keeps later runs fast
     ck = load_checkpoint(gguf_path, quantization=request.param)
-    return build_llama(ck.config, ck.weights, "bfloat16", ck.quantized)
+    with one_torch_thread():
+        return build_llama(ck.config, ck.weights, "bfloat16", ck.quantized)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +184,8 @@ def prompt_ids(tokenizer: ChatTokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def bf16_greedy(bf16: LlamaForCausalLM, prompt_ids: list[list[int]]) -> list[list[int]]:
-    return greedy(bf16, prompt_ids, NEW_TOKENS)
+    with one_torch_thread():
+        return greedy(bf16, prompt_ids, NEW_TOKENS)
 
 
 def test_projections_are_quantized_and_the_head_is_int8_for_few_rows(
@@ -242,7 +250,8 @@ def test_greedy_tokens_agree_with_bf16(
 @pytest.fixture(scope="module")
 def bf16_perplexity(bf16: LlamaForCausalLM, tokenizer: ChatTokenizer) -> float:
     """bf16's perplexity over TEXT: the reference of both quantizations."""
-    return perplexity(bf16, tokenizer.encode(TEXT))
+    with one_torch_thread():
+        return perplexity(bf16, tokenizer.encode(TEXT))
 
 
 def test_perplexity_within_2_percent_of_bf16(
@@ -258,8 +267,9 @@ def test_perplexity_within_2_percent_of_bf16(
 @pytest.fixture(scope="module")
 def int8_activations(gguf_path: Path) -> LlamaForCausalLM:
     ck = load_checkpoint(gguf_path, quantization="int4")
-    model = build_llama(ck.config, ck.weights, "bfloat16", ck.quantized)
-    assert quantize_activations(model) == 3 * ck.config.num_hidden_layers
+    with one_torch_thread():
+        model = build_llama(ck.config, ck.weights, "bfloat16", ck.quantized)
+        assert quantize_activations(model) == 3 * ck.config.num_hidden_layers
     return model
 
 
