@@ -5,9 +5,9 @@ A source beside this module (`decode_attention.c`, `prefill_attention.c`, `int8_
 -march=native -fassociative-math -fopenmp`, never `-ffast-math`) the first time a process
 asks for it, in about a second,
 and kept in `<cache>/kernels/` (`LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate/llm`) under a
-name that hashes the source (and the headers beside it: `bf16.h`), the flags, the compiler
-and the CPU, so every later load reuses it. The build writes a temporary file and renames it
-into place: a process that loads the library never sees it half written, and concurrent
+name that hashes the source (and the headers beside it: `bf16.h`, `exp.h`), the flags, the
+compiler and the CPU, so every later load reuses it. The build writes a temporary file and
+renames it into place: a process that loads the library never sees it half written, and concurrent
 builds agree. The sources' OpenMP links `libgomp.so.1`; torch's Linux wheels load their own
 GNU OpenMP under that name first, so the library runs on torch's runtime, not a second one.
 

@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -48,24 +49,6 @@
 #define MAX_HEAD_DIM 256
 #define TILE 16  /* query rows per work item: the 16 float32 lanes of a 512-bit vector */
 #define CHUNK 16 /* keys per step of the online softmax */
-
-/* e^x for x <= 0: Cephes' expf (as decode_attention.c), within 2 ulp. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* One tile's place: segment rows [r0, r0 + rows) of KV head `head`, keys 0..context + r0 +
    rows - 1 through `table`. */
