@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from lockgate.llm.native import KernelUnavailable, load_library
+from lockgate.llm.native import KernelUnavailable as KernelUnavailable  # (re-exported)
+from lockgate.llm.native import chosen_kernel, load_library
 
 log = logging.getLogger("lockgate.llm")
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-MODES = ("auto", "kernel", "sdpa")
 MAX_GROUP = 32  # query heads per KV head (decode_attention.c)
 MAX_HEAD_DIM = 256
 
@@ -107,25 +107,18 @@ def decode_kernel(
 ) -> DecodeKernel | None:
     """The kernel for `mode` (see the module's text) and a model of `num_heads` query heads
     over these caches (one layer's): None to use SDPA."""
-    if mode not in MODES:
-        raise ValueError(f"decode_attention must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "sdpa":
-        return None
-    try:
-        kernel = load_kernel()
-        if not kernel.supports(num_heads, k_cache, v_cache):
-            raise KernelUnavailable(
-                f"{num_heads} query heads over {k_cache.shape[2]} KV heads of "
-                f"{k_cache.shape[3]} in {k_cache.dtype} are not the kernel's (at most "
-                f"{MAX_GROUP} query heads per KV head, head size {MAX_HEAD_DIM}, float32 or "
-                "bfloat16)"
-            )
-    except KernelUnavailable as exc:
-        if mode == "kernel":
-            raise
-        _warn_once(str(exc))
-        return None
-    return kernel
+
+    def unsupported(kernel: DecodeKernel) -> str | None:
+        if kernel.supports(num_heads, k_cache, v_cache):
+            return None
+        return (
+            f"{num_heads} query heads over {k_cache.shape[2]} KV heads of "
+            f"{k_cache.shape[3]} in {k_cache.dtype} are not the kernel's (at most "
+            f"{MAX_GROUP} query heads per KV head, head size {MAX_HEAD_DIM}, float32 or "
+            "bfloat16)"
+        )
+
+    return chosen_kernel("decode_attention", mode, load_kernel, unsupported, _warn_once)
 
 
 @functools.cache

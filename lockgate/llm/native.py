@@ -26,7 +26,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from lockgate.llm.loader import default_cache_dir
 
@@ -43,6 +45,38 @@ BUILD_TIMEOUT_S = 120.0
 
 class KernelUnavailable(RuntimeError):
     """A native library could not be built or loaded here."""
+
+
+K = TypeVar("K")
+MODES = ("auto", "kernel", "sdpa")  # an attention kernel's engine parameter
+
+
+def chosen_kernel(
+    parameter: str,
+    mode: str,
+    load: Callable[[], K],
+    unsupported: Callable[[K], str | None],
+    warn: Callable[[str], None],
+) -> K | None:
+    """An attention kernel as its engine parameter `mode` (`MODES`) chooses it: None for
+    `sdpa`; else the kernel `load` builds or finds, when `unsupported` has no reason against
+    the model's shapes. Where it cannot be had, `kernel` raises `KernelUnavailable` and
+    `auto` gives None after `warn` with the reason."""
+    if mode not in MODES:
+        raise ValueError(f"{parameter} must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "sdpa":
+        return None
+    try:
+        kernel = load()
+        reason = unsupported(kernel)
+        if reason is not None:
+            raise KernelUnavailable(reason)
+    except KernelUnavailable as exc:
+        if mode == "kernel":
+            raise
+        warn(str(exc))
+        return None
+    return kernel
 
 
 def load_library(source: Path) -> tuple[ctypes.CDLL, Path]:

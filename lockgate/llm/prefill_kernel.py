@@ -32,12 +32,12 @@ from pathlib import Path
 
 import torch
 
-from lockgate.llm.native import KernelUnavailable, load_library
+from lockgate.llm.native import KernelUnavailable as KernelUnavailable  # (re-exported)
+from lockgate.llm.native import chosen_kernel, load_library
 
 log = logging.getLogger("lockgate.llm")
 
 SOURCE = Path(__file__).with_name("prefill_attention.c")
-MODES = ("auto", "kernel", "sdpa")
 MAX_GROUP = 32  # query heads per KV head (prefill_attention.c)
 MAX_HEAD_DIM = 256
 VECTORISED_HEAD_DIMS = (64, 128)  # head sizes with AVX-512 tiles
@@ -152,25 +152,19 @@ def prefill_kernel(
 ) -> PrefillKernel | None:
     """The kernel for `mode` (see the module's text) and a model of `num_heads` query heads
     over these caches (one layer's): None to use SDPA."""
-    if mode not in MODES:
-        raise ValueError(f"prefill_attention must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "sdpa":
-        return None
-    try:
-        kernel = load_kernel()
-        if not kernel.supports(num_heads, k_cache, v_cache):
-            raise KernelUnavailable(
-                f"{num_heads} query heads over {k_cache.shape[2]} KV heads of "
-                f"{k_cache.shape[3]} in {k_cache.dtype} are not the kernel's (at most "
-                f"{MAX_GROUP} query heads per KV head, an even head size up to "
-                f"{MAX_HEAD_DIM}, float32 or bfloat16)"
-            )
-    except KernelUnavailable as exc:
-        if mode == "kernel":
-            raise
-        _warn_once(str(exc))
-        return None
-    if mode == "auto" and not kernel.vectorises(k_cache):
+
+    def unsupported(kernel: PrefillKernel) -> str | None:
+        if kernel.supports(num_heads, k_cache, v_cache):
+            return None
+        return (
+            f"{num_heads} query heads over {k_cache.shape[2]} KV heads of "
+            f"{k_cache.shape[3]} in {k_cache.dtype} are not the kernel's (at most "
+            f"{MAX_GROUP} query heads per KV head, an even head size up to "
+            f"{MAX_HEAD_DIM}, float32 or bfloat16)"
+        )
+
+    kernel = chosen_kernel("prefill_attention", mode, load_kernel, unsupported, _warn_once)
+    if kernel is not None and mode == "auto" and not kernel.vectorises(k_cache):
         log.info("prefill attention: SDPA (the kernel's portable loop is no faster here)")
         return None
     return kernel
