@@ -95,6 +95,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 REFUSAL_SHARE = 0.1  # a refusal's loop CPU against an answer's (refusal_cost: 36 / 421 µs)
+MIN_SHARE = 0.2  # the least share of its core the loop's predicted wait assumes
 OVERDUE_FACTOR = 4.0  # an overdue sentinel counts as this much less lag than it shows
 HELD_MAX = 4096  # paused connections an answer may resume; past it, the oldest wait out their pause
 EXEMPT_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health", "/metrics"})
@@ -143,19 +144,33 @@ class GateSettings:
 
 @dataclass(slots=True)
 class LoopLag:
-    """Event-loop lag from a sentinel timer. Pure bookkeeping: the caller gives the clock."""
+    """Event-loop lag from a sentinel timer. Pure bookkeeping: the caller gives the clock and
+    the loop thread's time waited for a CPU (`thread_clock.py`).
+
+    A firing's lag is the loop's own lateness: how late it came less the time the loop waited
+    for its core since the timer was set. A loop behind on its own work is late by that work;
+    one that only waited for a neighbour's slice to end is not, and refusing requests would
+    free it of nothing. Counted whole, those slices (several milliseconds each, beside a
+    process that burns the core) made digits_onnx's loop look saturated at any load: at
+    10,000 requests a second it refused all but 30 to 130 a second, where it could serve a
+    couple of thousand. Beside such a neighbour a loop behind on its work runs half the time,
+    so its own lateness is about half the wall's: the limit is reached at about twice the
+    lag, and the models' admission, which predicts the wait from the loop's share of the core
+    (`LoopCost`), holds the deadlines."""
 
     interval: float
     weight: float
     due: float = 0.0  # when the sentinel should fire next; 0: not started
     average: float = 0.0  # weighted average of the lags at recent firings
+    waited: float = 0.0  # the loop thread's time waited for a CPU at the last firing
 
-    def fired(self, now: float) -> float:
-        """The sentinel fired at `now`; returns the delay before the next one."""
+    def fired(self, now: float, waited: float = 0.0) -> float:
+        """The sentinel fired at `now`, the loop thread having waited `waited` seconds for a
+        CPU in all; returns the delay before the next one."""
         if self.due:
-            lag = max(0.0, now - self.due)
+            lag = max(0.0, now - self.due - max(0.0, waited - self.waited))
             self.average += self.weight * (lag - self.average)
-        self.due = now + self.interval
+        self.due, self.waited = now + self.interval, waited
         return self.interval
 
     def current(self, now: float) -> float:
@@ -208,7 +223,12 @@ class LoopCost:
     loop's CPU also pays for refusals, so each refusal counts as `REFUSAL_SHARE` of an
     answer (what a refusal costs against a served request, measured by the refusal_cost
     benchmark): counted as nothing, a storm of refusals would make every answer look costly,
-    refuse more, and feed on itself."""
+    refuse more, and feed on itself.
+
+    That work is CPU time; the wait for it is longer when another process shares the loop's
+    core. Each window also measures the loop's share of the core while it had work (its CPU
+    time over that and the time it waited for the core, `thread_clock.py`), and the wait
+    predicted is the CPU ahead over that share (at least `MIN_SHARE`)."""
 
     window: float = 0.1
     least: int = 8
@@ -216,8 +236,10 @@ class LoopCost:
     per_request: float = 0.0  # seconds; 0 until a window has been measured
     started: float | None = None  # when the current window began
     cpu_at_start: float = 0.0
+    waited_at_start: float = 0.0
     answered: float = 0.0  # answers, and refusals at REFUSAL_SHARE each
     warm: bool = False  # the first window with enough answers is over (and not counted)
+    share: float = 1.0  # of the core the loop had while it had work
 
     def answer(self) -> None:
         self.answered += 1
@@ -225,25 +247,31 @@ class LoopCost:
     def refuse(self) -> None:
         self.answered += REFUSAL_SHARE
 
-    def sample(self, now: float, cpu: float) -> None:
+    def sample(self, now: float, cpu: float, waited: float = 0.0) -> None:
+        """At `now`, the loop thread has run `cpu` seconds and waited `waited` for a CPU."""
         if self.started is not None and now - self.started < self.window:
             return
         if self.started is not None and self.answered >= self.least:
             if self.warm:
-                cost = (cpu - self.cpu_at_start) / self.answered
+                ran = cpu - self.cpu_at_start
+                cost = ran / self.answered
                 old = self.per_request
                 self.per_request = cost if not old else old + self.weight * (cost - old)
+                if ran > 0:
+                    share = ran / (ran + max(0.0, waited - self.waited_at_start))
+                    self.share += self.weight * (share - self.share)
             self.warm = True
         if (
             self.started is None
             or self.answered >= self.least
             or now - self.started > 10 * self.window
         ):
-            self.started, self.cpu_at_start, self.answered = now, cpu, 0.0
+            self.started, self.answered = now, 0.0
+            self.cpu_at_start, self.waited_at_start = cpu, waited
 
     def wait(self, in_progress: int) -> float:
         """Seconds of loop work ahead of a request let through now."""
-        return in_progress * self.per_request
+        return in_progress * self.per_request / max(self.share, MIN_SHARE)
 
 
 @dataclass(slots=True)

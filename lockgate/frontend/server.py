@@ -70,6 +70,7 @@ from lockgate.frontend.health_port import HealthPort, HealthState, response_byte
 from lockgate.frontend.http import Disconnect, compressed
 from lockgate.frontend.lane import BodiesArriving, Lane, LaneRequest, lane_target, reply_bytes
 from lockgate.frontend.probe import Probe, probe_of
+from lockgate.frontend.thread_clock import ThreadClock
 from lockgate.protocol import readiness
 from lockgate.protocol.openai import error_body, openai_path
 from lockgate.protocol.v2_codec import encode_error
@@ -875,20 +876,26 @@ class _Sentinel:
         self.loop = loop
         self.beat = beat  # told of each firing (the health port's heartbeat)
         self.handle: asyncio.TimerHandle | None = None
+        self.clock: ThreadClock | None = None
 
     def start(self) -> None:
+        self.clock = ThreadClock()  # on the loop's thread: the loop's times
         self._fire()
 
     def _fire(self) -> None:
         now = time.monotonic()
-        self.cost.sample(now, time.thread_time())  # on the loop's thread: the loop's CPU
+        assert self.clock is not None
+        times = self.clock.read()
+        self.cost.sample(now, times.cpu, times.waited)
         self.beat(now)
-        delay = self.lag.fired(now)
+        delay = self.lag.fired(now, times.waited)
         self.handle = self.loop.call_later(delay, self._fire)
 
     def stop(self) -> None:
         if self.handle is not None:
             self.handle.cancel()
+        if self.clock is not None:
+            self.clock.close()
 
 
 class _Server(uvicorn.Server):

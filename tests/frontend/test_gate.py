@@ -43,6 +43,17 @@ def test_an_overdue_sentinel_counts_before_it_fires() -> None:
     assert lag.current(now + 0.005 + 0.030) < 0.010  # one preemption of 30 ms: not yet
 
 
+def test_time_kept_off_the_core_is_not_the_loops_lag() -> None:
+    """A firing late because the loop waited for its core (a neighbour's slice) is not lag;
+    lateness beyond that wait is."""
+    lag = LoopLag(interval=0.005, weight=1.0)
+    lag.fired(0.0, waited=1.0)
+    lag.fired(0.005 + 0.008, waited=1.008)  # 8 ms late, all of it waiting for the core
+    assert lag.current(0.013) == pytest.approx(0.0)
+    lag.fired(0.018 + 0.008, waited=1.010)  # 8 ms late, 2 ms of it waiting
+    assert lag.current(0.026) == pytest.approx(0.006)
+
+
 def test_gate_refuses_on_lag_and_on_requests_in_progress_but_never_probes() -> None:
     gate = Gate(GateSettings(max_lag=0.010, max_requests=4))
     now = fire_every(gate.lag, 0.0, 0.005, 10)
@@ -199,6 +210,25 @@ def test_loop_cost_is_the_loop_cpu_per_answered_request() -> None:
     cost.sample(0.3, 10.012)  # 8 ms for 10: 0.8 ms, half weight
     assert cost.per_request == pytest.approx(0.0006)
     assert cost.wait(5) == pytest.approx(0.003)
+
+
+def test_the_loops_wait_is_its_cpu_ahead_over_its_share_of_the_core() -> None:
+    """Beside a neighbour that takes half its core, the loop's work ahead takes twice its CPU
+    time."""
+    cost = LoopCost(window=0.1, least=4, weight=1.0)
+    cost.warm = True
+    cost.sample(0.0, 1.0, waited=5.0)
+    for _ in range(10):
+        cost.answer()
+    cost.sample(0.1, 1.004, waited=5.004)  # 4 ms run, 4 ms waited for the core
+    assert cost.per_request == pytest.approx(0.0004)
+    assert cost.share == pytest.approx(0.5)
+    assert cost.wait(5) == pytest.approx(0.004)
+    for _ in range(10):
+        cost.answer()
+    cost.sample(0.2, 1.008, waited=5.004)  # the neighbour gone
+    assert cost.share == pytest.approx(1.0)
+    assert cost.wait(5) == pytest.approx(0.002)
 
 
 def test_a_cold_servers_first_answers_are_not_counted() -> None:
