@@ -865,6 +865,28 @@ def _protocol_class(
     return type("LockgateHttpProtocol", (_Protocol,), attributes)
 
 
+def _gate_gauges(app: App, gate: Gate) -> None:
+    """The connection gate's measures of the event loop, read at each scrape."""
+    registry = app.models.registry
+    registry.gauge(
+        "lockgate_event_loop_lag_seconds",
+        "The event loop's own lag as the connection gate reads it (recent average, or a "
+        "quarter of how overdue its sentinel is), the time its thread waited for a CPU taken "
+        "off; over --max-loop-lag-ms, new requests are refused before their body.",
+    ).set_function((), lambda: gate.lag.current(time.monotonic()))
+    registry.gauge(
+        "lockgate_event_loop_cpu_per_request_seconds",
+        "The event loop's CPU seconds per answered request (a refusal counting as a tenth), "
+        "over 100 ms windows: with the requests in progress, the loop's wait that admission "
+        "predicts for a request let through.",
+    ).set_function((), lambda: gate.loop_cost.per_request)
+    registry.gauge(
+        "lockgate_event_loop_core_share",
+        "The event loop's share of its core while it had work (its CPU time over that and "
+        "the time it waited for a CPU): below 1 when another process or thread shares it.",
+    ).set_function((), lambda: gate.loop_cost.share)
+
+
 class _Sentinel:
     """Fires every `interval` on the loop and feeds the gate's lag."""
 
@@ -1126,6 +1148,7 @@ async def serve(options: ServeOptions) -> int:
         gate, asyncio.get_running_loop(), lambda now: health.refresh(now, app.not_ready)
     )
     sentinel.start()
+    _gate_gauges(app, gate)
     app.front_delay = gate.queue.observe
     app.answered = gate.answered
     config = uvicorn.Config(
