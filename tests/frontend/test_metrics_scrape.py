@@ -232,3 +232,17 @@ def test_metrics_compat_refuses_an_unknown_name(capsys: pytest.CaptureFixture[st
 
 def ready(config: ModelConfig) -> ServedVersion:
     return ServedVersion(config, 1, NOWHERE, NOWHERE, state=ModelState.READY)
+
+
+def test_the_gates_readings_of_the_event_loop_are_gauges(server: RunningServer) -> None:
+    """After some traffic: the loop's lag, its CPU per answer and its share of its core."""
+    body = {"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
+                        "data": digits_rows(1).ravel().tolist()}]}  # fmt: skip
+    with httpx.Client(base_url=server.url) as client:
+        for _ in range(60):  # more than one 100 ms window of answers
+            assert client.post("/v2/models/digits_onnx/infer", json=body).is_success
+            time.sleep(0.004)
+    after = scraped(server)
+    assert 0.0 <= after["lockgate_event_loop_lag_seconds"] < 1.0
+    assert 0.0 < after["lockgate_event_loop_cpu_per_request_seconds"] < 0.05
+    assert 0.0 < after["lockgate_event_loop_core_share"] <= 1.0
