@@ -31,19 +31,28 @@ latency.
 
 Targets (at every level >= 1x and in the storm): admitted p99 <= SLO by client and server,
 no client timeout, goodput >= 90% of capacity (80% in the storm), nothing lost, liveness p99
-<= 50 ms. One client core cannot offer 10x of digits_onnx (over 20,000 requests per second):
+<= 50 ms.
+
+A third pass runs each model pinned beside a process that burns the server core (a noisy
+neighbour, or a container's CPU quota): its capacity is measured beside it, in the same run,
+and the levels are taken from that. Its targets are the issue's for a shared core: admitted
+p99 <= SLO by client and server, no client timeout, nothing lost, and goodput >= half of the
+capacity measured beside the neighbour (the scheduler's slices make the rest
+unpredictable). One client core cannot offer 10x of digits_onnx (over 20,000 requests per second):
 the rows say what was really offered, and the client's CPU.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,11 +61,13 @@ import numpy as np
 
 from benchmarks import raw_load
 from benchmarks.common import (
+    SERVER_CORE,
     Context,
     Server,
     SuiteResult,
     environment,
     percentile,
+    pin_command,
     pinning_available,
     process_cpu_seconds,
     running,
@@ -72,6 +83,8 @@ LEVEL_S, QUICK_LEVEL_S = 8.0, 3.0
 STORM_CONNECTIONS = 256
 PAUSE_S = 2.0
 GOODPUT_TARGET, STORM_TARGET, LIVENESS_TARGET_S = 0.9, 0.8, 0.050
+HOG_TARGET = 0.5  # goodput beside a process burning the server core, of the capacity there
+HOG = "while True: pass"
 CLIENT_TIMEOUT_S = 30.0
 HEALTH_PORTS: dict[int, int] = {}  # a server's HTTP port -> its --health-port
 MAX_CLIENT_RATE = 10000.0  # one client core sends no more than this
@@ -321,11 +334,14 @@ class Curve:
     model: str
     pinned: bool
     slo: float
+    hog: bool = False  # beside a process burning the server core
     capacity: float = 0.0
     levels: list[Level] = field(default_factory=list)
 
     @property
     def label(self) -> str:
+        if self.hog:
+            return f"{self.model}, pinned beside a CPU hog"
         return f"{self.model}, {'pinned to one core' if self.pinned else 'not pinned'}"
 
     def share(self, level: Level) -> float:
@@ -343,16 +359,17 @@ class Curve:
                 "client p99": percentile(ok, 99) <= self.slo,
                 "server p99": level.server_p99 <= self.slo,
                 "no timeouts": level.count(0) == 0,
-                "goodput": self.share(level) >= target,
+                "goodput": self.share(level) >= (HOG_TARGET if self.hog else target),
                 "nothing lost": level.lost == 0 and level.server_answers == level.sent,
-                "liveness": percentile(level.health_port, 99) <= LIVENESS_TARGET_S,
             }
+            if not self.hog:  # the health port's thread waits for the core like the rest
+                checks["liveness"] = percentile(level.health_port, 99) <= LIVENESS_TARGET_S
             found += [f"{level.name}: {name}" for name, ok_ in checks.items() if not ok_]
         return found
 
 
-def run_curve(ctx: Context, server: Server, model: Model, pinned: bool) -> Curve:
-    curve = Curve(model.name, pinned, model.slo)
+def run_curve(ctx: Context, server: Server, model: Model, pinned: bool, hog: bool = False) -> Curve:
+    curve = Curve(model.name, pinned, model.slo, hog)
     seconds = QUICK_LEVEL_S if ctx.quick else LEVEL_S
     warm = Level("warm", 0, 3.0, model.slo)
     run_async(open_loop(server.url, model, min(model.saturate, 20.0), warm, 0))
@@ -392,6 +409,17 @@ def describe(curve: Curve, level: Level) -> str:
     )
 
 
+@contextlib.contextmanager
+def burning(core: int) -> Iterator[None]:
+    """A process burning `core` inside the block, at the server's priority."""
+    hog = subprocess.Popen(pin_command([sys.executable, "-c", HOG], core))
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 def start(repo: Path, work: Path, pinned: bool) -> Server:
     port = _free_port()
     command = [sys.executable, "-m", "lockgate.cli", "serve", str(repo), "--port", str(port)]
@@ -417,6 +445,11 @@ def run(ctx: Context) -> SuiteResult:
             server = start(repo, ctx.work, pinned)
             with running(server):
                 curves.append(run_curve(ctx, server, model, pinned))
+    if pinning_available():
+        for model in models:
+            server = start(repo, ctx.work, True)
+            with running(server), burning(SERVER_CORE):
+                curves.append(run_curve(ctx, server, model, True, hog=True))
     load.append(os.getloadavg()[0])
     return report(curves, load, time.perf_counter() - started, ctx)
 
@@ -430,7 +463,8 @@ def report(curves: list[Curve], load: list[float], seconds: float, ctx: Context)
             "at every level >= 1x and in the storm: admitted p99 <= SLO (client and server), no "
             f"client timeout, goodput >= {GOODPUT_TARGET:.0%} of capacity "
             f"({STORM_TARGET:.0%} in the storm), nothing lost, liveness p99 <= "
-            f"{LIVENESS_TARGET_S * 1e3:g} ms"
+            f"{LIVENESS_TARGET_S * 1e3:g} ms; beside a CPU hog, the same but goodput >= "
+            f"{HOG_TARGET:.0%} of the capacity there and no liveness target"
         ),
         met=not failures,
         environment=environment(),
@@ -459,6 +493,7 @@ def report(curves: list[Curve], load: list[float], seconds: float, ctx: Context)
             {
                 "model": c.model,
                 "pinned": c.pinned,
+                "hog": c.hog,
                 "capacity": c.capacity,
                 "levels": [
                     {
@@ -504,7 +539,8 @@ def plot_curves(curves: list[Curve], path: Path) -> Path | None:
         levels = [lv for lv in curve.levels if lv.factor]
         x = [lv.sent / lv.seconds / curve.capacity for lv in levels]
         y = [curve.share(lv) for lv in levels]
-        axes.plot(x, y, marker="o", linestyle="-" if curve.pinned else "--", label=curve.label)
+        style = ":" if curve.hog else "-" if curve.pinned else "--"
+        axes.plot(x, y, marker="o", linestyle=style, label=curve.label)
     axes.set_xscale("symlog", linthresh=1)
     axes.set_xlabel("offered load / capacity")
     axes.set_ylabel("goodput (200 within SLO) / capacity")
