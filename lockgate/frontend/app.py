@@ -234,8 +234,8 @@ class App:
         received = scope.get("lockgate.received")  # the first byte, stamped by the protocol
         now = time.monotonic()
         start = received if isinstance(received, float) else now
-        if self.front_delay is not None:
-            self.front_delay(now - start, now)
+        if self.front_delay is not None:  # from the end of a pause the gate made it wait
+            self.front_delay(now - scope.get("lockgate.queued", start), now)
         allowed = None if self.cors is None else self.cors.allow(origin_of(scope["headers"]))
         if allowed is not None and is_preflight(scope["method"], scope["headers"]):
             assert self.cors is not None

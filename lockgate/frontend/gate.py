@@ -25,8 +25,12 @@ These decisions are made per connection or request head, each before any body is
   model's queue cannot finish in time.
 - **Front-end queueing (CoDel).** A request's delay from its first byte to the start of its
   handler is the time it queued inside the process (behind other requests' parsing, routing
-  and inline work). When even the least delayed request of an `interval` (50 ms) waited more
-  than `queue_target` (5 ms), the queue is standing, not a burst: new heads are refused until
+  and inline work). For a request sent while its connection was paused (below), it counts
+  from the pause's end: the pause is the gate's own doing, not a queue, and counted it made
+  one (the requests let through in a storm came from paused connections, their least delay
+  was a pause, and every new request was refused as queued). When even the least delayed
+  request of an `interval` (50 ms) waited more than `queue_target` (5 ms), the queue is
+  standing, not a burst: new heads are refused until
   an interval passes with a request under the target. With no new evidence for two
   intervals, the verdict lapses, so requests are let in to measure again. Loop lag alone
   misses this queue: each iteration can stay short while a request needs several of them.

@@ -141,6 +141,7 @@ class _Protocol(HttpToolsProtocol):
         self.received = 0.0
         self.arrived = 0.0  # when the next request is taken to have arrived; 0: when read
         self.penalized = False  # not read until a pause ends
+        self.resumed = 0.0  # when the last pause ended: the front end's queue starts there
         self.pause_timer: asyncio.TimerHandle | None = None
         self.stamped = False  # the kernel stamps when this connection's bytes arrive
         self.refusing = False  # a refused request's body is being skipped
@@ -400,8 +401,8 @@ class _Protocol(HttpToolsProtocol):
         in `after_head`, else once the rest of it has arrived."""
         self.gate.let_through(now)
         front_delay = self.lockgate_app.front_delay
-        if front_delay is not None:
-            front_delay(now - request.received, now)
+        if front_delay is not None:  # (a pause's wait is the gate's own, not a queue)
+            front_delay(now - max(request.received, self.resumed), now)
         self._cancel_head_timer()
         self._unset_keepalive_if_required()
         self.arrived = 0.0
@@ -525,6 +526,8 @@ class _Protocol(HttpToolsProtocol):
         self.received = self.arrived or time.monotonic()
         self.arrived = 0.0
         self.scope["lockgate.received"] = self.received  # type: ignore[typeddict-unknown-key]
+        if self.resumed > self.received:  # the front end's queue starts at the pause's end
+            self.scope["lockgate.queued"] = self.resumed  # type: ignore[typeddict-unknown-key]
         self.scope["lockgate.disconnect"] = self.disconnect  # type: ignore[typeddict-unknown-key]
         self.head_bytes = 0
         self.in_head = True
@@ -633,6 +636,7 @@ class _Protocol(HttpToolsProtocol):
             self.pause_timer = None
         if self.transport.is_closing():
             return False
+        self.resumed = time.monotonic()
         # a request sent meanwhile arrived when the kernel stamped it, at the pause's start
         # if it has no stamp, and is read now if nothing came
         self.arrived = _unread_since(self.transport, fallback=self.arrived)

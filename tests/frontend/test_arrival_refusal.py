@@ -95,11 +95,14 @@ FREE_CONFIG = CONFIG.replace("name: held", "name: free").replace('"0.5"', '"0"')
 
 
 @contextlib.contextmanager
-def held_server(tmp: Path, *flags: str) -> Iterator[RunningServer]:
-    """A server with `held` (kept busy: two requests with long timeouts always in front)
-    and `free` (idle)."""
+def held_server(
+    tmp: Path, *flags: str, holders: int = 2, sleep_s: float = 0.5
+) -> Iterator[RunningServer]:
+    """A server with `held` (kept busy: `holders` requests with long timeouts always in
+    front, each sleeping `sleep_s`) and `free` (idle)."""
     repo = tmp / "repo"
-    for name, config in (("held", CONFIG), ("free", FREE_CONFIG)):
+    held = CONFIG.replace('"0.5"', f'"{sleep_s}"')
+    for name, config in (("held", held), ("free", FREE_CONFIG)):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.py").write_text(SLEEPER)
         (repo / name / "config.yaml").write_text(config)
@@ -115,15 +118,15 @@ def held_server(tmp: Path, *flags: str) -> Iterator[RunningServer]:
                     headers={"request-timeout": "30", "content-type": "application/json"},
                 )
 
-    holders = [threading.Thread(target=hold) for _ in range(2)]
-    for thread in holders:
+    threads = [threading.Thread(target=hold) for _ in range(holders)]
+    for thread in threads:
         thread.start()
     time.sleep(0.3)
     try:
         yield server
     finally:
         stop.set()
-        for thread in holders:
+        for thread in threads:
             thread.join()
         server.stop()
 
@@ -282,6 +285,45 @@ def test_a_request_that_waited_out_a_refusal_pause_counts_the_wait(tmp_path: Pat
                 headers={"request-timeout": "0.2", "content-type": "application/json"},
             )
         assert r.status_code == 200, r.text
+
+
+def test_a_refusal_pause_is_not_taken_for_a_queue_in_front_of_the_app(tmp_path: Path) -> None:
+    """A request sent during its connection's refusal pause is read after it, having waited;
+    but not in a queue of the server's: the front end's standing-queue check (CoDel, 50 ms
+    here) counts from the pause's end, so the requests after it are not refused as queued.
+    (It counted from the request's arrival, and the pause made a standing queue: in a storm,
+    the requests let through came from paused connections, and new ones were refused.)"""
+    with held_server(
+        tmp_path, "--refusal-pause-ms", str(int(PAUSE_S * 1000)), holders=1, sleep_s=2.0
+    ) as server:
+        free = infer_request(b"request-timeout: 5").replace(b"/held/", b"/free/")
+        before = httpx.get(server.url + "/metrics").text  # (a request too: none until the end)
+        sock, reader = connect(server)
+        with sock:
+            sock.sendall(infer_request(b"request-timeout: 1") * 200)  # paused, as above
+            for _ in range(200):
+                assert refused(*reader.response())
+            started = time.monotonic()
+            sock.sendall(free)
+            status, _, body = reader.response()
+            assert time.monotonic() - started >= PAUSE_S * 0.5  # it waited out the pause
+            assert status == 200, body
+        time.sleep(0.06)  # past the check's interval: the next request closes it
+        statuses = []
+        with httpx.Client(timeout=10) as client:
+            for _ in range(5):  # the held request still in progress
+                r = client.post(
+                    server.url + "/v2/models/free/infer",
+                    content=BODY,
+                    headers={"request-timeout": "5", "content-type": "application/json"},
+                )
+                statuses.append((r.status_code, r.text[:80]))
+        after = httpx.get(server.url + "/metrics").text
+    assert [status for status, _ in statuses] == [200] * 5, statuses
+    queued = 'lockgate_http_refused_total{reason="queue_delay"}'
+    assert [line for line in after.splitlines() if line.startswith(queued)] == [
+        line for line in before.splitlines() if line.startswith(queued)
+    ]
 
 
 def test_a_kept_connection_is_refused_by_the_model_loaded_now(tmp_path: Path) -> None:
