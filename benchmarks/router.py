@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -80,6 +81,7 @@ from benchmarks.common import (
     start_server,
     v2_body,
 )
+from benchmarks.serving_maxrate import write_requests
 from benchmarks.serving_overhead import PERF_ANALYZER, demo_model, digits_rows
 
 SUITE = "router"
@@ -97,7 +99,8 @@ TARGET_KEPT = 0.90
 TARGET_HEDGE_CUT = 3.0
 TARGET_HEDGE_EXTRA = 0.10
 TARGET_REPLICAS_RATIO = 1.6
-WARMUP_ROUNDS = 10  # RawLoop: requests per connection before it measures
+WARMUP_ROUNDS = 10  # RawLoop, CLoop: requests per connection before they measure
+CLOOP_SOURCE = Path(__file__).resolve().parent / "closedloop.c"
 GATE_OFF = ("--max-loop-lag-ms", "0", "--queue-target-ms", "0")
 NO_GRPC = ("--grpc-port", "off")
 
@@ -151,10 +154,16 @@ class Client:
             DIGITS: tuple(v2_body({"input": row[None]}) for row in digits_rows(16)),
             STALLER: (v2_body({"x": np.ones((1, 2), dtype=np.float32)}),),
         }
+        self.c_loop = CLoop.build(ctx.work)
 
     @property
     def name(self) -> str:
-        return "perf_analyzer" if self.perf else "a raw-socket closed loop (RawLoop)"
+        return "perf_analyzer" if self.perf else RAW_LOOP
+
+    @property
+    def replicas_name(self) -> str:
+        """The client of the replicas comparison."""
+        return C_LOOP if self.c_loop else RAW_LOOP
 
     def run(
         self, port: int, model: str, concurrency: int, cores: str, protocol: str = "http"
@@ -175,12 +184,102 @@ class Client:
     def raw(
         self, port: int, model: str, concurrency: int, server_cpu: Callable[[], float] | None = None
     ) -> Closed:
-        """`RawLoop` in this process (on the client core): for servers with many replicas,
-        whose statistics perf_analyzer cannot follow (each request for them may reach
-        another replica). `server_cpu` reads the server's CPU seconds so far."""
-        path = f"/v2/models/{model}/infer"
-        loop = RawLoop(port, path, self.bodies[model], concurrency, 3 * self.window, server_cpu)
+        """`RawLoop` in this process (on the client core). `server_cpu` reads the server's CPU
+        seconds so far."""
+        return uvloop.run(self._loop(port, model, concurrency, server_cpu).run())
+
+    def replicas(
+        self, port: int, model: str, concurrency: int, server_cpu: Callable[[], float]
+    ) -> Closed:
+        """The replicas comparison's closed loop: `CLoop` when a C compiler built it, else
+        `RawLoop`; not perf_analyzer, whose statistics cannot follow many replicas (each
+        request for them may reach another one)."""
+        loop = self._loop(port, model, concurrency, server_cpu)
+        if self.c_loop is not None:
+            return self.c_loop.run(loop, self.ctx.work)
         return uvloop.run(loop.run())
+
+    def _loop(
+        self, port: int, model: str, concurrency: int, server_cpu: Callable[[], float] | None
+    ) -> RawLoop:
+        path = f"/v2/models/{model}/infer"
+        return RawLoop(port, path, self.bodies[model], concurrency, 3 * self.window, server_cpu)
+
+
+RAW_LOOP = "a raw-socket closed loop in Python (RawLoop)"
+C_LOOP = "a closed loop in C (benchmarks/closedloop.c)"
+
+
+@dataclass(frozen=True, slots=True)
+class CLoop:
+    """`closedloop.c`, compiled: `RawLoop`'s closed loop at a fraction of its CPU (the kernel's
+    share of a request over loopback, a few µs, and little else), run on the client core."""
+
+    binary: Path
+
+    @classmethod
+    def build(cls, work: Path) -> CLoop | None:
+        """Compiled into `work`; None without a C compiler."""
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            return None
+        binary = work / "closedloop"
+        subprocess.run([compiler, "-O2", "-o", str(binary), str(CLOOP_SOURCE)], check=True)
+        return cls(binary)
+
+    def run(self, loop: RawLoop, work: Path) -> Closed:
+        """What `loop` asks for (its port, requests, concurrency and count), measured the same
+        way: latencies of the answers 200, the client's CPU and the server's over the timed
+        requests alone."""
+        requests, out = work / "closedloop-requests", work / "closedloop-latencies"
+        write_requests(requests, loop.prepared())
+        total = max(loop.requests, loop.concurrency)
+        command = [str(self.binary), "127.0.0.1", str(loop.port), str(loop.concurrency)]
+        command += [str(WARMUP_ROUNDS), str(total), str(requests), str(out)]
+        with subprocess.Popen(
+            _on(command, str(CLIENT_CORE)),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as process:
+            assert process.stdin is not None and process.stdout is not None
+            warm = process.stdout.readline()
+            server_before = loop.server_cpu() if loop.server_cpu else float("nan")
+            if warm.strip() == "warm":
+                process.stdin.write("go\n")
+                process.stdin.flush()
+            counted = process.stdout.readline()
+            server = loop.server_cpu() - server_before if loop.server_cpu else float("nan")
+            summary = process.stdout.readline() if counted.strip() == "counted" else ""
+            said = process.stderr.read() if process.stderr else ""
+        if process.returncode != 0 or not summary:
+            raise RuntimeError(f"closedloop failed ({process.returncode}): {said[-400:]}")
+        found = json.loads(summary)
+        if found["failed"]:
+            raise RuntimeError(
+                f"{found['failed']} requests to port {loop.port} were not answered 200"
+            )
+        latencies = (np.fromfile(out, dtype="<i8") / 1e9).tolist()
+        p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+        rate = found["answered"] / found["seconds"]
+        return Closed(p50, p99, rate, found["answered"], found["cpu_seconds"], server)
+
+
+@dataclass(slots=True)
+class Round:
+    """One round of a closed loop, shared by its connections: `to_send` requests still to go
+    out; the first `counted` answers are timed (into `latencies`, those answered 200) and the
+    round's clock stops at the last of them (`ended`, perf_counter). A faster connection
+    (to a replica on a less busy core) takes more of the round, as in a window of time:
+    none waits idle for the slowest to finish a quota of its own."""
+
+    to_send: int
+    counted: int
+    latencies: list[float] | None  # None: untimed
+    failed: int = 0
+    ended: float = 0.0
+    cpu_ended: float = 0.0  # process_time then
 
 
 class _Connection(asyncio.Protocol):
@@ -192,20 +291,19 @@ class _Connection(asyncio.Protocol):
         self.requests = requests
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
-        self.left = 0  # requests still to send in this round
         self.sent = 0  # requests sent on this connection so far
         self.sent_at = 0.0
-        self.latencies: list[float] | None = None  # where answers 200 are timed; None: untimed
-        self.failed = 0
+        self.round_: Round | None = None
         self.done: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def round(self, count: int, latencies: list[float] | None) -> asyncio.Future[None]:
-        """Send `count` requests one after another, timing those answered 200 into
-        `latencies`; the future is done after the last answer."""
-        self.left, self.latencies = count, latencies
+    def start(self, round_: Round) -> asyncio.Future[None]:
+        """Send this connection's first request of `round_`, and the next one after each
+        answer while the round has requests to send; the future is done after the last
+        answer owed on this connection."""
+        self.round_ = round_
         self.done = asyncio.get_running_loop().create_future()
         self._send()
         return self.done
@@ -225,13 +323,18 @@ class _Connection(asyncio.Protocol):
         answered = time.perf_counter()
         status = int(self.buffer[9:12])
         del self.buffer[: end + 4 + int(length[1])]
-        if self.latencies is not None:
+        round_ = self.round_
+        assert round_ is not None
+        if round_.latencies is not None and round_.counted > 0:
             if status == 200:
-                self.latencies.append(answered - self.sent_at)
+                round_.latencies.append(answered - self.sent_at)
             else:
-                self.failed += 1
-        self.left -= 1
-        if self.left > 0:
+                round_.failed += 1
+            round_.counted -= 1
+            if round_.counted == 0:
+                round_.ended, round_.cpu_ended = answered, time.process_time()
+        if round_.to_send > 0:
+            round_.to_send -= 1
             self._send()
         elif self.done is not None and not self.done.done():
             self.done.set_result(None)
@@ -244,11 +347,11 @@ class _Connection(asyncio.Protocol):
 @dataclass(slots=True)
 class RawLoop:
     """`concurrency` connections, each sending its next prepared request when the last is
-    answered, `requests` in all after a warm-up (`WARMUP_ROUNDS` on each connection); about
-    20 µs of client CPU per request (half of it the kernel's), where aiohttp costs most of a
-    millisecond. The client's CPU (this process's) and the server's (`server_cpu`, when
-    given) are read just before and after the timed requests, warm-up and connections left
-    out."""
+    answered, until `requests` in all are answered (a `Round`), after a warm-up
+    (`WARMUP_ROUNDS` requests for each connection); about 20 µs of client CPU per request
+    (half of it the kernel's), where aiohttp costs most of a millisecond. The client's CPU
+    (this process's) and the server's (`server_cpu`, when given) are read just before and
+    after the timed requests, warm-up and connections left out."""
 
     port: int
     path: str
@@ -271,24 +374,30 @@ class RawLoop:
                 partial(_Connection, requests), "127.0.0.1", self.port
             )
             connections.append(connection)
-        await asyncio.gather(*(c.round(WARMUP_ROUNDS, None) for c in connections))
+        await self._round(connections, WARMUP_ROUNDS * self.concurrency, None)
         latencies: list[float] = []
-        each = max(1, self.requests // self.concurrency)
+        total = max(self.requests, self.concurrency)
         server_before = self.server_cpu() if self.server_cpu else float("nan")
         client_before = time.process_time()
         start = time.perf_counter()
-        await asyncio.gather(*(c.round(each, latencies) for c in connections))
-        elapsed = time.perf_counter() - start
-        client = time.process_time() - client_before
+        timed = await self._round(connections, total, latencies)
+        elapsed = timed.ended - start
+        client = timed.cpu_ended - client_before
         server = self.server_cpu() - server_before if self.server_cpu else float("nan")
         for connection in connections:
             assert connection.transport is not None
             connection.transport.close()
-        failed = sum(c.failed for c in connections)
-        if failed:
-            raise RuntimeError(f"{failed} requests to port {self.port} were not answered 200")
+        if timed.failed:
+            raise RuntimeError(f"{timed.failed} requests to port {self.port} were not answered 200")
         p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
         return Closed(p50, p99, len(latencies) / elapsed, len(latencies), client, server)
+
+    async def _round(
+        self, connections: list[_Connection], total: int, latencies: list[float] | None
+    ) -> Round:
+        round_ = Round(total - len(connections), total, latencies)
+        await asyncio.gather(*(c.start(round_) for c in connections))
+        return round_
 
 
 def parse(text: str) -> Closed | None:
@@ -528,7 +637,7 @@ def measure_replicas(ctx: Context, client: Client, repository: Path) -> dict[str
                     before = _answered(private) if system.balance == "kernel" else []
                     meter = partial(_cpu_seconds, s.process.pid)
                     try:
-                        closed = client.raw(s.port, DIGITS, concurrency, meter)
+                        closed = client.replicas(s.port, DIGITS, concurrency, meter)
                     except RuntimeError as exc:  # errors at this level: it does not count
                         ctx.say(SUITE, f"replicas rep {rep}: {name} c={concurrency}: {exc}")
                         continue
