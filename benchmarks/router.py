@@ -30,10 +30,20 @@
 The client is Triton's perf_analyzer (C++, synchronous HTTP, `count_windows` of `WINDOW`
 requests, three windows) when `.venv-perf` has it, else `RawLoop`: kept-alive sockets with
 prepared requests, one connection per concurrent request, in this process on the client core.
-The replicas comparison always uses `RawLoop`: perf_analyzer reads the server's statistics
-before and after each window, and with several replicas (behind the router or sharing a
-port) those come from whichever replica answered, which fails its run ("failed to find the
-requested model version") at random. The servers run with the
+The replicas comparison never uses perf_analyzer: it reads the server's statistics before and
+after each window, and with several replicas (behind the router or sharing a port) those
+come from whichever replica answered, which fails its run ("failed to find the requested
+model version") at random. It uses `CLoop` (`closedloop.c`, compiled with `cc`, on the client
+core: RawLoop's loop in C, about 10 µs of CPU per request against RawLoop's 17 to 20, most of
+it the kernel's loopback), else `RawLoop`. The client shares the two cores with the two
+replicas, so its CPU per request bounds the ratio (2 / (server + client CPU per request)
+against one replica's 1 / server CPU per request). Both closed loops count a round's requests
+over all their connections, as a window of time would (perf_analyzer's `count_windows` does
+too): a connection to the replica on the less busy core sends more of them. A quota per
+connection (the round ending when every connection had sent its share) held the faster
+replica idle at the end of each round, waiting for the slower one (the one sharing the
+client's core) to finish its share: the kernel split the requests 51/49 because the quotas
+did, and about a quarter of a core went idle. The servers run with the
 connection gate's saturation refusals off (`--max-loop-lag-ms 0 --queue-target-ms 0`) and
 digits without its 50 ms latency SLO, so a closed loop measures capacity and not refusals
 (perf_analyzer stops at the first error).
@@ -132,8 +142,9 @@ class Model:
 
 @dataclass(slots=True)
 class Closed:
-    """One closed-loop measurement: seconds and requests per second; with `RawLoop`, the CPU
-    seconds the client and the server spent over the timed requests (nan: not measured)."""
+    """One closed-loop measurement: seconds and requests per second; with `RawLoop` or
+    `CLoop`, the CPU seconds the client and the server spent over the timed requests (nan:
+    not measured)."""
 
     p50: float
     p99: float
@@ -737,7 +748,7 @@ def _sum(values: dict[str, float], name: str) -> float:
 def run(ctx: Context) -> SuiteResult:
     started_at = time.perf_counter()
     client = Client(ctx)
-    ctx.say(SUITE, f"client: {client.name}")
+    ctx.say(SUITE, f"client: {client.name}; for the replicas: {client.replicas_name}")
     digits = digits_repository(ctx)
     overhead = measure_overhead(ctx, client, digits)
     hedging = measure_hedging(ctx, client)
@@ -883,8 +894,8 @@ def report(
         "the client's CPU per request (--replicas 2 --balance kernel, at its best)",
         client_cpu * 1e6,
         "µs",
-        note=f"{kernel * client_cpu:.2f} cores of the 2 at that throughput; {client.name}, "
-        "on the client core, which the second replica shares",
+        note=f"{kernel * client_cpu:.2f} cores of the 2 at that throughput; "
+        f"{client.replicas_name}, on the client core, which the second replica shares",
     )
     ceiling = 2 / (median(two.cpu) + client_cpu)
     alone = 1 / median(replicas[ServeSetup(1).name].cpu)
@@ -903,16 +914,18 @@ def report(
         median(two.busier) * 100,
         "%",
         note="at the best throughput; the kernel places each connection by a hash of its "
-        "addresses, so a few connections may split unevenly",
+        "addresses, and a replica's connections send as fast as it answers them: the one "
+        "sharing its core with the client, or with other work, takes fewer",
     )
     result.notes += [
-        f"client: {client.name}; the router runs on the client core in the overhead runs",
+        f"client: {client.name}, {client.replicas_name} for the replicas; the router runs on "
+        "the client core in the overhead runs",
         "hedging: one of three replicas stalls 50 ms on 5% of its calls (about 1.7% of all "
         "requests before balancing steers around it)",
         "replicas: two cores in all, shared by the replicas, the client and (with "
         "--balance router) the router; a replica on each core (--pin-replicas auto), the "
         "second sharing the client's",
-        f"replicas' ceiling: the client ({client.name}) took {client_cpu * 1e6:.0f} µs of "
+        f"replicas' ceiling: the client ({client.replicas_name}) took {client_cpu * 1e6:.0f} µs of "
         f"CPU per request, {kernel * client_cpu:.2f} of the 2 cores at the two replicas' best; "
         f"with their {median(two.cpu) * 1e6:.0f} µs, two replicas here can serve at most "
         f"{ceiling:,.0f} req/s, {ceiling / alone:.2f}x one replica on a core of its own "
