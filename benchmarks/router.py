@@ -546,6 +546,7 @@ class Series:
     cpu: list[float] = field(default_factory=list)  # replicas: server CPU s per request
     client: list[float] = field(default_factory=list)  # replicas: client CPU s per request
     busier: list[float] = field(default_factory=list)  # replicas: the busier one's share
+    idle: list[float] = field(default_factory=list)  # replicas: the idlest one's idle share
 
     def add(self, closed: Closed) -> None:
         self.p50.append(closed.p50)
@@ -643,30 +644,37 @@ def measure_replicas(ctx: Context, client: Client, repository: Path) -> dict[str
             private = [f"http://127.0.0.1:{base + i}" for i in range(system.count)]
             with started(partial(start_serve, repository, ctx.work, system, base)) as (s,):
                 best = Closed(float("nan"), float("nan"), 0.0, 0)
-                best_share = float("nan")
+                best_share, best_idle = float("nan"), float("nan")
                 for concurrency in sweep:
                     before = _answered(private) if system.balance == "kernel" else []
-                    meter = partial(_cpu_seconds, s.process.pid)
+                    meter = ServerMeter(s.process.pid)
                     try:
                         closed = client.replicas(s.port, DIGITS, concurrency, meter)
                     except RuntimeError as exc:  # errors at this level: it does not count
                         ctx.say(SUITE, f"replicas rep {rep}: {name} c={concurrency}: {exc}")
                         continue
                     share = _busier(before, _answered(private)) if before else float("nan")
+                    idle = max(meter.idle())  # the idlest replica's
                     ctx.say(
                         SUITE,
                         f"replicas rep {rep}: {name} c={concurrency} {closed.rate:,.0f} req/s "
                         f"p99 {closed.p99 * 1e3:.2f} ms, CPU per request: server "
                         f"{closed.server_cpu / closed.requests * 1e6:.0f} µs, client "
                         f"{closed.client_cpu / closed.requests * 1e6:.0f} µs"
-                        + (f", busier replica {share:.0%}" if before else ""),
+                        + (f", busier replica {share:.0%}" if before else "")
+                        + (
+                            f", idlest event loop idle {idle:.0%}"
+                            if system.balance != "router"
+                            else ""
+                        ),
                     )
                     if closed.p99 < P99_BOUND_S and closed.rate > best.rate:
-                        best, best_share = closed, share
+                        best, best_share, best_idle = closed, share, idle
                 series[name].add(best)
                 series[name].cpu.append(best.server_cpu / max(1, best.requests))
                 series[name].client.append(best.client_cpu / max(1, best.requests))
                 series[name].busier.append(best_share)
+                series[name].idle.append(best_idle)
     return series
 
 
@@ -684,26 +692,66 @@ def _busier(before: list[float], after: list[float]) -> float:
     return max(grown) / sum(grown) if sum(grown) > 0 else float("nan")
 
 
-def _cpu_seconds(pid: int) -> float:
-    """CPU seconds (user and system) spent so far by process `pid` and its descendants,
-    from /proc (Linux; nan elsewhere). Descendants that exited are not counted."""
-    proc = Path("/proc")
-    if not proc.is_dir():
+@dataclass(slots=True)
+class ServerMeter:
+    """The server's CPU seconds so far (user and system, of process `pid` and its descendants;
+    those that exited are not counted), read just before and after the timed requests, from
+    /proc (Linux; 0 elsewhere). Each read also notes how long the event loop (the main
+    thread) of each process that serves (a leaf of the server's process tree: each replica,
+    or the one process) has run and waited for a core so far (/proc/PID/schedstat), so that
+    `idle` can tell how long each sat with nothing to do."""
+
+    pid: int
+    reads: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+
+    def __call__(self) -> float:
+        parents, times = _processes()
+        tree = _tree(self.pid, parents)
+        leaves = tree - {parents[member] for member in tree if member in parents}
+        self.reads.append((time.perf_counter(), {pid: _loop_busy(pid) for pid in leaves}))
+        return sum(times.get(member, 0.0) for member in tree)
+
+    def idle(self) -> list[float]:
+        """Each serving process's share of the time between the last two reads in which its
+        event loop neither ran nor waited for a core (nan: not measured)."""
+        if len(self.reads) < 2:
+            return [float("nan")]
+        (start, before), (end, after) = self.reads[-2:]
+        wall = end - start
+        return [1 - (after[pid] - before[pid]) / wall for pid in after if pid in before]
+
+
+def _loop_busy(pid: int) -> float:
+    """Seconds process `pid`'s main thread has run or waited for a core (nan: unknown)."""
+    try:
+        run, wait = Path(f"/proc/{pid}/schedstat").read_text().split()[:2]
+    except (OSError, ValueError):
         return float("nan")
+    return (int(run) + int(wait)) / 1e9
+
+
+def _processes() -> tuple[dict[int, int], dict[int, float]]:
+    """Every process's parent and CPU seconds so far, from /proc (empty elsewhere)."""
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
-    for entry in proc.iterdir():
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
                 fields = (entry / "stat").read_text().rpartition(")")[2].split()
                 parents[int(entry.name)] = int(fields[1])
                 times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / _TICKS
+    return parents, times
+
+
+def _tree(pid: int, parents: dict[int, int]) -> set[int]:
+    """`pid` and its descendants."""
     tree, grew = {pid}, True
     while grew:
         more = {child for child, parent in parents.items() if parent in tree} - tree
         tree |= more
         grew = bool(more)
-    return sum(times.get(member, 0.0) for member in tree)
+    return tree
 
 
 def _wait_ready(server: Server, url: str, timeout: float = 120.0) -> None:
@@ -917,6 +965,15 @@ def report(
         "addresses, and a replica's connections send as fast as it answers them: the one "
         "sharing its core with the client, or with other work, takes fewer",
     )
+    for system in (ServeSetup(1), ServeSetup(2, "kernel")):
+        result.add(
+            f"{system.name}: the idlest replica's event loop, idle",
+            median(replicas[system.name].idle) * 100,
+            "% of the time",
+            note="at the best throughput: the share of the timed requests' time in which it "
+            "neither ran nor waited for a core (/proc/PID/schedstat); what it could have "
+            "served more had its connections sent more",
+        )
     result.notes += [
         f"client: {client.name}, {client.replicas_name} for the replicas; the router runs on "
         "the client core in the overhead runs",
@@ -947,4 +1004,5 @@ def _raw(series: Series) -> dict[str, list[float]]:
         raw["server_cpu_s_per_request"] = series.cpu
         raw["client_cpu_s_per_request"] = series.client
         raw["busier_replica_share"] = series.busier
+        raw["idlest_event_loop_idle_share"] = series.idle
     return {**raw, "extra_copies": series.extra} if series.extra else raw

@@ -1,19 +1,23 @@
 """The closed loops of the router suite's replicas comparison (`benchmarks/closedloop.c` and
 `RawLoop`), against a small HTTP server whose first connection answers slowly: every request
 of the round is answered once, and the round's count is the connections' together, so the
-fast connection takes most of it instead of waiting idle for the slow one's quota."""
+fast connection takes most of it instead of waiting idle for the slow one's quota; and the
+meter that tells how long each replica's event loop sat idle meanwhile (`ServerMeter`)."""
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from benchmarks.router import CLoop, Closed, RawLoop
+from benchmarks.router import CLoop, Closed, RawLoop, ServerMeter
 
 SLOW_S = 0.01  # the first connection's answers take this long; the others' none
 
@@ -94,3 +98,29 @@ def test_a_round_is_counted_over_all_connections(
     slow, fast = counts[0] - 10, counts[1] - 10
     assert fast > 5 * slow
     assert closed.rate > 150 / (150 * SLOW_S)
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs /proc schedstat")
+def test_the_meter_tells_a_busy_process_from_an_idle_one() -> None:
+    """A parent (a supervisor: not a leaf, not counted) with a child that spins and one
+    that sleeps."""
+    spin = "import time\nend = time.monotonic() + 2\nwhile time.monotonic() < end: pass"
+    parent = (
+        "import subprocess, sys, time\n"
+        f"a = subprocess.Popen([sys.executable, '-c', {spin!r}])\n"
+        "b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(2)'])\n"
+        "print(a.pid, b.pid, flush=True)\n"
+        "a.wait(); b.wait()\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE) as process:
+        assert process.stdout is not None
+        spinning, sleeping = map(int, process.stdout.readline().split())
+        meter = ServerMeter(process.pid)
+        before = meter()
+        time.sleep(0.5)
+        after = meter()
+        process.kill()
+    assert after > before  # CPU seconds of the tree: the spinning child's
+    idle = dict(zip(meter.reads[-1][1], meter.idle(), strict=True))
+    assert set(idle) == {spinning, sleeping}
+    assert idle[spinning] < 0.2 and idle[sleeping] > 0.9
