@@ -115,6 +115,7 @@ def test_the_meter_tells_a_busy_process_from_an_idle_one() -> None:
     with subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE) as process:
         assert process.stdout is not None
         spinning, sleeping = map(int, process.stdout.readline().split())
+        time.sleep(0.5)  # both started: the sleeping one asleep
         meter = ServerMeter(process.pid)
         before = meter()
         time.sleep(0.5)
@@ -123,4 +124,4 @@ def test_the_meter_tells_a_busy_process_from_an_idle_one() -> None:
     assert after > before  # CPU seconds of the tree: the spinning child's
     idle = dict(zip(meter.reads[-1][1], meter.idle(), strict=True))
     assert set(idle) == {spinning, sleeping}
-    assert idle[spinning] < 0.2 and idle[sleeping] > 0.9
+    assert idle[spinning] < 0.2 and idle[sleeping] > 0.8
