@@ -217,8 +217,8 @@ class Client:
         return RawLoop(port, path, self.bodies[model], concurrency, 3 * self.window, server_cpu)
 
 
-RAW_LOOP = "a raw-socket closed loop in Python (RawLoop)"
-C_LOOP = "a closed loop in C (benchmarks/closedloop.c)"
+RAW_LOOP = "RawLoop, a raw-socket closed loop in Python"
+C_LOOP = "closedloop.c, a closed loop in C"
 
 
 @dataclass(frozen=True, slots=True)
@@ -654,7 +654,7 @@ def measure_replicas(ctx: Context, client: Client, repository: Path) -> dict[str
                         ctx.say(SUITE, f"replicas rep {rep}: {name} c={concurrency}: {exc}")
                         continue
                     share = _busier(before, _answered(private)) if before else float("nan")
-                    idle = max(meter.idle())  # the idlest replica's
+                    idle = max(meter.idle(), default=float("nan"))  # the idlest replica's
                     ctx.say(
                         SUITE,
                         f"replicas rep {rep}: {name} c={concurrency} {closed.rate:,.0f} req/s "
@@ -696,7 +696,7 @@ def _busier(before: list[float], after: list[float]) -> float:
 class ServerMeter:
     """The server's CPU seconds so far (user and system, of process `pid` and its descendants;
     those that exited are not counted), read just before and after the timed requests, from
-    /proc (Linux; 0 elsewhere). Each read also notes how long the event loop (the main
+    /proc (Linux; nan elsewhere). Each read also notes how long the event loop (the main
     thread) of each process that serves (a leaf of the server's process tree: each replica,
     or the one process) has run and waited for a core so far (/proc/PID/schedstat), so that
     `idle` can tell how long each sat with nothing to do."""
@@ -705,6 +705,8 @@ class ServerMeter:
     reads: list[tuple[float, dict[int, float]]] = field(default_factory=list)
 
     def __call__(self) -> float:
+        if not Path("/proc").is_dir():
+            return float("nan")
         parents, times = _processes()
         tree = _tree(self.pid, parents)
         leaves = tree - {parents[member] for member in tree if member in parents}
@@ -713,9 +715,9 @@ class ServerMeter:
 
     def idle(self) -> list[float]:
         """Each serving process's share of the time between the last two reads in which its
-        event loop neither ran nor waited for a core (nan: not measured)."""
+        event loop neither ran nor waited for a core (none: not measured)."""
         if len(self.reads) < 2:
-            return [float("nan")]
+            return []
         (start, before), (end, after) = self.reads[-2:]
         wall = end - start
         return [1 - (after[pid] - before[pid]) / wall for pid in after if pid in before]
