@@ -977,8 +977,8 @@ def report(
             "served more had its connections sent more",
         )
     result.notes += [
-        f"client: {client.name}, {client.replicas_name} for the replicas; the router runs on "
-        "the client core in the overhead runs",
+        f"client: {client.name}; for the replicas: {client.replicas_name}; the router runs "
+        "on the client core in the overhead runs",
         "hedging: one of three replicas stalls 50 ms on 5% of its calls (about 1.7% of all "
         "requests before balancing steers around it)",
         "replicas: two cores in all, shared by the replicas, the client and (with "
