@@ -30,10 +30,20 @@
 The client is Triton's perf_analyzer (C++, synchronous HTTP, `count_windows` of `WINDOW`
 requests, three windows) when `.venv-perf` has it, else `RawLoop`: kept-alive sockets with
 prepared requests, one connection per concurrent request, in this process on the client core.
-The replicas comparison always uses `RawLoop`: perf_analyzer reads the server's statistics
-before and after each window, and with several replicas (behind the router or sharing a
-port) those come from whichever replica answered, which fails its run ("failed to find the
-requested model version") at random. The servers run with the
+The replicas comparison never uses perf_analyzer: it reads the server's statistics before and
+after each window, and with several replicas (behind the router or sharing a port) those
+come from whichever replica answered, which fails its run ("failed to find the requested
+model version") at random. It uses `CLoop` (`closedloop.c`, compiled with `cc`, on the client
+core: RawLoop's loop in C, about 11 µs of CPU per request here against RawLoop's 17 to 20),
+else `RawLoop`. The client shares the two cores with the two
+replicas, so its CPU per request bounds the ratio (2 / (server + client CPU per request)
+against one replica's 1 / server CPU per request). Both closed loops count a round's requests
+over all their connections, as a window of time would (perf_analyzer's `count_windows` does
+too): a connection to the replica on the less busy core sends more of them. A quota per
+connection (the round ending when every connection had sent its share) held the faster
+replica idle at the end of each round, waiting for the slower one (the one sharing the
+client's core) to finish its share: the kernel split the requests 51/49 because the quotas
+did, and about a quarter of a core went idle. The servers run with the
 connection gate's saturation refusals off (`--max-loop-lag-ms 0 --queue-target-ms 0`) and
 digits without its 50 ms latency SLO, so a closed loop measures capacity and not refusals
 (perf_analyzer stops at the first error).
@@ -44,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -80,6 +91,7 @@ from benchmarks.common import (
     start_server,
     v2_body,
 )
+from benchmarks.serving_maxrate import write_requests
 from benchmarks.serving_overhead import PERF_ANALYZER, demo_model, digits_rows
 
 SUITE = "router"
@@ -97,7 +109,8 @@ TARGET_KEPT = 0.90
 TARGET_HEDGE_CUT = 3.0
 TARGET_HEDGE_EXTRA = 0.10
 TARGET_REPLICAS_RATIO = 1.6
-WARMUP_ROUNDS = 10  # RawLoop: requests per connection before it measures
+WARMUP_ROUNDS = 10  # RawLoop, CLoop: requests per connection before they measure
+CLOOP_SOURCE = Path(__file__).resolve().parent / "closedloop.c"
 GATE_OFF = ("--max-loop-lag-ms", "0", "--queue-target-ms", "0")
 NO_GRPC = ("--grpc-port", "off")
 
@@ -129,8 +142,9 @@ class Model:
 
 @dataclass(slots=True)
 class Closed:
-    """One closed-loop measurement: seconds and requests per second; with `RawLoop`, the CPU
-    seconds the client and the server spent over the timed requests (nan: not measured)."""
+    """One closed-loop measurement: seconds and requests per second; with `RawLoop` or
+    `CLoop`, the CPU seconds the client and the server spent over the timed requests (nan:
+    not measured)."""
 
     p50: float
     p99: float
@@ -151,10 +165,16 @@ class Client:
             DIGITS: tuple(v2_body({"input": row[None]}) for row in digits_rows(16)),
             STALLER: (v2_body({"x": np.ones((1, 2), dtype=np.float32)}),),
         }
+        self.c_loop = CLoop.build(ctx.work)
 
     @property
     def name(self) -> str:
-        return "perf_analyzer" if self.perf else "a raw-socket closed loop (RawLoop)"
+        return "perf_analyzer" if self.perf else RAW_LOOP
+
+    @property
+    def replicas_name(self) -> str:
+        """The client of the replicas comparison."""
+        return C_LOOP if self.c_loop else RAW_LOOP
 
     def run(
         self, port: int, model: str, concurrency: int, cores: str, protocol: str = "http"
@@ -175,12 +195,102 @@ class Client:
     def raw(
         self, port: int, model: str, concurrency: int, server_cpu: Callable[[], float] | None = None
     ) -> Closed:
-        """`RawLoop` in this process (on the client core): for servers with many replicas,
-        whose statistics perf_analyzer cannot follow (each request for them may reach
-        another replica). `server_cpu` reads the server's CPU seconds so far."""
-        path = f"/v2/models/{model}/infer"
-        loop = RawLoop(port, path, self.bodies[model], concurrency, 3 * self.window, server_cpu)
+        """`RawLoop` in this process (on the client core). `server_cpu` reads the server's CPU
+        seconds so far."""
+        return uvloop.run(self._loop(port, model, concurrency, server_cpu).run())
+
+    def replicas(
+        self, port: int, model: str, concurrency: int, server_cpu: Callable[[], float]
+    ) -> Closed:
+        """The replicas comparison's closed loop: `CLoop` when a C compiler built it, else
+        `RawLoop`; not perf_analyzer, whose statistics cannot follow many replicas (each
+        request for them may reach another one)."""
+        loop = self._loop(port, model, concurrency, server_cpu)
+        if self.c_loop is not None:
+            return self.c_loop.run(loop, self.ctx.work)
         return uvloop.run(loop.run())
+
+    def _loop(
+        self, port: int, model: str, concurrency: int, server_cpu: Callable[[], float] | None
+    ) -> RawLoop:
+        path = f"/v2/models/{model}/infer"
+        return RawLoop(port, path, self.bodies[model], concurrency, 3 * self.window, server_cpu)
+
+
+RAW_LOOP = "RawLoop, a raw-socket closed loop in Python"
+C_LOOP = "closedloop.c, a closed loop in C"
+
+
+@dataclass(frozen=True, slots=True)
+class CLoop:
+    """`closedloop.c`, compiled: `RawLoop`'s closed loop at about 60% of its CPU per request
+    (11 µs against 17 to 20 here, the kernel's loopback included), run on the client core."""
+
+    binary: Path
+
+    @classmethod
+    def build(cls, work: Path) -> CLoop | None:
+        """Compiled into `work`; None without a C compiler."""
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            return None
+        binary = work / "closedloop"
+        subprocess.run([compiler, "-O2", "-o", str(binary), str(CLOOP_SOURCE)], check=True)
+        return cls(binary)
+
+    def run(self, loop: RawLoop, work: Path) -> Closed:
+        """What `loop` asks for (its port, requests, concurrency and count), measured the same
+        way: latencies of the answers 200, the client's CPU and the server's over the timed
+        requests alone."""
+        requests, out = work / "closedloop-requests", work / "closedloop-latencies"
+        write_requests(requests, loop.prepared())
+        total = max(loop.requests, loop.concurrency)
+        command = [str(self.binary), "127.0.0.1", str(loop.port), str(loop.concurrency)]
+        command += [str(WARMUP_ROUNDS), str(total), str(requests), str(out)]
+        with subprocess.Popen(
+            _on(command, str(CLIENT_CORE)),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as process:
+            assert process.stdin is not None and process.stdout is not None
+            warm = process.stdout.readline()
+            server_before = loop.server_cpu() if loop.server_cpu else float("nan")
+            if warm.strip() == "warm":
+                process.stdin.write("go\n")
+                process.stdin.flush()
+            counted = process.stdout.readline()
+            server = loop.server_cpu() - server_before if loop.server_cpu else float("nan")
+            summary = process.stdout.readline() if counted.strip() == "counted" else ""
+            said = process.stderr.read() if process.stderr else ""
+        if process.returncode != 0 or not summary:
+            raise RuntimeError(f"closedloop failed ({process.returncode}): {said[-400:]}")
+        found = json.loads(summary)
+        if found["failed"]:
+            raise RuntimeError(
+                f"{found['failed']} requests to port {loop.port} were not answered 200"
+            )
+        latencies = (np.fromfile(out, dtype="<i8") / 1e9).tolist()
+        p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+        rate = found["answered"] / found["seconds"]
+        return Closed(p50, p99, rate, found["answered"], found["cpu_seconds"], server)
+
+
+@dataclass(slots=True)
+class Round:
+    """One round of a closed loop, shared by its connections: `to_send` requests still to go
+    out; the first `counted` answers are timed (into `latencies`, those answered 200) and the
+    round's clock stops at the last of them (`ended`, perf_counter). A faster connection
+    (to a replica on a less busy core) takes more of the round, as in a window of time:
+    none waits idle for the slowest to finish a quota of its own."""
+
+    to_send: int
+    counted: int
+    latencies: list[float] | None  # None: untimed
+    failed: int = 0
+    ended: float = 0.0
+    cpu_ended: float = 0.0  # process_time then
 
 
 class _Connection(asyncio.Protocol):
@@ -192,20 +302,19 @@ class _Connection(asyncio.Protocol):
         self.requests = requests
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
-        self.left = 0  # requests still to send in this round
         self.sent = 0  # requests sent on this connection so far
         self.sent_at = 0.0
-        self.latencies: list[float] | None = None  # where answers 200 are timed; None: untimed
-        self.failed = 0
+        self.round_: Round | None = None
         self.done: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def round(self, count: int, latencies: list[float] | None) -> asyncio.Future[None]:
-        """Send `count` requests one after another, timing those answered 200 into
-        `latencies`; the future is done after the last answer."""
-        self.left, self.latencies = count, latencies
+    def start(self, round_: Round) -> asyncio.Future[None]:
+        """Send this connection's first request of `round_`, and the next one after each
+        answer while the round has requests to send; the future is done after the last
+        answer owed on this connection."""
+        self.round_ = round_
         self.done = asyncio.get_running_loop().create_future()
         self._send()
         return self.done
@@ -225,13 +334,18 @@ class _Connection(asyncio.Protocol):
         answered = time.perf_counter()
         status = int(self.buffer[9:12])
         del self.buffer[: end + 4 + int(length[1])]
-        if self.latencies is not None:
+        round_ = self.round_
+        assert round_ is not None
+        if round_.latencies is not None and round_.counted > 0:
             if status == 200:
-                self.latencies.append(answered - self.sent_at)
+                round_.latencies.append(answered - self.sent_at)
             else:
-                self.failed += 1
-        self.left -= 1
-        if self.left > 0:
+                round_.failed += 1
+            round_.counted -= 1
+            if round_.counted == 0:
+                round_.ended, round_.cpu_ended = answered, time.process_time()
+        if round_.to_send > 0:
+            round_.to_send -= 1
             self._send()
         elif self.done is not None and not self.done.done():
             self.done.set_result(None)
@@ -244,11 +358,11 @@ class _Connection(asyncio.Protocol):
 @dataclass(slots=True)
 class RawLoop:
     """`concurrency` connections, each sending its next prepared request when the last is
-    answered, `requests` in all after a warm-up (`WARMUP_ROUNDS` on each connection); about
-    20 µs of client CPU per request (half of it the kernel's), where aiohttp costs most of a
-    millisecond. The client's CPU (this process's) and the server's (`server_cpu`, when
-    given) are read just before and after the timed requests, warm-up and connections left
-    out."""
+    answered, until `requests` in all are answered (a `Round`), after a warm-up
+    (`WARMUP_ROUNDS` requests for each connection); about 20 µs of client CPU per request
+    (half of it the kernel's), where aiohttp costs most of a millisecond. The client's CPU
+    (this process's) and the server's (`server_cpu`, when given) are read just before and
+    after the timed requests, warm-up and connections left out."""
 
     port: int
     path: str
@@ -271,24 +385,30 @@ class RawLoop:
                 partial(_Connection, requests), "127.0.0.1", self.port
             )
             connections.append(connection)
-        await asyncio.gather(*(c.round(WARMUP_ROUNDS, None) for c in connections))
+        await self._round(connections, WARMUP_ROUNDS * self.concurrency, None)
         latencies: list[float] = []
-        each = max(1, self.requests // self.concurrency)
+        total = max(self.requests, self.concurrency)
         server_before = self.server_cpu() if self.server_cpu else float("nan")
         client_before = time.process_time()
         start = time.perf_counter()
-        await asyncio.gather(*(c.round(each, latencies) for c in connections))
-        elapsed = time.perf_counter() - start
-        client = time.process_time() - client_before
+        timed = await self._round(connections, total, latencies)
+        elapsed = timed.ended - start
+        client = timed.cpu_ended - client_before
         server = self.server_cpu() - server_before if self.server_cpu else float("nan")
         for connection in connections:
             assert connection.transport is not None
             connection.transport.close()
-        failed = sum(c.failed for c in connections)
-        if failed:
-            raise RuntimeError(f"{failed} requests to port {self.port} were not answered 200")
+        if timed.failed:
+            raise RuntimeError(f"{timed.failed} requests to port {self.port} were not answered 200")
         p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
         return Closed(p50, p99, len(latencies) / elapsed, len(latencies), client, server)
+
+    async def _round(
+        self, connections: list[_Connection], total: int, latencies: list[float] | None
+    ) -> Round:
+        round_ = Round(total - len(connections), total, latencies)
+        await asyncio.gather(*(c.start(round_) for c in connections))
+        return round_
 
 
 def parse(text: str) -> Closed | None:
@@ -426,6 +546,7 @@ class Series:
     cpu: list[float] = field(default_factory=list)  # replicas: server CPU s per request
     client: list[float] = field(default_factory=list)  # replicas: client CPU s per request
     busier: list[float] = field(default_factory=list)  # replicas: the busier one's share
+    idle: list[float] = field(default_factory=list)  # replicas: the idlest one's idle share
 
     def add(self, closed: Closed) -> None:
         self.p50.append(closed.p50)
@@ -523,30 +644,37 @@ def measure_replicas(ctx: Context, client: Client, repository: Path) -> dict[str
             private = [f"http://127.0.0.1:{base + i}" for i in range(system.count)]
             with started(partial(start_serve, repository, ctx.work, system, base)) as (s,):
                 best = Closed(float("nan"), float("nan"), 0.0, 0)
-                best_share = float("nan")
+                best_share, best_idle = float("nan"), float("nan")
                 for concurrency in sweep:
                     before = _answered(private) if system.balance == "kernel" else []
-                    meter = partial(_cpu_seconds, s.process.pid)
+                    meter = ServerMeter(s.process.pid)
                     try:
-                        closed = client.raw(s.port, DIGITS, concurrency, meter)
+                        closed = client.replicas(s.port, DIGITS, concurrency, meter)
                     except RuntimeError as exc:  # errors at this level: it does not count
                         ctx.say(SUITE, f"replicas rep {rep}: {name} c={concurrency}: {exc}")
                         continue
                     share = _busier(before, _answered(private)) if before else float("nan")
+                    idle = max(meter.idle(), default=float("nan"))  # the idlest replica's
                     ctx.say(
                         SUITE,
                         f"replicas rep {rep}: {name} c={concurrency} {closed.rate:,.0f} req/s "
                         f"p99 {closed.p99 * 1e3:.2f} ms, CPU per request: server "
                         f"{closed.server_cpu / closed.requests * 1e6:.0f} µs, client "
                         f"{closed.client_cpu / closed.requests * 1e6:.0f} µs"
-                        + (f", busier replica {share:.0%}" if before else ""),
+                        + (f", busier replica {share:.0%}" if before else "")
+                        + (
+                            f", idlest event loop idle {idle:.0%}"
+                            if system.balance != "router"
+                            else ""
+                        ),
                     )
                     if closed.p99 < P99_BOUND_S and closed.rate > best.rate:
-                        best, best_share = closed, share
+                        best, best_share, best_idle = closed, share, idle
                 series[name].add(best)
                 series[name].cpu.append(best.server_cpu / max(1, best.requests))
                 series[name].client.append(best.client_cpu / max(1, best.requests))
                 series[name].busier.append(best_share)
+                series[name].idle.append(best_idle)
     return series
 
 
@@ -564,26 +692,68 @@ def _busier(before: list[float], after: list[float]) -> float:
     return max(grown) / sum(grown) if sum(grown) > 0 else float("nan")
 
 
-def _cpu_seconds(pid: int) -> float:
-    """CPU seconds (user and system) spent so far by process `pid` and its descendants,
-    from /proc (Linux; nan elsewhere). Descendants that exited are not counted."""
-    proc = Path("/proc")
-    if not proc.is_dir():
+@dataclass(slots=True)
+class ServerMeter:
+    """The server's CPU seconds so far (user and system, of process `pid` and its descendants;
+    those that exited are not counted), read just before and after the timed requests, from
+    /proc (Linux; nan elsewhere). Each read also notes how long the event loop (the main
+    thread) of each process that serves (a leaf of the server's process tree: each replica,
+    or the one process) has run and waited for a core so far (/proc/PID/schedstat), so that
+    `idle` can tell how long each sat with nothing to do."""
+
+    pid: int
+    reads: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+
+    def __call__(self) -> float:
+        if not Path("/proc").is_dir():
+            return float("nan")
+        parents, times = _processes()
+        tree = _tree(self.pid, parents)
+        leaves = tree - {parents[member] for member in tree if member in parents}
+        self.reads.append((time.perf_counter(), {pid: _loop_busy(pid) for pid in leaves}))
+        return sum(times.get(member, 0.0) for member in tree)
+
+    def idle(self) -> list[float]:
+        """Each serving process's share of the time between the last two reads in which its
+        event loop neither ran nor waited for a core (none: not measured)."""
+        if len(self.reads) < 2:
+            return []
+        (start, before), (end, after) = self.reads[-2:]
+        wall = end - start
+        return [1 - (after[pid] - before[pid]) / wall for pid in after if pid in before]
+
+
+def _loop_busy(pid: int) -> float:
+    """Seconds process `pid`'s main thread has run or waited for a core (nan: unknown)."""
+    try:
+        run, wait = Path(f"/proc/{pid}/schedstat").read_text().split()[:2]
+    except (OSError, ValueError):
         return float("nan")
+    return (int(run) + int(wait)) / 1e9
+
+
+def _processes() -> tuple[dict[int, int], dict[int, float]]:
+    """Every process's parent and CPU seconds so far, from /proc (empty elsewhere)."""
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
-    for entry in proc.iterdir():
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
                 fields = (entry / "stat").read_text().rpartition(")")[2].split()
                 parents[int(entry.name)] = int(fields[1])
                 times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / _TICKS
+    return parents, times
+
+
+def _tree(pid: int, parents: dict[int, int]) -> set[int]:
+    """`pid` and its descendants."""
     tree, grew = {pid}, True
     while grew:
         more = {child for child, parent in parents.items() if parent in tree} - tree
         tree |= more
         grew = bool(more)
-    return sum(times.get(member, 0.0) for member in tree)
+    return tree
 
 
 def _wait_ready(server: Server, url: str, timeout: float = 120.0) -> None:
@@ -628,7 +798,7 @@ def _sum(values: dict[str, float], name: str) -> float:
 def run(ctx: Context) -> SuiteResult:
     started_at = time.perf_counter()
     client = Client(ctx)
-    ctx.say(SUITE, f"client: {client.name}")
+    ctx.say(SUITE, f"client: {client.name}; for the replicas: {client.replicas_name}")
     digits = digits_repository(ctx)
     overhead = measure_overhead(ctx, client, digits)
     hedging = measure_hedging(ctx, client)
@@ -774,8 +944,8 @@ def report(
         "the client's CPU per request (--replicas 2 --balance kernel, at its best)",
         client_cpu * 1e6,
         "µs",
-        note=f"{kernel * client_cpu:.2f} cores of the 2 at that throughput; {client.name}, "
-        "on the client core, which the second replica shares",
+        note=f"{kernel * client_cpu:.2f} cores of the 2 at that throughput; "
+        f"{client.replicas_name}, on the client core, which the second replica shares",
     )
     ceiling = 2 / (median(two.cpu) + client_cpu)
     alone = 1 / median(replicas[ServeSetup(1).name].cpu)
@@ -794,16 +964,27 @@ def report(
         median(two.busier) * 100,
         "%",
         note="at the best throughput; the kernel places each connection by a hash of its "
-        "addresses, so a few connections may split unevenly",
+        "addresses, and a replica's connections send as fast as it answers them: the one "
+        "sharing its core with the client, or with other work, takes fewer",
     )
+    for system in (ServeSetup(1), ServeSetup(2, "kernel")):
+        result.add(
+            f"{system.name}: the idlest replica's event loop, idle",
+            median(replicas[system.name].idle) * 100,
+            "% of the time",
+            note="at the best throughput: the share of the timed requests' time in which it "
+            "neither ran nor waited for a core (/proc/PID/schedstat); what it could have "
+            "served more had its connections sent more",
+        )
     result.notes += [
-        f"client: {client.name}; the router runs on the client core in the overhead runs",
+        f"client: {client.name}; for the replicas: {client.replicas_name}; the router runs "
+        "on the client core in the overhead runs",
         "hedging: one of three replicas stalls 50 ms on 5% of its calls (about 1.7% of all "
         "requests before balancing steers around it)",
         "replicas: two cores in all, shared by the replicas, the client and (with "
         "--balance router) the router; a replica on each core (--pin-replicas auto), the "
         "second sharing the client's",
-        f"replicas' ceiling: the client ({client.name}) took {client_cpu * 1e6:.0f} µs of "
+        f"replicas' ceiling: the client ({client.replicas_name}) took {client_cpu * 1e6:.0f} µs of "
         f"CPU per request, {kernel * client_cpu:.2f} of the 2 cores at the two replicas' best; "
         f"with their {median(two.cpu) * 1e6:.0f} µs, two replicas here can serve at most "
         f"{ceiling:,.0f} req/s, {ceiling / alone:.2f}x one replica on a core of its own "
@@ -825,4 +1006,5 @@ def _raw(series: Series) -> dict[str, list[float]]:
         raw["server_cpu_s_per_request"] = series.cpu
         raw["client_cpu_s_per_request"] = series.client
         raw["busier_replica_share"] = series.busier
+        raw["idlest_event_loop_idle_share"] = series.idle
     return {**raw, "extra_copies": series.extra} if series.extra else raw
