@@ -13,13 +13,14 @@ from lockgate.frontend.thread_clock import ThreadClock
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# a thread spinning on core 0 beside a process spinning there too: it waits for the core about
+# a thread spinning on a core beside a process spinning there too: it waits for the core about
 # as long as it runs
 BESIDE_A_HOG = """
 import json, os, subprocess, sys, time
 from lockgate.frontend.thread_clock import ThreadClock
-os.sched_setaffinity(0, {0})
-spin = "import os; os.sched_setaffinity(0, {0})\\nwhile True: pass"
+core = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {core})
+spin = f"import os; os.sched_setaffinity(0, {{{core}}})\\nwhile True: pass"
 hog = subprocess.Popen([sys.executable, "-c", spin])
 time.sleep(0.3)
 clock = ThreadClock()
