@@ -300,7 +300,7 @@ def test_int8_activations_agree_with_bf16(
 
 
 def test_int8_mlp_keeps_the_activations_int8_between_its_projections(
-    int8_activations: LlamaForCausalLM,
+    int8_activations: LlamaForCausalLM, tokenizer: ChatTokenizer
 ) -> None:
     """A large step's SwiGLU goes from the gate/up products to the down projection's int8
     rows in one pass (`swiglu_rows`), rounding as the unfused ops round: the same output as
@@ -314,6 +314,21 @@ def test_int8_mlp_keeps_the_activations_int8_between_its_projections(
         fused, plain = mlp(x).float(), mlp.plain(x).float()
         assert float((fused - plain).norm() / plain.norm()) < 1e-3
         assert torch.equal(mlp(x[:7]), mlp.plain(x[:7]))
+        # the whole model over a text, with every layer's MLP one way and then the other
+        ids = tokenizer.encode(TEXT)
+        layers = list(int8_activations.layers)
+        int8_mlps = [layer.mlp for layer in layers]
+        with_int8_mlp = all_logits(int8_activations, [ids])[0]
+        try:
+            for layer, int8_mlp in zip(layers, int8_mlps, strict=True):
+                layer.mlp = int8_mlp.plain
+            unfused = all_logits(int8_activations, [ids])[0]
+        finally:
+            for layer, int8_mlp in zip(layers, int8_mlps, strict=True):
+                layer.mlp = int8_mlp
+    agree = float((with_int8_mlp.argmax(-1) == unfused.argmax(-1)).float().mean())
+    assert agree >= 0.99
+    assert float((with_int8_mlp - unfused).norm() / unfused.norm()) < 1e-2
 
 
 def test_int8_activations_need_quantized_projections(checkpoint: Checkpoint) -> None:
