@@ -8,7 +8,8 @@ int8 with a scale of its own (max |x| / 127: dynamic, symmetric), multiplies in 
 scales the products back to x's dtype. The two ends are a C helper (`int8_rows.c`, built by
 `native.py`): one pass over x, one over the products. Between two such layers the activations
 can stay int8: `swiglu_rows` takes a fused gate/up layer's products to the down projection's
-int8 rows in one pass (SiLU(gate) * up in float32, then rounded per row).
+int8 rows in one pass (SiLU(gate) * up, rounded per row; to bfloat16 first where the
+separate ops would round).
 
 Rounding the activations costs accuracy where a few input channels carry values far above
 the rest: the row's scale follows them and the other channels keep few levels
