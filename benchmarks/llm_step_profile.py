@@ -8,10 +8,15 @@ medians of:
 - decode steps at batch 1, 8 and 32 with contexts of about 300 tokens;
 - a torch.profiler breakdown of a prefill and of decode steps into linears, the KV write,
   the attention gather, SDPA, RoPE, norms, the MLP activation, sampling, input preparation
-  and the rest (Python glue), in milliseconds per step.
+  and the rest (Python glue), in milliseconds per step;
+- or, with `--first-wave N`, the first N requests of the shared workload (`--workload`; random
+  prompts of its shape where the file is missing) added at once, as a closed loop at c=N
+  starts: the time until every one has its first token (the TTFT p99 of that loop is about
+  this), wall and CPU (every thread of the process), and its steps.
 
 Not a suite of `benchmarks.run` (it defines no `run`); options: `--batches 1,8,32`,
-`--steps N`, `--threads N`, `--no-breakdown`, `--dtype float32|bfloat16`,
+`--steps N`, `--threads N`, `--no-breakdown`, `--first-wave N` (that alone, `--rounds`
+times), `--workload FILE`, `--dtype float32|bfloat16`,
 `--quantization auto|none|int8|int4`, `--decode-attention auto|kernel|sdpa`,
 `--prefill-attention auto|kernel|sdpa` and `--activation-quantization none|int8` (several,
 comma-separated: each combination loaded and measured in turn, decode steps interleaved
@@ -37,6 +42,7 @@ import yaml
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from lockgate.bench.workload import load_shared_workload
 from lockgate.core.config_files import load_model_config
 from lockgate.demo.smollm2 import build_smollm2
 from lockgate.llm import quantized_linear, runner
@@ -47,6 +53,7 @@ from lockgate.llm.service import LLMService
 from lockgate.llm.startup import load_service
 
 PREFILL_LEN = 250
+SHARED_WORKLOAD = Path("/work/shared/bench/llm_workload_64.json")
 CONTEXT_LEN = 300
 VOCAB_LOW, VOCAB_HIGH = 100, 40_000  # ordinary token ids, no special tokens
 
@@ -158,6 +165,60 @@ def decode_times(
     return times
 
 
+def wave_requests(path: Path, count: int) -> list[tuple[list[int], int]]:
+    """(prompt, max_tokens) of the workload's first `count` requests; where the file is
+    missing, seeded random prompts of its shape (64 to 253 tokens, 32 to 128 new)."""
+    if path.is_file():
+        prompts, max_new = load_shared_workload(path)
+        return list(zip(prompts, max_new, strict=True))[:count]
+    rng = random.Random(64)
+    return [(random_prompt(rng, rng.randint(64, 253)), rng.randint(32, 128)) for _ in range(count)]
+
+
+@dataclass(slots=True)
+class Wave:
+    wall_s: float  # until every request of the wave had its first token
+    cpu_s: float  # CPU time of the process meanwhile (all its threads)
+    steps: int
+
+
+def first_wave(engine: LLMEngine, requests: list[tuple[list[int], int]]) -> Wave:
+    """The requests added at once, stepped until each has a first token, then dropped."""
+    ids = {
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        for prompt, n in requests
+    }
+    started: set[str] = set()
+    cpu, start, steps = time.process_time(), time.perf_counter(), 0
+    while started != ids:
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+        steps += 1
+    wave = Wave(time.perf_counter() - start, time.process_time() - cpu, steps)
+    drain(engine)
+    return wave
+
+
+def measure_waves(
+    engines: dict[str, LLMEngine], requests: list[tuple[list[int], int]], rounds: int
+) -> None:
+    """Each engine's first wave, the engines taking turns in each round; prints each wave and
+    the medians."""
+    waves: dict[str, list[Wave]] = {label: [] for label in engines}
+    for _ in range(rounds):
+        for label, engine in engines.items():
+            wave = first_wave(engine, requests)
+            waves[label].append(wave)
+            print(f"{label}: first wave of {len(requests)}: {1e3 * wave.wall_s:.0f} ms, "
+                  f"CPU {1e3 * wave.cpu_s:.0f} ms, {wave.steps} steps")  # fmt: skip
+    tokens = sum(len(prompt) for prompt, _ in requests)
+    for label, done in waves.items():
+        wall = statistics.median(w.wall_s for w in done)
+        cpu = statistics.median(w.cpu_s for w in done)
+        print(f"{label}: first wave of {len(requests)} ({tokens} prompt tokens), medians of "
+              f"{len(done)}: {1e3 * wall:.0f} ms ({tokens / wall:.0f} prompt tokens/s), "
+              f"CPU {1e3 * cpu:.0f} ms")  # fmt: skip
+
+
 # breakdown ------------------------------------------------------------------------------------
 
 # (range label, module or class, attribute): each callable runs inside a profiler range
@@ -258,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-attention", help="auto, kernel, sdpa; comma-separated")
     parser.add_argument("--activation-quantization", help="none, int8; comma-separated")
     parser.add_argument("--no-breakdown", action="store_true")
+    parser.add_argument(
+        "--first-wave", type=int, default=0, help="N: the first N workload requests at once"
+    )
+    parser.add_argument("--workload", type=Path, default=SHARED_WORKLOAD)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     engines: dict[str, LLMEngine] = {}
@@ -283,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         engines[label] = engine
         print(f"{label}: loaded in {load_seconds:.2f} s; dtype {engine.config.dtype}, "
               f"{torch.get_num_threads()} threads")  # fmt: skip
+    if args.first_wave:
+        requests = wave_requests(args.workload, args.first_wave)
+        measure_waves(engines, requests, args.rounds)
+        return 0
     results = measure(engines, batches, args.steps, args.rounds)
     for label, per_batch in results.items():
         prefill = per_batch[0]

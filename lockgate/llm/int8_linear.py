@@ -6,7 +6,10 @@ multiplies int8 about twice as fast as bfloat16 (`torch._int_mm`, through oneDNN
 with one scale per output row (w = q * scale[n]); on each call it quantizes each row of x to
 int8 with a scale of its own (max |x| / 127: dynamic, symmetric), multiplies in int32 and
 scales the products back to x's dtype. The two ends are a C helper (`int8_rows.c`, built by
-`native.py`): one pass over x, one over the products.
+`native.py`): one pass over x, one over the products. Between two such layers the activations
+can stay int8: `swiglu_rows` takes a fused gate/up layer's products to the down projection's
+int8 rows in one pass (SiLU(gate) * up, rounded per row; to bfloat16 first where the
+separate ops would round).
 
 Rounding the activations costs accuracy where a few input channels carry values far above
 the rest: the row's scale follows them and the other channels keep few levels
@@ -33,10 +36,12 @@ _TINY = 1e-12
 
 @dataclass(frozen=True, slots=True)
 class Int8Rows:
-    """The loaded helper: `quantize_rows` and `dequantize_rows` (`int8_rows.c`)."""
+    """The loaded helper: `quantize_rows`, `dequantize_rows` and `swiglu_quantize_rows`
+    (`int8_rows.c`)."""
 
     quantize_rows: ctypes._CFuncPtr  # type: ignore[name-defined]
     dequantize_rows: ctypes._CFuncPtr  # type: ignore[name-defined]
+    swiglu_quantize_rows: ctypes._CFuncPtr  # type: ignore[name-defined]
 
 
 @functools.cache
@@ -51,7 +56,44 @@ def load_int8_rows() -> Int8Rows:
     dequantize = library.dequantize_rows
     dequantize.argtypes = [pointer, i64, i64, pointer, pointer, i32, pointer, i32]
     dequantize.restype = None
-    return Int8Rows(quantize, dequantize)
+    swiglu = library.swiglu_quantize_rows
+    swiglu.argtypes = [pointer, i64, i64, pointer, pointer, i32, pointer, pointer, i32]
+    swiglu.restype = i32
+    return Int8Rows(quantize, dequantize, swiglu)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedRows:
+    """Activations rounded to int8 per row: values [M, K] int8, scales [M] float32
+    (x = values * scales[m])."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+def swiglu_rows(gate_up: Int8Linear, rows: QuantizedRows, dtype: torch.dtype) -> QuantizedRows:
+    """SiLU(gate) * up of a fused gate/up layer's input rows, as int8 rows for the next layer,
+    in one pass: what `gate_up.scale_back` to `dtype`, `F.silu`, the product and the next
+    layer's `quantize` give (rounded to bfloat16 between them as they round, for dtype
+    bfloat16), but for SiLU's last bit. [M, K] -> [M, N / 2]."""
+    products = gate_up.products(rows)  # [M, 2I] int32: the gate's I outputs, then the up's
+    m, width = products.shape[0], gate_up.out_features // 2
+    values = torch.empty(m, width, dtype=torch.int8)
+    scales = torch.empty(m, dtype=torch.float32)
+    status = gate_up.rows.swiglu_quantize_rows(
+        products.data_ptr(),
+        m,
+        width,
+        rows.scales.data_ptr(),
+        gate_up.scales.data_ptr(),
+        int(dtype == torch.bfloat16),
+        values.data_ptr(),
+        scales.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError(f"swiglu_rows: no buffer for a row of {width} values")
+    return QuantizedRows(values, scales)
 
 
 class Int8Linear(nn.Module):
@@ -68,6 +110,11 @@ class Int8Linear(nn.Module):
         self.scales = scales.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.quantize(x)
+        return self.scale_back(self.products(rows), rows.scales, x.dtype)
+
+    def quantize(self, x: torch.Tensor) -> QuantizedRows:
+        """x [M, K] float32 or bfloat16 -> its rows in int8, each with a scale of its own."""
         if (
             x.dim() != 2
             or x.dtype not in (torch.float32, torch.bfloat16)
@@ -76,24 +123,34 @@ class Int8Linear(nn.Module):
             raise ValueError(f"Int8Linear: x {tuple(x.shape)} {x.dtype}, in {self.in_features}")
         x = x.contiguous()
         m, k = x.shape
-        threads = torch.get_num_threads()
         bf16 = int(x.dtype == torch.bfloat16)
         q = torch.empty(m, k, dtype=torch.int8)
-        row_scales = torch.empty(m, dtype=torch.float32)
+        scales = torch.empty(m, dtype=torch.float32)
         self.rows.quantize_rows(
-            x.data_ptr(), bf16, m, k, q.data_ptr(), row_scales.data_ptr(), threads
+            x.data_ptr(), bf16, m, k, q.data_ptr(), scales.data_ptr(), torch.get_num_threads()
         )
-        products = torch._int_mm(q, self.qweight_t)  # [M, N] int32
-        out = torch.empty(m, self.out_features, dtype=x.dtype)
+        return QuantizedRows(q, scales)
+
+    def products(self, rows: QuantizedRows) -> torch.Tensor:
+        """[M, K] int8 rows -> their products with the weight, [M, N] int32."""
+        return torch._int_mm(rows.values, self.qweight_t)
+
+    def scale_back(
+        self, products: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """products [M, N] int32 -> products * row_scales[m] * the weight's scales[n], [M, N]
+        in dtype (float32 or bfloat16)."""
+        m = products.shape[0]
+        out = torch.empty(m, self.out_features, dtype=dtype)
         self.rows.dequantize_rows(
             products.data_ptr(),
             m,
             self.out_features,
             row_scales.data_ptr(),
             self.scales.data_ptr(),
-            bf16,
+            int(dtype == torch.bfloat16),
             out.data_ptr(),
-            threads,
+            torch.get_num_threads(),
         )
         return out
 

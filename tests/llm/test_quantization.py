@@ -25,7 +25,7 @@ from lockgate.llm.engine_config import EngineConfig
 from lockgate.llm.int8_linear import Int8Linear
 from lockgate.llm.loader import Checkpoint, load_checkpoint, load_gguf
 from lockgate.llm.models import LlamaForCausalLM, allocate_kv_cache, build_llama
-from lockgate.llm.models.int8_activations import quantize_activations
+from lockgate.llm.models.int8_activations import Int8MLP, quantize_activations
 from lockgate.llm.quantized_linear import (
     DENSE_FROM_TOKENS_FLOAT32,
     QuantizedLinear,
@@ -288,14 +288,47 @@ def test_int8_activations_agree_with_bf16(
     than rounding weights does, so the agreement bound is 0.85: a wrong scale or layout
     gives near 0."""
     mlp = int8_activations.layers[0].mlp
-    assert isinstance(mlp.down_proj, QuantizedLinear)
-    assert isinstance(mlp.down_proj.dense_linear, Int8Linear)
-    assert not mlp.down_proj.dense.numel()  # the dense copy is released
+    assert isinstance(mlp, Int8MLP)
+    assert isinstance(mlp.plain.down_proj, QuantizedLinear)
+    assert isinstance(mlp.plain.down_proj.dense_linear, Int8Linear)
+    assert not mlp.plain.down_proj.dense.numel()  # the dense copy is released
     rate = teacher_forced_agreement(int8_activations, prompt_ids, bf16_greedy)
     ours = perplexity(int8_activations, tokenizer.encode(TEXT))
     print(f"int8 activations: agreement {rate:.3f}, perplexity ratio {ours / bf16_perplexity:.4f}")
     assert rate >= 0.85
     assert abs(ours / bf16_perplexity - 1) <= 0.02
+
+
+def test_int8_mlp_keeps_the_activations_int8_between_its_projections(
+    int8_activations: LlamaForCausalLM, tokenizer: ChatTokenizer
+) -> None:
+    """A large step's SwiGLU goes from the gate/up products to the down projection's int8
+    rows in one pass (`swiglu_rows`), rounding as the unfused ops round: the same output as
+    each projection's int8 layer on its own with torch's SiLU between them, but for SiLU's
+    last bit (measured: equal here); a small step is the plain MLP's."""
+    mlp = int8_activations.layers[3].mlp
+    assert isinstance(mlp, Int8MLP) and mlp.from_rows == 8
+    gen = torch.Generator().manual_seed(3)
+    with one_torch_thread():
+        x = (2 * torch.randn(64, int8_activations.config.hidden_size, generator=gen)).bfloat16()
+        fused, plain = mlp(x).float(), mlp.plain(x).float()
+        assert float((fused - plain).norm() / plain.norm()) < 1e-3
+        assert torch.equal(mlp(x[:7]), mlp.plain(x[:7]))
+        # the whole model over a text, with every layer's MLP one way and then the other
+        ids = tokenizer.encode(TEXT)
+        layers = list(int8_activations.layers)
+        int8_mlps = [layer.mlp for layer in layers]
+        with_int8_mlp = all_logits(int8_activations, [ids])[0]
+        try:
+            for layer, int8_mlp in zip(layers, int8_mlps, strict=True):
+                layer.mlp = int8_mlp.plain
+            unfused = all_logits(int8_activations, [ids])[0]
+        finally:
+            for layer, int8_mlp in zip(layers, int8_mlps, strict=True):
+                layer.mlp = int8_mlp
+    agree = float((with_int8_mlp.argmax(-1) == unfused.argmax(-1)).float().mean())
+    assert agree >= 0.99
+    assert float((with_int8_mlp - unfused).norm() / unfused.norm()) < 1e-2
 
 
 def test_int8_activations_need_quantized_projections(checkpoint: Checkpoint) -> None:
