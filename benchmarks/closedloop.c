@@ -36,6 +36,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clocks.h"
+
 #define BUFFER 65536
 
 typedef struct {
@@ -55,19 +57,6 @@ static int64_t *latencies, timed, failed;
 static int64_t to_send, outstanding, counted, end_ns; /* this round's */
 static double end_cpu;
 static int timing;
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-static double cpu_seconds(void) {
-    struct rusage u;
-    getrusage(RUSAGE_SELF, &u);
-    return u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec +
-           u.ru_stime.tv_usec / 1e6;
-}
 
 static void fail(const char *what) {
     fprintf(stderr, "closedloop: %s: %s\n", what, strerror(errno));

@@ -35,6 +35,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clocks.h"
+
 #define BUFFER 65536
 
 typedef struct {
@@ -61,19 +63,6 @@ static int64_t answered;
 static char **requests;
 static uint32_t *lengths;
 static int request_count;
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-static double cpu_seconds(void) {
-    struct rusage u;
-    getrusage(RUSAGE_SELF, &u);
-    return u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec +
-           u.ru_stime.tv_usec / 1e6;
-}
 
 static double runqueue_seconds(void) { /* time spent runnable but waiting for a core */
     unsigned long long running = 0, waiting = 0;
