@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="batch model: the batcher's window (default: the SLO batcher's rule)",
     )
+    parser.add_argument(
+        "--no-idle-start",
+        action="store_true",
+        help="mg1, batch: ignore the profile's timings of requests that found the server idle",
+    )
     parser.add_argument("--queue-model", choices=QUEUE_MODELS, default="mm1")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -60,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             service_cv=args.service_cv,
             frontend_s=_seconds(args.frontend_ms),
             batch_window_s=_seconds(args.batch_window_ms),
+            idle_start=not args.no_idle_start,
         )
         result = plan(inputs)
     except ServingError as exc:
@@ -86,7 +92,12 @@ def render(result: Plan) -> str:
         f"capacity {result.capacity_per_replica:.1f} req/s per replica, "
         f"fixed overhead {_ms(result.overhead_s)}",
         f"service: front end on the model's core {_ms(result.frontend_s)} per request, "
-        f"cv {result.service_cv:.2f}",
+        f"cv {result.service_cv:.2f}"
+        + (
+            ""
+            if result.first_service_s is None
+            else f", after idle {_ms(result.first_service_s)} (mean at this rate)"
+        ),
         f"batching: window {_ms(result.batch_window_s)}, L(B) {_ms(result.batch_latency_s)}, "
         f"largest batch cap within SLO {result.max_batch_within_slo}",
         "max safe utilization: "

@@ -23,6 +23,13 @@ the model's compute time, d; the front end's CPU f moves from it into S, leaving
 added to every predicted p99 (p99 = overhead + the queue's p99), and the queue must meet what
 the SLO leaves: SLO - overhead.
 
+Idle start. A request that finds the replica idle costs more than one that follows another:
+the profile times one-row requests after idle gaps, and mg1 (at batch 1) and batch take
+their round trips less the overhead as the service of such a request, mixed over the idle
+times of Poisson arrivals at the replica's rate (`queueing.IdleStart`). At low utilization
+most requests find the replica idle, so this is what sets the p99 there; at high utilization
+few do. `idle_start=False` (`--no-idle-start`) plans without it.
+
 The recommendation is the largest of: the SLO count with headroom, the SLO count plus k spare
 replicas (N + k), and the throughput count (utilization < 1). `binding` says which one won.
 """
@@ -44,6 +51,8 @@ from lockgate.plan.queueing import (
     MD1,
     MG1,
     P99,
+    EmpiricalDistribution,
+    IdleStart,
     MMc,
     ServiceDistribution,
     max_utilization,
@@ -70,6 +79,7 @@ class PlanInputs:
     service_cv: float | None = None  # sd / mean of the service time; default the profile's
     frontend_s: float | None = None  # CPU per request on the model's core; default the profile's
     batch_window_s: float | None = None  # batch model; default the SLO batcher's rule
+    idle_start: bool = True  # mg1, batch: the profile's services after idle, where it has them
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -129,6 +139,7 @@ class Plan:
     overhead_s: float = 0.0  # added to every p99; the queue gets slo_p99_s - overhead_s
     frontend_s: float = 0.0  # CPU per request that queues with the model (in S)
     service_cv: float = 0.0  # of S: mg1 and batch
+    first_service_s: float | None = None  # mean service after idle at the plan's rate
     cost_per_million: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -157,6 +168,7 @@ class ReplicaQueue:
     cv: float = 0.0
     window_s: float | None = None  # batch model; None: the SLO batcher's rule
     slo_s: float = math.inf  # for that rule
+    idle_start: IdleStart | None = None  # mg1 at batch 1, batch: services after idle
 
     @property
     def per_row_s(self) -> float:
@@ -177,6 +189,13 @@ class ReplicaQueue:
         t_cap = self.model_time(self.batch_size)
         return batch_window(self.model_time(1), t_cap, arrival_rate, self.slo_s)
 
+    def first_service(self, model: str, arrival_rate: float) -> EmpiricalDistribution | None:
+        """The service of a request that finds the replica idle, where `model` has one."""
+        usable = model == "batch" or (model == "mg1" and self.batch_size == 1)
+        if self.idle_start is None or not usable:
+            return None
+        return self.idle_start.at(arrival_rate)
+
     def p99(self, model: str, rho: float, replicas: int = 1) -> float:
         """p99 response time of one replica (mm1, md1, mg1, batch) or of the pooled replicas
         (mmc) at utilization rho; inf at rho >= 1."""
@@ -188,13 +207,16 @@ class ReplicaQueue:
         if model == "md1":
             return MD1(rho / s, s).response_quantile(P99)
         if model == "mg1":
-            return MG1(rho / s, ServiceDistribution(s, self.cv)).response_quantile(P99)
+            first = self.first_service(model, rho / s)
+            return MG1(rho / s, ServiceDistribution(s, self.cv), first).response_quantile(P99)
         if model == "batch":
             rate = rho * self.capacity
+            first = self.first_service(model, rate)
             if rate == 0:
-                return ServiceDistribution(self.a_s + self.per_row_s, self.cv).quantile(P99)
+                alone = first or ServiceDistribution(self.a_s + self.per_row_s, self.cv)
+                return alone.quantile(P99)
             queue = BatchQueue(
-                rate, self.a_s, self.per_row_s, self.batch_size, self.cv, self.window(rate)
+                rate, self.a_s, self.per_row_s, self.batch_size, self.cv, self.window(rate), first
             )
             return queue.response_quantile(P99)
         mu = 1.0 / s
@@ -248,7 +270,7 @@ def _pooled_replicas(model: str, load: float, queue: ReplicaQueue, slo: float) -
 def plan(inputs: PlanInputs) -> Plan:
     """Choose the batch size (with a profile), then the replica count."""
     overhead, queue_budget = _split_slo(inputs)
-    queue = _operating_point(inputs, queue_budget)
+    queue = _operating_point(inputs, queue_budget, overhead)
     load = inputs.rate / queue.capacity  # replicas' worth of work at utilization 1
     by_model: dict[str, int] = {}
     rho_max: dict[str, float] = {}
@@ -297,6 +319,9 @@ def plan(inputs: PlanInputs) -> Plan:
         frontend_s=inputs.frontend,
         service_cv=queue.cv,
     )
+    first = queue.first_service(inputs.queue_model, per_replica_rate)
+    if first is not None:
+        result.first_service_s = first.mean
     if inputs.cost_per_hour is not None:
         result.cost_per_million = replicas * inputs.cost_per_hour / (inputs.rate * 3600) * 1e6
     if not result.slo_met_after_failure:
@@ -331,7 +356,7 @@ def _split_slo(inputs: PlanInputs) -> tuple[float, float]:
     return overhead, budget
 
 
-def _operating_point(inputs: PlanInputs, budget: float) -> ReplicaQueue:
+def _operating_point(inputs: PlanInputs, budget: float, overhead: float) -> ReplicaQueue:
     if inputs.profile is None:
         assert inputs.service_time_s is not None
         service = inputs.service_time_s
@@ -339,20 +364,23 @@ def _operating_point(inputs: PlanInputs, budget: float) -> ReplicaQueue:
         return ReplicaQueue(
             1, 0.0, service, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, budget
         )
-    return choose_batch(inputs.profile, inputs, budget)
+    return choose_batch(inputs.profile, inputs, budget, overhead)
 
 
-def _queue_at(profile: ReplicaProfile, inputs: PlanInputs, batch: int, slo: float) -> ReplicaQueue:
+def _queue_at(
+    profile: ReplicaProfile, inputs: PlanInputs, batch: int, slo: float, overhead: float
+) -> ReplicaQueue:
     """The replica at batch size `batch`: S(B) = a + (b + front end) B."""
     t = profile.service
     capacity = inputs.capacity_per_replica or batch / (t.a_s + (t.b_s + inputs.frontend) * batch)
+    idle = profile.idle_start(overhead) if inputs.idle_start else None
     return ReplicaQueue(
-        batch, t.a_s, t.b_s, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, slo
+        batch, t.a_s, t.b_s, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, slo, idle
     )
 
 
 def choose_batch(
-    profile: ReplicaProfile, inputs: PlanInputs, budget: float | None = None
+    profile: ReplicaProfile, inputs: PlanInputs, budget: float | None = None, overhead: float = 0.0
 ) -> ReplicaQueue:
     """The batch size of the operating point.
 
@@ -360,14 +388,14 @@ def choose_batch(
     takes what is queued up to it. The other models treat a batch as one service: the cap,
     among 1, 2, 4, ... and the largest, that needs the fewest replicas while L(B) fits the
     SLO; ties go to the smaller B. `budget` is the part of the SLO left after the fixed
-    overhead (default: all of it)."""
+    `overhead` (default: all of it)."""
     budget = inputs.slo_p99_s if budget is None else budget
     largest = inputs.max_batch_size or profile.service.max_batch_size
     if inputs.queue_model == "batch":
-        return _queue_at(profile, inputs, largest, budget)
+        return _queue_at(profile, inputs, largest, budget, overhead)
     best: tuple[int, ReplicaQueue] | None = None
     for batch in batch_sizes_up_to(largest):
-        queue = _queue_at(profile, inputs, batch, budget)
+        queue = _queue_at(profile, inputs, batch, budget, overhead)
         if queue.service_time_s <= 0:
             continue
         try:

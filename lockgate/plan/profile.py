@@ -31,6 +31,14 @@ Two more numbers make the profile a description of the replica, not only of the 
   end's (HTTP, JSON, the batcher): on a CPU-bound model that shares its core, it queues with
   the model; on a model that waits (a sleep, a GPU, another service) it runs beside it, and
   the CPU per request stays under the compute time.
+- What a request costs when it finds the server idle. Back to back, the server's caches,
+  clock and threads stay warm; a request that arrives after the server has slept a while
+  takes longer, and the longer it slept, the longer it takes (on a CPU-bound model, 20 ms of
+  sleep can add a quarter to the round trip and far more to its tail). The profile sends
+  `idle_requests` one-row requests, each after an idle gap drawn log-uniformly between
+  0.1 ms and `idle_longest_s` (slept, then waited out in a spin for the last 1.5 ms), and
+  keeps each gap with its round trip. The planner turns them into the service of a request
+  that finds the replica idle at its arrival rate (`queueing.IdleStart`).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lockgate.errors import BadRequest
+from lockgate.plan.queueing import IdleStart
 from lockgate.service_time import ServiceTime, fit_service_time
 
 if TYPE_CHECKING:
@@ -66,6 +75,8 @@ class ReplicaProfile:
     service_cv: float = 0.0  # sd / mean of the one-row compute time
     cpu_per_request_s: float | None = None  # the server process's CPU per one-row request
     compute_per_request_s: float | None = None  # mean compute time in the same requests
+    idle_gaps_s: tuple[float, ...] = ()  # how long the server was idle before ...
+    idle_round_trips_s: tuple[float, ...] = ()  # ... each of these one-row round trips
 
     @property
     def frontend_s(self) -> float:
@@ -74,12 +85,22 @@ class ReplicaProfile:
             return 0.0
         return max(0.0, self.cpu_per_request_s - self.compute_per_request_s)
 
+    def idle_start(self, overhead_s: float) -> IdleStart | None:
+        """The service of a one-row request after each idle gap: its round trip less the
+        latency outside the replica (`overhead_s`); None when the profile has no idle samples."""
+        if not self.idle_gaps_s:
+            return None
+        services = tuple(max(t - overhead_s, 1e-6) for t in self.idle_round_trips_s)
+        return IdleStart(self.idle_gaps_s, services)
+
     def to_json(self) -> dict[str, object]:
         return {
             **self.service.to_json(),
             "service_cv": self.service_cv,
             "cpu_per_request_s": self.cpu_per_request_s,
             "compute_per_request_s": self.compute_per_request_s,
+            "idle_gaps_s": list(self.idle_gaps_s),
+            "idle_round_trips_s": list(self.idle_round_trips_s),
         }
 
     @classmethod
@@ -93,7 +114,18 @@ class ReplicaProfile:
             if not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise BadRequest(f"{source}: '{key}' must be a finite number >= 0, got {value!r}")
             fields[key] = float(value)
-        return cls(service, **fields)  # type: ignore[arg-type]
+        gaps = _seconds_list(data, "idle_gaps_s", source)
+        trips = _seconds_list(data, "idle_round_trips_s", source)
+        if len(gaps) != len(trips):
+            raise BadRequest(f"{source}: 'idle_gaps_s' and 'idle_round_trips_s' differ in length")
+        return cls(
+            service,
+            fields.get("service_cv", 0.0),
+            fields.get("cpu_per_request_s"),
+            fields.get("compute_per_request_s"),
+            gaps,
+            trips,
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -107,6 +139,18 @@ class ReplicaProfile:
         if not isinstance(data, dict):
             raise BadRequest(f"{path}: a profile is a JSON object")
         return cls.from_json(data, str(path))
+
+
+def _seconds_list(data: dict[str, object], key: str, source: str) -> tuple[float, ...]:
+    """A profile's list of seconds (absent: empty); every one a finite number >= 0."""
+    values = data.get(key) or []
+    ok = isinstance(values, list) and all(
+        isinstance(v, int | float) and 0 <= v < math.inf for v in values
+    )
+    if not ok:
+        raise BadRequest(f"{source}: '{key}' must be a list of finite numbers >= 0")
+    assert isinstance(values, list)
+    return tuple(float(v) for v in values)
 
 
 def batch_sizes_up_to(max_batch_size: int) -> tuple[int, ...]:
@@ -156,13 +200,26 @@ def profile_server(
     timeout_s: float = 60.0,
     seed: int = 0,
     cpu_seconds: float = 2.0,
+    idle_requests: int = 200,
+    idle_longest_s: float = 0.1,
     say: Callable[[str], None] | None = None,
 ) -> ReplicaProfile:
     """Time one B-row v2 request at a time against a running server, for each batch size, then
-    (`cpu_seconds` > 0) the server's CPU per one-row request. `say` is told each step."""
+    (`cpu_seconds` > 0) the server's CPU per one-row request, then `idle_requests` one-row
+    requests after idle gaps up to `idle_longest_s`. `say` is told each step."""
     if not 0 <= cpu_seconds < math.inf:
         raise BadRequest(f"cpu seconds must be a finite number >= 0, got {cpu_seconds}")
-    settings = _Settings(url, model, version, max_batch_size, repeats, warmup, seed, cpu_seconds)
+    if idle_requests < 0:
+        raise BadRequest(f"idle requests must be >= 0, got {idle_requests}")
+    if not IDLE_SHORTEST_S < idle_longest_s <= 60:
+        raise BadRequest(
+            f"the longest idle gap must be in ({IDLE_SHORTEST_S * 1e3:g} ms, 60 s], "
+            f"got {idle_longest_s * 1e3:g} ms"
+        )
+    idle = _Idle(idle_requests, idle_longest_s)
+    settings = _Settings(
+        url, model, version, max_batch_size, repeats, warmup, seed, cpu_seconds, idle
+    )
     return asyncio.run(_profile_server(settings, timeout_s, say or (lambda _: None)))
 
 
@@ -176,6 +233,15 @@ class _Settings:
     warmup: int
     seed: int
     cpu_seconds: float
+    idle: _Idle
+
+
+@dataclass(frozen=True, slots=True)
+class _Idle:
+    """How many one-row requests to send after idle gaps, and the longest gap (seconds)."""
+
+    requests: int
+    longest_s: float
 
 
 @dataclass(slots=True)
@@ -236,11 +302,47 @@ async def _profile_server(
         if settings.cpu_seconds > 0:
             say(f"measuring the server's CPU per request for {settings.cpu_seconds:g} s")
             cpu = await _cpu_per_request(session, target, bodies[1], settings.cpu_seconds)
+        gaps: list[float] = []
+        trips: list[float] = []
+        if settings.idle.requests:
+            say(f"timing {settings.idle.requests} one-row requests after idle gaps")
+            gaps, trips = await _after_idle(session, target, bodies[1], settings.idle, rng)
     service = _server_profile(settings.model, sizes, samples.round_trip, samples.compute)
     cv = variation(samples.compute[1] or samples.round_trip[1])
-    if cpu is None:
-        return ReplicaProfile(service, cv)
-    return ReplicaProfile(service, cv, cpu.cpu_s, cpu.compute_s)
+    cpu_s, compute_s = (None, None) if cpu is None else (cpu.cpu_s, cpu.compute_s)
+    return ReplicaProfile(service, cv, cpu_s, compute_s, tuple(gaps), tuple(trips))
+
+
+IDLE_SHORTEST_S = 1e-4  # the shortest idle gap drawn
+SPIN_S = 0.0015  # an idle gap's last part, waited out in a spin: a sleep overshoots by ~1 ms
+
+
+async def _after_idle(
+    session: aiohttp.ClientSession,
+    target: V2Target,
+    bodies: list[bytes],
+    idle: _Idle,
+    rng: np.random.Generator,
+) -> tuple[list[float], list[float]]:
+    """One-row requests, each sent after an idle gap drawn log-uniformly between
+    IDLE_SHORTEST_S and `idle.longest_s`: (the gaps as they were, the round trips), seconds."""
+    low, high = math.log(IDLE_SHORTEST_S), math.log(idle.longest_s)
+    wanted = np.exp(rng.uniform(low, high, idle.requests)).tolist()
+    gaps: list[float] = []
+    trips: list[float] = []
+    answered = time.perf_counter()
+    for index, gap in enumerate(wanted):
+        due = answered + gap
+        if due - time.perf_counter() > SPIN_S:
+            await asyncio.sleep(due - time.perf_counter() - SPIN_S)
+        while time.perf_counter() < due:
+            pass
+        sent = time.perf_counter()
+        await _post_once(session, target.infer_url, bodies[index % len(bodies)])
+        gaps.append(sent - answered)
+        answered = time.perf_counter()
+        trips.append(answered - sent)
+    return gaps, trips
 
 
 BODIES = 16  # distinct synthesized request bodies per batch size, used in turn

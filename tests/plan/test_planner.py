@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 
 from lockgate.errors import BadRequest
@@ -150,3 +151,30 @@ def test_headroom_over_a_tiny_load_is_not_throughput_bound() -> None:
     )
     assert result.replicas_throughput == 1 and result.replicas == 2
     assert result.binding == "slo"
+
+
+def test_idle_start_raises_the_p99_where_requests_find_the_replica_idle() -> None:
+    """S = 5 ms back to back; after a gap of 10 ms or more a request takes 12 ms. At 20 req/s
+    (rho 0.1) most requests come after long gaps, and the p99 is at least theirs; at 180 req/s
+    (rho 0.9) most wait in the queue, and the idle start matters far less. The batch model at
+    a cap of 1 is the same queue, simulated."""
+    service = fit_service_time("m", (1,), (0.005,), overhead_s=0.001)
+    gaps = tuple(float(g) for g in np.geomspace(1e-4, 0.1, 40))
+    trips = tuple(0.006 + (0.007 if g >= 0.01 else 0.0) for g in gaps)
+    profile = ReplicaProfile(service, 0.1, idle_gaps_s=gaps, idle_round_trips_s=trips)
+
+    def p99(rate: float, model: str, idle: bool) -> float:
+        inputs = PlanInputs(
+            rate=rate, slo_p99_s=10.0, profile=profile, queue_model=model, max_batch_size=1,
+            headroom=0, redundancy=0, idle_start=idle,
+        )  # fmt: skip
+        return plan(inputs).p99_s
+
+    assert p99(20, "mg1", True) > 0.001 + 0.012 and p99(20, "mg1", False) < 0.012
+    assert p99(20, "mg1", True) > p99(20, "mg1", False) + 0.004
+    assert p99(180, "mg1", True) / p99(180, "mg1", False) < 1.15
+    for rate in (20, 180):
+        assert p99(rate, "batch", True) == pytest.approx(p99(rate, "mg1", True), rel=0.05)
+    result = plan(PlanInputs(rate=20, slo_p99_s=10.0, profile=profile, queue_model="mg1"))
+    assert result.first_service_s == pytest.approx(0.012, rel=0.1)
+    assert plan(PlanInputs(rate=20, slo_p99_s=10.0, profile=profile)).first_service_s is None
