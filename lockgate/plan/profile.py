@@ -87,11 +87,21 @@ class ReplicaProfile:
 
     def idle_start(self, overhead_s: float) -> IdleStart | None:
         """The service of a one-row request after each idle gap: its round trip less the
-        latency outside the replica (`overhead_s`); None when the profile has no idle samples."""
+        latency outside the replica (`overhead_s`); None when the profile has no idle samples.
+
+        A round trip above STALL times the median of its neighbours (the NEIGHBOURS samples on
+        either side, by gap) counts as that much, as in `variation`: a stall of the machine."""
         if not self.idle_gaps_s:
             return None
-        services = tuple(max(t - overhead_s, 1e-6) for t in self.idle_round_trips_s)
-        return IdleStart(self.idle_gaps_s, services)
+        order = np.argsort(self.idle_gaps_s, kind="stable")
+        gaps, trips = (
+            np.asarray(self.idle_gaps_s)[order],
+            np.asarray(self.idle_round_trips_s)[order],
+        )
+        near = [trips[max(0, i - NEIGHBOURS) : i + NEIGHBOURS + 1] for i in range(len(trips))]
+        capped = np.minimum(trips, STALL * np.array([np.median(t) for t in near]))
+        services = np.maximum(capped - overhead_s, 1e-6)
+        return IdleStart(tuple(gaps.tolist()), tuple(services.tolist()))
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -200,6 +210,7 @@ def profile_server(
     timeout_s: float = 60.0,
     seed: int = 0,
     cpu_seconds: float = 2.0,
+    cpu_concurrency: int = 2,
     idle_requests: int = 200,
     idle_longest_s: float = 0.1,
     say: Callable[[str], None] | None = None,
@@ -209,6 +220,8 @@ def profile_server(
     requests after idle gaps up to `idle_longest_s`. `say` is told each step."""
     if not 0 <= cpu_seconds < math.inf:
         raise BadRequest(f"cpu seconds must be a finite number >= 0, got {cpu_seconds}")
+    if cpu_concurrency < 1:
+        raise BadRequest(f"cpu concurrency must be >= 1, got {cpu_concurrency}")
     if idle_requests < 0:
         raise BadRequest(f"idle requests must be >= 0, got {idle_requests}")
     if not IDLE_SHORTEST_S < idle_longest_s <= 60:
@@ -218,7 +231,16 @@ def profile_server(
         )
     idle = _Idle(idle_requests, idle_longest_s)
     settings = _Settings(
-        url, model, version, max_batch_size, repeats, warmup, seed, cpu_seconds, idle
+        url,
+        model,
+        version,
+        max_batch_size,
+        repeats,
+        warmup,
+        seed,
+        cpu_seconds,
+        cpu_concurrency,
+        idle,
     )
     return asyncio.run(_profile_server(settings, timeout_s, say or (lambda _: None)))
 
@@ -233,6 +255,7 @@ class _Settings:
     warmup: int
     seed: int
     cpu_seconds: float
+    cpu_concurrency: int
     idle: _Idle
 
 
@@ -301,7 +324,9 @@ async def _profile_server(
         cpu = None
         if settings.cpu_seconds > 0:
             say(f"measuring the server's CPU per request for {settings.cpu_seconds:g} s")
-            cpu = await _cpu_per_request(session, target, bodies[1], settings.cpu_seconds)
+            cpu = await _cpu_per_request(
+                session, target, bodies[1], settings.cpu_seconds, settings.cpu_concurrency
+            )
         gaps: list[float] = []
         trips: list[float] = []
         if settings.idle.requests:
@@ -346,6 +371,7 @@ async def _after_idle(
 
 
 BODIES = 16  # distinct synthesized request bodies per batch size, used in turn
+NEIGHBOURS = 10  # idle_start(): samples on either side whose median caps a round trip
 STALL = 3.0  # variation(): a time above this multiple of the median is a stall of the machine
 
 
@@ -393,10 +419,14 @@ class _Cpu:
 
 
 async def _cpu_per_request(
-    session: aiohttp.ClientSession, target: V2Target, bodies: list[bytes], seconds: float
+    session: aiohttp.ClientSession,
+    target: V2Target,
+    bodies: list[bytes],
+    seconds: float,
+    concurrency: int,
 ) -> _Cpu | None:
-    """Requests back to back for `seconds`, against half that time idle (scaled). None when
-    the server does not publish its CPU time or its statistics."""
+    """`concurrency` requests in flight for `seconds`, against half that time idle (scaled).
+    None when the server does not publish its CPU time or its statistics."""
     idle_s = seconds / 2
     idle_start = await _process_cpu_s(session, target.url)
     if idle_start is None:
@@ -405,11 +435,15 @@ async def _cpu_per_request(
     idle_end = await _process_cpu_s(session, target.url)
     compute_start = await _compute_ns(session, target.model_url)
     cpu_start = await _process_cpu_s(session, target.url)
-    began, requests = time.perf_counter(), 0
-    while time.perf_counter() - began < seconds:
-        await _post_once(session, target.infer_url, bodies[requests % len(bodies)])
-        requests += 1
-    busy_s = time.perf_counter() - began
+    began, sent = time.perf_counter(), [0]
+
+    async def worker() -> None:
+        while time.perf_counter() - began < seconds:
+            sent[0] += 1
+            await _post_once(session, target.infer_url, bodies[sent[0] % len(bodies)])
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    busy_s, requests = time.perf_counter() - began, sent[0]
     cpu_end = await _process_cpu_s(session, target.url)
     compute_end = await _compute_ns(session, target.model_url)
     readings = (idle_start, idle_end, cpu_start, cpu_end, compute_start, compute_end)

@@ -26,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds of one-row requests to measure the server's CPU per request (0: skip)",
     )
     parser.add_argument(
+        "--cpu-concurrency",
+        type=int,
+        default=2,
+        help="requests in flight while the CPU per request is measured, so one is always queued",
+    )
+    parser.add_argument(
         "--idle-requests",
         type=int,
         default=200,
@@ -56,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             timeout_s=args.timeout,
             cpu_seconds=args.cpu_seconds,
+            cpu_concurrency=args.cpu_concurrency,
             idle_requests=args.idle_requests,
             idle_longest_s=args.idle_longest_ms / 1e3,
             say=None if args.quiet else _progress,

@@ -119,3 +119,15 @@ def test_replica_profile_round_trips_and_reads_a_plain_service_time(tmp_path) ->
     service.save(tmp_path / "s.json")
     plain = ReplicaProfile.load(tmp_path / "s.json")  # a profile from before these fields
     assert plain == ReplicaProfile(service) and plain.frontend_s == 0.0
+
+
+def test_idle_start_counts_a_stalled_round_trip_as_three_medians() -> None:
+    service = fit_service_time("m", (1,), (0.004,), overhead_s=0.001)
+    gaps = tuple(0.001 * (i + 1) for i in range(30))
+    trips = [0.005] * 30
+    trips[12] = 1.0  # preempted for a second
+    idle = ReplicaProfile(service, idle_gaps_s=gaps, idle_round_trips_s=tuple(trips)).idle_start(
+        0.001
+    )
+    assert idle is not None and max(idle.services) == pytest.approx(3 * 0.005 - 0.001)
+    assert sorted(idle.services)[:29] == pytest.approx([0.004] * 29)
