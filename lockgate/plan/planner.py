@@ -11,6 +11,8 @@ itself (batching.BatchQueue). So M/M/1 gives p99 = ln(100) S / (1 - rho), about
 The service time. A batch of B rows takes the model T(B) = a + b B. When the model computes
 on the CPU it shares one core with the front end (HTTP, JSON, the batcher), whose CPU per
 request f the profile measures: then S(B) = T(B) + f B, for the two take turns on the core.
+Part of f is paid once per batch (the loop's turn, the batch's dispatch): the profile measures
+it from the CPU per row one at a time and with requests queued, and a batch of B pays it once.
 mg1 and batch also use how much S varies (the profile's cv of T(1)).
 
 Worked example: 5,000 req/s, S = 5 ms, p99 SLO 50 ms, 1,143 req/s per replica.
@@ -78,6 +80,9 @@ class PlanInputs:
     overhead_s: float | None = None  # latency outside the replica; default the profile's
     service_cv: float | None = None  # sd / mean of the service time; default the profile's
     frontend_s: float | None = None  # CPU per request on the model's core; default the profile's
+    frontend_batch_s: float | None = (
+        None  # the part of it paid once per batch; default the profile's
+    )
     batch_window_s: float | None = None  # batch model; default the SLO batcher's rule
     idle_start: bool = True  # mg1, batch: the profile's services after idle, where it has them
 
@@ -92,7 +97,13 @@ class PlanInputs:
             raise BadRequest(f"capacity per replica must be > 0, got {self.capacity_per_replica}")
         if self.headroom < 0 or self.redundancy < 0:
             raise BadRequest("headroom and redundancy must be >= 0")
-        for name in ("overhead_s", "service_cv", "frontend_s", "batch_window_s"):
+        for name in (
+            "overhead_s",
+            "service_cv",
+            "frontend_s",
+            "frontend_batch_s",
+            "batch_window_s",
+        ):
             value = getattr(self, name)
             if value is not None and not 0 <= value < math.inf:
                 raise BadRequest(f"{name} must be a finite number >= 0, got {value}")
@@ -110,6 +121,15 @@ class PlanInputs:
         if self.frontend_s is not None:
             return self.frontend_s
         return self.profile.frontend_s if self.profile else 0.0
+
+    @property
+    def frontend_batch(self) -> float:
+        """At most the whole front end of a one-row request."""
+        if self.frontend_batch_s is not None:
+            share = self.frontend_batch_s
+        else:
+            share = self.profile.frontend_per_batch_s if self.profile else 0.0
+        return min(share, self.frontend)
 
 
 @dataclass(slots=True)
@@ -138,6 +158,7 @@ class Plan:
     max_batch_within_slo: int
     overhead_s: float = 0.0  # added to every p99; the queue gets slo_p99_s - overhead_s
     frontend_s: float = 0.0  # CPU per request that queues with the model (in S)
+    frontend_batch_s: float = 0.0  # the part of it paid once per batch
     service_cv: float = 0.0  # of S: mg1 and batch
     first_service_s: float | None = None  # mean service after idle at the plan's rate
     cost_per_million: float | None = None
@@ -157,7 +178,10 @@ class ReplicaQueue:
 
     The model takes T(B) = a + b B for a batch of B rows. When the front end's CPU per request
     shares the model's core, it queues with the model, so a batch occupies the replica for
-    S(B) = a + (b + frontend) B. `capacity` is in requests per second (B / S(B) unless given).
+    S(B) = a + (b + frontend) B, less what a batch pays once for all its rows (the loop's turn,
+    the batch's own dispatch: frontend_batch) on each of its rows but one:
+    S(B) = a + frontend_batch + (b + frontend - frontend_batch) B. `capacity` is in requests
+    per second (B / S(B) unless given).
     """
 
     batch_size: int
@@ -169,15 +193,20 @@ class ReplicaQueue:
     window_s: float | None = None  # batch model; None: the SLO batcher's rule
     slo_s: float = math.inf  # for that rule
     idle_start: IdleStart | None = None  # mg1 at batch 1, batch: services after idle
+    frontend_batch_s: float = 0.0  # of frontend_s, the part paid once per batch
+
+    @property
+    def base_s(self) -> float:
+        return self.a_s + self.frontend_batch_s
 
     @property
     def per_row_s(self) -> float:
-        return self.b_s + self.frontend_s
+        return self.b_s + self.frontend_s - self.frontend_batch_s
 
     @property
     def service_time_s(self) -> float:
         """S at the batch size."""
-        return self.a_s + self.per_row_s * self.batch_size
+        return self.base_s + self.per_row_s * self.batch_size
 
     def model_time(self, batch: int) -> float:
         return self.a_s + self.b_s * batch
@@ -213,10 +242,16 @@ class ReplicaQueue:
             rate = rho * self.capacity
             first = self.first_service(model, rate)
             if rate == 0:
-                alone = first or ServiceDistribution(self.a_s + self.per_row_s, self.cv)
+                alone = first or ServiceDistribution(self.base_s + self.per_row_s, self.cv)
                 return alone.quantile(P99)
             queue = BatchQueue(
-                rate, self.a_s, self.per_row_s, self.batch_size, self.cv, self.window(rate), first
+                rate,
+                self.base_s,
+                self.per_row_s,
+                self.batch_size,
+                self.cv,
+                self.window(rate),
+                first,
             )
             return queue.response_quantile(P99)
         mu = 1.0 / s
@@ -317,6 +352,7 @@ def plan(inputs: PlanInputs) -> Plan:
         ),
         overhead_s=overhead,
         frontend_s=inputs.frontend,
+        frontend_batch_s=queue.frontend_batch_s,
         service_cv=queue.cv,
     )
     first = queue.first_service(inputs.queue_model, per_replica_rate)
@@ -362,20 +398,23 @@ def _operating_point(inputs: PlanInputs, budget: float, overhead: float) -> Repl
         service = inputs.service_time_s
         capacity = inputs.capacity_per_replica or 1.0 / (service + inputs.frontend)
         return ReplicaQueue(
-            1, 0.0, service, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, budget
-        )
+            1, 0.0, service, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, budget,
+            None, inputs.frontend_batch,
+        )  # fmt: skip
     return choose_batch(inputs.profile, inputs, budget, overhead)
 
 
 def _queue_at(
     profile: ReplicaProfile, inputs: PlanInputs, batch: int, slo: float, overhead: float
 ) -> ReplicaQueue:
-    """The replica at batch size `batch`: S(B) = a + (b + front end) B."""
+    """The replica at batch size `batch`: S(B) = a + f_batch + (b + f - f_batch) B."""
     t = profile.service
-    capacity = inputs.capacity_per_replica or batch / (t.a_s + (t.b_s + inputs.frontend) * batch)
+    f, f_batch = inputs.frontend, inputs.frontend_batch
+    occupied = t.a_s + f_batch + (t.b_s + f - f_batch) * batch
+    capacity = inputs.capacity_per_replica or batch / occupied
     idle = profile.idle_start(overhead) if inputs.idle_start else None
     return ReplicaQueue(
-        batch, t.a_s, t.b_s, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, slo, idle
+        batch, t.a_s, t.b_s, capacity, f, inputs.cv, inputs.batch_window_s, slo, idle, f_batch
     )
 
 

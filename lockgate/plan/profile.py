@@ -77,6 +77,7 @@ class ReplicaProfile:
     compute_per_request_s: float | None = None  # mean compute time in the same requests
     idle_gaps_s: tuple[float, ...] = ()  # how long the server was idle before ...
     idle_round_trips_s: tuple[float, ...] = ()  # ... each of these one-row round trips
+    frontend_per_batch_s: float = 0.0  # the part of frontend_s paid once per batch
 
     @property
     def frontend_s(self) -> float:
@@ -111,13 +112,19 @@ class ReplicaProfile:
             "compute_per_request_s": self.compute_per_request_s,
             "idle_gaps_s": list(self.idle_gaps_s),
             "idle_round_trips_s": list(self.idle_round_trips_s),
+            "frontend_per_batch_s": self.frontend_per_batch_s,
         }
 
     @classmethod
     def from_json(cls, data: dict[str, object], source: str = "profile") -> ReplicaProfile:
         service = ServiceTime.from_json(data, source)
         fields = {}
-        for key in ("service_cv", "cpu_per_request_s", "compute_per_request_s"):
+        for key in (
+            "service_cv",
+            "cpu_per_request_s",
+            "compute_per_request_s",
+            "frontend_per_batch_s",
+        ):
             value = data.get(key)
             if value is None:
                 continue
@@ -135,6 +142,7 @@ class ReplicaProfile:
             fields.get("compute_per_request_s"),
             gaps,
             trips,
+            fields.get("frontend_per_batch_s", 0.0),
         )
 
     def save(self, path: str | Path) -> None:
@@ -210,7 +218,7 @@ def profile_server(
     timeout_s: float = 60.0,
     seed: int = 0,
     cpu_seconds: float = 2.0,
-    cpu_concurrency: int = 2,
+    cpu_concurrency: int = 4,
     idle_requests: int = 200,
     idle_longest_s: float = 0.1,
     say: Callable[[str], None] | None = None,
@@ -321,11 +329,13 @@ async def _profile_server(
                     timed = await _timed_request(session, target, body)
                     if round_index >= settings.warmup:
                         samples.add(batch, *timed)
-        cpu = None
+        cpu = queued = None
         if settings.cpu_seconds > 0:
             say(f"measuring the server's CPU per request for {settings.cpu_seconds:g} s")
-            cpu = await _cpu_per_request(
-                session, target, bodies[1], settings.cpu_seconds, settings.cpu_concurrency
+            half = settings.cpu_seconds / 2
+            cpu = await _cpu_per_request(session, target, bodies[1], half, 1)
+            queued = await _cpu_per_request(
+                session, target, bodies[1], half, settings.cpu_concurrency
             )
         gaps: list[float] = []
         trips: list[float] = []
@@ -334,8 +344,12 @@ async def _profile_server(
             gaps, trips = await _after_idle(session, target, bodies[1], settings.idle, rng)
     service = _server_profile(settings.model, sizes, samples.round_trip, samples.compute)
     cv = variation(samples.compute[1] or samples.round_trip[1])
-    cpu_s, compute_s = (None, None) if cpu is None else (cpu.cpu_s, cpu.compute_s)
-    return ReplicaProfile(service, cv, cpu_s, compute_s, tuple(gaps), tuple(trips))
+    if cpu is None:
+        return ReplicaProfile(service, cv, None, None, tuple(gaps), tuple(trips))
+    per_batch = 0.0 if queued is None else _frontend_per_batch(cpu, queued)
+    return ReplicaProfile(
+        service, cv, cpu.cpu_s, cpu.compute_s, tuple(gaps), tuple(trips), per_batch
+    )
 
 
 IDLE_SHORTEST_S = 1e-4  # the shortest idle gap drawn
@@ -412,10 +426,29 @@ def _one_row_overhead(trips: list[float], computes: list[float]) -> float:
 
 @dataclass(frozen=True, slots=True)
 class _Cpu:
-    """The server's CPU per one-row request, and its model's mean compute in the same requests."""
+    """The server's CPU per one-row request, its model's mean compute in the same requests, and
+    the mean rows per batch they formed."""
 
     cpu_s: float
     compute_s: float
+    batch: float
+
+    @property
+    def frontend_s(self) -> float:
+        return max(0.0, self.cpu_s - self.compute_s)
+
+
+def _frontend_per_batch(alone: _Cpu, queued: _Cpu) -> float:
+    """The front end's CPU per batch, from its CPU per row one at a time and with requests
+    queued: f(m) = alpha / m + beta per row at a mean batch of m rows, solved for alpha >= 0
+    (and beta >= 0). 0 when the queued requests did not form larger batches."""
+    if queued.batch < alone.batch + MIN_BATCH_GAIN:
+        return 0.0
+    alpha = (alone.frontend_s - queued.frontend_s) / (1 / alone.batch - 1 / queued.batch)
+    return min(max(0.0, alpha), alone.frontend_s * alone.batch)
+
+
+MIN_BATCH_GAIN = 0.25  # rows per batch, queued over alone, below which no per-batch part is fit
 
 
 async def _cpu_per_request(
@@ -433,7 +466,7 @@ async def _cpu_per_request(
         return None
     await asyncio.sleep(idle_s)
     idle_end = await _process_cpu_s(session, target.url)
-    compute_start = await _compute_ns(session, target.model_url)
+    compute_start = await _model_stats(session, target.model_url)
     cpu_start = await _process_cpu_s(session, target.url)
     began, sent = time.perf_counter(), [0]
 
@@ -445,7 +478,7 @@ async def _cpu_per_request(
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     busy_s, requests = time.perf_counter() - began, sent[0]
     cpu_end = await _process_cpu_s(session, target.url)
-    compute_end = await _compute_ns(session, target.model_url)
+    compute_end = await _model_stats(session, target.model_url)
     readings = (idle_start, idle_end, cpu_start, cpu_end, compute_start, compute_end)
     if any(r is None for r in readings):
         return None
@@ -453,7 +486,9 @@ async def _cpu_per_request(
     assert compute_start is not None and compute_end is not None
     background = (idle_end - idle_start) * busy_s / idle_s
     cpu = max(0.0, cpu_end - cpu_start - background) / requests
-    return _Cpu(cpu, (compute_end - compute_start) / 1e9 / requests)
+    compute_ns = compute_end.compute_ns - compute_start.compute_ns
+    batches = max(1, compute_end.batches - compute_start.batches)
+    return _Cpu(cpu, compute_ns / 1e9 / requests, requests / batches)
 
 
 _CPU_LINE = re.compile(r"^process_cpu_seconds_total\s+(\S+)", re.MULTILINE)
@@ -473,8 +508,22 @@ async def _process_cpu_s(session: aiohttp.ClientSession, url: str) -> float | No
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class _Stats:
+    """A model's counters from the server's statistics: total compute (ns), batches run."""
+
+    compute_ns: int
+    batches: int
+
+
 async def _compute_ns(session: object, model_url: str) -> int | None:
     """The model's total compute time (ns) from the server's statistics; None without them."""
+    stats = await _model_stats(session, model_url)
+    return None if stats is None else stats.compute_ns
+
+
+async def _model_stats(session: object, model_url: str) -> _Stats | None:
+    """The model's counters from the server's statistics; None without them."""
     import aiohttp
 
     assert isinstance(session, aiohttp.ClientSession)
@@ -485,7 +534,8 @@ async def _compute_ns(session: object, model_url: str) -> int | None:
             data = await response.json(content_type=None)
         entries = data["model_stats"]
         parts = ("compute_input", "compute_infer", "compute_output")
-        return sum(int(e["inference_stats"][k]["ns"]) for e in entries for k in parts)
+        compute = sum(int(e["inference_stats"][k]["ns"]) for e in entries for k in parts)
+        return _Stats(compute, sum(int(e["execution_count"]) for e in entries))
     except (aiohttp.ClientError, ValueError, KeyError, TypeError):
         return None
 

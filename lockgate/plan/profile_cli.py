@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-concurrency",
         type=int,
         default=2,
-        help="requests in flight while the CPU per request is measured, so one is always queued",
+        help="requests in flight for the second half of the CPU measurement (the first sends "
+        "one at a time): how much of the front end's CPU a batch pays once",
     )
     parser.add_argument(
         "--idle-requests",
@@ -92,7 +93,8 @@ def render(replica: ReplicaProfile) -> str:
         rows.append(
             f"server CPU per request: {replica.cpu_per_request_s * 1e3:.3f} ms "
             f"(compute {replica.compute_per_request_s * 1e3:.3f} ms, "
-            f"front end on the model's core {replica.frontend_s * 1e3:.3f} ms)"
+            f"front end on the model's core {replica.frontend_s * 1e3:.3f} ms, "
+            f"{replica.frontend_per_batch_s * 1e3:.3f} ms of it once per batch)"
         )
     if replica.idle_gaps_s:
         rows.append(_idle_summary(replica))

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import numpy as np
@@ -178,3 +179,24 @@ def test_idle_start_raises_the_p99_where_requests_find_the_replica_idle() -> Non
     result = plan(PlanInputs(rate=20, slo_p99_s=10.0, profile=profile, queue_model="mg1"))
     assert result.first_service_s == pytest.approx(0.012, rel=0.1)
     assert plan(PlanInputs(rate=20, slo_p99_s=10.0, profile=profile)).first_service_s is None
+
+
+def test_a_batch_pays_the_per_batch_front_end_once() -> None:
+    """T(B) = 1 ms + 0.1 ms B; the front end 0.5 ms per one-row request, 0.2 ms of it once per
+    batch: S(B) = 1.2 + 0.4 B ms, so a batch of 8 carries 8 rows in 4.4 ms, not 5.8."""
+    service = fit_service_time("m", (1, 8), (0.0011, 0.0018))
+    profile = ReplicaProfile(service, 0.0, 0.0016, 0.0011, frontend_per_batch_s=0.0002)
+    assert profile.frontend_s == pytest.approx(0.0005)
+    inputs = PlanInputs(
+        rate=1000, slo_p99_s=1.0, profile=profile, queue_model="batch", max_batch_size=8,
+        headroom=0, redundancy=0,
+    )  # fmt: skip
+    result = plan(inputs)
+    assert result.service_time_s == pytest.approx(0.0044)
+    assert result.capacity_per_replica == pytest.approx(8 / 0.0044)
+    assert result.frontend_batch_s == pytest.approx(0.0002)
+    one_row = plan(PlanInputs(rate=100, slo_p99_s=1.0, profile=profile, max_batch_size=1))
+    assert one_row.service_time_s == pytest.approx(0.0016)  # T(1) + the whole front end
+    plain = plan(dataclasses.replace(inputs, frontend_batch_s=0.0))
+    assert plain.service_time_s == pytest.approx(0.0058)
+    assert plain.p99_s > result.p99_s

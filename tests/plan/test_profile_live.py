@@ -58,6 +58,7 @@ def test_profile_measures_the_servers_cpu_per_request(server: RunningServer) -> 
     assert replica.frontend_s == pytest.approx(
         replica.cpu_per_request_s - replica.compute_per_request_s
     )
+    assert 0 <= replica.frontend_per_batch_s <= replica.frontend_s  # paid once by a batch
 
 
 def test_profile_cli_then_plan(server: RunningServer, tmp_path: Path) -> None:
