@@ -18,7 +18,7 @@ network, the client) becomes `overhead_s`: latency every request pays that occup
 instance (measured on one-row requests, the size clients send). Without statistics, T(B) is
 the round trip and the overhead is 0.
 
-Two more numbers make the profile a description of the replica, not only of the model
+More numbers make the profile a description of the replica, not only of the model
 (`ReplicaProfile`):
 
 - How much T(1) varies: the coefficient of variation (sd / mean) of the one-row compute
@@ -30,7 +30,10 @@ Two more numbers make the profile a description of the replica, not only of the 
   time, by the requests. The part of it beyond the model's mean compute time is the front
   end's (HTTP, JSON, the batcher): on a CPU-bound model that shares its core, it queues with
   the model; on a model that waits (a sleep, a GPU, another service) it runs beside it, and
-  the CPU per request stays under the compute time.
+  the CPU per request stays under the compute time. The first half of the time sends one
+  request at a time, the second keeps `cpu_concurrency` in flight: queued requests form
+  batches, and what the front end's CPU per row saves there is the part a batch pays once
+  (`frontend_per_batch_s`).
 - What a request costs when it finds the server idle. Back to back, the server's caches,
   clock and threads stay warm; a request that arrives after the server has slept a while
   takes longer, and the longer it slept, the longer it takes (on a CPU-bound model, 20 ms of
@@ -95,10 +98,8 @@ class ReplicaProfile:
         if not self.idle_gaps_s:
             return None
         order = np.argsort(self.idle_gaps_s, kind="stable")
-        gaps, trips = (
-            np.asarray(self.idle_gaps_s)[order],
-            np.asarray(self.idle_round_trips_s)[order],
-        )
+        gaps = np.asarray(self.idle_gaps_s)[order]
+        trips = np.asarray(self.idle_round_trips_s)[order]
         near = [trips[max(0, i - NEIGHBOURS) : i + NEIGHBOURS + 1] for i in range(len(trips))]
         capped = np.minimum(trips, STALL * np.array([np.median(t) for t in near]))
         services = np.maximum(capped - overhead_s, 1e-6)
