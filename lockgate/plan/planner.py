@@ -80,9 +80,7 @@ class PlanInputs:
     overhead_s: float | None = None  # latency outside the replica; default the profile's
     service_cv: float | None = None  # sd / mean of the service time; default the profile's
     frontend_s: float | None = None  # CPU per request on the model's core; default the profile's
-    frontend_batch_s: float | None = (
-        None  # the part of it paid once per batch; default the profile's
-    )
+    frontend_batch_s: float | None = None  # of it, paid once per batch; default the profile's
     batch_window_s: float | None = None  # batch model; default the SLO batcher's rule
     idle_start: bool = True  # mg1, batch: the profile's services after idle, where it has them
 
