@@ -340,7 +340,7 @@ class ServiceDistribution:
         fixed, stall = self.mean * (1 - self.cv), self.mean * self.cv
         if stall == 0:
             return (x >= fixed).astype(np.float64)
-        return np.where(x < fixed, 0.0, -np.expm1(-(x - fixed) / stall))
+        return -np.expm1(-np.maximum(x - fixed, 0.0) / stall)
 
     def residual_cdf(self, x: np.ndarray) -> np.ndarray:
         """The equilibrium (residual life) distribution: (1 / mean) * integral_0^x P(S > u) du."""

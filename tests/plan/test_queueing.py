@@ -267,3 +267,13 @@ def test_mg1_with_idle_start_matches_a_server_that_cools_down(rho: float) -> Non
         response[i] = free - t
     assert queue.response_quantile(0.99) == pytest.approx(np.quantile(response, 0.99), rel=0.05)
     assert queue.mean_response == pytest.approx(response.mean(), rel=0.03)
+
+
+def test_a_nearly_deterministic_service_has_a_cdf_without_overflow() -> None:
+    """cv 1e-6: the stall is a nanosecond; far below the fixed part the CDF is 0, not an
+    overflow (pytest turns the warning into an error)."""
+    law = ServiceDistribution(0.01, 1e-6)
+    assert law.cdf(np.array([0.0, 0.005, 0.02])).tolist() == pytest.approx([0.0, 0.0, 1.0])
+    assert MG1(30.0, law).response_quantile() == pytest.approx(
+        MD1(30.0, 0.01).response_quantile(), rel=1e-3
+    )
