@@ -380,7 +380,7 @@ def trace_p99(replica: ReplicaProfile, model: Model, rate: float, level: Level) 
     t, frontend = replica.service, replica.frontend_s
     cap = model.max_batch_size if model.queue_model == "batch" else 1
     overhead = max(0.0, t.overhead_s - frontend)
-    idle = replica.idle_start(overhead)
+    idle = replica.idle_start(t.service_time(1) + frontend)
     first = idle.at(rate) if idle is not None else None
     queue = BatchQueue(rate, t.a_s, t.b_s + frontend, cap, replica.service_cv, first_service=first)
     response = queue.serve(level.sent_s, np.random.default_rng(0))[level.measured]

@@ -26,9 +26,10 @@ added to every predicted p99 (p99 = overhead + the queue's p99), and the queue m
 the SLO leaves: SLO - overhead.
 
 Idle start. A request that finds the replica idle costs more than one that follows another:
-the profile times one-row requests after idle gaps, and mg1 (at batch 1) and batch take
-their round trips less the overhead as the service of such a request, mixed over the idle
-times of Poisson arrivals at the replica's rate (`queueing.IdleStart`). At low utilization
+the profile times one-row requests after idle gaps, and mg1 (at batch 1) and batch take S(1)
+plus how much longer each took than one back to back (in the server, by its statistics) as
+the service of such a request, mixed over the idle times of Poisson arrivals at the
+replica's rate (`queueing.IdleStart`). At low utilization
 most requests find the replica idle, so this is what sets the p99 there; at high utilization
 few do. `idle_start=False` (`--no-idle-start`) plans without it.
 
@@ -410,7 +411,7 @@ def _queue_at(
     f, f_batch = inputs.frontend, inputs.frontend_batch
     occupied = t.a_s + f_batch + (t.b_s + f - f_batch) * batch
     capacity = inputs.capacity_per_replica or batch / occupied
-    idle = profile.idle_start(overhead) if inputs.idle_start else None
+    idle = profile.idle_start(t.a_s + t.b_s + f) if inputs.idle_start else None
     return ReplicaQueue(
         batch, t.a_s, t.b_s, capacity, f, inputs.cv, inputs.batch_window_s, slo, idle, f_batch
     )

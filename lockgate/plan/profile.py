@@ -79,7 +79,7 @@ class ReplicaProfile:
     cpu_per_request_s: float | None = None  # the server process's CPU per one-row request
     compute_per_request_s: float | None = None  # mean compute time in the same requests
     idle_gaps_s: tuple[float, ...] = ()  # how long the server was idle before ...
-    idle_round_trips_s: tuple[float, ...] = ()  # ... each of these one-row round trips
+    idle_extra_s: tuple[float, ...] = ()  # ... a one-row request took this much longer
     frontend_per_batch_s: float = 0.0  # the part of frontend_s paid once per batch
 
     @property
@@ -89,21 +89,20 @@ class ReplicaProfile:
             return 0.0
         return max(0.0, self.cpu_per_request_s - self.compute_per_request_s)
 
-    def idle_start(self, overhead_s: float) -> IdleStart | None:
-        """The service of a one-row request after each idle gap: its round trip less the
-        latency outside the replica (`overhead_s`); None when the profile has no idle samples.
+    def idle_start(self, service_s: float) -> IdleStart | None:
+        """The service of a one-row request after each idle gap: `service_s` (what one takes
+        inside a busy period) plus how much longer it took; None without idle samples.
 
-        A round trip above STALL times the median of its neighbours (the NEIGHBOURS samples on
+        A service above STALL times the median of its neighbours (the NEIGHBOURS samples on
         either side, by gap) counts as that much, as in `variation`: a stall of the machine."""
         if not self.idle_gaps_s:
             return None
         order = np.argsort(self.idle_gaps_s, kind="stable")
         gaps = np.asarray(self.idle_gaps_s)[order]
-        trips = np.asarray(self.idle_round_trips_s)[order]
-        near = [trips[max(0, i - NEIGHBOURS) : i + NEIGHBOURS + 1] for i in range(len(trips))]
-        capped = np.minimum(trips, STALL * np.array([np.median(t) for t in near]))
-        services = np.maximum(capped - overhead_s, 1e-6)
-        return IdleStart(tuple(gaps.tolist()), tuple(services.tolist()))
+        services = np.maximum(service_s + np.asarray(self.idle_extra_s)[order], 1e-6)
+        near = [services[max(0, i - NEIGHBOURS) : i + NEIGHBOURS + 1] for i in range(len(gaps))]
+        capped = np.minimum(services, STALL * np.array([np.median(t) for t in near]))
+        return IdleStart(tuple(gaps.tolist()), tuple(capped.tolist()))
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -112,7 +111,7 @@ class ReplicaProfile:
             "cpu_per_request_s": self.cpu_per_request_s,
             "compute_per_request_s": self.compute_per_request_s,
             "idle_gaps_s": list(self.idle_gaps_s),
-            "idle_round_trips_s": list(self.idle_round_trips_s),
+            "idle_extra_s": list(self.idle_extra_s),
             "frontend_per_batch_s": self.frontend_per_batch_s,
         }
 
@@ -133,9 +132,9 @@ class ReplicaProfile:
                 raise BadRequest(f"{source}: '{key}' must be a finite number >= 0, got {value!r}")
             fields[key] = float(value)
         gaps = _seconds_list(data, "idle_gaps_s", source)
-        trips = _seconds_list(data, "idle_round_trips_s", source)
+        trips = _seconds_list(data, "idle_extra_s", source, signed=True)
         if len(gaps) != len(trips):
-            raise BadRequest(f"{source}: 'idle_gaps_s' and 'idle_round_trips_s' differ in length")
+            raise BadRequest(f"{source}: 'idle_gaps_s' and 'idle_extra_s' differ in length")
         return cls(
             service,
             fields.get("service_cv", 0.0),
@@ -160,14 +159,18 @@ class ReplicaProfile:
         return cls.from_json(data, str(path))
 
 
-def _seconds_list(data: dict[str, object], key: str, source: str) -> tuple[float, ...]:
-    """A profile's list of seconds (absent: empty); every one a finite number >= 0."""
+def _seconds_list(
+    data: dict[str, object], key: str, source: str, signed: bool = False
+) -> tuple[float, ...]:
+    """A profile's list of seconds (absent: empty); every one finite, and >= 0 unless
+    `signed`."""
     values = data.get(key) or []
     ok = isinstance(values, list) and all(
-        isinstance(v, int | float) and 0 <= v < math.inf for v in values
+        isinstance(v, int | float) and math.isfinite(v) and (signed or v >= 0) for v in values
     )
     if not ok:
-        raise BadRequest(f"{source}: '{key}' must be a list of finite numbers >= 0")
+        floor = "" if signed else " >= 0"
+        raise BadRequest(f"{source}: '{key}' must be a list of finite numbers{floor}")
     assert isinstance(values, list)
     return tuple(float(v) for v in values)
 
@@ -282,25 +285,39 @@ class _Samples:
 
     round_trip: dict[int, list[float]]
     compute: dict[int, list[float]]
+    served: list[float]  # one-row requests: time in the server, by its statistics
 
-    def add(self, batch: int, round_trip: float, compute: float | None) -> None:
+    def add(
+        self, batch: int, round_trip: float, compute: float | None, served: float | None
+    ) -> None:
         self.round_trip[batch].append(round_trip)
         if compute is not None:
             self.compute[batch].append(compute)
+        if served is not None and batch == 1:
+            self.served.append(served)
+
+    def one_row_reference(self) -> tuple[float, bool]:
+        """(a one-row request's median time, True: in the server by its statistics, False: the
+        round trip, without them)."""
+        if self.served:
+            return statistics.median(self.served), True
+        return statistics.median(self.round_trip[1]), False
 
 
 async def _timed_request(
     session: aiohttp.ClientSession, target: V2Target, body: bytes
-) -> tuple[float, float | None]:
-    """(round trip, the model's compute time by the server's statistics or None), seconds."""
-    before = await _compute_ns(session, target.model_url)
+) -> tuple[float, float | None, float | None]:
+    """(round trip, the model's compute time and the request's time in the server by the
+    server's statistics, or None), seconds."""
+    before = await _model_stats(session, target.model_url)
     start = time.perf_counter()
     await _post_once(session, target.infer_url, body)
     elapsed = time.perf_counter() - start
-    after = await _compute_ns(session, target.model_url)
-    if before is None or after is None or after <= before:
-        return elapsed, None
-    return elapsed, (after - before) / 1e9
+    after = await _model_stats(session, target.model_url)
+    if before is None or after is None or after.compute_ns <= before.compute_ns:
+        return elapsed, None, None
+    served = (after.request_ns - before.request_ns) / 1e9
+    return elapsed, (after.compute_ns - before.compute_ns) / 1e9, served
 
 
 async def _profile_server(
@@ -313,7 +330,7 @@ async def _profile_server(
     target = V2Target(settings.url, settings.model, settings.version)
     rng = np.random.default_rng(settings.seed)
     sizes = batch_sizes_up_to(settings.max_batch_size)
-    samples = _Samples({batch: [] for batch in sizes}, {batch: [] for batch in sizes})
+    samples = _Samples({batch: [] for batch in sizes}, {batch: [] for batch in sizes}, [])
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         metadata = await fetch_v2_metadata(session, target)
         bodies = {b: [synthesize_v2_body(metadata, b, rng) for _ in range(BODIES)] for b in sizes}
@@ -339,17 +356,20 @@ async def _profile_server(
                 session, target, bodies[1], half, settings.cpu_concurrency
             )
         gaps: list[float] = []
-        trips: list[float] = []
+        extra: list[float] = []
         if settings.idle.requests:
             say(f"timing {settings.idle.requests} one-row requests after idle gaps")
-            gaps, trips = await _after_idle(session, target, bodies[1], settings.idle, rng)
+            reference = samples.one_row_reference()
+            gaps, extra = await _after_idle(
+                session, target, bodies[1], settings.idle, rng, reference
+            )
     service = _server_profile(settings.model, sizes, samples.round_trip, samples.compute)
     cv = variation(samples.compute[1] or samples.round_trip[1])
     if cpu is None:
-        return ReplicaProfile(service, cv, None, None, tuple(gaps), tuple(trips))
+        return ReplicaProfile(service, cv, None, None, tuple(gaps), tuple(extra))
     per_batch = 0.0 if queued is None else _frontend_per_batch(cpu, queued)
     return ReplicaProfile(
-        service, cv, cpu.cpu_s, cpu.compute_s, tuple(gaps), tuple(trips), per_batch
+        service, cv, cpu.cpu_s, cpu.compute_s, tuple(gaps), tuple(extra), per_batch
     )
 
 
@@ -363,15 +383,21 @@ async def _after_idle(
     bodies: list[bytes],
     idle: _Idle,
     rng: np.random.Generator,
+    reference: tuple[float, bool],
 ) -> tuple[list[float], list[float]]:
     """One-row requests, each sent after an idle gap drawn log-uniformly between
-    IDLE_SHORTEST_S and `idle.longest_s`: (the gaps as they were, the round trips), seconds."""
+    IDLE_SHORTEST_S and `idle.longest_s`: (the gaps as they were, how much longer each took
+    than `reference`), seconds. With the server's statistics (`reference[1]`) the time is the
+    request's in the server, so a client that also went cold adds nothing; else the round trip.
+    """
     low, high = math.log(IDLE_SHORTEST_S), math.log(idle.longest_s)
     wanted = np.exp(rng.uniform(low, high, idle.requests)).tolist()
+    typical, in_server = reference
     gaps: list[float] = []
-    trips: list[float] = []
-    answered = time.perf_counter()
+    extra: list[float] = []
     for index, gap in enumerate(wanted):
+        before = await _model_stats(session, target.model_url) if in_server else None
+        answered = time.perf_counter()  # the server's last work: this statistics request
         due = answered + gap
         if due - time.perf_counter() > SPIN_S:
             await asyncio.sleep(due - time.perf_counter() - SPIN_S)
@@ -379,10 +405,13 @@ async def _after_idle(
             pass
         sent = time.perf_counter()
         await _post_once(session, target.infer_url, bodies[index % len(bodies)])
+        took = time.perf_counter() - sent
+        after = await _model_stats(session, target.model_url) if in_server else None
+        if before is not None and after is not None:
+            took = (after.request_ns - before.request_ns) / 1e9
         gaps.append(sent - answered)
-        answered = time.perf_counter()
-        trips.append(answered - sent)
-    return gaps, trips
+        extra.append(took - typical)
+    return gaps, extra
 
 
 BODIES = 16  # distinct synthesized request bodies per batch size, used in turn
@@ -511,10 +540,12 @@ async def _process_cpu_s(session: aiohttp.ClientSession, url: str) -> float | No
 
 @dataclass(frozen=True, slots=True)
 class _Stats:
-    """A model's counters from the server's statistics: total compute (ns), batches run."""
+    """A model's counters from the server's statistics: total compute (ns), batches run, and
+    the total time its successful requests spent in the server (ns)."""
 
     compute_ns: int
     batches: int
+    request_ns: int
 
 
 async def _compute_ns(session: object, model_url: str) -> int | None:
@@ -536,7 +567,9 @@ async def _model_stats(session: object, model_url: str) -> _Stats | None:
         entries = data["model_stats"]
         parts = ("compute_input", "compute_infer", "compute_output")
         compute = sum(int(e["inference_stats"][k]["ns"]) for e in entries for k in parts)
-        return _Stats(compute, sum(int(e["execution_count"]) for e in entries))
+        batches = sum(int(e["execution_count"]) for e in entries)
+        served = sum(int(e["inference_stats"]["success"]["ns"]) for e in entries)
+        return _Stats(compute, batches, served)
     except (aiohttp.ClientError, ValueError, KeyError, TypeError):
         return None
 

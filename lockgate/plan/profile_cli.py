@@ -102,12 +102,12 @@ def render(replica: ReplicaProfile) -> str:
 
 
 def _idle_summary(replica: ReplicaProfile) -> str:
-    """Median round trip after short and after long idle gaps (split at their median gap)."""
-    gaps, trips = np.asarray(replica.idle_gaps_s), np.asarray(replica.idle_round_trips_s)
+    """Median extra time after short and after long idle gaps (split at their median gap)."""
+    gaps, extra = np.asarray(replica.idle_gaps_s), np.asarray(replica.idle_extra_s)
     split = float(np.median(gaps))
-    short, long = trips[gaps <= split], trips[gaps > split]
-    parts = [f"{np.median(t) * 1e3:.3f} ms" if len(t) else "-" for t in (short, long)]
+    short, long = extra[gaps <= split], extra[gaps > split]
+    parts = [f"{np.median(t) * 1e3:+.3f} ms" if len(t) else "-" for t in (short, long)]
     return (
-        f"one-row round trip after idle (median): {parts[0]} after gaps up to "
+        f"a one-row request after idle takes (median) {parts[0]} after gaps up to "
         f"{split * 1e3:.2g} ms, {parts[1]} after longer ones ({len(gaps)} requests)"
     )

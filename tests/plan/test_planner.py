@@ -161,8 +161,8 @@ def test_idle_start_raises_the_p99_where_requests_find_the_replica_idle() -> Non
     a cap of 1 is the same queue, simulated."""
     service = fit_service_time("m", (1,), (0.005,), overhead_s=0.001)
     gaps = tuple(float(g) for g in np.geomspace(1e-4, 0.1, 40))
-    trips = tuple(0.006 + (0.007 if g >= 0.01 else 0.0) for g in gaps)
-    profile = ReplicaProfile(service, 0.1, idle_gaps_s=gaps, idle_round_trips_s=trips)
+    extra = tuple(0.007 if g >= 0.01 else 0.0 for g in gaps)
+    profile = ReplicaProfile(service, 0.1, idle_gaps_s=gaps, idle_extra_s=extra)
 
     def p99(rate: float, model: str, idle: bool) -> float:
         inputs = PlanInputs(

@@ -37,8 +37,8 @@ def test_profile_digits_through_the_server(server: RunningServer) -> None:
     rounds = 2 + 9  # warmup and timed; one request of each batch size per round
     assert rows_after - rows_before == rounds * sum(profile.batch_sizes) + 20  # + after idle
     assert batches_after - batches_before == rounds * len(profile.batch_sizes) + 20
-    assert len(replica.idle_gaps_s) == len(replica.idle_round_trips_s) == 20
-    assert all(0 < t < 1.0 for t in replica.idle_round_trips_s)
+    assert len(replica.idle_gaps_s) == len(replica.idle_extra_s) == 20
+    assert all(-1.0 < t < 1.0 for t in replica.idle_extra_s)
     assert profile.model == "digits_onnx"
     assert profile.batch_sizes == (1, 2, 4, 8, 16, 32, 64)
     assert all(0 < t < 1.0 for t in profile.median_s)
@@ -69,7 +69,7 @@ def test_profile_cli_then_plan(server: RunningServer, tmp_path: Path) -> None:
         *("--output", str(path)),
     )
     assert done.returncode == 0, done.stderr
-    assert "T(B) = " in done.stdout and "one-row round trip after idle" in done.stdout
+    assert "T(B) = " in done.stdout and "a one-row request after idle takes" in done.stdout
     profile = ServiceTime.load(path)  # a replica profile is a ServiceTime with three more fields
     assert profile.batch_sizes == (1, 2, 4, 8, 16) and profile.b_s >= 0
     replica = ReplicaProfile.load(path)
