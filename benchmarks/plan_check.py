@@ -20,18 +20,22 @@ overload guards refuse some requests even below capacity, which would cut the ta
 Each repetition, per model:
 
 1. `lockgate profile --max-batch-size <the model's>` (30 timed rounds, 2 s of CPU
-   measurement): T(B), the fixed overhead d, the coefficient of variation of T(1), and the
-   server's CPU per request, whose part beyond the model's compute is the front end's
-   (`frontend`). A one-row request occupies the replica's core for S(1) = T(1) + frontend.
+   measurement, 200 requests after idle gaps): T(B), the fixed overhead d, the coefficient of
+   variation of T(1), the server's CPU per request, whose part beyond the model's compute is
+   the front end's (`frontend`), and the round trips of requests that found the server idle.
+   A one-row request inside a busy period occupies the replica's core for
+   S(1) = T(1) + frontend; one that finds it idle takes what the idle samples say.
 2. For each utilization rho in 0.3, 0.5, 0.7 of the one-row capacity 1 / S(1), `lockgate
    plan --profile ... --rate rho/S(1) --headroom 0 --redundancy 0` predicts the p99 of one
    replica with the model's queue model: `batch` for minilm (a work-conserving batcher with
    cap `max_batch_size`, S(B) = a + (b + frontend) B, simulated), `mg1` for the two models
-   whose batches stay at one row (M/G/1 with S(1) and the measured cv). The SLO given is
-   loose, so one replica is the plan. Beside it, computed from the same profile: the naive
-   prediction that treats the whole round trip as the queue's service time (M/D/1, d = 0);
-   M/M/1 with S(1); and the model `lockgate plan` used before (d + M/D/1 with S = T(1), no
-   front end, no variance).
+   whose batches stay at one row (M/G/1 with S(1) and the measured cv); both with the idle
+   start (a request that finds the replica idle takes the profile's service after idle, mixed
+   over the Poisson idle times at the rate). The SLO given is loose, so one replica is the
+   plan. Beside it, computed from the same profile: the same model without the idle start
+   (`--no-idle-start`); the naive prediction that treats the whole round trip as the queue's
+   service time (M/D/1, d = 0); M/M/1 with S(1); and the model `lockgate plan` used first
+   (d + M/D/1 with S = T(1), no front end, no variance).
 3. `lockgate bench --rate rho/S(1)` runs open-loop Poisson load for the level (after one
    second of warmup). The p99 compared is counted from when each request left the client
    (the bench's per-request latency less its send lag, from `--output-requests-csv`): the
@@ -140,7 +144,7 @@ class Model:
 MODELS = (
     Model("sleeper", 1, "mg1"),
     Model("minilm", 32, "batch"),
-    Model("digits_onnx", 64, "mg1"),  # runs inline on the event loop: batches stay at 1 row
+    Model("digits_onnx", 64, "mg1"),  # runs inline on the event loop: batches stay small
 )
 
 
@@ -201,6 +205,7 @@ class Point:
     overhead_s: float  # the profile's d: one-row round trip - compute
     cv: float
     predicted_p99_ms: float  # lockgate plan with the model's queue model
+    no_idle_p99_ms: float  # the same without the idle start
     naive_p99_ms: float  # M/D/1 with S = the whole round trip, d = 0
     mm1_p99_ms: float
     before_p99_ms: float  # d + M/D/1 with S = T(1)
@@ -272,11 +277,12 @@ def profile(server: Server, model: Model, path: Path) -> ReplicaProfile:
     return ReplicaProfile.load(path)
 
 
-def predict(rate: float, model: Model, profile_path: Path) -> float:
+def predict(rate: float, model: Model, profile_path: Path, *flags: str) -> float:
     """`lockgate plan` for one replica at `rate`: its p99 in ms."""
     out = lockgate(
         *("plan", "--profile", str(profile_path), "--rate", f"{rate:.4f}", "--slo-ms", "100000"),
         *("--queue-model", model.queue_model, "--headroom", "0", "--redundancy", "0", "--json"),
+        *flags,
     )
     result: dict[str, Any] = json.loads(out)
     if result["replicas"] != 1:
@@ -373,9 +379,12 @@ def trace_p99(replica: ReplicaProfile, model: Model, rate: float, level: Level) 
     small bunches; at digits_onnx's 0.35 ms per request that alone lengthens the queue."""
     t, frontend = replica.service, replica.frontend_s
     cap = model.max_batch_size if model.queue_model == "batch" else 1
-    queue = BatchQueue(rate, t.a_s, t.b_s + frontend, cap, replica.service_cv)
+    overhead = max(0.0, t.overhead_s - frontend)
+    idle = replica.idle_start(t.service_time(1) + frontend)
+    first = idle.at(rate) if idle is not None else None
+    queue = BatchQueue(rate, t.a_s, t.b_s + frontend, cap, replica.service_cv, first_service=first)
     response = queue.serve(level.sent_s, np.random.default_rng(0))[level.measured]
-    return (percentile(list(response), 99) + max(0.0, t.overhead_s - frontend)) * 1e3
+    return (percentile(list(response), 99) + overhead) * 1e3
 
 
 def measure(
@@ -463,6 +472,7 @@ def one_point(
     t1 = replica.service.service_time(1)
     rate = rho / (t1 + replica.frontend_s)
     predicted = predict(rate, model, work / "profile.json")
+    no_idle = predict(rate, model, work / "profile.json", "--no-idle-start")
     naive, mm1, before = alternatives(replica, rate)
     level = measure(server, model, rate, seconds, seed, work)
     report, used = level.report, level.load
@@ -476,6 +486,7 @@ def one_point(
         overhead_s=replica.service.overhead_s,
         cv=replica.service_cv,
         predicted_p99_ms=predicted,
+        no_idle_p99_ms=no_idle,
         naive_p99_ms=naive,
         mm1_p99_ms=mm1,
         before_p99_ms=before,
@@ -650,6 +661,7 @@ def _cell_note(cell: Cell, measured: float) -> str:
         )
     return (
         f"{cell.median('rate'):.1f} req/s; error {cell.error:+.0%}; {status}; {c_part}"
+        f"without the idle start {vs('no_idle_p99_ms')}; "
         f"the bench's p99 from the scheduled send {vs('scheduled_p99_ms')}; the model on the "
         f"bench's actual send times {vs('trace_p99_ms')}; naive {vs('naive_p99_ms')}; "
         f"M/M/1 {vs('mm1_p99_ms')}; before (d + M/D/1, S = T(1)) {vs('before_p99_ms')}; "

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lockgate.errors import BadRequest
-from lockgate.plan.queueing import ServiceDistribution
+from lockgate.plan.queueing import Distribution, ServiceDistribution
 
 ServiceTime = Callable[[int], float]
 SIMULATED_ARRIVALS = 200_000  # BatchQueue: rows per simulation (the first 2% warm it up)
@@ -76,8 +76,9 @@ class BatchQueue:
     holds the first row for at most `window_s` for more to come (0: it starts at once, as
     lockgate's SLO batcher does while one-row service keeps up with the arrivals). A batch of
     B rows occupies the instance for (base_s + per_row_s * B) times a random factor of mean 1
-    and coefficient of variation `cv`, plus `idle_start_s` when its first row found the
-    instance idle (waking it costs more than going on to the next batch). The queue has no
+    and coefficient of variation `cv`. A batch whose first row found the instance idle takes a
+    draw of `first_service` for that row instead, plus per_row_s for each other row: waking an
+    idle instance costs more than going on to the next batch. The queue has no
     closed form with batch-size dependent service, so its response times come from a
     simulation with a fixed seed: the same inputs always give the same answer.
     """
@@ -88,7 +89,7 @@ class BatchQueue:
     max_batch: int
     cv: float = 0.0
     window_s: float = 0.0
-    idle_start_s: float = 0.0
+    first_service: Distribution | None = None  # one row after idle; None: as any other
 
     def __post_init__(self) -> None:
         if not (self.arrival_rate > 0 and math.isfinite(self.arrival_rate)):
@@ -97,8 +98,8 @@ class BatchQueue:
             raise BadRequest("a batch's service time a + b B must be > 0 with a, b >= 0")
         if self.max_batch < 1:
             raise BadRequest(f"max batch must be >= 1, got {self.max_batch}")
-        if self.window_s < 0 or self.idle_start_s < 0:
-            raise BadRequest("batch window and idle start must be >= 0")
+        if self.window_s < 0:
+            raise BadRequest(f"batch window must be >= 0, got {self.window_s}")
         if self.utilization >= 1:
             raise BadRequest(
                 f"unstable queue: {self.arrival_rate:g} rows/s >= capacity "
@@ -128,17 +129,21 @@ class BatchQueue:
         seconds, [n]); the service factors are drawn from `rng`: [n]."""
         count = len(arrived)
         factors = ServiceDistribution(1.0, self.cv).sample(rng, count).tolist()
+        first = self.first_service
+        woken = (first.sample(rng, count) if first else np.zeros(count)).tolist()
         times = arrived.tolist()
         ends: list[float] = []  # per batch
         sizes: list[int] = []
         head, free, cap, window = 0, -math.inf, self.max_batch, self.window_s
-        base, per_row, wake = self.base_s, self.per_row_s, self.idle_start_s
+        base, per_row = self.base_s, self.per_row_s
         while head < count:
             last = min(head + cap, count)
             start = max(free, min(times[head] + window, times[last - 1]))  # last: batch full
             size = bisect.bisect_right(times, start, head, last) - head
-            extra = wake if times[head] > free else 0.0  # its first row found the instance idle
-            free = start + (base + per_row * size) * factors[len(ends)] + extra
+            if first is not None and times[head] > free:  # its first row found it idle
+                free = start + woken[len(ends)] + per_row * (size - 1)
+            else:
+                free = start + (base + per_row * size) * factors[len(ends)]
             ends.append(free)
             sizes.append(size)
             head += size

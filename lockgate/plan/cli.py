@@ -34,9 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU per request outside the model on the model's core (default: the profile's)",
     )
     parser.add_argument(
+        "--frontend-batch-ms",
+        type=float,
+        help="of the front end's CPU, the part paid once per batch (default: the profile's)",
+    )
+    parser.add_argument(
         "--batch-window-ms",
         type=float,
         help="batch model: the batcher's window (default: the SLO batcher's rule)",
+    )
+    parser.add_argument(
+        "--no-idle-start",
+        action="store_true",
+        help="mg1, batch: ignore the profile's timings of requests that found the server idle",
     )
     parser.add_argument("--queue-model", choices=QUEUE_MODELS, default="mm1")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -59,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
             overhead_s=_seconds(args.overhead_ms),
             service_cv=args.service_cv,
             frontend_s=_seconds(args.frontend_ms),
+            frontend_batch_s=_seconds(args.frontend_batch_ms),
             batch_window_s=_seconds(args.batch_window_ms),
+            idle_start=not args.no_idle_start,
         )
         result = plan(inputs)
     except ServingError as exc:
@@ -85,8 +97,14 @@ def render(result: Plan) -> str:
         f"operating point: batch {result.batch_size}, service time {_ms(result.service_time_s)}, "
         f"capacity {result.capacity_per_replica:.1f} req/s per replica, "
         f"fixed overhead {_ms(result.overhead_s)}",
-        f"service: front end on the model's core {_ms(result.frontend_s)} per request, "
-        f"cv {result.service_cv:.2f}",
+        f"service: front end on the model's core {_ms(result.frontend_s)} per request "
+        f"({_ms(result.frontend_batch_s)} of it per batch), "
+        f"cv {result.service_cv:.2f}"
+        + (
+            ""
+            if result.first_service_s is None
+            else f", after idle {_ms(result.first_service_s)} (mean at this rate)"
+        ),
         f"batching: window {_ms(result.batch_window_s)}, L(B) {_ms(result.batch_latency_s)}, "
         f"largest batch cap within SLO {result.max_batch_within_slo}",
         "max safe utilization: "

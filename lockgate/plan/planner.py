@@ -11,6 +11,8 @@ itself (batching.BatchQueue). So M/M/1 gives p99 = ln(100) S / (1 - rho), about
 The service time. A batch of B rows takes the model T(B) = a + b B. When the model computes
 on the CPU it shares one core with the front end (HTTP, JSON, the batcher), whose CPU per
 request f the profile measures: then S(B) = T(B) + f B, for the two take turns on the core.
+Part of f is paid once per batch (the loop's turn, the batch's dispatch): the profile measures
+it from the CPU per row one at a time and with requests queued, and a batch of B pays it once.
 mg1 and batch also use how much S varies (the profile's cv of T(1)).
 
 Worked example: 5,000 req/s, S = 5 ms, p99 SLO 50 ms, 1,143 req/s per replica.
@@ -22,6 +24,14 @@ waiting on the event loop. `lockgate profile` through a server measures the roun
 the model's compute time, d; the front end's CPU f moves from it into S, leaving d - f. It is
 added to every predicted p99 (p99 = overhead + the queue's p99), and the queue must meet what
 the SLO leaves: SLO - overhead.
+
+Idle start. A request that finds the replica idle costs more than one that follows another:
+the profile times one-row requests after idle gaps, and mg1 (at batch 1) and batch take S(1)
+plus how much longer each took than one back to back (in the server, by its statistics) as
+the service of such a request, mixed over the idle times of Poisson arrivals at the
+replica's rate (`queueing.IdleStart`). At low utilization
+most requests find the replica idle, so this is what sets the p99 there; at high utilization
+few do. `idle_start=False` (`--no-idle-start`) plans without it.
 
 The recommendation is the largest of: the SLO count with headroom, the SLO count plus k spare
 replicas (N + k), and the throughput count (utilization < 1). `binding` says which one won.
@@ -44,6 +54,8 @@ from lockgate.plan.queueing import (
     MD1,
     MG1,
     P99,
+    EmpiricalDistribution,
+    IdleStart,
     MMc,
     ServiceDistribution,
     max_utilization,
@@ -69,7 +81,9 @@ class PlanInputs:
     overhead_s: float | None = None  # latency outside the replica; default the profile's
     service_cv: float | None = None  # sd / mean of the service time; default the profile's
     frontend_s: float | None = None  # CPU per request on the model's core; default the profile's
+    frontend_batch_s: float | None = None  # of it, paid once per batch; default the profile's
     batch_window_s: float | None = None  # batch model; default the SLO batcher's rule
+    idle_start: bool = True  # mg1, batch: the profile's services after idle, where it has them
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -82,7 +96,13 @@ class PlanInputs:
             raise BadRequest(f"capacity per replica must be > 0, got {self.capacity_per_replica}")
         if self.headroom < 0 or self.redundancy < 0:
             raise BadRequest("headroom and redundancy must be >= 0")
-        for name in ("overhead_s", "service_cv", "frontend_s", "batch_window_s"):
+        for name in (
+            "overhead_s",
+            "service_cv",
+            "frontend_s",
+            "frontend_batch_s",
+            "batch_window_s",
+        ):
             value = getattr(self, name)
             if value is not None and not 0 <= value < math.inf:
                 raise BadRequest(f"{name} must be a finite number >= 0, got {value}")
@@ -100,6 +120,15 @@ class PlanInputs:
         if self.frontend_s is not None:
             return self.frontend_s
         return self.profile.frontend_s if self.profile else 0.0
+
+    @property
+    def frontend_batch(self) -> float:
+        """At most the whole front end of a one-row request."""
+        if self.frontend_batch_s is not None:
+            share = self.frontend_batch_s
+        else:
+            share = self.profile.frontend_per_batch_s if self.profile else 0.0
+        return min(share, self.frontend)
 
 
 @dataclass(slots=True)
@@ -128,7 +157,9 @@ class Plan:
     max_batch_within_slo: int
     overhead_s: float = 0.0  # added to every p99; the queue gets slo_p99_s - overhead_s
     frontend_s: float = 0.0  # CPU per request that queues with the model (in S)
+    frontend_batch_s: float = 0.0  # the part of it paid once per batch
     service_cv: float = 0.0  # of S: mg1 and batch
+    first_service_s: float | None = None  # mean service after idle at the plan's rate
     cost_per_million: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -146,7 +177,10 @@ class ReplicaQueue:
 
     The model takes T(B) = a + b B for a batch of B rows. When the front end's CPU per request
     shares the model's core, it queues with the model, so a batch occupies the replica for
-    S(B) = a + (b + frontend) B. `capacity` is in requests per second (B / S(B) unless given).
+    S(B) = a + (b + frontend) B, less what a batch pays once for all its rows (the loop's turn,
+    the batch's own dispatch: frontend_batch) on each of its rows but one:
+    S(B) = a + frontend_batch + (b + frontend - frontend_batch) B. `capacity` is in requests
+    per second (B / S(B) unless given).
     """
 
     batch_size: int
@@ -157,15 +191,21 @@ class ReplicaQueue:
     cv: float = 0.0
     window_s: float | None = None  # batch model; None: the SLO batcher's rule
     slo_s: float = math.inf  # for that rule
+    idle_start: IdleStart | None = None  # mg1 at batch 1, batch: services after idle
+    frontend_batch_s: float = 0.0  # of frontend_s, the part paid once per batch
+
+    @property
+    def base_s(self) -> float:
+        return self.a_s + self.frontend_batch_s
 
     @property
     def per_row_s(self) -> float:
-        return self.b_s + self.frontend_s
+        return self.b_s + self.frontend_s - self.frontend_batch_s
 
     @property
     def service_time_s(self) -> float:
         """S at the batch size."""
-        return self.a_s + self.per_row_s * self.batch_size
+        return self.base_s + self.per_row_s * self.batch_size
 
     def model_time(self, batch: int) -> float:
         return self.a_s + self.b_s * batch
@@ -176,6 +216,13 @@ class ReplicaQueue:
             return self.window_s
         t_cap = self.model_time(self.batch_size)
         return batch_window(self.model_time(1), t_cap, arrival_rate, self.slo_s)
+
+    def first_service(self, model: str, arrival_rate: float) -> EmpiricalDistribution | None:
+        """The service of a request that finds the replica idle, where `model` has one."""
+        usable = model == "batch" or (model == "mg1" and self.batch_size == 1)
+        if self.idle_start is None or not usable:
+            return None
+        return self.idle_start.at(arrival_rate)
 
     def p99(self, model: str, rho: float, replicas: int = 1) -> float:
         """p99 response time of one replica (mm1, md1, mg1, batch) or of the pooled replicas
@@ -188,13 +235,22 @@ class ReplicaQueue:
         if model == "md1":
             return MD1(rho / s, s).response_quantile(P99)
         if model == "mg1":
-            return MG1(rho / s, ServiceDistribution(s, self.cv)).response_quantile(P99)
+            first = self.first_service(model, rho / s)
+            return MG1(rho / s, ServiceDistribution(s, self.cv), first).response_quantile(P99)
         if model == "batch":
             rate = rho * self.capacity
+            first = self.first_service(model, rate)
             if rate == 0:
-                return ServiceDistribution(self.a_s + self.per_row_s, self.cv).quantile(P99)
+                alone = first or ServiceDistribution(self.base_s + self.per_row_s, self.cv)
+                return alone.quantile(P99)
             queue = BatchQueue(
-                rate, self.a_s, self.per_row_s, self.batch_size, self.cv, self.window(rate)
+                rate,
+                self.base_s,
+                self.per_row_s,
+                self.batch_size,
+                self.cv,
+                self.window(rate),
+                first,
             )
             return queue.response_quantile(P99)
         mu = 1.0 / s
@@ -248,7 +304,7 @@ def _pooled_replicas(model: str, load: float, queue: ReplicaQueue, slo: float) -
 def plan(inputs: PlanInputs) -> Plan:
     """Choose the batch size (with a profile), then the replica count."""
     overhead, queue_budget = _split_slo(inputs)
-    queue = _operating_point(inputs, queue_budget)
+    queue = _operating_point(inputs, queue_budget, overhead)
     load = inputs.rate / queue.capacity  # replicas' worth of work at utilization 1
     by_model: dict[str, int] = {}
     rho_max: dict[str, float] = {}
@@ -295,8 +351,12 @@ def plan(inputs: PlanInputs) -> Plan:
         ),
         overhead_s=overhead,
         frontend_s=inputs.frontend,
+        frontend_batch_s=queue.frontend_batch_s,
         service_cv=queue.cv,
     )
+    first = queue.first_service(inputs.queue_model, per_replica_rate)
+    if first is not None:
+        result.first_service_s = first.mean
     if inputs.cost_per_hour is not None:
         result.cost_per_million = replicas * inputs.cost_per_hour / (inputs.rate * 3600) * 1e6
     if not result.slo_met_after_failure:
@@ -331,28 +391,34 @@ def _split_slo(inputs: PlanInputs) -> tuple[float, float]:
     return overhead, budget
 
 
-def _operating_point(inputs: PlanInputs, budget: float) -> ReplicaQueue:
+def _operating_point(inputs: PlanInputs, budget: float, overhead: float) -> ReplicaQueue:
     if inputs.profile is None:
         assert inputs.service_time_s is not None
         service = inputs.service_time_s
         capacity = inputs.capacity_per_replica or 1.0 / (service + inputs.frontend)
         return ReplicaQueue(
-            1, 0.0, service, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, budget
-        )
-    return choose_batch(inputs.profile, inputs, budget)
+            1, 0.0, service, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, budget,
+            None, inputs.frontend_batch,
+        )  # fmt: skip
+    return choose_batch(inputs.profile, inputs, budget, overhead)
 
 
-def _queue_at(profile: ReplicaProfile, inputs: PlanInputs, batch: int, slo: float) -> ReplicaQueue:
-    """The replica at batch size `batch`: S(B) = a + (b + front end) B."""
+def _queue_at(
+    profile: ReplicaProfile, inputs: PlanInputs, batch: int, slo: float, overhead: float
+) -> ReplicaQueue:
+    """The replica at batch size `batch`: S(B) = a + f_batch + (b + f - f_batch) B."""
     t = profile.service
-    capacity = inputs.capacity_per_replica or batch / (t.a_s + (t.b_s + inputs.frontend) * batch)
+    f, f_batch = inputs.frontend, inputs.frontend_batch
+    occupied = t.a_s + f_batch + (t.b_s + f - f_batch) * batch
+    capacity = inputs.capacity_per_replica or batch / occupied
+    idle = profile.idle_start(t.a_s + t.b_s + f) if inputs.idle_start else None
     return ReplicaQueue(
-        batch, t.a_s, t.b_s, capacity, inputs.frontend, inputs.cv, inputs.batch_window_s, slo
+        batch, t.a_s, t.b_s, capacity, f, inputs.cv, inputs.batch_window_s, slo, idle, f_batch
     )
 
 
 def choose_batch(
-    profile: ReplicaProfile, inputs: PlanInputs, budget: float | None = None
+    profile: ReplicaProfile, inputs: PlanInputs, budget: float | None = None, overhead: float = 0.0
 ) -> ReplicaQueue:
     """The batch size of the operating point.
 
@@ -360,14 +426,14 @@ def choose_batch(
     takes what is queued up to it. The other models treat a batch as one service: the cap,
     among 1, 2, 4, ... and the largest, that needs the fewest replicas while L(B) fits the
     SLO; ties go to the smaller B. `budget` is the part of the SLO left after the fixed
-    overhead (default: all of it)."""
+    `overhead` (default: all of it)."""
     budget = inputs.slo_p99_s if budget is None else budget
     largest = inputs.max_batch_size or profile.service.max_batch_size
     if inputs.queue_model == "batch":
-        return _queue_at(profile, inputs, largest, budget)
+        return _queue_at(profile, inputs, largest, budget, overhead)
     best: tuple[int, ReplicaQueue] | None = None
     for batch in batch_sizes_up_to(largest):
-        queue = _queue_at(profile, inputs, batch, budget)
+        queue = _queue_at(profile, inputs, batch, budget, overhead)
         if queue.service_time_s <= 0:
             continue
         try:

@@ -18,7 +18,7 @@ network, the client) becomes `overhead_s`: latency every request pays that occup
 instance (measured on one-row requests, the size clients send). Without statistics, T(B) is
 the round trip and the overhead is 0.
 
-Two more numbers make the profile a description of the replica, not only of the model
+More numbers make the profile a description of the replica, not only of the model
 (`ReplicaProfile`):
 
 - How much T(1) varies: the coefficient of variation (sd / mean) of the one-row compute
@@ -30,7 +30,18 @@ Two more numbers make the profile a description of the replica, not only of the 
   time, by the requests. The part of it beyond the model's mean compute time is the front
   end's (HTTP, JSON, the batcher): on a CPU-bound model that shares its core, it queues with
   the model; on a model that waits (a sleep, a GPU, another service) it runs beside it, and
-  the CPU per request stays under the compute time.
+  the CPU per request stays under the compute time. The first half of the time sends one
+  request at a time, the second keeps `cpu_concurrency` in flight: queued requests form
+  batches, and what the front end's CPU per row saves there is the part a batch pays once
+  (`frontend_per_batch_s`).
+- What a request costs when it finds the server idle. Back to back, the server's caches,
+  clock and threads stay warm; a request that arrives after the server has slept a while
+  takes longer, and the longer it slept, the longer it takes (on a CPU-bound model, 20 ms of
+  sleep can add a quarter to the round trip and far more to its tail). The profile sends
+  `idle_requests` one-row requests, each after an idle gap drawn log-uniformly between
+  0.1 ms and `idle_longest_s` (slept, then waited out in a spin for the last 1.5 ms), and
+  keeps each gap with its round trip. The planner turns them into the service of a request
+  that finds the replica idle at its arrival rate (`queueing.IdleStart`).
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lockgate.errors import BadRequest
+from lockgate.plan.queueing import IdleStart
 from lockgate.service_time import ServiceTime, fit_service_time
 
 if TYPE_CHECKING:
@@ -66,6 +78,9 @@ class ReplicaProfile:
     service_cv: float = 0.0  # sd / mean of the one-row compute time
     cpu_per_request_s: float | None = None  # the server process's CPU per one-row request
     compute_per_request_s: float | None = None  # mean compute time in the same requests
+    idle_gaps_s: tuple[float, ...] = ()  # how long the server was idle before ...
+    idle_extra_s: tuple[float, ...] = ()  # ... a one-row request took this much longer
+    frontend_per_batch_s: float = 0.0  # the part of frontend_s paid once per batch
 
     @property
     def frontend_s(self) -> float:
@@ -74,26 +89,61 @@ class ReplicaProfile:
             return 0.0
         return max(0.0, self.cpu_per_request_s - self.compute_per_request_s)
 
+    def idle_start(self, service_s: float) -> IdleStart | None:
+        """The service of a one-row request after each idle gap: `service_s` (what one takes
+        inside a busy period) plus how much longer it took; None without idle samples.
+
+        A service above STALL times the median of its neighbours (the NEIGHBOURS samples on
+        either side, by gap) counts as that much, as in `variation`: a stall of the machine."""
+        if not self.idle_gaps_s:
+            return None
+        order = np.argsort(self.idle_gaps_s, kind="stable")
+        gaps = np.asarray(self.idle_gaps_s)[order]
+        services = np.maximum(service_s + np.asarray(self.idle_extra_s)[order], 1e-6)
+        near = [services[max(0, i - NEIGHBOURS) : i + NEIGHBOURS + 1] for i in range(len(gaps))]
+        capped = np.minimum(services, STALL * np.array([np.median(t) for t in near]))
+        return IdleStart(tuple(gaps.tolist()), tuple(capped.tolist()))
+
     def to_json(self) -> dict[str, object]:
         return {
             **self.service.to_json(),
             "service_cv": self.service_cv,
             "cpu_per_request_s": self.cpu_per_request_s,
             "compute_per_request_s": self.compute_per_request_s,
+            "idle_gaps_s": list(self.idle_gaps_s),
+            "idle_extra_s": list(self.idle_extra_s),
+            "frontend_per_batch_s": self.frontend_per_batch_s,
         }
 
     @classmethod
     def from_json(cls, data: dict[str, object], source: str = "profile") -> ReplicaProfile:
         service = ServiceTime.from_json(data, source)
         fields = {}
-        for key in ("service_cv", "cpu_per_request_s", "compute_per_request_s"):
+        for key in (
+            "service_cv",
+            "cpu_per_request_s",
+            "compute_per_request_s",
+            "frontend_per_batch_s",
+        ):
             value = data.get(key)
             if value is None:
                 continue
             if not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise BadRequest(f"{source}: '{key}' must be a finite number >= 0, got {value!r}")
             fields[key] = float(value)
-        return cls(service, **fields)  # type: ignore[arg-type]
+        gaps = _seconds_list(data, "idle_gaps_s", source)
+        trips = _seconds_list(data, "idle_extra_s", source, signed=True)
+        if len(gaps) != len(trips):
+            raise BadRequest(f"{source}: 'idle_gaps_s' and 'idle_extra_s' differ in length")
+        return cls(
+            service,
+            fields.get("service_cv", 0.0),
+            fields.get("cpu_per_request_s"),
+            fields.get("compute_per_request_s"),
+            gaps,
+            trips,
+            fields.get("frontend_per_batch_s", 0.0),
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -107,6 +157,22 @@ class ReplicaProfile:
         if not isinstance(data, dict):
             raise BadRequest(f"{path}: a profile is a JSON object")
         return cls.from_json(data, str(path))
+
+
+def _seconds_list(
+    data: dict[str, object], key: str, source: str, signed: bool = False
+) -> tuple[float, ...]:
+    """A profile's list of seconds (absent: empty); every one finite, and >= 0 unless
+    `signed`."""
+    values = data.get(key) or []
+    ok = isinstance(values, list) and all(
+        isinstance(v, int | float) and math.isfinite(v) and (signed or v >= 0) for v in values
+    )
+    if not ok:
+        floor = "" if signed else " >= 0"
+        raise BadRequest(f"{source}: '{key}' must be a list of finite numbers{floor}")
+    assert isinstance(values, list)
+    return tuple(float(v) for v in values)
 
 
 def batch_sizes_up_to(max_batch_size: int) -> tuple[int, ...]:
@@ -156,13 +222,38 @@ def profile_server(
     timeout_s: float = 60.0,
     seed: int = 0,
     cpu_seconds: float = 2.0,
+    cpu_concurrency: int = 4,
+    idle_requests: int = 200,
+    idle_longest_s: float = 0.1,
     say: Callable[[str], None] | None = None,
 ) -> ReplicaProfile:
     """Time one B-row v2 request at a time against a running server, for each batch size, then
-    (`cpu_seconds` > 0) the server's CPU per one-row request. `say` is told each step."""
+    (`cpu_seconds` > 0) the server's CPU per one-row request, then `idle_requests` one-row
+    requests after idle gaps up to `idle_longest_s`. `say` is told each step."""
     if not 0 <= cpu_seconds < math.inf:
         raise BadRequest(f"cpu seconds must be a finite number >= 0, got {cpu_seconds}")
-    settings = _Settings(url, model, version, max_batch_size, repeats, warmup, seed, cpu_seconds)
+    if cpu_concurrency < 1:
+        raise BadRequest(f"cpu concurrency must be >= 1, got {cpu_concurrency}")
+    if idle_requests < 0:
+        raise BadRequest(f"idle requests must be >= 0, got {idle_requests}")
+    if not IDLE_SHORTEST_S < idle_longest_s <= 60:
+        raise BadRequest(
+            f"the longest idle gap must be in ({IDLE_SHORTEST_S * 1e3:g} ms, 60 s], "
+            f"got {idle_longest_s * 1e3:g} ms"
+        )
+    idle = _Idle(idle_requests, idle_longest_s)
+    settings = _Settings(
+        url,
+        model,
+        version,
+        max_batch_size,
+        repeats,
+        warmup,
+        seed,
+        cpu_seconds,
+        cpu_concurrency,
+        idle,
+    )
     return asyncio.run(_profile_server(settings, timeout_s, say or (lambda _: None)))
 
 
@@ -176,6 +267,16 @@ class _Settings:
     warmup: int
     seed: int
     cpu_seconds: float
+    cpu_concurrency: int
+    idle: _Idle
+
+
+@dataclass(frozen=True, slots=True)
+class _Idle:
+    """How many one-row requests to send after idle gaps, and the longest gap (seconds)."""
+
+    requests: int
+    longest_s: float
 
 
 @dataclass(slots=True)
@@ -184,25 +285,39 @@ class _Samples:
 
     round_trip: dict[int, list[float]]
     compute: dict[int, list[float]]
+    served: list[float]  # one-row requests: time in the server, by its statistics
 
-    def add(self, batch: int, round_trip: float, compute: float | None) -> None:
+    def add(
+        self, batch: int, round_trip: float, compute: float | None, served: float | None
+    ) -> None:
         self.round_trip[batch].append(round_trip)
         if compute is not None:
             self.compute[batch].append(compute)
+        if served is not None and batch == 1:
+            self.served.append(served)
+
+    def one_row_reference(self) -> tuple[float, bool]:
+        """(a one-row request's median time, True: in the server by its statistics, False: the
+        round trip, without them)."""
+        if self.served:
+            return statistics.median(self.served), True
+        return statistics.median(self.round_trip[1]), False
 
 
 async def _timed_request(
     session: aiohttp.ClientSession, target: V2Target, body: bytes
-) -> tuple[float, float | None]:
-    """(round trip, the model's compute time by the server's statistics or None), seconds."""
-    before = await _compute_ns(session, target.model_url)
+) -> tuple[float, float | None, float | None]:
+    """(round trip, the model's compute time and the request's time in the server by the
+    server's statistics, or None), seconds."""
+    before = await _model_stats(session, target.model_url)
     start = time.perf_counter()
     await _post_once(session, target.infer_url, body)
     elapsed = time.perf_counter() - start
-    after = await _compute_ns(session, target.model_url)
-    if before is None or after is None or after <= before:
-        return elapsed, None
-    return elapsed, (after - before) / 1e9
+    after = await _model_stats(session, target.model_url)
+    if before is None or after is None or after.compute_ns <= before.compute_ns:
+        return elapsed, None, None
+    served = (after.request_ns - before.request_ns) / 1e9
+    return elapsed, (after.compute_ns - before.compute_ns) / 1e9, served
 
 
 async def _profile_server(
@@ -215,7 +330,7 @@ async def _profile_server(
     target = V2Target(settings.url, settings.model, settings.version)
     rng = np.random.default_rng(settings.seed)
     sizes = batch_sizes_up_to(settings.max_batch_size)
-    samples = _Samples({batch: [] for batch in sizes}, {batch: [] for batch in sizes})
+    samples = _Samples({batch: [] for batch in sizes}, {batch: [] for batch in sizes}, [])
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         metadata = await fetch_v2_metadata(session, target)
         bodies = {b: [synthesize_v2_body(metadata, b, rng) for _ in range(BODIES)] for b in sizes}
@@ -232,18 +347,75 @@ async def _profile_server(
                     timed = await _timed_request(session, target, body)
                     if round_index >= settings.warmup:
                         samples.add(batch, *timed)
-        cpu = None
+        cpu = queued = None
         if settings.cpu_seconds > 0:
             say(f"measuring the server's CPU per request for {settings.cpu_seconds:g} s")
-            cpu = await _cpu_per_request(session, target, bodies[1], settings.cpu_seconds)
+            half = settings.cpu_seconds / 2
+            cpu = await _cpu_per_request(session, target, bodies[1], half, 1)
+            queued = await _cpu_per_request(
+                session, target, bodies[1], half, settings.cpu_concurrency
+            )
+        gaps: list[float] = []
+        extra: list[float] = []
+        if settings.idle.requests:
+            say(f"timing {settings.idle.requests} one-row requests after idle gaps")
+            reference = samples.one_row_reference()
+            gaps, extra = await _after_idle(
+                session, target, bodies[1], settings.idle, rng, reference
+            )
     service = _server_profile(settings.model, sizes, samples.round_trip, samples.compute)
     cv = variation(samples.compute[1] or samples.round_trip[1])
     if cpu is None:
-        return ReplicaProfile(service, cv)
-    return ReplicaProfile(service, cv, cpu.cpu_s, cpu.compute_s)
+        return ReplicaProfile(service, cv, None, None, tuple(gaps), tuple(extra))
+    per_batch = 0.0 if queued is None else _frontend_per_batch(cpu, queued)
+    return ReplicaProfile(
+        service, cv, cpu.cpu_s, cpu.compute_s, tuple(gaps), tuple(extra), per_batch
+    )
+
+
+IDLE_SHORTEST_S = 1e-4  # the shortest idle gap drawn
+SPIN_S = 0.0015  # an idle gap's last part, waited out in a spin: a sleep overshoots by ~1 ms
+
+
+async def _after_idle(
+    session: aiohttp.ClientSession,
+    target: V2Target,
+    bodies: list[bytes],
+    idle: _Idle,
+    rng: np.random.Generator,
+    reference: tuple[float, bool],
+) -> tuple[list[float], list[float]]:
+    """One-row requests, each sent after an idle gap drawn log-uniformly between
+    IDLE_SHORTEST_S and `idle.longest_s`: (the gaps as they were, how much longer each took
+    than `reference`), seconds. With the server's statistics (`reference[1]`) the time is the
+    request's in the server, so a client that also went cold adds nothing; else the round trip.
+    """
+    low, high = math.log(IDLE_SHORTEST_S), math.log(idle.longest_s)
+    wanted = np.exp(rng.uniform(low, high, idle.requests)).tolist()
+    typical, in_server = reference
+    gaps: list[float] = []
+    extra: list[float] = []
+    for index, gap in enumerate(wanted):
+        before = await _model_stats(session, target.model_url) if in_server else None
+        answered = time.perf_counter()  # the server's last work: this statistics request
+        due = answered + gap
+        if due - time.perf_counter() > SPIN_S:
+            await asyncio.sleep(due - time.perf_counter() - SPIN_S)
+        while time.perf_counter() < due:
+            pass
+        sent = time.perf_counter()
+        await _post_once(session, target.infer_url, bodies[index % len(bodies)])
+        took = time.perf_counter() - sent
+        after = await _model_stats(session, target.model_url) if in_server else None
+        if before is not None and after is not None:
+            took = (after.request_ns - before.request_ns) / 1e9
+        gaps.append(sent - answered)
+        extra.append(took - typical)
+    return gaps, extra
 
 
 BODIES = 16  # distinct synthesized request bodies per batch size, used in turn
+NEIGHBOURS = 10  # idle_start(): samples on either side whose median caps a round trip
 STALL = 3.0  # variation(): a time above this multiple of the median is a stall of the machine
 
 
@@ -284,32 +456,59 @@ def _one_row_overhead(trips: list[float], computes: list[float]) -> float:
 
 @dataclass(frozen=True, slots=True)
 class _Cpu:
-    """The server's CPU per one-row request, and its model's mean compute in the same requests."""
+    """The server's CPU per one-row request, its model's mean compute in the same requests, and
+    the mean rows per batch they formed."""
 
     cpu_s: float
     compute_s: float
+    batch: float
+
+    @property
+    def frontend_s(self) -> float:
+        return max(0.0, self.cpu_s - self.compute_s)
+
+
+def _frontend_per_batch(alone: _Cpu, queued: _Cpu) -> float:
+    """The front end's CPU per batch, from its CPU per row one at a time and with requests
+    queued: f(m) = alpha / m + beta per row at a mean batch of m rows, solved for alpha >= 0
+    (and beta >= 0). 0 when the queued requests did not form larger batches."""
+    if queued.batch < alone.batch + MIN_BATCH_GAIN:
+        return 0.0
+    alpha = (alone.frontend_s - queued.frontend_s) / (1 / alone.batch - 1 / queued.batch)
+    return min(max(0.0, alpha), alone.frontend_s * alone.batch)
+
+
+MIN_BATCH_GAIN = 0.25  # rows per batch, queued over alone, below which no per-batch part is fit
 
 
 async def _cpu_per_request(
-    session: aiohttp.ClientSession, target: V2Target, bodies: list[bytes], seconds: float
+    session: aiohttp.ClientSession,
+    target: V2Target,
+    bodies: list[bytes],
+    seconds: float,
+    concurrency: int,
 ) -> _Cpu | None:
-    """Requests back to back for `seconds`, against half that time idle (scaled). None when
-    the server does not publish its CPU time or its statistics."""
+    """`concurrency` requests in flight for `seconds`, against half that time idle (scaled).
+    None when the server does not publish its CPU time or its statistics."""
     idle_s = seconds / 2
     idle_start = await _process_cpu_s(session, target.url)
     if idle_start is None:
         return None
     await asyncio.sleep(idle_s)
     idle_end = await _process_cpu_s(session, target.url)
-    compute_start = await _compute_ns(session, target.model_url)
+    compute_start = await _model_stats(session, target.model_url)
     cpu_start = await _process_cpu_s(session, target.url)
-    began, requests = time.perf_counter(), 0
-    while time.perf_counter() - began < seconds:
-        await _post_once(session, target.infer_url, bodies[requests % len(bodies)])
-        requests += 1
-    busy_s = time.perf_counter() - began
+    began, sent = time.perf_counter(), [0]
+
+    async def worker() -> None:
+        while time.perf_counter() - began < seconds:
+            sent[0] += 1
+            await _post_once(session, target.infer_url, bodies[sent[0] % len(bodies)])
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    busy_s, requests = time.perf_counter() - began, sent[0]
     cpu_end = await _process_cpu_s(session, target.url)
-    compute_end = await _compute_ns(session, target.model_url)
+    compute_end = await _model_stats(session, target.model_url)
     readings = (idle_start, idle_end, cpu_start, cpu_end, compute_start, compute_end)
     if any(r is None for r in readings):
         return None
@@ -317,7 +516,9 @@ async def _cpu_per_request(
     assert compute_start is not None and compute_end is not None
     background = (idle_end - idle_start) * busy_s / idle_s
     cpu = max(0.0, cpu_end - cpu_start - background) / requests
-    return _Cpu(cpu, (compute_end - compute_start) / 1e9 / requests)
+    compute_ns = compute_end.compute_ns - compute_start.compute_ns
+    batches = max(1, compute_end.batches - compute_start.batches)
+    return _Cpu(cpu, compute_ns / 1e9 / requests, requests / batches)
 
 
 _CPU_LINE = re.compile(r"^process_cpu_seconds_total\s+(\S+)", re.MULTILINE)
@@ -337,8 +538,24 @@ async def _process_cpu_s(session: aiohttp.ClientSession, url: str) -> float | No
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class _Stats:
+    """A model's counters from the server's statistics: total compute (ns), batches run, and
+    the total time its successful requests spent in the server (ns)."""
+
+    compute_ns: int
+    batches: int
+    request_ns: int
+
+
 async def _compute_ns(session: object, model_url: str) -> int | None:
     """The model's total compute time (ns) from the server's statistics; None without them."""
+    stats = await _model_stats(session, model_url)
+    return None if stats is None else stats.compute_ns
+
+
+async def _model_stats(session: object, model_url: str) -> _Stats | None:
+    """The model's counters from the server's statistics; None without them."""
     import aiohttp
 
     assert isinstance(session, aiohttp.ClientSession)
@@ -349,7 +566,10 @@ async def _compute_ns(session: object, model_url: str) -> int | None:
             data = await response.json(content_type=None)
         entries = data["model_stats"]
         parts = ("compute_input", "compute_infer", "compute_output")
-        return sum(int(e["inference_stats"][k]["ns"]) for e in entries for k in parts)
+        compute = sum(int(e["inference_stats"][k]["ns"]) for e in entries for k in parts)
+        batches = sum(int(e["execution_count"]) for e in entries)
+        served = sum(int(e["inference_stats"]["success"]["ns"]) for e in entries)
+        return _Stats(compute, batches, served)
     except (aiohttp.ClientError, ValueError, KeyError, TypeError):
         return None
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import numpy as np
+
 from lockgate.errors import ServingError
 from lockgate.plan.profile import ReplicaProfile, profile_server
 
@@ -22,6 +24,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=2.0,
         help="seconds of one-row requests to measure the server's CPU per request (0: skip)",
+    )
+    parser.add_argument(
+        "--cpu-concurrency",
+        type=int,
+        default=2,
+        help="requests in flight for the second half of the CPU measurement (the first sends "
+        "one at a time): how much of the front end's CPU a batch pays once",
+    )
+    parser.add_argument(
+        "--idle-requests",
+        type=int,
+        default=200,
+        help="one-row requests timed after idle gaps, for the cost of waking the server (0: skip)",
+    )
+    parser.add_argument(
+        "--idle-longest-ms",
+        type=float,
+        default=100.0,
+        help="the longest idle gap; gaps are drawn log-uniformly from 0.1 ms up to it",
     )
     parser.add_argument("--output", help="write the profile JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -42,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             timeout_s=args.timeout,
             cpu_seconds=args.cpu_seconds,
+            cpu_concurrency=args.cpu_concurrency,
+            idle_requests=args.idle_requests,
+            idle_longest_s=args.idle_longest_ms / 1e3,
             say=None if args.quiet else _progress,
         )
     except ServingError as exc:
@@ -69,6 +93,21 @@ def render(replica: ReplicaProfile) -> str:
         rows.append(
             f"server CPU per request: {replica.cpu_per_request_s * 1e3:.3f} ms "
             f"(compute {replica.compute_per_request_s * 1e3:.3f} ms, "
-            f"front end on the model's core {replica.frontend_s * 1e3:.3f} ms)"
+            f"front end on the model's core {replica.frontend_s * 1e3:.3f} ms, "
+            f"{replica.frontend_per_batch_s * 1e3:.3f} ms of it once per batch)"
         )
+    if replica.idle_gaps_s:
+        rows.append(_idle_summary(replica))
     return "\n".join(rows)
+
+
+def _idle_summary(replica: ReplicaProfile) -> str:
+    """Median extra time after short and after long idle gaps (split at their median gap)."""
+    gaps, extra = np.asarray(replica.idle_gaps_s), np.asarray(replica.idle_extra_s)
+    split = float(np.median(gaps))
+    short, long = extra[gaps <= split], extra[gaps > split]
+    parts = [f"{np.median(t) * 1e3:+.3f} ms" if len(t) else "-" for t in (short, long)]
+    return (
+        f"a one-row request after idle takes (median) {parts[0]} after gaps up to "
+        f"{split * 1e3:.2g} ms, {parts[1]} after longer ones ({len(gaps)} requests)"
+    )

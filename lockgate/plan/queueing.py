@@ -14,6 +14,9 @@ Times are in seconds and rates in requests per second throughout.
   rate c mu - lambda. The response time adds an independent Exp(mu) service, whose tail has
   a closed form (a hypoexponential mix), so its quantile is found by bisection, no
   approximation beyond the model itself.
+- M/G/1 (`MG1`): any service distribution, a parametric one (`ServiceDistribution`) or the
+  measured one (`EmpiricalDistribution`), and an exceptional first service for a request that
+  finds the server idle.
 """
 
 from __future__ import annotations
@@ -324,6 +327,11 @@ class ServiceDistribution:
         p1 = 0.5 * (1 + math.sqrt((self.cv**2 - 1) / (self.cv**2 + 1)))
         return (p1, 2 * p1 / self.mean), (1 - p1, 2 * (1 - p1) / self.mean)
 
+    @property
+    def span(self) -> float:
+        """A time by which the service has all but surely ended."""
+        return self.mean * (1 + 30 * self.cv)
+
     def cdf(self, x: np.ndarray) -> np.ndarray:
         """P(S <= x), x: [n]."""
         if self.cv > 1:
@@ -332,7 +340,7 @@ class ServiceDistribution:
         fixed, stall = self.mean * (1 - self.cv), self.mean * self.cv
         if stall == 0:
             return (x >= fixed).astype(np.float64)
-        return np.where(x < fixed, 0.0, -np.expm1(-(x - fixed) / stall))
+        return -np.expm1(-np.maximum(x - fixed, 0.0) / stall)
 
     def residual_cdf(self, x: np.ndarray) -> np.ndarray:
         """The equilibrium (residual life) distribution: (1 / mean) * integral_0^x P(S > u) du."""
@@ -373,14 +381,134 @@ class ServiceDistribution:
         return self.mean * (1 - self.cv) + rng.exponential(self.mean * self.cv, count)
 
 
+@dataclass(frozen=True, slots=True)
+class EmpiricalDistribution:
+    """A measured service time: `values` (seconds) with `weights` (any scale, normalised here).
+
+    The same interface as `ServiceDistribution`, for the distribution `lockgate profile` saw
+    rather than one with its mean and cv: its tail is the tail that was measured.
+    """
+
+    values: tuple[float, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.values or len(self.values) != len(self.weights):
+            raise BadRequest("an empirical distribution needs as many weights as values, >= 1")
+        if not all(v > 0 and math.isfinite(v) for v in self.values):
+            raise BadRequest("empirical service times must be finite numbers > 0")
+        if not all(w >= 0 and math.isfinite(w) for w in self.weights) or sum(self.weights) <= 0:
+            raise BadRequest("empirical weights must be finite, >= 0 and not all 0")
+
+    @classmethod
+    def of(cls, values: np.ndarray, weights: np.ndarray | None = None) -> EmpiricalDistribution:
+        """From samples (equal weights unless given), sorted."""
+        if weights is None:
+            weights = np.ones(len(values))
+        order = np.argsort(values, kind="stable")
+        return cls(tuple(values[order].tolist()), tuple(weights[order].tolist()))
+
+    @property
+    def _points(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted values [m], probabilities [m])."""
+        values, weights = np.asarray(self.values), np.asarray(self.weights)
+        order = np.argsort(values, kind="stable")
+        return values[order], weights[order] / weights.sum()
+
+    @property
+    def mean(self) -> float:
+        values, probs = self._points
+        return float(values @ probs)
+
+    @property
+    def cv(self) -> float:
+        values, probs = self._points
+        mean = float(values @ probs)
+        return math.sqrt(max(0.0, float((values - mean) ** 2 @ probs))) / mean
+
+    @property
+    def span(self) -> float:
+        return max(self.values)
+
+    def cdf(self, x: np.ndarray) -> np.ndarray:
+        """P(S <= x), x: [n]."""
+        values, probs = self._points
+        below = np.concatenate(([0.0], np.cumsum(probs)))  # [m + 1]
+        return below[np.searchsorted(values, x, side="right")]
+
+    def residual_cdf(self, x: np.ndarray) -> np.ndarray:
+        """(1 / mean) * integral_0^x P(S > u) du = E[min(S, x)] / mean."""
+        values, probs = self._points
+        k = np.searchsorted(values, x, side="right")  # values[:k] <= x
+        done = np.concatenate(([0.0], np.cumsum(values * probs)))  # [m + 1]
+        left = 1.0 - np.concatenate(([0.0], np.cumsum(probs)))  # P(S > values[k - 1])
+        return (done[k] + x * left[k]) / float(values @ probs)
+
+    def mgf(self, theta: float) -> float:
+        values, probs = self._points
+        with np.errstate(over="ignore"):
+            return float(np.exp(theta * values) @ probs)
+
+    def quantile(self, p: float) -> float:
+        _check_quantile(p)
+        values, probs = self._points
+        k = int(np.searchsorted(np.cumsum(probs), p - 1e-12))
+        return float(values[min(k, len(values) - 1)])
+
+    def sample(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        """`count` independent draws: [count]."""
+        values, probs = self._points
+        return rng.choice(values, size=count, p=probs)
+
+
+@dataclass(frozen=True, slots=True)
+class IdleStart:
+    """Measured services of requests that found the server idle: `services[i]` seconds after it
+    had been idle for `gaps[i]` seconds.
+
+    Waking an idle server costs more the longer it slept (its caches, its clock, its threads
+    went cold), so the first service depends on the idle time. Under Poisson arrivals at
+    rate lambda the idle time is Exp(lambda), whatever came before, so the first service's
+    distribution at lambda is the samples' mixed by that law: each sample stands for the
+    idle times nearer its gap than any other sample's (geometric midpoints), and weighs
+    P(idle time in that span). Idle times beyond the longest gap take the longest gap's.
+    """
+
+    gaps: tuple[float, ...]
+    services: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.gaps or len(self.gaps) != len(self.services):
+            raise BadRequest("idle start needs as many gaps as services, >= 1")
+        if not all(g >= 0 and math.isfinite(g) for g in self.gaps):
+            raise BadRequest("idle gaps must be finite numbers >= 0")
+
+    def at(self, arrival_rate: float) -> EmpiricalDistribution:
+        """The first service's distribution under Poisson arrivals at `arrival_rate`."""
+        order = np.argsort(self.gaps, kind="stable")
+        gaps = np.maximum(np.asarray(self.gaps)[order], 1e-12)  # [m]
+        services = np.asarray(self.services)[order]  # [m]
+        if arrival_rate <= 0:  # never an arrival: the longest idle there is
+            return EmpiricalDistribution.of(services[-1:])
+        edges = np.concatenate(([0.0], np.sqrt(gaps[:-1] * gaps[1:])))  # [m]
+        survive = np.append(np.exp(-arrival_rate * edges), 0.0)  # P(idle > edge): [m + 1]
+        weights = survive[:-1] - survive[1:]  # [m]
+        if not weights.sum() > 0:  # every span beyond where exp underflows: the shortest gap
+            weights = np.eye(len(gaps))[0]
+        return EmpiricalDistribution.of(services, weights)
+
+
+Distribution = ServiceDistribution | EmpiricalDistribution
+
+
 GRID_POINTS = 1 << 14  # M/G/1: points on the time grid that carries the distributions
 
 
 @dataclass(frozen=True, slots=True)
 class MG1:
-    """Poisson arrivals, a general service time (mean and cv), one server, first come first
-    served; optionally an exceptional first service for a request that finds the server idle
-    (Welch, 1964): waking an idle server can cost more than taking the next queued request.
+    """Poisson arrivals, a general service time, one server, first come first served;
+    optionally an exceptional first service for a request that finds the server idle (Welch,
+    1964): waking an idle server can cost more than taking the next queued request.
 
     Without it, the waiting time is the Pollaczek-Khinchine compound geometric: with
     probability (1 - rho) rho^n it is the sum of n independent residual service times, so its
@@ -393,8 +521,8 @@ class MG1:
     """
 
     arrival_rate: float
-    service: ServiceDistribution
-    first_service: ServiceDistribution | None = None  # S0; None: the same as `service`
+    service: Distribution
+    first_service: Distribution | None = None  # S0; None: the same as `service`
 
     def __post_init__(self) -> None:
         _check_rates(self.arrival_rate, 1.0 / self.service.mean)
@@ -405,7 +533,7 @@ class MG1:
         return self.arrival_rate * self.service.mean
 
     @property
-    def _first(self) -> ServiceDistribution:
+    def _first(self) -> Distribution:
         return self.first_service or self.service
 
     @property
@@ -451,7 +579,7 @@ class MG1:
     def _grid(self) -> tuple[float, np.ndarray, np.ndarray]:
         """(step h, P(W <= (k + 1/2) h), P(response <= (k + 1/2) h)) for k < 2 GRID_POINTS."""
         s, s0 = self.service, self._first
-        longest = max(s.mean * (1 + 30 * s.cv), s0.mean * (1 + 30 * s0.cv))
+        longest = max(s.span, s0.span)
         step = (longest + math.log(1e12) / self.tail_decay_rate()) / GRID_POINTS
         edges = (np.arange(GRID_POINTS + 1) - 0.5).clip(min=0) * step  # [n + 1]
         size = 2 * GRID_POINTS  # room for W + S without wrapping around

@@ -51,8 +51,8 @@ def test_batch_queue_without_batching_is_mg1(rho: float, cv: float) -> None:
 
 
 def test_batch_queue_idle_start_is_mg1_with_an_exceptional_first_service() -> None:
-    queue = BatchQueue(60.0, 0.0, 0.01, 1, 0.3, idle_start_s=0.004)
     first = ServiceDistribution(0.014, 0.3 * 0.01 / 0.014)  # the same stall, 4 ms more fixed
+    queue = BatchQueue(60.0, 0.0, 0.01, 1, 0.3, first_service=first)
     exact = MG1(60.0, ServiceDistribution(0.01, 0.3), first).response_quantile(0.99)
     assert queue.response_quantile(0.99) == pytest.approx(exact, rel=0.05)
 

@@ -1,5 +1,7 @@
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from lockgate.errors import BadRequest
@@ -150,3 +152,51 @@ def test_headroom_over_a_tiny_load_is_not_throughput_bound() -> None:
     )
     assert result.replicas_throughput == 1 and result.replicas == 2
     assert result.binding == "slo"
+
+
+def test_idle_start_raises_the_p99_where_requests_find_the_replica_idle() -> None:
+    """S = 5 ms back to back; after a gap of 10 ms or more a request takes 12 ms. At 20 req/s
+    (rho 0.1) most requests come after long gaps, and the p99 is at least theirs; at 180 req/s
+    (rho 0.9) most wait in the queue, and the idle start matters far less. The batch model at
+    a cap of 1 is the same queue, simulated."""
+    service = fit_service_time("m", (1,), (0.005,), overhead_s=0.001)
+    gaps = tuple(float(g) for g in np.geomspace(1e-4, 0.1, 40))
+    extra = tuple(0.007 if g >= 0.01 else 0.0 for g in gaps)
+    profile = ReplicaProfile(service, 0.1, idle_gaps_s=gaps, idle_extra_s=extra)
+
+    def p99(rate: float, model: str, idle: bool) -> float:
+        inputs = PlanInputs(
+            rate=rate, slo_p99_s=10.0, profile=profile, queue_model=model, max_batch_size=1,
+            headroom=0, redundancy=0, idle_start=idle,
+        )  # fmt: skip
+        return plan(inputs).p99_s
+
+    assert p99(20, "mg1", True) > 0.001 + 0.012 and p99(20, "mg1", False) < 0.012
+    assert p99(20, "mg1", True) > p99(20, "mg1", False) + 0.004
+    assert p99(180, "mg1", True) / p99(180, "mg1", False) < 1.15
+    for rate in (20, 180):
+        assert p99(rate, "batch", True) == pytest.approx(p99(rate, "mg1", True), rel=0.05)
+    result = plan(PlanInputs(rate=20, slo_p99_s=10.0, profile=profile, queue_model="mg1"))
+    assert result.first_service_s == pytest.approx(0.012, rel=0.1)
+    assert plan(PlanInputs(rate=20, slo_p99_s=10.0, profile=profile)).first_service_s is None
+
+
+def test_a_batch_pays_the_per_batch_front_end_once() -> None:
+    """T(B) = 1 ms + 0.1 ms B; the front end 0.5 ms per one-row request, 0.2 ms of it once per
+    batch: S(B) = 1.2 + 0.4 B ms, so a batch of 8 carries 8 rows in 4.4 ms, not 5.8."""
+    service = fit_service_time("m", (1, 8), (0.0011, 0.0018))
+    profile = ReplicaProfile(service, 0.0, 0.0016, 0.0011, frontend_per_batch_s=0.0002)
+    assert profile.frontend_s == pytest.approx(0.0005)
+    inputs = PlanInputs(
+        rate=1000, slo_p99_s=1.0, profile=profile, queue_model="batch", max_batch_size=8,
+        headroom=0, redundancy=0,
+    )  # fmt: skip
+    result = plan(inputs)
+    assert result.service_time_s == pytest.approx(0.0044)
+    assert result.capacity_per_replica == pytest.approx(8 / 0.0044)
+    assert result.frontend_batch_s == pytest.approx(0.0002)
+    one_row = plan(PlanInputs(rate=100, slo_p99_s=1.0, profile=profile, max_batch_size=1))
+    assert one_row.service_time_s == pytest.approx(0.0016)  # T(1) + the whole front end
+    plain = plan(dataclasses.replace(inputs, frontend_batch_s=0.0))
+    assert plain.service_time_s == pytest.approx(0.0058)
+    assert plain.p99_s > result.p99_s

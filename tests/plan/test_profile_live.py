@@ -29,12 +29,16 @@ def inference_counts(server: RunningServer, model: str) -> tuple[int, int]:
 
 def test_profile_digits_through_the_server(server: RunningServer) -> None:
     rows_before, batches_before = inference_counts(server, "digits_onnx")
-    replica = profile_server(server.url, "digits_onnx", 64, repeats=9, warmup=2, cpu_seconds=0)
+    replica = profile_server(
+        server.url, "digits_onnx", 64, repeats=9, warmup=2, cpu_seconds=0, idle_requests=20
+    )
     rows_after, batches_after = inference_counts(server, "digits_onnx")
     profile = replica.service
     rounds = 2 + 9  # warmup and timed; one request of each batch size per round
-    assert rows_after - rows_before == rounds * sum(profile.batch_sizes)
-    assert batches_after - batches_before == rounds * len(profile.batch_sizes)
+    assert rows_after - rows_before == rounds * sum(profile.batch_sizes) + 20  # + after idle
+    assert batches_after - batches_before == rounds * len(profile.batch_sizes) + 20
+    assert len(replica.idle_gaps_s) == len(replica.idle_extra_s) == 20
+    assert all(-1.0 < t < 1.0 for t in replica.idle_extra_s)
     assert profile.model == "digits_onnx"
     assert profile.batch_sizes == (1, 2, 4, 8, 16, 32, 64)
     assert all(0 < t < 1.0 for t in profile.median_s)
@@ -54,16 +58,18 @@ def test_profile_measures_the_servers_cpu_per_request(server: RunningServer) -> 
     assert replica.frontend_s == pytest.approx(
         replica.cpu_per_request_s - replica.compute_per_request_s
     )
+    assert 0 <= replica.frontend_per_batch_s <= replica.frontend_s  # paid once by a batch
 
 
 def test_profile_cli_then_plan(server: RunningServer, tmp_path: Path) -> None:
     path = tmp_path / "digits.json"
     done = lockgate(
         *("profile", "--url", server.url, "--model", "digits_onnx", "--max-batch-size", "16"),
-        *("--repeats", "5", "--output", str(path)),
+        *("--repeats", "5", "--idle-requests", "40", "--idle-longest-ms", "20"),
+        *("--output", str(path)),
     )
     assert done.returncode == 0, done.stderr
-    assert "T(B) = " in done.stdout
+    assert "T(B) = " in done.stdout and "a one-row request after idle takes" in done.stdout
     profile = ServiceTime.load(path)  # a replica profile is a ServiceTime with three more fields
     assert profile.batch_sizes == (1, 2, 4, 8, 16) and profile.b_s >= 0
     replica = ReplicaProfile.load(path)
@@ -79,6 +85,11 @@ def test_profile_cli_then_plan(server: RunningServer, tmp_path: Path) -> None:
     plan = json.loads(done.stdout)
     assert plan["replicas"] >= 1 and 1 <= plan["batch_size"] <= 16
     assert 0 < plan["utilization"] < 1 and plan["p99_s"] * 1e3 <= slo_ms
+    assert plan["first_service_s"] is None  # md1 has no idle start
+    argv = ("plan", "--profile", str(path), "--rate", f"{rate:.3f}", "--slo-ms", "1000")
+    done = lockgate(*argv, "--queue-model", "mg1", "--max-batch-size", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    assert 0 < json.loads(done.stdout)["first_service_s"] < 1.0
 
 
 def test_profile_of_an_unknown_model_is_a_clear_error(server: RunningServer) -> None:
