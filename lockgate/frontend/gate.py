@@ -27,13 +27,14 @@ These decisions are made per connection or request head, each before any body is
   handler is the time it queued inside the process (behind other requests' parsing, routing
   and inline work). For a request sent while its connection was paused (below), it counts
   from the pause's end: the pause is the gate's own doing, not a queue, and counted it made
-  one (the requests let through in a storm came from paused connections, their least delay
-  was a pause, and every new request was refused as queued). When even the least delayed
-  request of an `interval` (50 ms) waited more than `queue_target` (5 ms), the queue is
-  standing, not a burst: new heads are refused until
-  an interval passes with a request under the target. With no new evidence for two
-  intervals, the verdict lapses, so requests are let in to measure again. Loop lag alone
-  misses this queue: each iteration can stay short while a request needs several of them.
+  one (under overload the requests let through came from paused connections, their least
+  delay was a pause, and new requests were refused as queued: beside a process burning its
+  core, digits_onnx refused thousands a second so, and none with pauses off). When even the
+  least delayed request of an `interval` (50 ms) waited more than `queue_target` (5 ms), the
+  queue is standing, not a burst: new heads are refused until an interval passes with a
+  request under the target. With no new evidence for two intervals, the verdict lapses, so
+  requests are let in to measure again. Loop lag alone misses this queue: each iteration can
+  stay short while a request needs several of them.
 - **Requests in progress.** At most `max_requests` requests with a complete head run at once
   (the rest: 503). Connections still sending a head do not count, so idle or slow
   connections cannot take the places that probes and complete requests need.
