@@ -38,8 +38,11 @@ neighbour, or a container's CPU quota): its capacity is measured beside it, in t
 and the levels are taken from that. Its targets are the issue's for a shared core: admitted
 p99 <= SLO by client and server, no client timeout, nothing lost, and goodput >= half of the
 capacity measured beside the neighbour (the scheduler's slices make the rest
-unpredictable). One client core cannot offer 10x of digits_onnx (over 20,000 requests per second):
-the rows say what was really offered, and the client's CPU.
+unpredictable); and no collapse: the saturating load that measures the capacity must serve
+at least half what a level below it served inside the SLO.
+
+One client core cannot offer 10x of digits_onnx (over 20,000 requests per second): the rows
+say what was really offered, and the client's CPU.
 """
 
 from __future__ import annotations
@@ -365,6 +368,12 @@ class Curve:
             if not self.hog:  # the health port's thread waits for the core like the rest
                 checks["liveness"] = percentile(level.health_port, 99) <= LIVENESS_TARGET_S
             found += [f"{level.name}: {name}" for name, ok_ in checks.items() if not ok_]
+        best = max((level.goodput for level in self.levels), default=0.0)
+        if self.hog and best > self.capacity / HOG_TARGET:  # the saturating load collapsed it
+            found.append(
+                f"capacity: {self.capacity:.0f}/s served under a saturating load, "
+                f"{best:.0f}/s inside the SLO at a lower one"
+            )
         return found
 
 
@@ -464,7 +473,8 @@ def report(curves: list[Curve], load: list[float], seconds: float, ctx: Context)
             f"client timeout, goodput >= {GOODPUT_TARGET:.0%} of capacity "
             f"({STORM_TARGET:.0%} in the storm), nothing lost, liveness p99 <= "
             f"{LIVENESS_TARGET_S * 1e3:g} ms; beside a CPU hog, the same but goodput >= "
-            f"{HOG_TARGET:.0%} of the capacity there and no liveness target"
+            f"{HOG_TARGET:.0%} of the capacity there, no liveness target, and no collapse under "
+            "the saturating load"
         ),
         met=not failures,
         environment=environment(),
