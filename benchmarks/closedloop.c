@@ -37,6 +37,7 @@
 #include <unistd.h>
 
 #include "clocks.h"
+#include "request_file.h"
 
 #define BUFFER 65536
 
@@ -149,24 +150,6 @@ static void round_of(int64_t total) {
     }
 }
 
-static void load_requests(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (f == NULL) fail(path);
-    uint32_t length;
-    while (fread(&length, 4, 1, f) == 1) {
-        requests = realloc(requests, (request_count + 1) * sizeof *requests);
-        lengths = realloc(lengths, (request_count + 1) * sizeof *lengths);
-        requests[request_count] = malloc(length);
-        if (fread(requests[request_count], 1, length, f) != length) fail("a short request file");
-        lengths[request_count++] = length;
-    }
-    fclose(f);
-    if (request_count == 0) {
-        fprintf(stderr, "closedloop: no requests in %s\n", path);
-        exit(1);
-    }
-}
-
 static void open_connections(const char *host, int port) {
     struct sockaddr_in address = {.sin_family = AF_INET, .sin_port = htons(port)};
     if (inet_pton(AF_INET, host, &address.sin_addr) != 1) {
@@ -198,7 +181,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "closedloop: need CONNECTIONS >= 1, WARMUP >= 0, COUNT >= CONNECTIONS\n");
         return 2;
     }
-    load_requests(argv[6]);
+    RequestFile file = read_requests("closedloop", argv[6]);
+    requests = file.data;
+    lengths = file.lengths;
+    request_count = file.count;
     latencies = malloc(count * sizeof *latencies);
     open_connections(argv[1], atoi(argv[2]));
     if (warmup > 0) round_of(warmup * connection_count);

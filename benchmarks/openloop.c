@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "clocks.h"
+#include "request_file.h"
 
 #define BUFFER 65536
 
@@ -237,24 +238,6 @@ static void writable(Connection *c) {
     if (c->current >= 0) write_more(c);
 }
 
-static void load_requests(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        perror(path);
-        exit(2);
-    }
-    uint32_t length;
-    while (fread(&length, 4, 1, f) == 1) {
-        requests = realloc(requests, (request_count + 1) * sizeof *requests);
-        lengths = realloc(lengths, (request_count + 1) * sizeof *lengths);
-        requests[request_count] = malloc(length);
-        if (fread(requests[request_count], 1, length, f) != length) exit(2);
-        lengths[request_count++] = length;
-    }
-    fclose(f);
-    if (!request_count) exit(2);
-}
-
 int main(int argc, char **argv) {
     if (argc != 10) {
         fprintf(stderr, "usage: %s HOST PORT RATE SECONDS CONNECTIONS SEED DRAIN REQUESTS OUT\n",
@@ -267,7 +250,10 @@ int main(int argc, char **argv) {
     double rate = atof(argv[3]), seconds = atof(argv[4]), drain = atof(argv[7]);
     max_connections = atoi(argv[5]);
     rng_state = strtoull(argv[6], NULL, 10);
-    load_requests(argv[8]);
+    RequestFile file = read_requests("openloop", argv[8]);
+    requests = file.data;
+    lengths = file.lengths;
+    request_count = file.count;
     prctl(PR_SET_TIMERSLACK, 1);
 
     /* the schedule: Poisson offsets in [0, seconds) */
