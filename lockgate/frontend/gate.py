@@ -160,8 +160,7 @@ class LoopLag:
     10,000 requests a second it refused all but 30 to 130 a second, where it could serve a
     couple of thousand. Beside such a neighbour a loop behind on its work runs half the time,
     so its own lateness is about half the wall's: the limit is reached at about twice the
-    lag, and the models' admission, which predicts the wait from the loop's share of the core
-    (`LoopCost`), holds the deadlines."""
+    lag, and the models' admission holds the deadlines."""
 
     interval: float
     weight: float

@@ -548,12 +548,6 @@ class _Stats:
     request_ns: int
 
 
-async def _compute_ns(session: object, model_url: str) -> int | None:
-    """The model's total compute time (ns) from the server's statistics; None without them."""
-    stats = await _model_stats(session, model_url)
-    return None if stats is None else stats.compute_ns
-
-
 async def _model_stats(session: object, model_url: str) -> _Stats | None:
     """The model's counters from the server's statistics; None without them."""
     import aiohttp
