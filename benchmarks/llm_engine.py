@@ -151,20 +151,25 @@ class LevelStats:
 # -- workload --------------------------------------------------------------------------
 
 
-def workload_file(ctx: Context) -> tuple[Path, str]:
-    """The shared workload, or a seeded synthetic one of the same shape."""
-    if SHARED_WORKLOAD.is_file():
-        return SHARED_WORKLOAD, f"shared workload {SHARED_WORKLOAD}"
+def synthetic_requests() -> list[dict[str, Any]]:
+    """A seeded synthetic workload of the shared one's shape: 64 requests, prompts of 64 to
+    253 tokens, 32 to 128 new tokens each."""
     rng = np.random.default_rng(64)
-    requests = [
+    return [
         {
             "prompt_ids": rng.integers(100, 49000, size=int(rng.integers(64, 254))).tolist(),
             "max_new_tokens": int(rng.integers(32, 129)),
         }
         for _ in range(64)
     ]
+
+
+def workload_file(ctx: Context) -> tuple[Path, str]:
+    """The shared workload, or a seeded synthetic one of the same shape."""
+    if SHARED_WORKLOAD.is_file():
+        return SHARED_WORKLOAD, f"shared workload {SHARED_WORKLOAD}"
     path = ctx.work / "llm_workload_64.json"
-    path.write_text(json.dumps({"seed": 64, "requests": requests}))
+    path.write_text(json.dumps({"seed": 64, "requests": synthetic_requests()}))
     return path, "synthetic workload (seed 64; the shared file was missing)"
 
 

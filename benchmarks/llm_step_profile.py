@@ -42,6 +42,7 @@ import yaml
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.llm_engine import SHARED_WORKLOAD, synthetic_requests
 from lockgate.bench.workload import load_shared_workload
 from lockgate.core.config_files import load_model_config
 from lockgate.demo.smollm2 import build_smollm2
@@ -53,7 +54,6 @@ from lockgate.llm.service import LLMService
 from lockgate.llm.startup import load_service
 
 PREFILL_LEN = 250
-SHARED_WORKLOAD = Path("/work/shared/bench/llm_workload_64.json")
 CONTEXT_LEN = 300
 VOCAB_LOW, VOCAB_HIGH = 100, 40_000  # ordinary token ids, no special tokens
 
@@ -167,12 +167,13 @@ def decode_times(
 
 def wave_requests(path: Path, count: int) -> list[tuple[list[int], int]]:
     """(prompt, max_tokens) of the workload's first `count` requests; where the file is
-    missing, seeded random prompts of its shape (64 to 253 tokens, 32 to 128 new)."""
+    missing, of llm_engine's synthetic workload of its shape (64 to 253 tokens, 32 to 128
+    new)."""
     if path.is_file():
         prompts, max_new = load_shared_workload(path)
         return list(zip(prompts, max_new, strict=True))[:count]
-    rng = random.Random(64)
-    return [(random_prompt(rng, rng.randint(64, 253)), rng.randint(32, 128)) for _ in range(count)]
+    requests = synthetic_requests()
+    return [(r["prompt_ids"], r["max_new_tokens"]) for r in requests][:count]
 
 
 @dataclass(slots=True)
