@@ -63,7 +63,7 @@ from lockgate.errors import BadRequest, ServingError, Unavailable
 from lockgate.frontend.acceptor import Acceptor
 from lockgate.frontend.access_log import new_request_id, request_id
 from lockgate.frontend.app import App, ServerSettings
-from lockgate.frontend.arrival import LastHead, PostHead, request_timeout
+from lockgate.frontend.arrival import HeadCache, LastHead, PostHead, request_timeout
 from lockgate.frontend.cors import origin_of
 from lockgate.frontend.gate import Gate, GateSettings
 from lockgate.frontend.health_port import HealthPort, HealthState, response_bytes
@@ -129,6 +129,7 @@ class _Protocol(HttpToolsProtocol):
     refusals: _RefusalCount
     lockgate_app: App
     lane_bodies = BodiesArriving()  # the server's lane requests whose body is still to come
+    heads = HeadCache()  # the POST heads split lately, by the server's connections
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -149,7 +150,7 @@ class _Protocol(HttpToolsProtocol):
         self.between = True  # the parser is between messages: a new head may be read here
         self.skip = 0  # body bytes of a request refused on arrival still to be dropped
         self.vetted = False  # the head being parsed was already let through on arrival
-        self.last_head = LastHead()  # the last POST head split on arrival
+        self.last_head = LastHead(self.heads)  # the last POST head split on arrival
         self.disconnect = Disconnect()  # tells the handlers on this connection it closed
         self.lane = Lane()  # the inference request answered below ASGI (`frontend/lane.py`)
         self.body_arriving = False  # an ASGI request let through, its body not yet all in
@@ -865,6 +866,7 @@ def _protocol_class(
         "refusals": _RefusalCount(refusals),
         "lockgate_app": app,
         "lane_bodies": BodiesArriving(),
+        "heads": HeadCache(),
     }
     return type("LockgateHttpProtocol", (_Protocol,), attributes)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lockgate.frontend.arrival import LastHead, split_head
+from lockgate.frontend.arrival import HeadCache, LastHead, split_head
 
 HEAD = (
     b"POST /v2/models/m/versions/2/infer?x=1 HTTP/1.1\r\nHost: t\r\nContent-Length: 12\r\n"
@@ -53,3 +53,15 @@ def test_a_connection_keeps_its_last_head_while_the_bytes_are_the_same() -> None
     other = HEAD.replace(b"abc-1", b"abc-2")
     second = last.of(other + b"\r\n\r\n", len(other))
     assert second is not None and second is not first and second.request_id == b"abc-2"
+
+
+def test_connections_share_the_heads_split_lately_and_start_again_when_full() -> None:
+    cache = HeadCache(2)
+    first = LastHead(cache).of(HEAD + b"\r\n\r\n", len(HEAD))
+    assert first is not None and LastHead(cache).of(HEAD + b"\r\n\r\n", len(HEAD)) is first
+    others = [HEAD.replace(b"abc-1", b"abc-%d" % i) for i in (2, 3)]
+    for other in others:
+        assert cache.split(other) == split_head(other)
+    assert list(cache.heads) == others[1:]  # full at the second: dropped, then kept
+    again = cache.split(HEAD)
+    assert again == first and again is not first
