@@ -70,8 +70,14 @@ These decisions are made per connection or request head, each before any body is
   connection as they arrive (SO_TIMESTAMPNS), so a request sent during the pause is taken to
   have arrived when it did (its deadline and its admission count the wait it had), not when
   it is read; without a stamp, it is taken to have arrived when the pause began. A request
-  that waited out a whole pause has spent its budget, and is refused again when read: one
-  refusal per connection per pause, whatever the client does.
+  that waited out a whole pause has spent its budget, and is refused when read, but its
+  refusal does not pause the connection again: its client did not resend at once, the pause
+  held it. Paused again, a connection of a client with requests queued (an open-loop client,
+  whose pool sends each request on the connection freed last) had every request refused for
+  the wait the pause before it caused, and stayed so while refusals outnumbered answers:
+  beside a process burning its core, digits_onnx went on refusing nearly all of 3,000
+  requests a second, which it serves, after a burst of 10,000 a second had started the
+  pauses. So a connection is paused at most once for every request refused fresh.
   Why a ratio of 1 and the whole budget: under load a refusal costs the loop about half what
   an answer does (45 to 105 µs against 92 to 123 µs, fitted over a digits_onnx storm), so at
   ten refusals per answer, the old default, refusals took five sixths of the core, and a
@@ -412,18 +418,27 @@ class Gate:
         self.full = False
 
     def refused(
-        self, now: float, budget: float | Callable[[], float | None] | None = None
+        self,
+        now: float,
+        budget: float | Callable[[], float | None] | None = None,
+        waited_pause: bool = False,
     ) -> float:
         """Count a refusal; returns how long to leave its connection unread (0: not at all).
         `budget`: the refused request's time budget (its timeout or its model's SLO), when
         known, or a function that finds it (called only when the connection is paused): the
         pause is at most `pause_share` of it (below 1, a request that waited the pause out
-        keeps the rest of its budget to be admitted)."""
+        keeps the rest of its budget to be admitted). `waited_pause`: the request was sent
+        while its connection was paused, and read at the pause's end; its client did not
+        resend at once, the pause held it, and pausing again for it would hold the
+        connection's next request the same way, and the one after, for as long as refusals
+        outnumber answers. Beside a process burning its core, digits_onnx at 10,000 requests
+        a second so refused nearly everything (its model 3% busy) from connections that
+        were never read but to refuse what they had sent a pause before."""
         self.refusing.add(now)
         self.loop_cost.refuse()
         self.full = True
         s = self.settings
-        if s.penalty_pause <= 0:
+        if s.penalty_pause <= 0 or waited_pause:
             return 0.0
         threshold = max(1.0, s.penalty_ratio * max(1.0, self.admitted.current(now)))
         if self.refusing.current(now) > threshold:  # (one refusal a second is no storm)

@@ -300,7 +300,7 @@ class _Protocol(HttpToolsProtocol):
         access = self.lockgate_app.access
         if access.enabled:
             access.refused(rid, b"POST", head.path, received, self.address, why)
-        pause = self.gate.refused(now, self._arrival_budget)
+        pause = self.gate.refused(now, self._arrival_budget, received < self.resumed)
         if close:
             return len(data)
         size = head.size + head.length
@@ -605,7 +605,7 @@ class _Protocol(HttpToolsProtocol):
         access = self.lockgate_app.access
         if access.enabled:
             access.refused(rid, self.parser.get_method(), path, self.received, self.address, reason)
-        pause = self.gate.refused(now, budget)
+        pause = self.gate.refused(now, budget, self.received < self.resumed)
         if keep:
             self._arm_head_timer()  # and must arrive within the head timeout
             if pause > 0:

@@ -287,6 +287,35 @@ def test_a_request_that_waited_out_a_refusal_pause_counts_the_wait(tmp_path: Pat
         assert r.status_code == 200, r.text
 
 
+def test_a_request_refused_for_the_pause_it_waited_does_not_pause_its_connection_again(
+    tmp_path: Path,
+) -> None:
+    """A request sent during its connection's pause and refused when read (its budget spent
+    in the pause) does not pause the connection again: its client did not resend at once,
+    the pause held it. The connection's next request is read at once and served. (Paused
+    again, a client with requests queued, such as an open-loop pool, had every request
+    refused for the pause the one before it caused, for as long as refusals outnumbered
+    answers.)"""
+    with held_server(
+        tmp_path, "--refusal-pause-ms", str(int(PAUSE_S * 1000)), holders=1, sleep_s=2.0
+    ) as server:
+        sock, reader = connect(server)
+        with sock:
+            sock.sendall(infer_request(b"request-timeout: 1") * 200)  # paused, as above
+            for _ in range(200):
+                assert refused(*reader.response())
+            started = time.monotonic()
+            sock.sendall(infer_request(b"request-timeout: 0.2"))  # its model still busy
+            assert refused(*reader.response())
+            assert time.monotonic() - started >= PAUSE_S * 0.5  # it waited out the pause
+            started = time.monotonic()
+            sock.sendall(infer_request(b"request-timeout: 5").replace(b"/held/", b"/free/"))
+            status, _, body = reader.response()
+            waited = time.monotonic() - started
+        assert status == 200, body
+        assert waited < PAUSE_S * 0.5, waited  # read at once, not after another pause
+
+
 def test_a_refusal_pause_is_not_taken_for_a_queue_in_front_of_the_app(tmp_path: Path) -> None:
     """A request sent during its connection's refusal pause is read after it, having waited;
     but not in a queue of the server's: the front end's standing-queue check (CoDel, 50 ms
