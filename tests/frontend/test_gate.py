@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import time
-
 import pytest
 
 from lockgate.frontend.gate import EXEMPT_PATHS, Gate, GateSettings, LoopCost, LoopLag
@@ -295,37 +292,3 @@ def test_an_answer_resumes_the_connection_paused_last() -> None:
     assert resumed == ["c", "b", "a", "d", "e"] and not gate.full
     with pytest.raises(ValueError, match="pause_share"):
         GateSettings(pause_share=1.5)
-
-
-def test_a_paused_connection_knows_when_its_unread_request_arrived() -> None:
-    """The kernel stamps the bytes of a paused connection as they arrive: a request sent
-    during a pause is taken to have arrived then, not when the pause began or ended; the
-    peek leaves the bytes to be read."""
-    from lockgate.frontend.server import _stamp_arrivals, _unread_since
-
-    class Transport:
-        def __init__(self, sock: socket.socket) -> None:
-            self.sock = sock
-
-        def get_extra_info(self, name: str) -> object:
-            return self.sock if name == "socket" else None
-
-    listener = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(listener.getsockname())
-    server, _ = listener.accept()
-    server.setblocking(False)
-    transport = Transport(server)
-    try:
-        assert _stamp_arrivals(transport)  # type: ignore[arg-type]
-        paused = time.monotonic()
-        assert _unread_since(transport, fallback=paused) == 0.0  # type: ignore[arg-type]
-        time.sleep(0.05)
-        client.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\n")
-        sent = time.monotonic()
-        time.sleep(0.1)
-        arrived = _unread_since(transport, fallback=paused)  # type: ignore[arg-type]
-        assert sent - 0.02 <= arrived <= sent + 0.01
-        assert server.recv(4) == b"POST"
-    finally:
-        for s in (client, server, listener):
-            s.close()
