@@ -257,19 +257,25 @@ def test_refusals_are_counted_as_admission_counts_them(held: RunningServer) -> N
 PAUSE_S = 0.4
 
 
+def paused(server: RunningServer) -> tuple[socket.socket, Reader]:
+    """A connection refused 200 times over: refusals far outnumber admissions, so it is paused
+    for at most the refused requests' budget (1 s; the held model's 100 ms SLO would allow
+    100 ms), or `--refusal-pause-ms`."""
+    sock, reader = connect(server)
+    sock.sendall(infer_request(b"request-timeout: 1") * 200)
+    for _ in range(200):
+        assert refused(*reader.response())
+    return sock, reader
+
+
 def test_a_request_that_waited_out_a_refusal_pause_counts_the_wait(tmp_path: Path) -> None:
     """A client refused many times over is not read for `--refusal-pause-ms`; a request it
     sends meanwhile is taken to have arrived when the pause began. With a deadline shorter
     than the pause it is late when read, so it is never served although its model is idle:
     refused on arrival (503) when the loop has work ahead of it, else answered 504."""
     with held_server(tmp_path, "--refusal-pause-ms", str(int(PAUSE_S * 1000))) as server:
-        sock, reader = connect(server)
+        sock, reader = paused(server)
         with sock:
-            # refusals far outnumber admissions: a pause, of at most the refused requests'
-            # budget (1 s; the held model's 100 ms SLO would allow 100 ms)
-            sock.sendall(infer_request(b"request-timeout: 1") * 200)
-            for _ in range(200):
-                assert refused(*reader.response())
             free = infer_request(b"request-timeout: 0.2").replace(b"/held/", b"/free/")
             started = time.monotonic()
             sock.sendall(free)
@@ -299,11 +305,8 @@ def test_a_request_refused_for_the_pause_it_waited_does_not_pause_its_connection
     with held_server(
         tmp_path, "--refusal-pause-ms", str(int(PAUSE_S * 1000)), holders=1, sleep_s=2.0
     ) as server:
-        sock, reader = connect(server)
+        sock, reader = paused(server)
         with sock:
-            sock.sendall(infer_request(b"request-timeout: 1") * 200)  # paused, as above
-            for _ in range(200):
-                assert refused(*reader.response())
             started = time.monotonic()
             sock.sendall(infer_request(b"request-timeout: 0.2"))  # its model still busy
             assert refused(*reader.response())
@@ -327,11 +330,8 @@ def test_a_refusal_pause_is_not_taken_for_a_queue_in_front_of_the_app(tmp_path: 
     ) as server:
         free = infer_request(b"request-timeout: 5").replace(b"/held/", b"/free/")
         before = httpx.get(server.url + "/metrics").text  # (a request too: none until the end)
-        sock, reader = connect(server)
+        sock, reader = paused(server)
         with sock:
-            sock.sendall(infer_request(b"request-timeout: 1") * 200)  # paused, as above
-            for _ in range(200):
-                assert refused(*reader.response())
             started = time.monotonic()
             sock.sendall(free)
             status, _, body = reader.response()
