@@ -356,9 +356,8 @@ def smollm2_repository(
 ONE_THREAD = {"num_threads": "1"}
 
 
-def launch_llm_server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
-    """`llm_server`'s process (`RunningServer.wait_ready`: ready_timeout=600)."""
-    repo = tmp_path_factory.mktemp("llm-repo")
+def build_llm_repo(repo: Path, demo_repo: Path) -> Path:
+    """`repo`, made `llm_server`'s repository."""
     shutil.copytree(demo_repo / "minilm", repo / "minilm")
     parameters = {
         "kv_cache_gib": "0.05",
@@ -367,8 +366,12 @@ def launch_llm_server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory)
         **ONE_THREAD,
     }
     smollm2_repository(demo_repo, repo, {**parameters, "dtype": "float32", "quantization": "none"})
-    tmp = tmp_path_factory.mktemp("llm-server")
-    return launch_server(repo, tmp, grpc_port=free_port())
+    return repo
+
+
+def launch_llm_server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
+    """`llm_server`'s process (`RunningServer.wait_ready`: ready_timeout=600)."""
+    return launch_server(repo, tmp_path_factory.mktemp("llm-server"), grpc_port=free_port())
 
 
 @pytest.fixture(scope="session")
@@ -380,7 +383,8 @@ def llm_server(
     if _PRESTART is not None:
         server = _PRESTART.take("llm_server")
     else:
-        server = launch_llm_server(demo_repo, tmp_path_factory).wait_ready(600)
+        repo = build_llm_repo(tmp_path_factory.mktemp("llm-repo"), demo_repo)
+        server = launch_llm_server(repo, tmp_path_factory).wait_ready(600)
     yield server
     assert server.stop() == 0, server.log()[-2000:]
 
@@ -519,16 +523,28 @@ def bounded_rss(request: pytest.FixtureRequest) -> Iterator[None]:
 
 # -- the session's servers, started while a full run collects its tests ---------------------
 
-# the demo repositories `demo_repo` and `smollm2_repository` build, built in a process of its
-# own (a thread of this one would hold the interpreter's lock that collection needs)
-DEMO_BUILD = """
+
+def build_session_repositories(
+    cache: Path, test_repo: Path, llm_repo: Path, llm_variants_repo: Path
+) -> None:
+    """The demo repositories in `cache` (as `demo_repo` and `smollm2_repository` build them),
+    and the repositories of `test_repo`, `llm_server` and `llm_variants_repo`."""
+    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
+
+    classic = [m for m in DEMO_MODELS if m.name in CLASSIC_DEMO_MODELS]
+    demo = build_demo_repository(cache / "demo-test", models=classic)
+    build_test_repo(test_repo, demo)
+    build_llm_repo(llm_repo, demo)
+    build_llm_variants_repo(llm_variants_repo, demo)
+
+
+# `build_session_repositories` in a process of its own: a thread of this one would hold the
+# interpreter's lock that collection needs (the tiny BOS model's GGUF alone takes seconds)
+BUILD = """
 import sys
 from pathlib import Path
-from lockgate.demo.build import DEMO_MODELS, build_demo_repository
-cache, classic = Path(sys.argv[1]), sys.argv[2].split(",")
-build_demo_repository(cache / "demo-test", models=[m for m in DEMO_MODELS if m.name in classic])
-smollm2 = [m for m in DEMO_MODELS if m.name == "smollm2"]
-build_demo_repository(cache / "demo-llm-test", models=smollm2)
+from tests.conftest import build_session_repositories
+build_session_repositories(*map(Path, sys.argv[1:]))
 """
 
 # the session-scoped servers `_Prestart` starts, by fixture name, in the order they start
@@ -538,9 +554,10 @@ PRESTARTED = ("llm_variants_server", "llm_server", "server")
 class _Prestart:
     """`server`, `llm_server` and `llm_variants_server`, started on a thread while a full run
     (pytest on its testpaths, as `make test` runs it) collects its tests: collection keeps one
-    core busy for tens of seconds, and the demo build and these servers' start-ups (model
-    loads, warmups) take the other. Collection ends by waiting until each is ready, so no test
-    runs beside a start-up; each fixture then takes its server as it would have started it."""
+    core busy for tens of seconds, and the repositories' build (`BUILD`) and these servers'
+    start-ups (model loads, warmups) take the other. Collection ends by waiting until each is
+    ready, so no test runs beside a start-up; each fixture then takes its server as it would
+    have started it."""
 
     def __init__(self, factory: pytest.TempPathFactory) -> None:
         self.factory = factory
@@ -554,19 +571,20 @@ class _Prestart:
 
     def _start(self) -> None:
         try:
-            classic = ",".join(CLASSIC_DEMO_MODELS)
-            build = [sys.executable, "-c", DEMO_BUILD, str(self.cache), classic]
+            names = ("test_repo", "llm-repo", "llm_variants_repo")
+            folders = ("repo", "llm-repo", "llm-variants-repo")
+            repos = {n: self.factory.mktemp(f) for n, f in zip(names, folders, strict=True)}
+            build = [sys.executable, "-c", BUILD, str(self.cache), *map(str, repos.values())]
             built = subprocess.run(build, cwd=ROOT, capture_output=True, text=True)
             if built.returncode != 0:
-                raise RuntimeError(f"the demo build failed:\n{built.stderr[-3000:]}")
-            demo = self.cache / "demo-test"
-            self.repos["test_repo"] = build_test_repo(self.factory.mktemp("repo"), demo)
-            variants = build_llm_variants_repo(self.factory.mktemp("llm-variants-repo"), demo)
-            self.repos["llm_variants_repo"] = variants
+                raise RuntimeError(f"the session's repositories failed:\n{built.stderr[-3000:]}")
+            self.repos.update(repos)
             launch = {
-                "llm_variants_server": lambda: launch_llm_variants_server(variants, self.factory),
-                "llm_server": lambda: launch_llm_server(demo, self.factory),
-                "server": lambda: launch_test_repo_server(self.repos["test_repo"], self.factory),
+                "llm_variants_server": lambda: launch_llm_variants_server(
+                    repos["llm_variants_repo"], self.factory
+                ),
+                "llm_server": lambda: launch_llm_server(repos["llm-repo"], self.factory),
+                "server": lambda: launch_test_repo_server(repos["test_repo"], self.factory),
             }
             for name in PRESTARTED:
                 self.servers[name] = launch[name]()
