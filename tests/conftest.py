@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,11 +35,21 @@ def http_post(path: str, body: bytes, port: int) -> bytes:
     return head.encode() + body
 
 
+_HANDED_OUT: set[int] = set()  # every port `free_port` returned in this session
+_HANDING_OUT = threading.Lock()  # the servers started while tests are collected take theirs too
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port free now, and never one this session was given before: servers started side by
+    side (`start_servers`) each take theirs before any of them binds it."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        with _HANDING_OUT:
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
 
 
 @dataclass
@@ -78,6 +89,23 @@ class RunningServer:
         assert values, f"{name} {labels or ''} is not on /metrics"
         return sum(values)
 
+    def wait_ready(self, ready_timeout: float = 180.0, wait_ready: bool = True) -> RunningServer:
+        """This server, once its readiness (or, without `wait_ready`, its liveness) answers 200;
+        stopped, and RuntimeError with its log, if it exits or is not ready in time."""
+        deadline = time.monotonic() + ready_timeout
+        path = "/v2/health/ready" if wait_ready else "/v2/health/live"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server not ready in {ready_timeout} s:\n{self.log()}")
+
     def stop(self, timeout: float = 30.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -103,6 +131,34 @@ def start_server(
     """A server on `port` (default: a free one); gRPC only on `grpc_port` (off by default: no
     clash on 8001). `python` runs the lockgate installed in another environment (from outside
     the checkout)."""
+    server = launch_server(
+        repository, tmp, *extra, env=env, grpc_port=grpc_port, python=python, port=port
+    )
+    return server.wait_ready(ready_timeout, wait_ready)
+
+
+def start_servers(*launched: RunningServer, ready_timeout: float = 180.0) -> list[RunningServer]:
+    """Servers launched side by side (`launch_server`), each once ready: their start-ups
+    overlap (on two cores, mostly imports each on a core of its own). If one fails, all stop."""
+    try:
+        return [server.wait_ready(ready_timeout) for server in launched]
+    except BaseException:
+        for server in launched:
+            server.stop()
+        raise
+
+
+def launch_server(
+    repository: Path,
+    tmp: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    grpc_port: int | None = None,
+    python: str | None = None,
+    port: int | None = None,
+) -> RunningServer:
+    """`start_server`'s process, started and not waited for: `RunningServer.wait_ready`, or
+    `start_servers` for several."""
     port = port or free_port()
     log_path = tmp / f"server-{port}.log"
     cmd = [
@@ -131,20 +187,7 @@ def start_server(
             env=full_env,
             cwd=tmp if python else ROOT,
         )
-    server = RunningServer(process, port, log_path, grpc_port)
-    deadline = time.monotonic() + ready_timeout
-    path = "/v2/health/ready" if wait_ready else "/v2/health/live"
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(server.url + path, timeout=1.0).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    server.stop()
-    raise RuntimeError(f"server not ready in {ready_timeout} s:\n{server.log()}")
+    return RunningServer(process, port, log_path, grpc_port)
 
 
 # -- repositories ----------------------------------------------------------------------
@@ -198,21 +241,38 @@ def _write_python_model(repo: Path, name: str, parameters: dict[str, str], extra
     )
 
 
+CLASSIC_DEMO_MODELS = ("digits_onnx", "digits_sklearn", "minilm")  # `demo_repo`'s
+
+
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the session builds its demo repositories: $LOCKGATE_CACHE_DIR, or a folder of
+    its own (the one `_Prestart` built in, when it did)."""
+    if _PRESTART is not None:
+        return _PRESTART.cache
+    return Path(os.environ.get("LOCKGATE_CACHE_DIR", tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture(scope="session")
 def demo_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundled demo repository (classic models), built once per session."""
     from lockgate.demo.build import DEMO_MODELS, build_demo_repository
 
-    cache = Path(os.environ.get("LOCKGATE_CACHE_DIR", tmp_path_factory.mktemp("cache")))
-    classic = [m for m in DEMO_MODELS if m.name in ("digits_onnx", "digits_sklearn", "minilm")]
-    return build_demo_repository(cache / "demo-test", models=classic)
+    classic = [m for m in DEMO_MODELS if m.name in CLASSIC_DEMO_MODELS]
+    # (a no-op where `_Prestart` built it: models already there are skipped)
+    return build_demo_repository(demo_cache(tmp_path_factory) / "demo-test", models=classic)
 
 
 @pytest.fixture(scope="session")
 def test_repo(tmp_path_factory: pytest.TempPathFactory, demo_repo: Path) -> Path:
     """Demo models plus small python models that fail, hang or sleep on request."""
-    repo = tmp_path_factory.mktemp("repo")
-    for model in ("digits_onnx", "digits_sklearn", "minilm"):
+    if _PRESTART is not None:
+        return _PRESTART.take_repo("test_repo")
+    return build_test_repo(tmp_path_factory.mktemp("repo"), demo_repo)
+
+
+def build_test_repo(repo: Path, demo_repo: Path) -> Path:
+    """`repo`, made `test_repo`."""
+    for model in CLASSIC_DEMO_MODELS:
         shutil.copytree(demo_repo / model, repo / model)
     _write_python_model(repo, "echo", {})
     _write_python_model(repo, "faulty", {"fail_every": "10"})
@@ -237,12 +297,18 @@ def models_of(source: Path, target: Path, *models: str) -> Path:
     return target
 
 
+def launch_test_repo_server(
+    test_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> RunningServer:
+    tmp = tmp_path_factory.mktemp("server")
+    return launch_server(test_repo, tmp, "--no-llm", grpc_port=free_port())
+
+
 def start_test_repo_server(
     test_repo: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> RunningServer:
     """`test_repo` over HTTP and gRPC, without a language model."""
-    tmp = tmp_path_factory.mktemp("server")
-    return start_server(test_repo, tmp, "--no-llm", grpc_port=free_port())
+    return launch_test_repo_server(test_repo, tmp_path_factory).wait_ready()
 
 
 @pytest.fixture(scope="session")
@@ -251,7 +317,10 @@ def server(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     what they register, read counters as deltas and wait for their own requests. A module that
     floods it (overload, hostile input) starts one of its own with `start_test_repo_server`.
     It exits cleanly after all of it."""
-    running = start_test_repo_server(test_repo, tmp_path_factory)
+    if _PRESTART is not None:
+        running = _PRESTART.take("server")
+    else:
+        running = start_test_repo_server(test_repo, tmp_path_factory)
     yield running
     assert running.stop() == 0, running.log()[-2000:]
 
@@ -287,13 +356,8 @@ def smollm2_repository(
 ONE_THREAD = {"num_threads": "1"}
 
 
-@pytest.fixture(scope="session")
-def llm_server(
-    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    """One server for the whole session: SmolLM2 (small KV cache, 512-token context) and the
-    minilm embedding model, over HTTP and gRPC."""
-    repo = tmp_path_factory.mktemp("llm-repo")
+def build_llm_repo(repo: Path, demo_repo: Path) -> Path:
+    """`repo`, made `llm_server`'s repository."""
     shutil.copytree(demo_repo / "minilm", repo / "minilm")
     parameters = {
         "kv_cache_gib": "0.05",
@@ -302,8 +366,25 @@ def llm_server(
         **ONE_THREAD,
     }
     smollm2_repository(demo_repo, repo, {**parameters, "dtype": "float32", "quantization": "none"})
-    tmp = tmp_path_factory.mktemp("llm-server")
-    server = start_server(repo, tmp, ready_timeout=600, grpc_port=free_port())
+    return repo
+
+
+def launch_llm_server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
+    """`llm_server`'s process (`RunningServer.wait_ready`: ready_timeout=600)."""
+    return launch_server(repo, tmp_path_factory.mktemp("llm-server"), grpc_port=free_port())
+
+
+@pytest.fixture(scope="session")
+def llm_server(
+    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """One server for the whole session: SmolLM2 (small KV cache, 512-token context) and the
+    minilm embedding model, over HTTP and gRPC."""
+    if _PRESTART is not None:
+        server = _PRESTART.take("llm_server")
+    else:
+        repo = build_llm_repo(tmp_path_factory.mktemp("llm-repo"), demo_repo)
+        server = launch_llm_server(repo, tmp_path_factory).wait_ready(600)
     yield server
     assert server.stop() == 0, server.log()[-2000:]
 
@@ -329,10 +410,16 @@ def llm_variants_repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory)
     - tiny, BOS_MODEL: a tiny model whose tokenizer adds BOS (`tests/bos_model.py`);
 
     and digits_onnx, a classic model."""
+    if _PRESTART is not None:
+        return _PRESTART.take_repo("llm_variants_repo")
+    return build_llm_variants_repo(tmp_path_factory.mktemp("llm-variants-repo"), demo_repo)
+
+
+def build_llm_variants_repo(repo: Path, demo_repo: Path) -> Path:
+    """`repo`, made `llm_variants_repo`."""
     from lockgate.demo.build import DEMO_MODELS, build_demo_repository
     from tests.bos_model import write_bos_model_folder
 
-    repo = tmp_path_factory.mktemp("llm-variants-repo")
     shutil.copytree(demo_repo / "digits_onnx", repo / "digits_onnx")
     dense = {
         "kv_cache_gib": "0.05",
@@ -366,10 +453,19 @@ def llm_variants_server(
     """One server for `llm_variants_repo`'s models, over HTTP and gRPC; they load side by side.
     Its tests each ask a model of their own (the cache's tests prompts of their own), change
     no model's state and read counters as deltas over their own requests."""
-    tmp = tmp_path_factory.mktemp("llm-variants")
-    running = start_server(llm_variants_repo, tmp, ready_timeout=600, grpc_port=free_port())
+    if _PRESTART is not None:
+        running = _PRESTART.take("llm_variants_server")
+    else:
+        running = launch_llm_variants_server(llm_variants_repo, tmp_path_factory).wait_ready(600)
     yield running
     assert running.stop() == 0, running.log()[-2000:]
+
+
+def launch_llm_variants_server(
+    llm_variants_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> RunningServer:
+    tmp = tmp_path_factory.mktemp("llm-variants")
+    return launch_server(llm_variants_repo, tmp, grpc_port=free_port())
 
 
 def digits_rows(n: int) -> np.ndarray:
@@ -423,3 +519,127 @@ def bounded_rss(request: pytest.FixtureRequest) -> Iterator[None]:
         grown = _status_mib(pid, peak) - start
         request.node.user_properties.append(("rss_growth_mib", round(grown, 1)))
         assert grown < RSS_GROWTH_BOUND_MIB, f"server RSS peaked {grown:.0f} MiB above its start"
+
+
+# -- the session's servers, started while a full run collects its tests ---------------------
+
+
+def build_session_repositories(
+    cache: Path, test_repo: Path, llm_repo: Path, llm_variants_repo: Path
+) -> None:
+    """The demo repositories in `cache` (as `demo_repo` and `smollm2_repository` build them),
+    and the repositories of `test_repo`, `llm_server` and `llm_variants_repo`."""
+    from lockgate.demo.build import DEMO_MODELS, build_demo_repository
+
+    classic = [m for m in DEMO_MODELS if m.name in CLASSIC_DEMO_MODELS]
+    demo = build_demo_repository(cache / "demo-test", models=classic)
+    build_test_repo(test_repo, demo)
+    build_llm_repo(llm_repo, demo)
+    build_llm_variants_repo(llm_variants_repo, demo)
+
+
+# `build_session_repositories` in a process of its own: a thread of this one would hold the
+# interpreter's lock that collection needs (the tiny BOS model's GGUF alone takes seconds)
+BUILD = """
+import sys
+from pathlib import Path
+from tests.conftest import build_session_repositories
+build_session_repositories(*map(Path, sys.argv[1:]))
+"""
+
+# the session-scoped servers `_Prestart` starts, by fixture name, in the order they start
+PRESTARTED = ("llm_variants_server", "llm_server", "server")
+
+
+class _Prestart:
+    """`server`, `llm_server` and `llm_variants_server`, started on a thread while a full run
+    (pytest on its testpaths, as `make test` runs it) collects its tests: collection keeps one
+    core busy for tens of seconds, and the repositories' build (`BUILD`) and these servers'
+    start-ups (model loads, warmups) take the other. Collection ends by waiting until each is
+    ready, so no test runs beside a start-up; each fixture then takes its server as it would
+    have started it."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self.factory = factory
+        self.cache = Path(os.environ.get("LOCKGATE_CACHE_DIR", factory.mktemp("cache")))
+        self.repos: dict[str, Path] = {}
+        self.servers: dict[str, RunningServer] = {}
+        self.ready: dict[str, BaseException | None] = {}  # by name: None, or why it failed
+        self.error: BaseException | None = None  # why the rest were not started
+        self.thread = threading.Thread(target=self._start, name="prestart", daemon=True)
+        self.thread.start()
+
+    def _start(self) -> None:
+        try:
+            names = ("test_repo", "llm-repo", "llm_variants_repo")
+            folders = ("repo", "llm-repo", "llm-variants-repo")
+            repos = {n: self.factory.mktemp(f) for n, f in zip(names, folders, strict=True)}
+            build = [sys.executable, "-c", BUILD, str(self.cache), *map(str, repos.values())]
+            built = subprocess.run(build, cwd=ROOT, capture_output=True, text=True)
+            if built.returncode != 0:
+                raise RuntimeError(f"the session's repositories failed:\n{built.stderr[-3000:]}")
+            self.repos.update(repos)
+            launch = {
+                "llm_variants_server": lambda: launch_llm_variants_server(
+                    repos["llm_variants_repo"], self.factory
+                ),
+                "llm_server": lambda: launch_llm_server(repos["llm-repo"], self.factory),
+                "server": lambda: launch_test_repo_server(repos["test_repo"], self.factory),
+            }
+            for name in PRESTARTED:
+                self.servers[name] = launch[name]()
+        except BaseException as exc:  # the fixtures raise it
+            self.error = exc
+
+    def wait(self) -> None:
+        """Until each server is ready, or has failed (its fixture raises why)."""
+        self.thread.join()
+        for name, server in self.servers.items():
+            if name not in self.ready:
+                try:
+                    server.wait_ready(600)
+                    self.ready[name] = None
+                except Exception as exc:
+                    self.ready[name] = exc
+
+    def take(self, name: str) -> RunningServer:
+        self.wait()
+        if name not in self.servers:
+            raise RuntimeError(f"the session's servers did not start: {self.error!r}")
+        failed = self.ready[name]
+        if failed is not None:
+            raise RuntimeError(f"{name} did not start") from failed
+        return self.servers[name]
+
+    def take_repo(self, name: str) -> Path:
+        self.thread.join()
+        if name not in self.repos:
+            raise RuntimeError(f"the session's repositories were not built: {self.error!r}")
+        return self.repos[name]
+
+    def stop(self) -> None:
+        self.thread.join()
+        for server in self.servers.values():
+            server.stop()
+
+
+_PRESTART: _Prestart | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _PRESTART
+    config = session.config
+    full_run = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    chosen = config.option.keyword or config.option.markexpr or config.option.collectonly
+    if full_run and not chosen and os.environ.get("LOCKGATE_TEST_PRESTART", "1") != "0":
+        _PRESTART = _Prestart(config._tmp_path_factory)  # type: ignore[attr-defined]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if _PRESTART is not None:
+        _PRESTART.wait()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _PRESTART is not None:
+        _PRESTART.stop()  # those a fixture did not take (it stops its own, and checks how)

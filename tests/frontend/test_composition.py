@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.conftest import RunningServer, free_port, start_server
+from tests.conftest import RunningServer, free_port, launch_server, start_server, start_servers
 
 COUNTING = '''
 import time
@@ -432,8 +432,7 @@ def test_replicas_share_answers_through_redis_and_survive_its_loss(
     import redis
 
     logs = tmp_path_factory.mktemp("redis-logs")
-    a = start_server(repo, logs, "--redis-url", redis_url)
-    b = start_server(repo, logs, "--redis-url", redis_url)
+    a, b = start_servers(*(launch_server(repo, logs, "--redis-url", redis_url) for _ in "ab"))
     try:
         x = rows(1234)
         first = infer(a, "cached", x)

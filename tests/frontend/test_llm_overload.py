@@ -11,6 +11,7 @@ same burst (`Stalls`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -61,13 +62,44 @@ def start_slo_llm_server(
     return start_server(repo, tmp_path_factory.mktemp("slo-llm"), ready_timeout=600)
 
 
+class SloServer:
+    """The module's SLO server, and whether a test has sent it anything yet: the first test to
+    run takes it fresh from start-up, as the burst test needs a server (`fresh`)."""
+
+    def __init__(self, server: RunningServer) -> None:
+        self.server = server
+        self.used = False
+
+    def take(self) -> RunningServer:
+        self.used = True
+        return self.server
+
+    @contextlib.contextmanager
+    def fresh(
+        self, demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[RunningServer]:
+        """A server that has served nothing since it started: this one if no test has used it
+        yet, else one of its own, stopped after."""
+        if not self.used:
+            yield self.take()
+            return
+        server = start_slo_llm_server(demo_repo, tmp_path_factory)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
 @pytest.fixture(scope="module")
-def slo_llm_server(
-    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningServer]:
-    server = start_slo_llm_server(demo_repo, tmp_path_factory)
-    yield server
-    server.stop()
+def slo_server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SloServer]:
+    shared = SloServer(start_slo_llm_server(demo_repo, tmp_path_factory))
+    yield shared
+    shared.server.stop()
+
+
+@pytest.fixture
+def slo_llm_server(slo_server: SloServer) -> RunningServer:
+    return slo_server.take()
 
 
 @dataclass(slots=True)
@@ -123,6 +155,44 @@ class Stalls:
         self.thread.join()
 
 
+def test_a_burst_as_the_first_traffic_after_start_is_admitted_up_to_the_slo(
+    slo_server: SloServer, demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Warmup measures the prefill rate on a warm full-budget prefill, so the first burst a
+    fresh server sees is admitted as far as its TTFT SLO allows, not refused almost whole.
+    (First in the module: the module's server, before any other test has used it.)"""
+    with slo_server.fresh(demo_repo, tmp_path_factory) as server:
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60
+        )
+
+        async def run() -> list[Stream]:
+            # prompts of their own from the first token: none leaves a cached prefix for
+            # the test that takes this server next
+            prompts = [f"burst {i}: " + prompt_of(150, i) for i in range(12)]
+            burst = await asyncio.gather(*(one_stream(client, p) for p in prompts))
+            await client.close()
+            return list(burst)
+
+        with Stalls() as stalls:
+            burst = asyncio.run(run())
+    admitted = [s for s in burst if s.status == 200]
+    report = (
+        f"machine stalled {stalls.longest:.2f} s at most; "
+        f"statuses {[s.status for s in burst]}, TTFT {[round(s.ttft, 2) for s in burst]}, "
+        f"reasons {sorted({s.reason for s in burst if s.reason})}"
+    )
+    print(report)
+    assert {s.status for s in burst} <= {200, 503}, report
+    assert admitted, report
+    # as many as fit: the prompts are alike, so the first admitted one's TTFT is what one
+    # prefill takes on this machine now, and admission plans within `slack` of the SLO (one
+    # less for the steps they share); a rate measured too low at warmup would admit fewer
+    fit = int(TTFTAdmission().slack * TTFT_SLO_S / min(s.ttft for s in admitted))
+    assert len(admitted) >= min(4, fit - 1), f"{fit} fit; {report}"
+    assert max(s.ttft for s in admitted) <= TTFT_SLO_S * 1.25 + stalls.longest, report
+
+
 def test_streams_past_the_ttft_slo_are_refused_at_once_and_the_rest_meet_it(
     slo_llm_server: RunningServer,
 ) -> None:
@@ -160,41 +230,3 @@ def test_streams_past_the_ttft_slo_are_refused_at_once_and_the_rest_meet_it(
     assert max(s.ttft for s in admitted) <= TTFT_SLO_S + stalls.longest, report
     metrics = slo_llm_server.log()
     assert "Traceback" not in metrics
-
-
-def test_a_burst_as_the_first_traffic_after_start_is_admitted_up_to_the_slo(
-    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """Warmup measures the prefill rate on a warm full-budget prefill, so the first burst a
-    fresh server sees is admitted as far as its TTFT SLO allows, not refused almost whole."""
-    server = start_slo_llm_server(demo_repo, tmp_path_factory)
-    try:
-        client = openai.AsyncOpenAI(
-            base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60
-        )
-
-        async def run() -> list[Stream]:
-            prompts = [prompt_of(150, i) for i in range(12)]
-            burst = await asyncio.gather(*(one_stream(client, p) for p in prompts))
-            await client.close()
-            return list(burst)
-
-        with Stalls() as stalls:
-            burst = asyncio.run(run())
-    finally:
-        server.stop()
-    admitted = [s for s in burst if s.status == 200]
-    report = (
-        f"machine stalled {stalls.longest:.2f} s at most; "
-        f"statuses {[s.status for s in burst]}, TTFT {[round(s.ttft, 2) for s in burst]}, "
-        f"reasons {sorted({s.reason for s in burst if s.reason})}"
-    )
-    print(report)
-    assert {s.status for s in burst} <= {200, 503}, report
-    assert admitted, report
-    # as many as fit: the prompts are alike, so the first admitted one's TTFT is what one
-    # prefill takes on this machine now, and admission plans within `slack` of the SLO (one
-    # less for the steps they share); a rate measured too low at warmup would admit fewer
-    fit = int(TTFTAdmission().slack * TTFT_SLO_S / min(s.ttft for s in admitted))
-    assert len(admitted) >= min(4, fit - 1), f"{fit} fit; {report}"
-    assert max(s.ttft for s in admitted) <= TTFT_SLO_S * 1.25 + stalls.longest, report

@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.router.grpc_model import model_of
-from tests.conftest import RunningServer, free_port, start_server
+from tests.conftest import RunningServer, free_port, launch_server, start_servers
 from tests.router.test_grpc_proxy import start_grpc_router, x_input
 from tests.router.test_router import metric, repository
 
@@ -26,10 +26,14 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningS
     """Replica 0's `who` stalls 1.5 s on every call of values >= 1000; replica 1's never."""
     root = tmp_path_factory.mktemp("grpc-hedge-replicas")
     stall = {"stall_every": "1", "stall": str(STALL_S)}
-    servers = [
-        start_server(repository(root, i, **(stall if i == 0 else {})), root, grpc_port=free_port())
-        for i in range(2)
-    ]
+    servers = start_servers(
+        *(
+            launch_server(
+                repository(root, i, **(stall if i == 0 else {})), root, grpc_port=free_port()
+            )
+            for i in range(2)
+        )
+    )
     yield servers
     for server in servers:
         server.stop()

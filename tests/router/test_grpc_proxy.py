@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.router.grpc_proxy import SERVICE, ReplicaGrpcPort
-from tests.conftest import RunningServer, free_port, start_server
+from tests.conftest import RunningServer, free_port, launch_server, start_servers
 from tests.router.test_router import metric, repository, start_router
 
 
@@ -72,9 +72,12 @@ def with_echo(repo: Path) -> Path:
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningServer]]:
     root = tmp_path_factory.mktemp("grpc-replicas")
-    servers = [
-        start_server(with_echo(repository(root, i)), root, grpc_port=free_port()) for i in range(3)
-    ]
+    servers = start_servers(
+        *(
+            launch_server(with_echo(repository(root, i)), root, grpc_port=free_port())
+            for i in range(3)
+        )
+    )
     yield servers
     for server in servers:
         server.stop()

@@ -20,7 +20,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from lockgate.router import control_state
-from tests.conftest import RunningServer, free_port, start_server
+from tests.conftest import RunningServer, free_port, launch_server, start_server, start_servers
 from tests.router.test_router import CONFIG, WHO, _free_pair, start_router, who
 
 EXPLICIT = ("--no-llm", "--model-control-mode", "explicit")
@@ -43,25 +43,27 @@ def repository(root: Path, replica: int, *names: str) -> Path:
     return repo
 
 
-def start_replica(
-    root: Path, replica: int, *extra: str, port: int | None = None, wait_ready: bool = True
-) -> RunningServer:
+def launch_replica(root: Path, replica: int, *extra: str, port: int | None = None) -> RunningServer:
     """Replica `replica` in explicit model control mode (`extra`: its other flags), its
-    repository `who`, `extra` and `slow_load`, and for replica 0 `solo` too."""
+    repository `who`, `extra` and `slow_load`, and for replica 0 `solo` too; not waited for."""
     names = ("who", "extra", "slow_load", *(("solo",) if replica == 0 else ()))
     repo = root / f"replica-{replica}"
     if not repo.exists():
         repository(root, replica, *names)
-    grpc_port = free_port()
-    return start_server(
-        repo, root, *EXPLICIT, *extra, grpc_port=grpc_port, port=port, wait_ready=wait_ready
-    )
+    return launch_server(repo, root, *EXPLICIT, *extra, grpc_port=free_port(), port=port)
+
+
+def start_replica(
+    root: Path, replica: int, *extra: str, port: int | None = None, wait_ready: bool = True
+) -> RunningServer:
+    """`launch_replica`, once ready (or without `wait_ready`, live)."""
+    return launch_replica(root, replica, *extra, port=port).wait_ready(wait_ready=wait_ready)
 
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningServer]]:
     root = tmp_path_factory.mktemp("control-replicas")
-    servers = [start_replica(root, i, "--load-model", "who") for i in range(2)]
+    servers = start_servers(*(launch_replica(root, i, "--load-model", "who") for i in range(2)))
     yield servers
     for server in servers:
         server.stop()

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, launch_server, start_servers
 from tests.router.test_rollout import sample, within
 from tests.router.test_router import start_router
 
@@ -56,7 +56,8 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningS
             (folder / str(version) / "model.py").write_text(VEC)
         text = VEC_CONFIG + f"parameters: {{replica: '{replica}'}}\n"
         (folder / "config.yaml").write_text(textwrap.dedent(text))
-        servers.append(start_server(folder.parent, root))
+        servers.append(launch_server(folder.parent, root))
+    start_servers(*servers)
     yield servers
     for server in servers:
         server.stop()

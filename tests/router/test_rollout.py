@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, launch_server, start_servers
 from tests.router.test_router import CONFIG, WHO, body, start_router
 
 Route = Callable[..., RunningServer]  # the `route` fixture: a router with these arguments
@@ -37,7 +37,7 @@ def versioned_repository(root: Path, replica: int) -> Path:
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningServer]]:
     root = tmp_path_factory.mktemp("rollout-replicas")
-    servers = [start_server(versioned_repository(root, i), root) for i in range(3)]
+    servers = start_servers(*(launch_server(versioned_repository(root, i), root) for i in range(3)))
     yield servers
     for server in servers:
         server.stop()

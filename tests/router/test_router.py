@@ -18,7 +18,14 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, RunningServer, free_port, start_server
+from tests.conftest import (
+    ROOT,
+    RunningServer,
+    free_port,
+    launch_server,
+    start_server,
+    start_servers,
+)
 
 WHO = '''
 import time
@@ -97,9 +104,9 @@ def start_router(tmp: Path, *args: str) -> RunningServer:
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningServer]]:
     root = tmp_path_factory.mktemp("router-replicas")
     stall = {"stall_every": "20", "stall": "0.25"}  # replica 2 stalls on 5% of its calls
-    servers = [
-        start_server(repository(root, i, **(stall if i == 2 else {})), root) for i in range(3)
-    ]
+    servers = start_servers(
+        *(launch_server(repository(root, i, **(stall if i == 2 else {})), root) for i in range(3))
+    )
     yield servers
     for server in servers:
         server.stop()
@@ -222,7 +229,7 @@ def test_a_replica_killed_under_load_loses_no_request(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     root = tmp_path_factory.mktemp("kill")
-    servers = [start_server(repository(root, i), root) for i in range(3)]
+    servers = start_servers(*(launch_server(repository(root, i), root) for i in range(3)))
     args = [a for s in servers for a in ("--replica", s.url)]
     router = start_router(root, *args, "--no-hedge", "--probe-interval", "0.2")
     statuses: Counter[int] = Counter()

@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.backends.test_triton_python import triton_repository
-from tests.conftest import RunningServer, free_port, start_server
+from tests.conftest import RunningServer, free_port, launch_server, start_servers
 from tests.frontend.test_sequence_batching import ACCUMULATOR, config
 from tests.router.test_grpc_proxy import GrpcRouter, start_grpc_router
 
@@ -38,7 +38,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningS
     for i in range(2):
         repo = triton_repository(root / f"replica-{i}", ("acc", ACC, ACCUMULATOR))
         servers.append(
-            start_server(
+            launch_server(
                 repo,
                 root,
                 "--no-llm",
@@ -46,6 +46,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RunningS
                 grpc_port=free_port(),
             )
         )
+    start_servers(*servers)
     yield servers
     for server in servers:
         server.stop()
