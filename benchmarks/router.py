@@ -5,7 +5,9 @@
    `lockgate route` with that one replica. The router runs on the client core (it would have
    cores of its own in a deployment; here it shares the client's). Closed loop at a fixed
    concurrency (`OVERHEAD_CONCURRENCY`); the added p50 and the share of throughput kept are
-   the targets, c=1 p50 is shown too (the hop's own cost, no queueing).
+   the targets, c=1 p50 is shown too (the hop's own cost, no queueing), and the router's CPU
+   per proxied request at that concurrency (its process, from /proc, over all the requests
+   it answered in the run): what the client core pays for the hop beside the client.
 2. Hedging. Three replicas of a Python model that answers in about a millisecond; one of them
    stalls 50 ms on 5% of its calls (`stall_rate`, a seeded draw per call). Two routers over
    the same replicas, one with `--no-hedge`, one with hedging at its defaults (after the
@@ -112,6 +114,7 @@ TARGET_REPLICAS_RATIO = 1.6
 WARMUP_ROUNDS = 10  # RawLoop, CLoop: requests per connection before they measure
 CLOOP_SOURCE = Path(__file__).resolve().parent / "closedloop.c"
 GATE_OFF = ("--max-loop-lag-ms", "0", "--queue-target-ms", "0")
+ROUTER_ANSWERS = "lockgate_router_requests_total"
 NO_GRPC = ("--grpc-port", "off")
 
 STALLER_MODEL = '''
@@ -543,7 +546,7 @@ class Series:
     p99: list[float] = field(default_factory=list)
     rate: list[float] = field(default_factory=list)
     extra: list[float] = field(default_factory=list)  # hedging: extra copies per request
-    cpu: list[float] = field(default_factory=list)  # replicas: server CPU s per request
+    cpu: list[float] = field(default_factory=list)  # server (or router) CPU s per request
     client: list[float] = field(default_factory=list)  # replicas: client CPU s per request
     busier: list[float] = field(default_factory=list)  # replicas: the busier one's share
     idle: list[float] = field(default_factory=list)  # replicas: the idlest one's idle share
@@ -573,9 +576,11 @@ def measure_overhead(ctx: Context, client: Client, repository: Path) -> dict[str
         ) as (router,),
     ):
         systems = [("direct", replica.port, grpc), ("router", router.port, router_grpc)]
+        meter = ServerMeter(router.process.pid)
         for rep in range(1, ctx.repetitions + 1):
             for name, port, grpc_port in alternate(systems, rep):
                 one = client.run(port, DIGITS, 1, str(CLIENT_CORE))
+                before = (meter(), _sum(scrape_metrics(router.url), ROUTER_ANSWERS))
                 loaded = client.run(port, DIGITS, OVERHEAD_CONCURRENCY, str(CLIENT_CORE))
                 series[f"{name} c=1"].add(one)
                 series[name].add(loaded)
@@ -584,6 +589,11 @@ def measure_overhead(ctx: Context, client: Client, repository: Path) -> dict[str
                     f"c={OVERHEAD_CONCURRENCY} p50 {loaded.p50 * 1e3:.3f} ms "
                     f"{loaded.rate:,.0f} req/s"
                 )
+                if name == "router":  # its CPU over every request it answered in the run
+                    answered = _sum(scrape_metrics(router.url), ROUTER_ANSWERS) - before[1]
+                    cpu = (meter() - before[0]) / answered if answered > 0 else float("nan")
+                    series[name].cpu.append(cpu)
+                    line += f", router CPU {cpu * 1e6:.0f} µs per request"
                 if client.perf:  # gRPC needs perf_analyzer
                     over_grpc = client.run(
                         grpc_port, DIGITS, OVERHEAD_CONCURRENCY, str(CLIENT_CORE), "grpc"
@@ -871,6 +881,14 @@ def report(
         baseline=median(overhead["direct"].rate),
         note=f"kept {kept:.0%}; target ≥ {TARGET_KEPT:.0%}",
     )
+    if overhead["router"].cpu:
+        result.add(
+            f"router CPU per proxied request, c={c}",
+            median(overhead["router"].cpu) * 1e6,
+            "µs",
+            note="not a target: the router's process over the requests it answered, on the "
+            "client's core",
+        )
     if overhead["router grpc"].rate:  # perf_analyzer was there to speak gRPC
         for label, values, unit, scale in (
             ("p50", "p50", "ms", ms),

@@ -78,7 +78,10 @@ from lockgate.router.client_connection import HOLD
 from lockgate.router.control_log import Control
 from lockgate.router.groups import MAIN, ReplicaGroups
 from lockgate.router.hedge import HedgePolicy, finished_within
-from lockgate.router.lane import LANE_SCOPE, LaneCall, LaneClient, LaneHead
+from lockgate.router.lane import LANE_SCOPE, LaneCall, LaneClient
+from lockgate.router.lane_answer import LaneAnswer
+from lockgate.router.lane_head import LaneHead, LaneHeads
+from lockgate.router.lane_target import LaneSeries, LaneTarget
 from lockgate.router.llm_request import EMBEDDINGS_PATH, OPENAI_PATHS, LLMRequest
 from lockgate.router.llm_routing import LLMRouting, LLMRoutingSettings
 from lockgate.router.model_control import ControlSettings, ModelControl
@@ -116,6 +119,8 @@ _STATUS = {status: (str(status),) for status in range(100, 600)}  # label values
 _STATUS_TEXT = {status: str(status) for status in range(100, 600)}
 _ANSWERED, _APP_PATH = ("answered",), ("app_path",)
 _LANE_TARGETS = 4096  # request paths whose model the lane remembers
+_INFLIGHT = b"\r\nx-lockgate-inflight:"  # in a lane answer's head (`LaneAnswer.header`)
+_KIND = b"\r\n" + MODEL_KIND_HEADER + b":"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +182,11 @@ class RouterApp:
         self.limits = RateLimiter(limits) if limits is not None and limits.enabled else None
         self.llm_routing = LLMRouting(settings.llm_routing, registry)
         self.model_counts = ModelCounts(registry, settings.max_model_series)
-        self.lane_targets: dict[str, ModelPath] = {}  # the model each lane path names
+        self.lane_targets: dict[str, LaneTarget] = {}  # the model each lane path names
+        # the heads the lane takes; none with rate limits or sticky sessions, which it lacks
+        self.lane_heads: LaneHeads | None = None
+        if self.limits is None and self.sticky is None:
+            self.lane_heads = LaneHeads(self._lane_head)
         self.control = ModelControl(pool, settings.control, registry)
         self.rate_limited = registry.counter(
             "lockgate_router_rate_limited_total",
@@ -271,6 +280,7 @@ class RouterApp:
             await _json(send, 200 if ready else 503, {"ready": ready})
         elif path == "/metrics":
             accept = next((v for k, v in scope["headers"] if k.lower() == b"accept"), b"")
+            self._fold_lane()
             tallies = (self.requests, self.attempts, self.model_counts.requests, self.lane_outcomes)
             for tally in tallies:
                 tally.flush()
@@ -429,40 +439,53 @@ class RouterApp:
         return await self._pass(response, replica, send, receive, taps, hidden)
 
     # -- the lane ----------------------------------------------------------------------------
-    def lane(self, client: LaneClient, head: LaneHead, request: bytes) -> LaneCall | None:
-        """Send `request` (its head is `head`, its body all in) to a replica on the lane
-        (`lane.py`), as it came; None when it takes this app's path instead."""
-        if self.draining or self.limits is not None or self.sticky is not None:
-            return None
-        if b'"sequence_id"' in request:  # a stateful model's sequence: the app's path
-            return None
+    def _lane_head(self, head: LaneHead) -> LaneHead | None:
+        """`head` with its target, when what the head says lets the lane take it (its path
+        names a v2 inference, its model has no canary or shadow, its body is within the limit,
+        its request-timeout is valid); None: the app's path. Made once per head
+        (`LaneHeads`), as none of it changes while the router runs."""
         target = self.lane_targets.get(head.path)
         if target is None:
-            target = ModelPath.parse("POST", head.path)
-            if target is None or target.verb != "infer":
+            named = ModelPath.parse("POST", head.path)
+            if named is None or named.verb != "infer" or len(self.lane_targets) >= _LANE_TARGETS:
                 return None
-            if len(self.lane_targets) < _LANE_TARGETS:
-                self.lane_targets[head.path] = target
+            target = self.lane_targets[head.path] = LaneTarget(
+                head.path, named.model, named.version
+            )
         model = target.model
-        if head.length > self.settings.max_body_bytes or model in self.kinds.language:
+        if head.length > self.settings.max_body_bytes:
             return None
         if model in self.canary.rules or model in self.shadow.rules:
             return None
         if head.timeout is not None and _timeout([(b"request-timeout", head.timeout)]) is False:
             return None  # the app's path answers 400
-        now = time.monotonic()
-        if self.pool.all_full(now):
+        head.target = target
+        return head
+
+    def lane(self, client: LaneClient, head: LaneHead, request: bytes) -> LaneCall | None:
+        """Send `request` (its head is `head`, its body all in, from `lane_heads`) to a
+        replica on the lane (`lane.py`), as it came; None when it takes this app's path."""
+        target = head.target
+        if target is None or self.draining or target.model in self.kinds.language:
             return None
-        replica = self._pick(Route(head.path, head.path, target), now, ())
+        if b'"sequence_id"' in request:  # a stateful model's sequence: the app's path
+            return None
+        now = time.monotonic()
+        replica = self._lane_pick(now, ())
         if replica is None:
             return None
         hedge = self.settings.hedge
-        # a model not seen to answer as a classic model yet is not sent twice (`model_kinds`)
-        delay = hedge.delay(model) if hedge.enabled and self.kinds.repeatable(model) else None
-        if delay is not None and not self.has_other(MAIN, now, (replica,)):
-            delay = None  # no other replica could take a second copy: no hedge to time
+        delay = None
+        # a model not seen to answer as a classic model yet is not sent twice (`model_kinds`);
+        # with no other replica to take a second copy, no hedge is timed
+        if (
+            hedge.enabled
+            and target.model in self.kinds.classic
+            and self.has_other(MAIN, now, (replica,))
+        ):
+            delay = hedge.delay(target.model)
         # passed as it came: its request-timeout less nothing but this parse
-        call = LaneCall(self, client, head, request, now, model, target.version, replica)
+        call = LaneCall(self, client, head, target, request, now, replica)
         if not call.send(delay):
             return None  # no idle connection: this app's path makes one
         self.retries.request(now)
@@ -470,29 +493,46 @@ class RouterApp:
             self.hedges.request(now)
         return call
 
+    def _lane_pick(self, now: float, exclude: Collection[Replica]) -> Replica | None:
+        """A replica of the main group for a lane request (power of two choices, as `_pick`
+        chooses); None when every usable one is full (the app's path sheds) or none is
+        usable."""
+        replicas = self.pool.replicas  # the main group's, unless some have a label
+        members = self.groups.members(replicas, MAIN) if self.groups.labels else replicas
+        choices = []
+        for r in members:
+            if r.open(now) and r not in exclude:
+                choices.append(r)
+        if len(choices) == 1:
+            return choices[0]
+        return self.balancer.choose(choices) if choices else None
+
     def lane_attempt(
-        self, call: LaneCall, replica: Replica, response: Response | None, now: float
+        self, call: LaneCall, replica: Replica, answer: LaneAnswer | None, now: float
     ) -> bool:
         """A lane attempt on `replica` ended, as `_attempt` counts one: False when it gave no
         answer to pass on (none, or a 503)."""
         replica.in_flight -= 1
-        if response is None:
+        if answer is None:
             self.attempts.inc((replica.url, "error"))
             self._failed(replica)
             return False
-        self._answered_by(replica, response, now)
-        self._learn(call.model, response)
-        if response.status == 503:
+        status = answer.status
+        model = call.target.model
+        self._answered_by(replica, status, answer.header(_INFLIGHT), now)
+        if model not in self.kinds.classic or _KIND in answer.lowered:
+            self.kinds.learn(model, status, answer.header(_KIND) == LANGUAGE_KIND)
+        if status == 503:
             return False
-        if response.status == 200 and self.settings.hedge.enabled:
-            self.settings.hedge.observe(call.model, now - call.arrived)
+        if status == 200 and self.settings.hedge.enabled:
+            self.settings.hedge.observe(model, now - call.arrived)
         return True
 
     def lane_hedge(self, call: LaneCall) -> Replica | None:
         """The replica for a lane request's second copy, if one is usable and the hedge
         budget allows it (as `_hedged` asks)."""
         now = time.monotonic()
-        second = self._pick(Route(call.path, call.path), now, [c.replica for c in call.copies])
+        second = self._lane_pick(now, [c.replica for c in call.copies])
         if second is None or not self.hedges.try_spend(now):
             return None
         return second
@@ -502,11 +542,25 @@ class RouterApp:
         `hedged`: which copy answered first, when a second was sent."""
         if hedged is not None:
             self.hedged.inc((hedged,))
-        labels = _STATUS.get(status) or (str(status),)
-        self.requests.inc(labels)
-        self.latency.observe(labels, now - call.arrived)
-        self.model_counts.count(call.model, call.version, MAIN, status)
-        self.lane_outcomes.inc(_ANSWERED)
+        target = call.target
+        series = target.series.get(status)
+        if series is None:
+            labels = _STATUS.get(status) or (str(status),)
+            model = self.model_counts.labels(target.model, target.version, MAIN, status)
+            series = target.series[status] = LaneSeries(labels, self.latency.tally(labels), model)
+        series.answered += 1  # added to the counters on the next scrape (`_fold_lane`)
+        series.latency.observe(now - call.arrived)
+
+    def _fold_lane(self) -> None:
+        """Add the lane's answers counted since the last scrape to the router's counters."""
+        for target in self.lane_targets.values():
+            for series in target.series.values():
+                answered = series.taken()
+                if answered:
+                    self.requests.inc(series.status, answered)
+                    if series.model is not None:
+                        self.model_counts.requests.inc(series.model, answered)
+                    self.lane_outcomes.inc(_ANSWERED, answered)
 
     async def _sequence_of(
         self, headers: list[tuple[bytes, bytes]], body: bytes
@@ -707,7 +761,8 @@ class RouterApp:
                 raise Failure(str(exc), sent=exc.sent) from exc
         finally:
             replica.in_flight -= 1
-        self._answered_by(replica, response, time.monotonic())
+        reported = response.header(b"x-lockgate-inflight")
+        self._answered_by(replica, response.status, reported, time.monotonic())
         return response
 
     async def _home(self, rid: str, group: str, headers: list[tuple[bytes, bytes]]) -> Replica:
@@ -759,17 +814,18 @@ class RouterApp:
         language = response.header(MODEL_KIND_HEADER) == LANGUAGE_KIND
         self.kinds.learn(model, response.status, language)
 
-    def _answered_by(self, replica: Replica, response: Response, now: float) -> None:
+    def _answered_by(
+        self, replica: Replica, status: int, reported: bytes | None, now: float
+    ) -> None:
         """Count an answer of `replica` and what it says of the replica: full (503),
-        failing (another 5xx but 504), else healthy, with its reported load."""
-        status = response.status
+        failing (another 5xx but 504), else healthy, with its reported load (the
+        x-lockgate-inflight header's value)."""
         self.attempts.inc((replica.url, _STATUS_TEXT.get(status) or str(status)))
         if status == 503:
             replica.refused(now, self.pool.health)
         elif status >= 500 and status != 504:
             self._failed(replica)
         else:
-            reported = response.header(b"x-lockgate-inflight")
             replica.succeeded(int(reported) if reported and reported.isdigit() else None)
 
     def _failed(self, replica: Replica) -> None:

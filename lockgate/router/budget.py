@@ -20,7 +20,10 @@ class Budget:
 
     def request(self, now: float) -> None:
         self.requests.append(now)
-        self._forget(now)  # here too: with nothing spent the window must still move on
+        # here too: with nothing spent the window must still move on (the oldest request is
+        # enough to look at: each call forgets what fell out of the window since the last)
+        if self.requests[0] < now - self.window:
+            self._forget(now)
 
     def try_spend(self, now: float) -> bool:
         """Take one extra attempt if the budget has it."""

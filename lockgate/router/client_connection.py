@@ -37,7 +37,8 @@ from typing import Any
 
 import httptools
 
-from lockgate.router.lane import LANE_SCOPE, LaneCall, LaneHead
+from lockgate.router.lane import LANE_SCOPE, LaneCall
+from lockgate.router.lane_head import LaneHead, LaneHeads
 from lockgate.router.upstream import STATUS_LINES
 
 log = logging.getLogger("lockgate.router")
@@ -98,7 +99,9 @@ class ClientConnection(asyncio.Protocol):
         self.read_paused = False
         self.write_paused = False
         self.drained: asyncio.Future[None] | None = None
-        self.lane_app = getattr(self.app, "lane", None)  # RouterApp.lane, if the app has one
+        # RouterApp.lane and the heads it takes, if the app has a lane
+        self.lane_app = getattr(self.app, "lane", None)
+        self.lane_heads: LaneHeads | None = getattr(self.app, "lane_heads", None)
         self.between = True  # the parser is between messages: a new head starts here
         self.lane: LaneCall | None = None  # the request on the lane now
         self.pending: LaneHead | None = None  # a lane request whose body is still arriving
@@ -130,7 +133,7 @@ class ClientConnection(asyncio.Protocol):
         self.write_paused = False
 
     def data_received(self, data: bytes) -> None:
-        self._busy()
+        self.idle_since = None  # busy: the idle timer, when it fires, waits for it to go idle
         if self.lane is not None:  # answers leave in order: this waits for the lane's
             self.held += data
             self._pause_reading()
@@ -148,8 +151,8 @@ class ClientConnection(asyncio.Protocol):
             self.between
             and self.exchange is None
             and data[:5] == b"POST "
-            and self.lane_app is not None
-            and (head := LaneHead.parse(data)) is not None
+            and self.lane_heads is not None
+            and (head := self.lane_heads.of(data)) is not None
         ):
             if len(data) >= head.size:
                 self._offer(head, data)
@@ -200,13 +203,18 @@ class ClientConnection(asyncio.Protocol):
         """The lane's request is answered: `data` goes to the client whole."""
         self.lane = None
         self.state.total_requests += 1
-        if self.transport.is_closing():
+        transport = self.transport
+        if transport.is_closing():
             return
-        self.transport.write(data)
+        transport.write(data)
         if self.closing:
-            self.transport.close()
-            return
-        self._next_after_lane()
+            transport.close()
+        elif self.held or self.read_paused:
+            self._next_after_lane()
+        else:  # idle: the keep-alive timer counts from now (`_arm_idle_timer`)
+            self.idle_since = self.loop.time()
+            if self.idle_timer is None:
+                self.idle_timer = self.loop.call_later(self.keep_alive_timeout, self._idle)
 
     def lane_failed(self, call: LaneCall) -> None:
         """The lane's attempt gave no answer to pass on: the request goes on along the app's
@@ -238,10 +246,12 @@ class ClientConnection(asyncio.Protocol):
 
     def _next_after_lane(self) -> None:
         """Read on: what the client sent while the lane had its request, then the socket."""
-        held = bytes(self.held)
-        self.held.clear()
-        self._resume_reading()
-        if held:
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
+        if self.held:
+            held = bytes(self.held)
+            self.held.clear()
             self.data_received(held)
         elif self.exchange is None:
             self._arm_idle_timer()
@@ -356,10 +366,6 @@ class ClientConnection(asyncio.Protocol):
             self.idle_timer = self.loop.call_later(left, self._idle)
         elif not self.transport.is_closing():
             self.transport.close()
-
-    def _busy(self) -> None:
-        """The connection is busy: the idle timer, when it fires, waits for it to go idle."""
-        self.idle_since = None
 
     def _pause_reading(self) -> None:
         if not self.read_paused:

@@ -1,110 +1,49 @@
 """The router's lane: KServe v2 inference passed to a replica and back below ASGI.
 
 A `POST /v2/models/{m}[/versions/{v}]/infer` whose head arrives whole, at a message boundary
-of a kept-alive HTTP/1.1 connection, is read from its raw bytes (`LaneHead.parse`), and its
-body (up to 64 KiB; larger ones take the app's path) gathered as it comes.
+of a kept-alive HTTP/1.1 connection, is read from its raw bytes (`lane_head.py`: found, not
+parsed, and remembered by the head's bytes, so a client that sends the same head again costs
+a lookup), and its body (up to 64 KiB; larger ones take the app's path) gathered as it comes.
 When nothing about it needs the app's general path (`RouterApp.lane`: no rate limits, sticky
-sessions, canary or shadow for its model, no hedge to time, no deadline already spent, a
-body within the limit, a replica not shedding) and the replica chosen has an idle connection
-at hand, the request is written to that connection from the client connection's own callback
-(`LaneCall.send`), and the answer's bytes are written back to the client from the replica
-connection's callback (`LaneCall.answered`) as they came: no task, no ASGI messages, no
-answer head built again. The replica's answer is passed on as it is when its head has no
-`connection` header and frames the body by `content-length` (a lockgate replica's always
-does); other answers have their head built as the app's path builds it.
+sessions, canary or shadow for its model, no deadline already spent, a body within the
+limit, not a language model's nor a sequence's, a replica not shedding) and the replica
+chosen has an idle connection at hand, the request is written to that connection as it came
+from the client connection's own callback (`LaneCall.send`), and the answer is read whole on
+the replica's connection (`lane_answer.py`: llhttp finds its end, with no call into Python
+per header line) and written back to the client from that connection's callback
+(`LaneCall.answered`): no task, no ASGI messages. The replica's answer is passed on as it
+came when it is framed by `content-length` and has no header about the connection (a
+lockgate replica's never has); other answers have their head built as the app's path builds
+it.
 
 The lane keeps what the app's path does for such a request: power of two choices over the
-usable replicas, the `request-timeout` header less the time spent, the replica's reported
-load, its health (a 503 marks it full, other 5xx and broken connections count toward its
-ejection), the request and attempt counters and the latency histogram. An attempt that gets
-no answer, a 503 or another 5xx (504 aside) goes on along the app's path (`RouterApp._serve`
-with the replica tried), which retries it on another replica within the retry budget and,
-when none is left, passes the 503 on. A client that leaves closes the replica's connection,
-so the replica drops the work. Everything else (other paths, chunked bodies, `Expect`,
-`Connection: close`, HTTP/1.0, encoded paths or a query, heads split over reads)
-takes the app's path from the start.
+usable replicas, a hedge after the model's recent latency (a second copy to another replica
+on an idle connection; the first answer other than a 503 wins and the other copy's
+connection closes), the `request-timeout` header less the time spent (here, nothing but the
+search), the replica's reported load, its health (a 503 marks it full, other 5xx and broken
+connections count toward its ejection), the request and attempt counters and the latency
+histogram (counted on plain numbers, added to the counters on each scrape). An attempt that
+gets no answer or a 503 goes on along the app's path (`RouterApp._serve` with the replicas
+tried), which retries it on another replica within the retry budget and, when none is left,
+passes the 503 on. A client that leaves closes the replica's connection, so the replica drops
+the work. Everything else (other paths, chunked bodies, `Expect`, `Connection: close`,
+HTTP/1.0, encoded paths or a query, heads split over reads) takes the app's path from the
+start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
+from lockgate.router.lane_answer import LaneAnswer
+from lockgate.router.lane_head import LaneHead, header_lines
+from lockgate.router.lane_target import LaneTarget
 from lockgate.router.replica import Replica
 from lockgate.router.upstream import HOP_BY_HOP, STATUS_LINES, Response
 
 LANE_SCOPE = "lockgate.lane"  # in the scope of a request the lane hands to the app's path
-_LINE_START = b"POST /v2/models/"
-_LINE_END = b"/infer HTTP/1.1"
-# header lines that leave a request to the app's path (searched for in the lowered head)
-_LEAVE_TO_APP = (b"\r\ntransfer-encoding:", b"\r\nexpect:", b"\r\nupgrade:", b"\r\n ", b"\r\n\t")
-_LENGTH = b"\r\ncontent-length:"
-_CONNECTION = b"\r\nconnection:"
-_TIMEOUT = b"\r\nrequest-timeout:"
-
-
-@dataclass(slots=True)
-class LaneHead:
-    """A request head found in raw bytes: what the lane needs of it. The request is passed
-    on as it came, so its header lines are split only if it goes to the app's path
-    (`headers`)."""
-
-    path: str
-    length: int  # Content-Length
-    size: int  # bytes of the head and its body
-    timeout: bytes | None  # the request-timeout header's value
-
-    @classmethod
-    def parse(cls, data: bytes, max_head: int = 64 * 1024) -> LaneHead | None:
-        """The head of a v2 inference POST at the start of `data`, when it is all in `data`
-        and the lane can take it; else None (the app's path takes it). Its body may be still
-        to come (`size` past the end of `data`). It is found, not parsed: the replica parses
-        it, and a request whose framing could read two ways (two lengths, a folded line, a
-        length the search does not see) goes to the app's path."""
-        end = data.find(b"\r\n\r\n", 0, max_head)
-        if end < 0:
-            return None
-        first = data.find(b"\r\n")
-        line = data[:first]
-        if not line.startswith(_LINE_START) or not line.endswith(_LINE_END):
-            return None
-        path = line[5:-9]
-        if b" " in path or b"%" in path or b"?" in path:
-            return None
-        head = data[first : end + 2].lower()  # every header line starts with \r\n
-        for token in _LEAVE_TO_APP:
-            if token in head:
-                return None
-        at = head.find(_CONNECTION)
-        if at >= 0 and (
-            head[at + 13 : head.find(b"\r\n", at + 2)].strip(b" \t") != b"keep-alive"
-            or head.find(_CONNECTION, at + 2) >= 0
-        ):
-            return None  # close, or a list: the app's path
-        at = head.find(_LENGTH)
-        if at < 0 or head.find(_LENGTH, at + 2) >= 0:
-            return None
-        value = head[at + 17 : head.find(b"\r\n", at + 2)].strip(b" \t")
-        if not value.isdigit() or len(value) > 18:
-            return None
-        at = head.find(_TIMEOUT)
-        timeout = None
-        if at >= 0:
-            timeout = head[at + 18 : head.find(b"\r\n", at + 2)].strip(b" \t")
-        length = int(value)
-        return cls(path.decode("ascii", "replace"), length, end + 4 + length, timeout)
-
-
-def header_lines(request: bytes) -> list[tuple[bytes, bytes]]:
-    """The header lines of a raw request, names in lower case (as ASGI gives them)."""
-    end = request.find(b"\r\n\r\n")
-    headers = []
-    for line in request[request.find(b"\r\n") + 2 : end].split(b"\r\n"):
-        name, _, value = line.partition(b":")
-        headers.append((name.lower(), value.strip(b" \t")))
-    return headers
 
 
 class _Aborts(Protocol):
@@ -122,7 +61,7 @@ class LaneApp(Protocol):
     """What a lane request reports to (`app.RouterApp`)."""
 
     def lane_attempt(
-        self, call: LaneCall, replica: Replica, response: Response | None, now: float
+        self, call: LaneCall, replica: Replica, answer: LaneAnswer | None, now: float
     ) -> bool: ...
     def lane_hedge(self, call: LaneCall) -> Replica | None: ...
     def lane_done(self, call: LaneCall, status: int, now: float, hedged: str | None) -> None: ...
@@ -138,11 +77,9 @@ class _Copy:
         self.replica = replica
         self.connection: _Aborts | None = None  # the replica's, while it answers
 
-    def answered(
-        self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes, body: bytes
-    ) -> None:
+    def answered(self, answer: LaneAnswer) -> None:
         self.connection = None
-        self.call.answered(self, status, headers, raw, body)
+        self.call.answered(self, answer)
 
     def broke(self, answered_nothing: bool) -> None:
         self.connection = None
@@ -173,14 +110,12 @@ class LaneCall:
         "gone",
         "hedged",
         "length",
-        "model",
-        "path",
         "refused",
         "replica",
         "request",
+        "target",
         "timer",
         "tried",
-        "version",
     )
 
     def __init__(
@@ -188,29 +123,34 @@ class LaneCall:
         app: LaneApp,
         client: LaneClient,
         head: LaneHead,
+        target: LaneTarget,
         request: bytes,
         arrived: float,
-        model: str,
-        version: str | None,
         replica: Replica,
     ) -> None:
         self.app = app
         self.client = client
-        self.path = head.path
+        self.target = target
         self.request = request  # head and body, as they came and went to the replica
         self.length = head.length  # of the body, at the end of `request`
         self.arrived = arrived
-        self.model = model
-        self.version = version
         self.replica = replica  # the first copy's
         self.copies: list[_Copy] = []  # those still waiting for their answer
         self.timer: asyncio.TimerHandle | None = None  # the hedge's
-        self.tried: list[Replica] = []  # replicas that gave no answer: the app's path skips them
+        self.tried: tuple[Replica, ...] = ()  # gave no answer to pass on: the app's path skips them
         self.refused: tuple[Response, Replica] | None = None  # the first 503 received
         self.done = False  # answered, or handed to the app's path
         self.hedged = False  # a second copy was sent
         self.gone = False  # the client left: nothing more is written to it
         self.broken = False  # a copy's connection broke once the request was sent
+
+    @property
+    def path(self) -> str:
+        return self.target.path
+
+    @property
+    def model(self) -> str:
+        return self.target.model
 
     def send(self, delay: float | None) -> bool:
         """Send to the replica on an idle connection, and time a hedge after `delay` seconds
@@ -240,25 +180,19 @@ class LaneCall:
         if second is not None:
             self.hedged = self._send(second)
 
-    def answered(
-        self,
-        copy: _Copy,
-        status: int,
-        headers: list[tuple[bytes, bytes]],
-        raw: bytes,
-        body: bytes,
-    ) -> None:
-        if copy not in self.copies:  # closed: the other copy won, or the client left
+    def answered(self, copy: _Copy, answer: LaneAnswer) -> None:
+        copies = self.copies
+        if copy not in copies:  # closed: the other copy won, or the client left
             return
-        self.copies.remove(copy)
+        copies.remove(copy)
         now = time.monotonic()
-        response = Response(status, headers)
-        if not self.app.lane_attempt(self, copy.replica, response, now):  # a 503
-            self.tried.append(copy.replica)
+        if not self.app.lane_attempt(self, copy.replica, answer, now):  # a 503
+            self.tried += (copy.replica,)
             if self.refused is None:
-                response.put(body)
-                response.put(None)
-                self.refused = (response, copy.replica)
+                refusal = Response(answer.status, answer.headers)
+                refusal.put(answer.body)
+                refusal.put(None)
+                self.refused = (refusal, copy.replica)
             self._failed()
             return
         if self.done:
@@ -266,11 +200,11 @@ class LaneCall:
         self._finish()
         if self.gone:
             return
-        self.client.lane_answered(raw if _as_is(headers) else _rebuilt(status, headers, body))
+        self.client.lane_answered(answer.raw if answer.as_is else _rebuilt(answer))
         winner = None
         if self.hedged:
             winner = "first" if copy.replica is self.replica else "second"
-        self.app.lane_done(self, status, now, winner)
+        self.app.lane_done(self, answer.status, now, winner)
 
     def broke(self, copy: _Copy, answered_nothing: bool) -> None:
         if copy not in self.copies:  # closed: the other copy won, or the client left
@@ -280,7 +214,7 @@ class LaneCall:
             copy.replica.in_flight -= 1  # app's path sends it again, on a new connection
         else:
             self.app.lane_attempt(self, copy.replica, None, time.monotonic())
-            self.tried.append(copy.replica)
+            self.tried += (copy.replica,)
             self.broken = True
         self._failed()
 
@@ -318,21 +252,11 @@ class LaneCall:
         return self.request[len(self.request) - self.length :]
 
 
-def _as_is(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Whether an answer's head may pass as it came: framed by content-length, and nothing
-    in it describes the replica's connection rather than the message."""
-    length = False
-    for name, _ in headers:
-        if name == b"content-length":
-            length = True
-        elif name in HOP_BY_HOP:
-            return False
-    return length
-
-
-def _rebuilt(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+def _rebuilt(answer: LaneAnswer) -> bytes:
     """The answer with its head built as the app's path builds it: hop-by-hop headers out,
     framed by the length of its (whole, decoded) body."""
-    kept = [b"%s: %s\r\n" % (k, v) for k, v in headers if k not in HOP_BY_HOP]
+    kept = [b"%s: %s\r\n" % (k, v) for k, v in answer.headers if k not in HOP_BY_HOP]
+    status = answer.status
     line = STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status
+    body = answer.body
     return line + b"".join(kept) + b"content-length: %d\r\n\r\n" % len(body) + body

@@ -4,7 +4,7 @@ model names get series of their own; later ones are counted as `_other`."""
 
 from __future__ import annotations
 
-from lockgate.core.metrics import Registry
+from lockgate.core.metrics import LabelValues, Registry
 from lockgate.router.groups import MAIN
 from lockgate.router.tally import Tally
 
@@ -26,12 +26,20 @@ class ModelCounts:
         )
 
     def count(self, model: str, version: str | None, group: str, status: int) -> None:
+        labels = self.labels(model, version, group, status)
+        if labels is not None:
+            self.requests.inc(labels)
+
+    def labels(
+        self, model: str, version: str | None, group: str, status: int
+    ) -> LabelValues | None:
+        """The series an answer counts on (None: none, for a 404); a model past
+        `max_models` counts as `_other`."""
         if status == 404:
-            return
+            return None
         if model not in self.models:
             if len(self.models) >= self.max_models:
                 model = OTHER
             else:
                 self.models.add(model)
-        labels = (model, version or "latest", group if group != MAIN else "main", str(status))
-        self.requests.inc(labels)
+        return (model, version or "latest", group if group != MAIN else "main", str(status))

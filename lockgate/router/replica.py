@@ -75,6 +75,10 @@ class Replica:
     def full(self, now: float) -> bool:
         return now < self.full_until
 
+    def open(self, now: float) -> bool:
+        """Usable and not full: what balancing takes first."""
+        return self.ready and not self.removed and now >= self.http.until and now >= self.full_until
+
     @property
     def ejected_until(self) -> float:
         return self.http.until
@@ -86,7 +90,9 @@ class Replica:
         return max(self.in_flight, self.reported)
 
     def succeeded(self, reported: int | None, grpc: bool = False) -> None:
-        (self.grpc if grpc else self.http).reset()
+        ejection = self.grpc if grpc else self.http
+        if ejection.failures or ejection.ejections:
+            ejection.reset()
         self.answered += 1
         if reported is not None:
             self.reported = reported

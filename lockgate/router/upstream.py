@@ -11,8 +11,9 @@ timeout) fails before any byte of an answer: it is sent again once on a new conn
 which cannot run it twice.
 
 The router's lane (`lane.py`) sends on an idle connection with `send_lane` and is told of the
-whole answer at once (`Listener`): its raw bytes, to pass on as they came, beside the head and
-the decoded body.
+whole answer at once (`Listener`), read by a parser of its own that makes no call per header
+line (`lane_answer.py`): its raw bytes, to pass on as they came, and what the router reads of
+its head.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import httptools
+
+from lockgate.router.lane_answer import BadAnswer, LaneAnswer, LaneReader
 
 # headers that describe one connection, not the message: never forwarded
 HOP_BY_HOP = frozenset(
@@ -68,10 +71,8 @@ class UpstreamError(Exception):
 class Listener(Protocol):
     """Told of a lane request's answer (`Upstream.send_lane`)."""
 
-    def answered(
-        self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes, body: bytes
-    ) -> None:
-        """The whole answer: `raw` as it came (head and body), `body` decoded."""
+    def answered(self, answer: LaneAnswer) -> None:
+        """The whole answer."""
 
     def broke(self, answered_nothing: bool) -> None:
         """The connection broke (or the answer was not HTTP) before the answer ended;
@@ -159,9 +160,7 @@ class _Connection(asyncio.Protocol):
         self.received = 0  # bytes of the current answer
         self.closed = False
         self.listener: Listener | None = None  # a lane request's, told of the whole answer
-        self.raw: list[bytes] = []  # the lane answer's bytes as they came
-        self.parts: list[bytes] = []  # its body, decoded
-        self.status = 0
+        self.reader: LaneReader | None = None  # reads the lane's answers (made at first use)
 
     # -- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -169,8 +168,16 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)
-        if self.listener is not None:
-            self.raw.append(data)
+        if self.listener is not None and self.reader is not None:  # a lane request's answer
+            try:
+                answer = self.reader.feed(data)
+            except BadAnswer as exc:
+                self._fail(UpstreamError(f"bad response from {self.upstream.name}: {exc}"))
+                self.abort()
+                return
+            if answer is not None:
+                self._lane_answered(answer)
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -190,21 +197,15 @@ class _Connection(asyncio.Protocol):
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        if self.listener is not None:
-            self.status = self.parser.get_status_code()
-            return
         self.response = Response(self.parser.get_status_code(), self.headers, connection=self)
         if self.head is not None and not self.head.done():
             self.head.set_result(self.response)
 
     def on_body(self, body: bytes) -> None:
-        if self.listener is not None:
-            self.parts.append(body)
-        elif self.response is not None:
+        if self.response is not None:
             self.response.put(body)
 
     def on_message_complete(self) -> None:
-        listener, self.listener = self.listener, None
         response, self.response, self.head = self.response, None, None
         if response is not None:
             response.put(None)
@@ -213,10 +214,15 @@ class _Connection(asyncio.Protocol):
             self.upstream.release(self)
         else:
             self.abort()
-        if listener is not None:
-            raw, body = b"".join(self.raw), b"".join(self.parts)
-            self.raw, self.parts = [], []
-            listener.answered(self.status, self.headers, raw, body)
+
+    def _lane_answered(self, answer: LaneAnswer) -> None:
+        listener, self.listener = self.listener, None
+        if answer.keep_alive and not self.closed:
+            self.upstream.release(self)
+        else:
+            self.abort()
+        assert listener is not None
+        listener.answered(answer)
 
     # -- use -------------------------------------------------------------------------------
     def send(self, request: bytes) -> asyncio.Future[Response]:
@@ -230,6 +236,8 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.received = 0
         self.listener = listener
+        if self.reader is None:
+            self.reader = LaneReader()
         self.transport.write(request)
 
     def abort(self) -> None:
@@ -241,7 +249,8 @@ class _Connection(asyncio.Protocol):
     def _fail(self, error: UpstreamError) -> None:
         listener, self.listener = self.listener, None
         if listener is not None:
-            self.raw, self.parts = [], []
+            if self.reader is not None:
+                self.reader.clear()
             listener.broke(not self.received)
         if self.head is not None and not self.head.done():
             self.head.set_exception(error)

@@ -4,6 +4,7 @@ back below ASGI, and back on the app's path when an attempt there gives no answe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -15,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lockgate.router.lane import LaneHead, header_lines
+from lockgate.router.lane_answer import BadAnswer, LaneReader
+from lockgate.router.lane_head import LaneHead, LaneHeads, header_lines
 from tests.conftest import RunningServer, free_port, start_server
 from tests.router.test_router import body, metric, repository, start_router
 
@@ -157,12 +159,19 @@ def test_the_head_parse_leaves_what_it_cannot_take_to_the_app_path() -> None:
 class FakeReplica:
     """A replica on a raw socket, in a thread: ready, and answers inference with `status`.
     `drop_second`: it reads the second request of each connection and closes the connection
-    without answering, as a replica closing an idle connection at that moment does."""
+    without answering, as a replica closing an idle connection at that moment does. `answer`:
+    how it answers inference: `plain` (framed by content-length), `echo` (the request's head
+    as it came, with a header of its own), `chunked`, or `cut` (plain, but to the second
+    inference request of each connection its head and half its body, then the connection
+    closes)."""
 
-    def __init__(self, status: int, drop_second: bool = False, delay: float = 0.0) -> None:
+    def __init__(
+        self, status: int, drop_second: bool = False, delay: float = 0.0, answer: str = "plain"
+    ) -> None:
         self.status = status
         self.drop_second = drop_second
         self.delay = delay  # seconds before each inference answer
+        self.answer = answer
         self.cut = 0  # inference requests whose client closed before their answer
         self.port = free_port()
         self.inference = 0  # answered
@@ -186,7 +195,7 @@ class FakeReplica:
         server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        requests = 0
+        requests = inferred = 0  # on this connection
         try:
             while True:
                 try:
@@ -207,7 +216,12 @@ class FakeReplica:
                             self.cut += 1
                             break
                     self.inference += 1
+                    inferred += 1
                     status, data = self.status, b'{"fake": %d}' % self.port
+                    if self.answer in ("echo", "chunked") or (self.answer, inferred) == ("cut", 2):
+                        if await self._answer(writer, head):
+                            continue
+                        break
                 extra = b"retry-after: 1\r\n" if status == 503 else b""
                 writer.write(
                     b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\n%s"
@@ -216,6 +230,31 @@ class FakeReplica:
                 await writer.drain()
         finally:
             writer.close()
+
+    async def _answer(self, writer: asyncio.StreamWriter, head: bytes) -> bool:
+        """An inference answer other than plain; False when the connection is to close."""
+        data = b'{"fake": %d}' % self.port
+        if self.answer == "echo":
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nX-Fake: yes\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(head), head)
+            )
+        elif self.answer == "chunked":
+            half = len(data) // 2
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n"
+                % (half, data[:half], len(data) - half, data[half:])
+            )
+        else:  # cut: half the answer, and the connection closes
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(data), data[: len(data) // 2])
+            )
+            await writer.drain()
+            return False
+        await writer.drain()
+        return True
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -333,3 +372,187 @@ def test_a_model_named_send_once_is_never_hedged_on_a_replica_that_does_not_mark
         assert fakes[0].cut == 0
     finally:
         router.stop()
+
+
+def test_each_head_is_searched_once() -> None:
+    """The lane remembers what it made of each head by the head's bytes: a client sending the
+    same head again (every body of one size) costs a lookup, not a search; a head the lane
+    does not take is remembered too, one longer than the memo keeps is searched each time,
+    and past its limit the memo starts again."""
+    resolved: list[str] = []
+
+    def resolve(head: LaneHead) -> LaneHead | None:
+        resolved.append(head.path)
+        return head if "who" in head.path else None
+
+    heads = LaneHeads(resolve, limit=2, max_key=400)
+    whole = raw_request(1.0)
+    first = heads.of(whole)
+    assert first is not None and first.path == INFER and heads.of(whole) is first
+    assert heads.of(raw_request(2.0)) is first  # another body of the same size
+    assert resolved == [INFER]
+    other = whole.replace(b"/who/", b"/not/")
+    assert heads.of(other) is None and heads.of(other) is None
+    assert resolved == [INFER, "/v2/models/not/infer"]
+    assert heads.of(whole[: whole.find(b"\r\n\r\n")]) is None  # not all in: not remembered
+    heads.of(raw_request(1.0, "X-Id: 1\r\n"))  # a third head: the memo starts again
+    assert len(heads.known) == 1
+    long = raw_request(1.0, f"X-Pad: {'p' * 400}\r\n")
+    assert heads.of(long) is not None and heads.of(long) is not None
+    assert resolved[-2:] == [INFER, INFER] and len(heads.known) == 1
+
+
+def answer_bytes(extra: bytes = b"", body: bytes = b'{"ok": 1}') -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Lockgate-Inflight: 3\r\n"
+        b"%sContent-Length: %d\r\n\r\n%s" % (extra, len(body), body)
+    )
+
+
+def test_a_lane_answer_passes_as_it_came_when_its_head_allows() -> None:
+    """The lane's reader gives each whole answer, from one read or several; the router reads
+    its head by search (any case), passes it on as it came when it is framed by its
+    content-length with nothing about the connection in it, and refuses what is not one
+    answer."""
+    reader = LaneReader()
+    raw = answer_bytes()
+    answer = reader.feed(raw)
+    assert answer is not None and answer.status == 200 and answer.keep_alive
+    assert answer.as_is and answer.raw == raw and answer.body == b'{"ok": 1}'
+    assert answer.header(b"\r\nx-lockgate-inflight:") == b"3"
+    assert answer.header(b"\r\nx-lockgate-model-kind:") is None
+    assert (b"content-type", b"application/json") in answer.headers
+    parts = [raw[:10], raw[10:60], raw[60:-3], raw[-3:]]  # split anywhere, the head too
+    assert [reader.feed(part) for part in parts][:-1] == [None, None, None]
+    chunked = (
+        b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n{"ok\r\n5\r\n": 1}\r\n0\r\n\r\n'
+    )
+    answer = reader.feed(chunked)
+    assert answer is not None and not answer.as_is and answer.body == b'{"ok": 1}'
+    for extra in (b"Connection: keep-alive\r\n", b"Keep-Alive: timeout=5\r\n"):
+        answer = reader.feed(answer_bytes(extra))
+        assert answer is not None and not answer.as_is
+    answer = reader.feed(answer_bytes(b"Connection: close\r\n"))
+    assert answer is not None and not answer.keep_alive
+    for bad in (raw + b"HTTP/1.1 200 OK\r\n", b"HTTP/1.1 100 Continue\r\n\r\n", b"hello\r\n\r\n"):
+        with pytest.raises(BadAnswer):
+            LaneReader().feed(bad)
+
+
+def test_the_lane_passes_on_the_headers_each_side_sent(
+    tmp_path: Path, fakes: list[FakeReplica]
+) -> None:
+    """On the lane the replica gets the client's request as it was sent (its own headers
+    among them), and the client the replica's answer with the replica's headers."""
+    fakes.append(FakeReplica(200, answer="echo"))
+    router = start_router(tmp_path, "--replica", fakes[0].url, "--probe-interval", "60")
+    try:
+        with socket.create_connection(("127.0.0.1", router.port)) as sock:
+            for value in (1.0, 2.0, 3.0):
+                request = raw_request(value, "X-Request-Id: abc-7\r\nUser-Agent: lane-test\r\n")
+                sock.sendall(request)
+                ((status, headers, data),) = read_answers(sock, 1)
+                assert status == 200 and headers["x-fake"] == "yes"
+                assert headers["content-type"] == "text/plain"
+                assert data == request[: request.find(b"\r\n\r\n") + 4]
+        assert lane(router, "answered") >= 2  # (the first may open the connection)
+    finally:
+        router.stop()
+
+
+def test_a_body_split_across_reads_and_a_chunked_one_are_answered(
+    router: RunningServer,
+) -> None:
+    """A request whose body comes in several writes after its head takes the lane once all
+    of it is in; a chunked body takes the app's path. Both are answered as sent."""
+    before = lane(router, "answered")
+    with socket.create_connection(("127.0.0.1", router.port)) as sock:
+        sock.sendall(raw_request(1.0))
+        read_answers(sock, 1)
+        for value in (4.0, 5.0):
+            request = raw_request(value)
+            cut = request.find(b"\r\n\r\n") + 4
+            for part in (request[:cut], request[cut : cut + 10], request[cut + 10 :]):
+                sock.sendall(part)
+                time.sleep(0.02)
+            ((status, _, data),) = read_answers(sock, 1)
+            assert status == 200 and json.loads(data)["outputs"][0]["data"] == [value, 1.0]
+        payload = json.dumps(body(6.0)).encode()
+        chunks = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (
+            10,
+            payload[:10],
+            len(payload) - 10,
+            payload[10:],
+        )
+        sock.sendall(
+            f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n".encode()
+            + chunks
+        )
+        ((status, _, data),) = read_answers(sock, 1)
+        assert status == 200 and json.loads(data)["outputs"][0]["data"] == [6.0, 1.0]
+    assert lane(router, "answered") - before >= 3
+
+
+def test_a_chunked_answer_goes_on_framed_by_its_length(
+    tmp_path: Path, fakes: list[FakeReplica]
+) -> None:
+    """A replica's chunked answer to a lane request reaches the client whole, its head built
+    again: framed by content-length, without the replica's transfer-encoding."""
+    fakes.append(FakeReplica(200, answer="chunked"))
+    router = start_router(tmp_path, "--replica", fakes[0].url, "--probe-interval", "60")
+    try:
+        with socket.create_connection(("127.0.0.1", router.port)) as sock:
+            for value in (1.0, 2.0, 3.0):
+                sock.sendall(raw_request(value))
+                ((status, headers, data),) = read_answers(sock, 1)
+                assert status == 200 and json.loads(data) == {"fake": fakes[0].port}
+                assert "transfer-encoding" not in headers
+        assert lane(router, "answered") >= 2
+    finally:
+        router.stop()
+
+
+def test_a_replica_that_breaks_off_its_answer_is_retried_within_budget(
+    tmp_path: Path, fakes: list[FakeReplica]
+) -> None:
+    """A replica that closes its connection halfway through an answer on the lane: once the
+    model is known to answer as a classic model (sent twice when need be), the request goes
+    again to the other replica, within the retry budget. (The app's path passes an answer on
+    as it comes, so one broken off there reaches the client broken off.) With no other
+    replica, the client gets 502."""
+    fakes.extend([FakeReplica(200, answer="cut"), FakeReplica(200)])
+    flags = ("--probe-interval", "60", "--no-hedge", "--eject-after", "1000")
+    router = start_router(
+        tmp_path,
+        "--replica",
+        fakes[0].url,
+        "--replica",
+        fakes[1].url,
+        *flags,
+        "--retry-budget",
+        "0.5",
+    )
+    errors = 'lockgate_router_attempts_total{outcome="error"'
+    try:
+        with httpx.Client(base_url=router.url) as client:
+            # until an answer has told the model is a classic one, and each replica has a
+            # connection open (its first answer on it is whole)
+            while fakes[0].inference == 0 or fakes[1].inference == 0:
+                with contextlib.suppress(httpx.RemoteProtocolError):
+                    client.post(INFER, json=body())
+            cut, retried = metric(router.url, errors), metric(router.url, "lockgate_router_retries")
+            answers = [client.post(INFER, json=body()) for _ in range(16)]
+        assert [r.status_code for r in answers] == [200] * 16
+        cut = metric(router.url, errors) - cut
+        assert cut >= 1 and metric(router.url, "lockgate_router_retries") - retried == cut
+        assert lane(router, "app_path") >= cut
+    finally:
+        router.stop()
+    alone = start_router(tmp_path, "--replica", fakes[0].url, "--probe-interval", "60")
+    try:
+        with httpx.Client(base_url=alone.url) as client:
+            assert client.post(INFER, json=body()).status_code == 200  # opens a connection
+            assert client.post(INFER, json=body()).status_code == 502  # cut, on the lane
+    finally:
+        alone.stop()
