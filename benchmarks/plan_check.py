@@ -10,10 +10,8 @@ other core):
 - `digits_onnx`: the demo's logistic regression in ONNX (`max_batch_size: 64`,
   `latency_slo_ms: 50`): a model of tens of microseconds, whose cost is mostly the front
   end's HTTP and JSON on the same core. Its batches take under 150 µs, so lockgate runs them
-  inline on the event loop (`inline_max_us`): a request never waits in the batcher, and the
-  queue is the event loop's. A loop turn takes every request that arrived during the last
-  one, so batches grow with the load (the mean batch is in the table), and a batch pays the
-  turn itself once.
+  inline on the event loop (`inline_max_us`): a request never waits in the batcher, batches
+  stay at one row (the mean batch is in the table), and the queue is the event loop's.
 
 The servers run with `--max-loop-lag-ms 0 --queue-target-ms 0 --no-admission`: the plan
 predicts the latency of a queue that admits every request, and on a busy machine lockgate's
@@ -24,16 +22,14 @@ Each repetition, per model:
 1. `lockgate profile --max-batch-size <the model's>` (30 timed rounds, 2 s of CPU
    measurement, 200 requests after idle gaps): T(B), the fixed overhead d, the coefficient of
    variation of T(1), the server's CPU per request, whose part beyond the model's compute is
-   the front end's (`frontend`), of it the part a batch pays once (from bursts of four), and
-   the round trips of requests that found the server idle.
+   the front end's (`frontend`), and the round trips of requests that found the server idle.
    A one-row request inside a busy period occupies the replica's core for
    S(1) = T(1) + frontend; one that finds it idle takes what the idle samples say.
 2. For each utilization rho in 0.3, 0.5, 0.7 of the one-row capacity 1 / S(1), `lockgate
    plan --profile ... --rate rho/S(1) --headroom 0 --redundancy 0` predicts the p99 of one
-   replica with the model's queue model: `batch` for minilm and digits_onnx (a
-   work-conserving batcher with cap `max_batch_size`, S(B) = a + alpha + (b + frontend -
-   alpha) B with alpha the front end's part per batch, simulated), `mg1` for the sleeper,
-   whose batches are one row (M/G/1 with S(1) and the measured cv); both with the idle
+   replica with the model's queue model: `batch` for minilm (a work-conserving batcher with
+   cap `max_batch_size`, S(B) = a + (b + frontend) B, simulated), `mg1` for the two models
+   whose batches stay at one row (M/G/1 with S(1) and the measured cv); both with the idle
    start (a request that finds the replica idle takes the profile's service after idle, mixed
    over the Poisson idle times at the rate). The SLO given is loose, so one replica is the
    plan. Beside it, computed from the same profile: the same model without the idle start
@@ -104,7 +100,7 @@ from benchmarks.overload_real import digits_bodies
 from benchmarks.raw_load import post_request
 from benchmarks.serving_maxrate import OpenLoop, read_records, write_requests
 from lockgate.plan.batching import BatchQueue
-from lockgate.plan.planner import PlanInputs, choose_batch, p99_at, plan
+from lockgate.plan.planner import PlanInputs, p99_at, plan
 from lockgate.plan.profile import ReplicaProfile
 
 SUITE = "plan_check"
@@ -148,7 +144,7 @@ class Model:
 MODELS = (
     Model("sleeper", 1, "mg1"),
     Model("minilm", 32, "batch"),
-    Model("digits_onnx", 64, "batch"),  # inline on the event loop: a turn takes what is queued
+    Model("digits_onnx", 64, "mg1"),  # runs inline on the event loop: batches stay small
 )
 
 
@@ -381,17 +377,12 @@ def trace_p99(replica: ReplicaProfile, model: Model, rate: float, level: Level) 
 
     Poisson arrivals sent by a client whose timers wake up to 1 ms late reach the server in
     small bunches; at digits_onnx's 0.35 ms per request that alone lengthens the queue."""
+    t, frontend = replica.service, replica.frontend_s
     cap = model.max_batch_size if model.queue_model == "batch" else 1
-    inputs = PlanInputs(
-        rate=rate, slo_p99_s=1e5, profile=replica, max_batch_size=cap, queue_model="batch",
-    )  # fmt: skip
-    replica_queue = choose_batch(replica, inputs)
-    overhead = max(0.0, replica.service.overhead_s - replica.frontend_s)
-    first = replica_queue.first_service("batch", rate)
-    queue = BatchQueue(
-        rate, replica_queue.base_s, replica_queue.per_row_s, cap, replica_queue.cv,
-        first_service=first,
-    )  # fmt: skip
+    overhead = max(0.0, t.overhead_s - frontend)
+    idle = replica.idle_start(t.service_time(1) + frontend)
+    first = idle.at(rate) if idle is not None else None
+    queue = BatchQueue(rate, t.a_s, t.b_s + frontend, cap, replica.service_cv, first_service=first)
     response = queue.serve(level.sent_s, np.random.default_rng(0))[level.measured]
     return (percentile(list(response), 99) + overhead) * 1e3
 

@@ -31,10 +31,9 @@ More numbers make the profile a description of the replica, not only of the mode
   end's (HTTP, JSON, the batcher): on a CPU-bound model that shares its core, it queues with
   the model; on a model that waits (a sleep, a GPU, another service) it runs beside it, and
   the CPU per request stays under the compute time. The first half of the time sends one
-  request at a time, the second sends bursts of `cpu_concurrency` at once: a burst queues
-  behind its first request and forms batches, and what the front end's CPU per row saves
-  there is the part a batch pays once (`frontend_per_batch_s`: the event loop's turn, the
-  batch's dispatch and its wake-up).
+  request at a time, the second keeps `cpu_concurrency` in flight: queued requests form
+  batches, and what the front end's CPU per row saves there is the part a batch pays once
+  (`frontend_per_batch_s`).
 - What a request costs when it finds the server idle. Back to back, the server's caches,
   clock and threads stay warm; a request that arrives after the server has slept a while
   takes longer, and the longer it slept, the longer it takes (on a CPU-bound model, 20 ms of
@@ -489,14 +488,8 @@ async def _cpu_per_request(
     seconds: float,
     concurrency: int,
 ) -> _Cpu | None:
-    """Bursts of `concurrency` requests for `seconds` (the next burst when the last is
-    answered), against half that time idle (scaled). None when the server does not publish
-    its CPU time or its statistics.
-
-    A burst reaches the server while it is still on the burst's first request, so the rest
-    queue and form batches whatever the client's speed; with `concurrency` requests kept in
-    flight instead, a client slower than the server (a Python client against a server of
-    0.3 ms per request) sends each as the last is answered, and batches stay near one row."""
+    """`concurrency` requests in flight for `seconds`, against half that time idle (scaled).
+    None when the server does not publish its CPU time or its statistics."""
     idle_s = seconds / 2
     idle_start = await _process_cpu_s(session, target.url)
     if idle_start is None:
@@ -505,12 +498,15 @@ async def _cpu_per_request(
     idle_end = await _process_cpu_s(session, target.url)
     compute_start = await _model_stats(session, target.model_url)
     cpu_start = await _process_cpu_s(session, target.url)
-    began, requests = time.perf_counter(), 0
-    while time.perf_counter() - began < seconds:  # bursts of `concurrency`, all sent at once
-        burst = [bodies[(requests + i) % len(bodies)] for i in range(concurrency)]
-        await asyncio.gather(*(_post_once(session, target.infer_url, body) for body in burst))
-        requests += concurrency
-    busy_s = time.perf_counter() - began
+    began, sent = time.perf_counter(), [0]
+
+    async def worker() -> None:
+        while time.perf_counter() - began < seconds:
+            sent[0] += 1
+            await _post_once(session, target.infer_url, bodies[sent[0] % len(bodies)])
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    busy_s, requests = time.perf_counter() - began, sent[0]
     cpu_end = await _process_cpu_s(session, target.url)
     compute_end = await _model_stats(session, target.model_url)
     readings = (idle_start, idle_end, cpu_start, cpu_end, compute_start, compute_end)

@@ -28,9 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cpu-concurrency",
         type=int,
-        default=4,
-        help="requests sent at once, in bursts, in the second half of the CPU measurement (the "
-        "first sends one at a time): how much of the front end's CPU a batch pays once",
+        default=2,
+        help="requests in flight for the second half of the CPU measurement (the first sends "
+        "one at a time): how much of the front end's CPU a batch pays once",
     )
     parser.add_argument(
         "--idle-requests",

@@ -61,21 +61,6 @@ def test_profile_measures_the_servers_cpu_per_request(server: RunningServer) -> 
     assert 0 <= replica.frontend_per_batch_s <= replica.frontend_s  # paid once by a batch
 
 
-def test_profile_bursts_form_batches(server: RunningServer) -> None:
-    """The second half of the CPU measurement sends bursts: they queue behind their first
-    request and batch even though the client is slower than the server (with requests kept
-    in flight instead, digits_onnx's batched too little on a quiet machine to fit any)."""
-    rows_before, batches_before = inference_counts(server, "digits_onnx")
-    replica = profile_server(
-        server.url, "digits_onnx", 1, repeats=3, cpu_seconds=1.0, cpu_concurrency=4,
-        idle_requests=0,
-    )  # fmt: skip
-    rows_after, batches_after = inference_counts(server, "digits_onnx")
-    rows = rows_after - rows_before
-    assert rows / (batches_after - batches_before) > 1.25  # only one-row requests were sent
-    assert 0 <= replica.frontend_per_batch_s <= replica.frontend_s
-
-
 def test_profile_cli_then_plan(server: RunningServer, tmp_path: Path) -> None:
     path = tmp_path / "digits.json"
     done = lockgate(
