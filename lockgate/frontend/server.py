@@ -293,8 +293,7 @@ class _Protocol(HttpToolsProtocol):
         to come, to be dropped as it arrives)."""
         self.refusals.inc(why)
         self._cancel_head_timer()
-        if not self.penalized:  # (while paused, what is read next still waited from its start)
-            self.arrived = 0.0
+        self.arrived = 0.0
         close = head.close or head.length > DISCARD_BYTES
         rid = head.request_id or new_request_id()
         self._write_refusal(body, retry, rid, close)
@@ -337,8 +336,7 @@ class _Protocol(HttpToolsProtocol):
         self.transport.write(whole[: len(whole) - len(reply.body)] if probe.head else whole)
         self.server_state.total_requests += 1
         self._cancel_head_timer()
-        if not self.penalized:
-            self.arrived = 0.0
+        self.arrived = 0.0
         if not probe.keep_alive:
             self.transport.close()
             return len(data)

@@ -86,18 +86,7 @@ def start_router(tmp: Path, *args: str) -> RunningServer:
     cmd = [sys.executable, "-m", "lockgate.cli", "route", "--port", str(port), *args]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    router = RunningServer(process, port, log_path)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert process.poll() is None, router.log()
-        try:
-            if httpx.get(router.url + "/v2/health/ready", timeout=1).status_code == 200:
-                return router
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    router.stop()
-    raise RuntimeError(f"router not ready:\n{router.log()}")
+    return RunningServer(process, port, log_path).wait_ready(30)
 
 
 @pytest.fixture(scope="module")
