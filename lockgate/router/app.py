@@ -34,7 +34,8 @@ For each request, in order:
 
 Model control (`POST /v2/repository/models/{m}/load` and `/unload`) takes none of 2-7: after
 1, it goes to every replica at once, and a replica that joins later is sent what it missed
-(`model_control.py`).
+(`model_control.py`). So does a statistics request (`GET /v2/models[/{m}[/versions/{v}]]/stats`):
+every usable replica is asked, and their statistics are answered summed (`statistics.py`).
 
 The KServe v2 inference requests that need none of 1, 3 (a canary) or the shadow below, nor a
 sticky session, nor name a sequence, take the lane (`lane.py`): passed to the replica and back
@@ -99,6 +100,7 @@ from lockgate.router.response_homes import (
 from lockgate.router.route import Route
 from lockgate.router.sequence_affinity import SequenceGone, SequenceRequest, SequenceTable
 from lockgate.router.shadow import Mirror, Shadow, ShadowSettings
+from lockgate.router.statistics import Statistics, StatisticsRequest
 from lockgate.router.sticky import Sticky
 from lockgate.router.tally import Tally
 from lockgate.router.upstream import HOP_BY_HOP, Response, UpstreamError
@@ -188,6 +190,8 @@ class RouterApp:
         if self.limits is None and self.sticky is None:
             self.lane_heads = LaneHeads(self._lane_head)
         self.control = ModelControl(pool, settings.control, registry)
+        copied = {rule.group for rule in settings.shadow.rules if rule.group is not None}
+        self.statistics = Statistics(pool, self.groups, copied, registry)
         self.rate_limited = registry.counter(
             "lockgate_router_rate_limited_total",
             "Requests refused 429 by a rate limit ('requests') or a token quota ('tokens').",
@@ -343,6 +347,12 @@ class RouterApp:
             answer = await self.control.apply(control, headers, body, deadline)
             await _respond(send, answer.status, answer.body, b"application/json")
             return answer.status
+        asked = StatisticsRequest.parse(scope["method"], path)
+        if asked is not None:  # every replica's, summed
+            deadline = None if timeout is None else arrived + timeout
+            summed = await self.statistics.gather(asked, headers, deadline)
+            await _respond(send, summed.status, summed.body, b"application/json", [*summed.headers])
+            return summed.status
         if scope["method"] == "POST" and (path in OPENAI_PATHS or path == RESPONSES_PATH):
             # read for routing, metering and shadows: a compressed body goes on inflated
             try:

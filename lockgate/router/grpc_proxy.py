@@ -36,6 +36,10 @@ code, message and trailing metadata, come back unchanged. One channel per replic
   same load or unload (a parameter's bytes in base64, metadata as headers); OK when every
   replica applied it, else the first failure's code and a message naming each replica that
   failed.
+- ModelStatistics: every usable replica's statistics, summed per model and version
+  (`statistics.py`): asked of each replica's HTTP port, as a statistics request over HTTP
+  is, and answered as a ModelStatisticsResponse; the trailing metadata
+  `x-lockgate-statistics-replicas` (and `-missing`) says which replicas the sum holds.
 - LogSettings and TraceSetting: UNIMPLEMENTED, each replica's own (`replica_settings.py`).
 - `grpc.health.v1.Health`: service "" is the router (SERVING while a replica is usable and the
   router is not draining); any other name (a model) is asked of a replica.
@@ -59,6 +63,8 @@ from google.protobuf.message import DecodeError
 from grpc.aio import ServicerContext as Context
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lockgate.errors import ServingError
+from lockgate.protocol.grpc import codec
 from lockgate.protocol.grpc import inference_pb2 as pb
 from lockgate.protocol.grpc.status import STATUS_CODES, cancelled_code
 from lockgate.protocol.llm_tensors import LANGUAGE_KIND, MODEL_KIND_HEADER
@@ -71,6 +77,7 @@ from lockgate.router.hedge import finished_within
 from lockgate.router.pool import split_url
 from lockgate.router.replica import Replica
 from lockgate.router.sequence_affinity import SequenceGone, SequenceRequest
+from lockgate.router.statistics import StatisticsRequest
 
 log = logging.getLogger("lockgate.router")
 
@@ -85,6 +92,7 @@ SERVER_READY = PREFIX + "ServerReady"  # answered not ready by the router itself
 NOT_READY = b""  # a ServerReadyResponse with ready false (proto3 leaves a false bool out)
 SERVER_LIVE = PREFIX + "ServerLive"  # the router's own liveness, as REST's /v2/health/live
 LIVE = b"\x08\x01"  # a ServerLiveResponse with live true (field 1, varint 1)
+MODEL_STATISTICS = PREFIX + "ModelStatistics"  # every replica's, summed
 # the replica's own faults: counted towards ejection, as a 5xx on HTTP
 REPLICA_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 # metadata that belongs to the call or its connection, not to the request: never forwarded
@@ -376,6 +384,8 @@ class GrpcFront:
             return NOT_READY  # as REST's readiness says 503: not an error to the client
         if method in CONTROL:
             return await self._control(method, request, context)
+        if method == MODEL_STATISTICS:
+            return await self._statistics(request, context)
         arrived = time.monotonic()
         metadata = _forwarded(context.invocation_metadata())
         self._admit()
@@ -446,10 +456,7 @@ class GrpcFront:
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, f"invalid model name {name[:200]!r}")
         parameters = {key: _plain(p) for key, p in message.parameters.items()}
         body = _encode_json({"parameters": parameters})
-        headers = [(b"content-type", b"application/json")]
-        for key, value in _forwarded(context.invocation_metadata()):
-            if isinstance(value, str) and not key.endswith("-bin"):
-                headers.append((key.encode(), value.encode()))
+        headers = [(b"content-type", b"application/json"), *_http_headers(context)]
         left = _time_left(context)
         deadline = None if left is None else time.monotonic() + left
         answer = await self.router.control.apply(Control(name, action), headers, body, deadline)
@@ -457,6 +464,30 @@ class GrpcFront:
             code = CONTROL_CODES.get(answer.status, grpc.StatusCode.INTERNAL)
             raise _Status(code, answer.message[:_MAX_MESSAGE])
         return b""  # an empty RepositoryModelLoadResponse (or Unload)
+
+    async def _statistics(self, request: bytes, context: Context) -> bytes:
+        """Every replica's statistics, summed (`statistics.py`), asked over HTTP as their
+        HTTP route asks them; which replicas the sum holds, in the trailing metadata."""
+        try:
+            message = pb.ModelStatisticsRequest.FromString(request)
+        except DecodeError:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, "malformed request") from None
+        asked = StatisticsRequest(message.name or None, message.version or None)
+        left = _time_left(context)
+        deadline = None if left is None else time.monotonic() + left
+        summed = await self.router.statistics.gather(asked, _http_headers(context), deadline)
+        trailing = tuple((key.decode(), value.decode()) for key, value in summed.headers)
+        if summed.status != 200:
+            code = STATUS_CODES.get(summed.status, grpc.StatusCode.INTERNAL)
+            raise _Status(code, summed.message[:_MAX_MESSAGE], trailing)
+        try:
+            answer = codec.from_document(
+                msgspec.json.decode(summed.body), pb.ModelStatisticsResponse()
+            )
+        except ServingError as exc:
+            raise _Status(grpc.StatusCode.INTERNAL, exc.message[:_MAX_MESSAGE], trailing) from None
+        context.set_trailing_metadata(trailing)
+        return answer.SerializeToString()
 
     async def _attempt(self, replica: Replica, call: _Call) -> bytes:
         """One try on one replica: its answer; _Retry for UNAVAILABLE, else its _Status."""
@@ -827,6 +858,16 @@ def _forwarded(metadata: Any) -> Metadata:
         for key, value in metadata
         if key not in _OWN_KEYS and not key.startswith((":", "grpc-"))
     )
+
+
+def _http_headers(context: Context) -> list[tuple[bytes, bytes]]:
+    """The request's own metadata as HTTP headers, for a call the router sends on over HTTP
+    (binary values left out)."""
+    return [
+        (key.encode(), value.encode())
+        for key, value in _forwarded(context.invocation_metadata())
+        if isinstance(value, str) and not key.endswith("-bin")
+    ]
 
 
 _encode_json = msgspec.json.Encoder().encode
