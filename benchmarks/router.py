@@ -13,7 +13,9 @@
    the same replicas, one with `--no-hedge`, one with hedging at its defaults (after the
    model's recent p95, within a 10% budget); closed loop at concurrency 3, p99 of each and the
    extra copies the hedging router sent (`lockgate_router_hedges_total` over
-   `lockgate_router_requests_total`).
+   `lockgate_router_requests_total`). perf_analyzer is the client when installed: it reads the
+   router's statistics, every replica's summed, so each router is measured once all three
+   replicas are usable in it.
 3. Replicas. `lockgate serve --replicas 2` (two processes pinned to cores 0 and 1, as
    `--pin-replicas auto` places two replicas on two cores) against `--replicas 1` (one
    process) on digits_onnx, both ways of balancing: `--balance kernel`
@@ -32,10 +34,15 @@
 The client is Triton's perf_analyzer (C++, synchronous HTTP, `count_windows` of `WINDOW`
 requests, three windows) when `.venv-perf` has it, else `RawLoop`: kept-alive sockets with
 prepared requests, one connection per concurrent request, in this process on the client core.
-The replicas comparison never uses perf_analyzer: it reads the server's statistics before and
-after each window, and with several replicas (behind the router or sharing a port) those
-come from whichever replica answered, which fails its run ("failed to find the requested
-model version") at random. It uses `CLoop` (`closedloop.c`, compiled with `cc`, on the client
+perf_analyzer reads the server's statistics before and after each window; through the router
+(the overhead and the hedging measurements) those are every replica's, summed
+(`lockgate/router/statistics.py`). Before the router summed them, they came from whichever
+replica the balancer picked, and the hedging measurement, the router in front of three
+replicas, failed its run at random ("failed to find the requested model version").
+The replicas comparison never uses perf_analyzer: with `--balance kernel` the replicas share
+a port with nothing in front to sum their statistics, so each read comes from whichever
+replica the kernel gave the connection, and the three set-ups are measured by one client.
+It uses `CLoop` (`closedloop.c`, compiled with `cc`, on the client
 core: RawLoop's loop in C, about 11 µs of CPU per request here against RawLoop's 17 to 20),
 else `RawLoop`. The client shares the two cores with the two
 replicas, so its CPU per request bounds the ratio (2 / (server + client CPU per request)
@@ -206,8 +213,9 @@ class Client:
         self, port: int, model: str, concurrency: int, server_cpu: Callable[[], float]
     ) -> Closed:
         """The replicas comparison's closed loop: `CLoop` when a C compiler built it, else
-        `RawLoop`; not perf_analyzer, whose statistics cannot follow many replicas (each
-        request for them may reach another one)."""
+        `RawLoop`; not perf_analyzer, whose statistics cannot follow replicas that share a
+        port (nothing in front of them sums theirs: each request for them may reach another
+        one)."""
         loop = self._loop(port, model, concurrency, server_cpu)
         if self.c_loop is not None:
             return self.c_loop.run(loop, self.ctx.work)
@@ -622,6 +630,10 @@ def measure_hedging(ctx: Context, client: Client) -> dict[str, Series]:
             lambda: start_router(ctx.work, replicas),
         ) as (plain, hedged),
     ):
+        # perf_analyzer's statistics are the sum over the replicas each router finds usable:
+        # one found usable between its two reads would add all it counted before
+        for router in (plain, hedged):
+            _wait_usable(router, len(replicas))
         for rep in range(1, ctx.repetitions + 1):
             for name, router in (("no hedge", plain), ("hedge", hedged)):
                 before = scrape_metrics(router.url)
