@@ -281,11 +281,16 @@ def running(*servers: Server) -> Iterator[None]:
             server.stop()
 
 
+SCRAPE_TIMEOUT_S = 30.0
+
+
 def scrape_metrics(url: str) -> dict[str, float]:
-    """The Prometheus text at `url`/metrics as {'name{labels}': value}."""
+    """The Prometheus text at `url`/metrics as {'name{labels}': value}. The timeout is long: on
+    a loaded 2-core machine a replica just started, or just out of a saturating round, took
+    over 5 s to answer, which failed a whole suite."""
     import urllib.request
 
-    with urllib.request.urlopen(url + "/metrics", timeout=5.0) as response:
+    with urllib.request.urlopen(url + "/metrics", timeout=SCRAPE_TIMEOUT_S) as response:
         text = response.read().decode()
     values: dict[str, float] = {}
     for line in text.splitlines():
