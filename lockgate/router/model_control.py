@@ -42,7 +42,7 @@ from lockgate.router.control_log import Control, ControlLog, Entry
 from lockgate.router.control_state import ControlState, Known
 from lockgate.router.pool import ReplicaPool
 from lockgate.router.replica import Replica
-from lockgate.router.upstream import UpstreamError
+from lockgate.router.whole_answer import DEADLINE, whole_answer
 
 log = logging.getLogger("lockgate.router")
 _encode = msgspec.json.Encoder().encode
@@ -115,9 +115,6 @@ class ControlAnswer:
         if any(t.status == 0 for t in failed) and applied:
             message += " (a replica not reached is sent it before it takes traffic again)"
         return cls(status, _encode({"error": message}))
-
-
-DEADLINE = "no answer within the request's deadline"
 
 
 class ModelControl:
@@ -222,26 +219,8 @@ class ModelControl:
         deadline: float | None,
     ) -> Told:
         """One replica's answer to the request, read whole."""
-        sent = headers
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            sent = [*headers, (b"request-timeout", f"{max(left, 0.001):.6f}".encode())]
-        replica.in_flight += 1
-        try:
-            async with asyncio.timeout_at(_loop_time(deadline)):
-                response = await replica.upstream.request("POST", control.path, sent, body)
-                try:
-                    data = await response.read()
-                except BaseException:
-                    response.abort()
-                    raise
-        except UpstreamError as exc:
-            return Told(replica, 0, why=str(exc))
-        except TimeoutError:
-            return Told(replica, 0, why=DEADLINE)
-        finally:
-            replica.in_flight -= 1
-        return Told(replica, response.status, data)
+        answer = await whole_answer(replica, "POST", control.path, headers, body, deadline)
+        return Told(replica, answer.status, answer.body, answer.why)
 
     async def _save(self) -> None:
         """Write the requests kept, and what each replica's process was told, to

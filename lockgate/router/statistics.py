@@ -41,7 +41,7 @@ from lockgate.core.metrics import Registry
 from lockgate.router.groups import ReplicaGroups
 from lockgate.router.pool import ReplicaPool
 from lockgate.router.replica import Replica
-from lockgate.router.upstream import UpstreamError
+from lockgate.router.whole_answer import DEADLINE, whole_answer
 
 Document = dict[str, Any]
 _encode = msgspec.json.Encoder().encode
@@ -53,7 +53,6 @@ MISSING_HEADER = b"x-lockgate-statistics-missing"
 # the router's own, for each replica: its deadline then, and a plain answer it reads itself
 _OWN_HEADERS = frozenset({b"request-timeout", b"accept-encoding"})
 _MAX_REASON = 200  # characters of one replica's failure in the missing header
-DEADLINE = "no answer within the request's deadline"
 
 
 class NotStatistics(ValueError):
@@ -330,29 +329,12 @@ class Statistics:
         headers: list[tuple[bytes, bytes]],
         deadline: float | None,
     ) -> Asked:
-        sent = headers
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return Asked(replica, 0, why=DEADLINE)
-            sent = [*headers, (b"request-timeout", f"{left:.6f}".encode())]
-        replica.in_flight += 1
-        try:
-            async with asyncio.timeout(None if deadline is None else deadline - time.monotonic()):
-                response = await replica.upstream.request("GET", request.path, sent, b"")
-                try:
-                    data = await response.read()
-                except BaseException:
-                    response.abort()
-                    raise
-        except UpstreamError as exc:
-            return Asked(replica, 0, why=str(exc))
-        except TimeoutError:
-            return Asked(replica, 0, why=DEADLINE)
-        finally:
-            replica.in_flight -= 1
-        if response.status != 200:
-            return Asked(replica, response.status, data)
+        answer = await whole_answer(replica, "GET", request.path, headers, b"", deadline)
+        if answer.status == 0:
+            return Asked(replica, 0, why=answer.why)
+        data = answer.body
+        if answer.status != 200:
+            return Asked(replica, answer.status, data)
         try:
             document = msgspec.json.decode(data)
             entries(document)
