@@ -54,6 +54,26 @@ def client(llm_server: RunningServer) -> openai.OpenAI:
     return llm_server.openai_client()
 
 
+# what several tests ask alike: a forced call, greedy, so the same answer every time
+REQUIRED: dict[str, Any] = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+NAMED_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.fixture(scope="module")
+def answered() -> dict[str, Any]:
+    """Whole (not streamed) answers to what several tests ask alike, by what was asked (as
+    JSON): each is generated once in the module, by the first test that asks it."""
+    return {}
+
+
+def answer(client: openai.OpenAI, answered: dict[str, Any], **asked: Any) -> Any:
+    """`chat`'s whole answer to `asked`, generated once in the module (`answered`)."""
+    key = json.dumps(asked, sort_keys=True)
+    if key not in answered:
+        answered[key] = chat(client, **asked)
+    return answered[key]
+
+
 def chat(
     client: openai.OpenAI,
     messages: list[dict[str, Any]] = ASK,
@@ -111,11 +131,13 @@ def test_a_named_function_is_called_with_arguments_that_match_its_schema(
     assert "city" in arguments
 
 
-def test_required_makes_a_call_where_auto_answers_in_prose(client: openai.OpenAI) -> None:
+def test_required_makes_a_call_where_auto_answers_in_prose(
+    client: openai.OpenAI, answered: dict[str, Any]
+) -> None:
     free = chat(client, tools=TOOLS, tool_choice="auto")
     assert free.choices[0].message.tool_calls is None  # SmolLM2 alone does not write calls
     assert free.choices[0].message.content
-    forced = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    forced = answer(client, answered, **REQUIRED)
     choice = forced.choices[0]
     assert choice.finish_reason == "tool_calls"
     [(name, _)] = calls_of(choice.message)
@@ -138,14 +160,11 @@ def test_none_answers_content_and_leaves_the_tools_out_of_the_prompt(
     assert offered.usage.prompt_tokens > plain.usage.prompt_tokens + 100
 
 
-def test_streamed_calls_reassemble_to_the_whole_answers_calls(client: openai.OpenAI) -> None:
-    asked: dict[str, Any] = {
-        "tools": TOOLS,
-        "tool_choice": "required",
-        "parallel_tool_calls": False,
-    }
-    whole = chat(client, **asked)
-    chunks = list(chat(client, stream=True, **asked))
+def test_streamed_calls_reassemble_to_the_whole_answers_calls(
+    client: openai.OpenAI, answered: dict[str, Any]
+) -> None:
+    whole = answer(client, answered, **REQUIRED)
+    chunks = list(chat(client, stream=True, **REQUIRED))
     content, calls, reason = reassembled(chunks)
     assert calls == calls_of(whole.choices[0].message) and len(calls) == 1
     assert content == "" and reason == "tool_calls"
@@ -170,20 +189,26 @@ def raw_calls(chunks: list[Any]) -> tuple[list[tuple[str, str]], str | None, str
 @pytest.mark.parametrize(
     ("choice", "tools", "cut"),
     [
-        ({"type": "function", "function": {"name": "get_time"}}, TOOLS, 5),
-        ({"type": "function", "function": {"name": "get_time"}}, TOOLS, 24),
+        (NAMED_TIME, TOOLS, 5),
+        (NAMED_TIME, TOOLS, 24),
         ("required", TOOLS, 24),
         ("required", [WEATHER], 3),
     ],
     ids=["named-5", "named-24", "required-24", "required-one-tool-3"],
 )
 def test_a_forced_call_cut_by_max_tokens_is_a_call_finished_by_length(
-    client: openai.OpenAI, choice: Any, tools: list[dict[str, Any]], cut: int
+    client: openai.OpenAI,
+    answered: dict[str, Any],
+    choice: Any,
+    tools: list[dict[str, Any]],
+    cut: int,
 ) -> None:
     """As vLLM's: the call it was writing, its arguments the text written of them (a prefix
     of the whole call's), whole and streamed alike."""
     asked: dict[str, Any] = {"tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
-    [(name, arguments)] = calls_of(chat(client, max_tokens=80, **asked).choices[0].message)
+    whole_answer = answer(client, answered, **asked).choices[0]
+    assert whole_answer.finish_reason == "tool_calls"  # the whole call, within chat's max_tokens
+    [(name, arguments)] = calls_of(whole_answer.message)
     whole = json.dumps(arguments)
     short = chat(client, max_tokens=cut, **asked).choices[0]
     assert short.finish_reason == "length" and short.message.content is None

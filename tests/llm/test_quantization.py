@@ -150,8 +150,12 @@ def teacher_forced_agreement(
 
 def perplexity(model: LlamaForCausalLM, ids: list[int]) -> float:
     (logits,) = all_logits(model, [ids])
-    logits = logits[:-1]  # position t predicts token t + 1
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return perplexity_of(logits, ids)
+
+
+def perplexity_of(logits: torch.Tensor, ids: list[int]) -> float:
+    """The perplexity of `ids` from the logits at each of their positions ([T, V])."""
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))  # t predicts t+1
     return math.exp(float(nll))
 
 
@@ -273,8 +277,21 @@ def int8_activations(gguf_path: Path) -> LlamaForCausalLM:
     return model
 
 
+@pytest.fixture(scope="module")
+def int8_activations_text_logits(
+    int8_activations: LlamaForCausalLM, tokenizer: ChatTokenizer
+) -> torch.Tensor:
+    """`int8_activations`' logits at every position of TEXT (one prefill of a few hundred
+    tokens, on one torch thread): its perplexity, and the fused MLP's side of the comparison
+    with the unfused one."""
+    with one_torch_thread():
+        (logits,) = all_logits(int8_activations, [tokenizer.encode(TEXT)])
+    return logits
+
+
 def test_int8_activations_agree_with_bf16(
     int8_activations: LlamaForCausalLM,
+    int8_activations_text_logits: torch.Tensor,
     bf16_perplexity: float,
     tokenizer: ChatTokenizer,
     prompt_ids: list[list[int]],
@@ -293,14 +310,16 @@ def test_int8_activations_agree_with_bf16(
     assert isinstance(mlp.plain.down_proj.dense_linear, Int8Linear)
     assert not mlp.plain.down_proj.dense.numel()  # the dense copy is released
     rate = teacher_forced_agreement(int8_activations, prompt_ids, bf16_greedy)
-    ours = perplexity(int8_activations, tokenizer.encode(TEXT))
+    ours = perplexity_of(int8_activations_text_logits, tokenizer.encode(TEXT))
     print(f"int8 activations: agreement {rate:.3f}, perplexity ratio {ours / bf16_perplexity:.4f}")
     assert rate >= 0.85
     assert abs(ours / bf16_perplexity - 1) <= 0.02
 
 
 def test_int8_mlp_keeps_the_activations_int8_between_its_projections(
-    int8_activations: LlamaForCausalLM, tokenizer: ChatTokenizer
+    int8_activations: LlamaForCausalLM,
+    int8_activations_text_logits: torch.Tensor,
+    tokenizer: ChatTokenizer,
 ) -> None:
     """A large step's SwiGLU goes from the gate/up products to the down projection's int8
     rows in one pass (`swiglu_rows`), rounding as the unfused ops round: the same output as
@@ -318,7 +337,7 @@ def test_int8_mlp_keeps_the_activations_int8_between_its_projections(
         ids = tokenizer.encode(TEXT)
         layers = list(int8_activations.layers)
         int8_mlps = [layer.mlp for layer in layers]
-        with_int8_mlp = all_logits(int8_activations, [ids])[0]
+        with_int8_mlp = int8_activations_text_logits
         try:
             for layer, int8_mlp in zip(layers, int8_mlps, strict=True):
                 layer.mlp = int8_mlp.plain
