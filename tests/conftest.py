@@ -369,37 +369,6 @@ def build_llm_repo(repo: Path, demo_repo: Path) -> Path:
     return repo
 
 
-# `tests/frontend/test_llm_lifecycle.py`'s server: SmolLM2 alone, loaded and unloaded on request
-LIFECYCLE_ARGS = ("--model-control-mode", "explicit", "--load-model", "*", "--drain-timeout", "30")
-
-
-def build_lifecycle_repo(repo: Path, demo_repo: Path) -> Path:
-    """`repo`, made the lifecycle server's repository."""
-    parameters = {"kv_cache_gib": "0.05", "max_model_len": "512", **ONE_THREAD}
-    return smollm2_repository(demo_repo, repo, parameters)
-
-
-# `tests/frontend/test_openapi_fuzz.py`'s server: the models its cases aim at, and SPARE_MODEL,
-# the only one its fuzzed load and unload calls aim at
-FUZZ_ARGS = ("--model-control-mode", "explicit", "--load-model", "*")
-SPARE_MODEL = "spare"
-
-
-def build_fuzz_repo(repo: Path, test_repo: Path, demo_repo: Path) -> Path:
-    """`repo`, made the API fuzz server's repository."""
-    for name in ("echo", "digits_onnx", "minilm"):
-        shutil.copytree(test_repo / name, repo / name)
-    shutil.copytree(test_repo / "echo", repo / SPARE_MODEL)
-    small = {
-        "kv_cache_gib": "0.02",
-        "max_model_len": "128",
-        "dtype": "float32",
-        "quantization": "none",
-        **ONE_THREAD,
-    }
-    return smollm2_repository(demo_repo, repo, small)
-
-
 def launch_llm_server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> RunningServer:
     """`llm_server`'s process (`RunningServer.wait_ready`: ready_timeout=600)."""
     return launch_server(repo, tmp_path_factory.mktemp("llm-server"), grpc_port=free_port())
@@ -556,16 +525,10 @@ def bounded_rss(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 def build_session_repositories(
-    cache: Path,
-    test_repo: Path,
-    llm_repo: Path,
-    llm_variants_repo: Path,
-    lifecycle_repo: Path,
-    fuzz_repo: Path,
+    cache: Path, test_repo: Path, llm_repo: Path, llm_variants_repo: Path
 ) -> None:
     """The demo repositories in `cache` (as `demo_repo` and `smollm2_repository` build them),
-    and the repositories of `test_repo`, `llm_server`, `llm_variants_repo` and the lifecycle
-    and API fuzz servers."""
+    and the repositories of `test_repo`, `llm_server` and `llm_variants_repo`."""
     from lockgate.demo.build import DEMO_MODELS, build_demo_repository
 
     classic = [m for m in DEMO_MODELS if m.name in CLASSIC_DEMO_MODELS]
@@ -573,8 +536,6 @@ def build_session_repositories(
     build_test_repo(test_repo, demo)
     build_llm_repo(llm_repo, demo)
     build_llm_variants_repo(llm_variants_repo, demo)
-    build_lifecycle_repo(lifecycle_repo, demo)
-    build_fuzz_repo(fuzz_repo, test_repo, demo)
 
 
 # `build_session_repositories` in a process of its own: a thread of this one would hold the
@@ -586,15 +547,12 @@ from tests.conftest import build_session_repositories
 build_session_repositories(*map(Path, sys.argv[1:]))
 """
 
-# the servers `_Prestart` starts, by fixture name, in the order they start: the session's, and
-# two modules' servers of their own (their start-ups, a language model's load and warmup each,
-# would otherwise each run alone beside an idle test process); not the TTFT-SLO module's,
-# whose admission must measure its prefill rate on a machine no busier than its tests'
-PRESTARTED = ("llm_variants_server", "llm_server", "server", "explicit_llm_server", "fuzz_server")
+# the session-scoped servers `_Prestart` starts, by fixture name, in the order they start
+PRESTARTED = ("llm_variants_server", "llm_server", "server")
 
 
 class _Prestart:
-    """`PRESTARTED`'s servers, started on a thread while a full run
+    """`server`, `llm_server` and `llm_variants_server`, started on a thread while a full run
     (pytest on its testpaths, as `make test` runs it) collects its tests: collection keeps one
     core busy for tens of seconds, and the repositories' build (`BUILD`) and these servers'
     start-ups (model loads, warmups) take the other. Collection ends by waiting until each is
@@ -613,8 +571,8 @@ class _Prestart:
 
     def _start(self) -> None:
         try:
-            names = ("test_repo", "llm-repo", "llm_variants_repo", "lifecycle", "fuzz")
-            folders = ("repo", "llm-repo", "llm-variants-repo", "llm-lifecycle-repo", "fuzz-repo")
+            names = ("test_repo", "llm-repo", "llm_variants_repo")
+            folders = ("repo", "llm-repo", "llm-variants-repo")
             repos = {n: self.factory.mktemp(f) for n, f in zip(names, folders, strict=True)}
             build = [sys.executable, "-c", BUILD, str(self.cache), *map(str, repos.values())]
             built = subprocess.run(build, cwd=ROOT, capture_output=True, text=True)
@@ -627,12 +585,6 @@ class _Prestart:
                 ),
                 "llm_server": lambda: launch_llm_server(repos["llm-repo"], self.factory),
                 "server": lambda: launch_test_repo_server(repos["test_repo"], self.factory),
-                "explicit_llm_server": lambda: launch_server(
-                    repos["lifecycle"], self.factory.mktemp("llm-lifecycle"), *LIFECYCLE_ARGS
-                ),
-                "fuzz_server": lambda: launch_server(
-                    repos["fuzz"], self.factory.mktemp("fuzz-server"), *FUZZ_ARGS
-                ),
             }
             for name in PRESTARTED:
                 self.servers[name] = launch[name]()
@@ -672,12 +624,6 @@ class _Prestart:
 
 
 _PRESTART: _Prestart | None = None
-
-
-def prestarted(name: str) -> RunningServer | None:
-    """The server `_Prestart` started for fixture `name` (one of PRESTARTED), once ready; None
-    where it started none (a run of chosen tests): the fixture starts its own."""
-    return _PRESTART.take(name) if _PRESTART is not None else None
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -13,24 +13,29 @@ import openai
 import pytest
 
 from lockgate.demo.smollm2 import SERVED_NAME
-from tests.conftest import (
-    LIFECYCLE_ARGS,
-    RunningServer,
-    build_lifecycle_repo,
-    prestarted,
-    start_server,
-)
+from tests.conftest import ONE_THREAD, RunningServer, smollm2_repository, start_server
 
 
 @pytest.fixture(scope="module")
 def explicit_llm_server(
     demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
-    server = prestarted("explicit_llm_server")
-    if server is None:
-        repo = build_lifecycle_repo(tmp_path_factory.mktemp("llm-lifecycle-repo"), demo_repo)
-        tmp = tmp_path_factory.mktemp("llm-lifecycle")
-        server = start_server(repo, tmp, *LIFECYCLE_ARGS, ready_timeout=600)
+    repo = smollm2_repository(
+        demo_repo,
+        tmp_path_factory.mktemp("llm-lifecycle-repo"),
+        {"kv_cache_gib": "0.05", "max_model_len": "512", **ONE_THREAD},
+    )
+    server = start_server(
+        repo,
+        tmp_path_factory.mktemp("llm-lifecycle"),
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "*",
+        "--drain-timeout",
+        "30",
+        ready_timeout=600,
+    )
     yield server
     server.stop()
 

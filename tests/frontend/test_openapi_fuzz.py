@@ -5,6 +5,7 @@ a streamed completion included."""
 
 from __future__ import annotations
 
+import shutil
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,20 +19,13 @@ from schemathesis.specs.openapi.checks import response_schema_conformance, statu
 
 from lockgate.demo.smollm2 import SERVED_NAME
 from lockgate.frontend.openapi import openapi_document
-from tests.conftest import (
-    FUZZ_ARGS,
-    SPARE_MODEL,
-    RunningServer,
-    build_fuzz_repo,
-    prestarted,
-    start_server,
-)
+from tests.conftest import ONE_THREAD, RunningServer, smollm2_repository, start_server
 
 EXAMPLES = 10  # per operation (42 operations)
 LLM_EXAMPLES = 6  # per generating operation (7): each generates a few tokens
 MAX_TOKENS = 3  # what a fuzzed completion may generate at most
 MODELS = ("echo", "digits_onnx", "minilm", "smollm2")  # half the cases aim at one of these
-SPARE = SPARE_MODEL  # the only model the fuzzed load and unload calls aim at
+SPARE = "spare"  # the only model the fuzzed load and unload calls aim at
 GENERATION = r"^/v1/(chat/)?completions$|^/v1/responses$|/generate(_stream)?$"
 LLM = "smollm2"  # the repository name, as the generate routes take it
 
@@ -40,11 +34,27 @@ LLM = "smollm2"  # the repository name, as the generate routes take it
 def fuzz_server(
     test_repo: Path, demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
-    running = prestarted("fuzz_server")
-    if running is None:
-        repo = build_fuzz_repo(tmp_path_factory.mktemp("fuzz-repo"), test_repo, demo_repo)
-        tmp = tmp_path_factory.mktemp("fuzz-server")
-        running = start_server(repo, tmp, *FUZZ_ARGS, ready_timeout=600)
+    repo = tmp_path_factory.mktemp("fuzz-repo")
+    for name in ("echo", "digits_onnx", "minilm"):
+        shutil.copytree(test_repo / name, repo / name)
+    shutil.copytree(test_repo / "echo", repo / SPARE)
+    small = {
+        "kv_cache_gib": "0.02",
+        "max_model_len": "128",
+        "dtype": "float32",
+        "quantization": "none",
+        **ONE_THREAD,
+    }
+    smollm2_repository(demo_repo, repo, small)
+    running = start_server(
+        repo,
+        tmp_path_factory.mktemp("fuzz-server"),
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "*",
+        ready_timeout=600,
+    )
     yield running
     running.stop()
 
